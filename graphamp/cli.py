@@ -1,0 +1,37 @@
+"""Command line: ``python -m graphamp demo``, ``python -m graphamp plot``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="graphamp",
+        description="Graph-compiled automatic mixed precision for PyTorch (OneFlow-style).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    from . import demo
+
+    demo_parser = sub.add_parser("demo", help="train the OneFlow AMP example MLP through a Graph")
+    demo.add_arguments(demo_parser)
+    plot_parser = sub.add_parser("plot", help="draw loss, loss scale and skipped steps from a "
+                                 "saved graph state (g.state_dict()) as a PNG")
+    plot_parser.add_argument("state", help="a file saved with torch.save(g.state_dict(), path) "
+                             "or a dict holding it under 'graph'")
+    plot_parser.add_argument("--out", default="training.png", help="PNG to write")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        demo.run(args)
+        return 0
+    if args.command == "plot":
+        from .plot import plot_state_file
+
+        print(plot_state_file(args.state, args.out))
+        return 0
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Small FX helpers shared by capture, step assembly and the dumps."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_GRAPHAMP_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# passes/ may live beside graphamp/ (source tree) or inside it (installed).
+_PASSES_DIR = os.path.join(os.path.dirname(_GRAPHAMP_DIR.rstrip(os.sep)), "passes") + os.sep
+_LIBRARY_DIRS = (_TORCH_DIR, _GRAPHAMP_DIR, _PASSES_DIR)
+_is_library_cache: dict[str, bool] = {}
+
+
+def _is_library_file(filename: str) -> bool:
+    hit = _is_library_cache.get(filename)
+    if hit is None:
+        absolute = os.path.abspath(filename)
+        hit = absolute.startswith(_LIBRARY_DIRS) or filename.startswith("<")
+        _is_library_cache[filename] = hit
+    return hit
+
+
+@dataclass(frozen=True)
+class UserFrame:
+    """Where in the user's code (not torch, not graphamp) something happened."""
+
+    filename: str
+    lineno: int
+    function: str
+
+    @property
+    def code(self) -> str:
+        return linecache.getline(self.filename, self.lineno).strip()
+
+    def short(self) -> str:
+        return f"{os.path.basename(self.filename)}:{self.lineno}"
+
+    def __str__(self) -> str:
+        code = self.code
+        return f"{self.filename}:{self.lineno} in {self.function}" + (f": {code}" if code else "")
+
+
+def user_frame_of(frame: types.FrameType | None) -> UserFrame | None:
+    """The innermost frame at or above ``frame`` that is not torch's or graphamp's."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_library_file(filename):
+            return UserFrame(filename, frame.f_lineno, frame.f_code.co_name)
+        frame = frame.f_back
+    return None
+
+
+def current_user_frame() -> UserFrame | None:
+    return user_frame_of(sys._getframe(1))
+
+
+def user_frame_of_exception(exc: BaseException) -> UserFrame | None:
+    """The innermost user frame in an exception's traceback (where the user's code failed)."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not _is_library_file(filename):
+            found = UserFrame(filename, tb.tb_lineno, tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    cause = exc.__cause__ or exc.__context__
+    if found is None and cause is not None and cause is not exc:
+        return user_frame_of_exception(cause)
+    return found
+
+
+def tracing_graph() -> fx.Graph | None:
+    """The FX graph make_fx is appending to right now, or None outside a trace."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    return None if mode is None else mode.tracer.graph
+
+
+def last_node(graph: fx.Graph) -> fx.Node:
+    # fx.Graph keeps its nodes in a circular list closed by a sentinel root node.
+    return graph._root.prev  # noqa: SLF001 - the only O(1) way to find the tail
+
+
+def nodes_after(graph: fx.Graph, marker: fx.Node) -> Iterator[fx.Node]:
+    """Nodes appended after ``marker`` (the value of last_node() taken earlier)."""
+    node = marker.next
+    root = graph._root  # noqa: SLF001
+    while node is not root:
+        yield node
+        node = node.next
+
+
+class NodeTagger:
+    """Writes ``meta[key] = value`` on every node a block of traced code appends.
+
+    Used as ``with NodeTagger({"graphamp_subgraph": "grad_scaler"}):`` around part of a traced
+    function; nodes that already carry a key keep it (inner tags win).
+    """
+
+    def __init__(self, meta: dict[str, Any]):
+        self.meta = meta
+        self.graph: fx.Graph | None = None
+        self.marker: fx.Node | None = None
+
+    def __enter__(self) -> "NodeTagger":
+        self.graph = tracing_graph()
+        if self.graph is not None:
+            self.marker = last_node(self.graph)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.graph is None or self.marker is None:
+            return
+        for node in nodes_after(self.graph, self.marker):
+            for k, v in self.meta.items():
+                node.meta.setdefault(k, v)
+
+
+def rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
+    """Give placeholders readable names (``p_model_0_weight``) so dumps read like code."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(names):
+        raise ValueError(f"{len(placeholders)} placeholders but {len(names)} names")
+    taken = {n.name for n in gm.graph.nodes if n.op != "placeholder"}
+    for node, name in zip(placeholders, names):
+        candidate = "".join(c if c.isalnum() else "_" for c in name)
+        while candidate in taken:
+            candidate += "_"
+        taken.add(candidate)
+        node.target = candidate
+        node._rename(candidate)  # noqa: SLF001 - public API has no rename for nodes
+    gm.recompile()
+
+
+def tensor_meta(node: fx.Node) -> torch.Tensor | None:
+    """The fake tensor a node produces, if it produces exactly one tensor."""
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def is_float_node(node: fx.Node) -> bool:
+    val = tensor_meta(node)
+    return val is not None and val.dtype.is_floating_point
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module that produced a node ('' for code outside any module)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return path
+
+
+def module_type(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    _, typ = list(stack.values())[-1]
+    return typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+
+
+def op_name(node: fx.Node) -> str:
+    """``aten.addmm`` for an aten op node; the target's name otherwise."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+        return str(target.overloadpacket)
+    if isinstance(target, torch._ops.OpOverloadPacket):  # noqa: SLF001
+        return str(target)
+    return getattr(target, "__name__", str(target))

@@ -1,0 +1,67 @@
+"""Training history kept on the device: one row per step, written by the compiled step itself.
+
+Columns: step, loss (sum of scalar losses), scale (the loss scale used), skipped (1.0 when the
+step overflowed and was skipped), grad_norm (the clipped optimizers' total norm; NaN without
+clipping). Nothing is copied to the host until ``fetch()`` is called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+from .step import HISTORY_COLUMNS
+
+
+class TrainingHistory:
+    def __init__(self, capacity: int = 10_000):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ConfigError(f"history capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        self.step: torch.Tensor | None = None
+        self.table: torch.Tensor | None = None
+        self._pending: dict[str, Any] | None = None
+
+    def materialize(self, device: torch.device) -> list[torch.Tensor]:
+        if self.table is None or self.table.device != device:
+            step = torch.zeros((), dtype=torch.int64, device=device)
+            table = torch.full((self.capacity, len(HISTORY_COLUMNS)), float("nan"),
+                               dtype=torch.float32, device=device)
+            if self.table is not None:
+                step.copy_(self.step)
+                table.copy_(self.table)
+            elif self._pending is not None:
+                step.fill_(int(self._pending["step"]))
+                rows = torch.as_tensor(self._pending["table"], dtype=torch.float32)
+                table[: rows.shape[0]].copy_(rows[: self.capacity])
+                self._pending = None
+            self.step, self.table = step, table
+        return [self.step, self.table]
+
+    def fetch(self) -> dict[str, list[float]]:
+        """The recorded rows in step order, as Python lists per column (one device sync)."""
+        if self.table is None:
+            return {c: [] for c in HISTORY_COLUMNS}
+        steps = int(self.step.item())
+        table = self.table.cpu()
+        n = min(steps, self.capacity)
+        start = steps % self.capacity if steps > self.capacity else 0
+        order = [(start + i) % self.capacity for i in range(n)]
+        rows = table[order] if order else table[:0]
+        return {c: rows[:, i].tolist() for i, c in enumerate(HISTORY_COLUMNS)}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.table is None:
+            return self._pending or {"step": 0, "table": torch.zeros(0, len(HISTORY_COLUMNS))}
+        return {"step": int(self.step.item()), "table": self.table.detach().cpu().clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.table is None:
+            self._pending = {"step": int(state["step"]), "table": state["table"]}
+            return
+        self.step.fill_(int(state["step"]))
+        rows = torch.as_tensor(state["table"], dtype=torch.float32)
+        self.table.fill_(float("nan"))
+        self.table[: rows.shape[0]].copy_(rows[: self.capacity])

@@ -1,0 +1,221 @@
+"""What changes while build() is traced.
+
+- ``loss.backward(...)`` is recorded, not run: the loss becomes an output of the forward graph and
+  step assembly differentiates it later.
+- BatchNorm is routed to ``aten._native_batch_norm_legit_functional`` and its running statistics
+  are updated with ``copy_`` at the Python level, where functionalization turns the update into
+  a value the step can mask on overflow (``aten.native_batch_norm`` would mutate the statistics
+  below functionalization, invisibly).
+- Dropout is routed to ``aten.native_dropout`` on every device, so the mask is one op that follows
+  its input's precision (on CPU ``F.dropout`` would decompose into an fp32 bernoulli chain).
+- Every node the trace appends is tagged with the module stack and the user's source line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .errors import CaptureError
+from .fxutil import UserFrame, current_user_frame, last_node, nodes_after, tracing_graph
+from .ops import CAPTURE_REWRITES
+
+aten = torch.ops.aten
+
+
+@dataclass
+class RecordedLoss:
+    tensor: torch.Tensor
+    gradient: torch.Tensor | None
+    where: UserFrame | None
+    retained: bool = False  # backward(retain_graph=True): a second backward() on it is allowed
+
+
+def _where(frame: UserFrame | None) -> str:
+    return f" at {frame}" if frame is not None else ""
+
+
+class CaptureMode(TorchFunctionMode):
+    """Active while build() is traced; see the module docstring."""
+
+    def __init__(self, module_names: dict[int, str]):
+        super().__init__()
+        self.module_names = module_names
+        self.losses: list[RecordedLoss] = []
+        self._backward_seen: dict[int, RecordedLoss] = {}
+        self._stack: list[tuple[str, str]] = []
+        self._stack_meta: dict[str, tuple[str, str]] = {}
+        self._hooks: list[Any] = []
+
+    # -- module stack, from global module hooks ---------------------------------------------------
+    @contextlib.contextmanager
+    def tracking_modules(self) -> Iterator[None]:
+        hooks = nn.modules.module
+        self._hooks = [
+            hooks.register_module_forward_pre_hook(self._enter_module),
+            hooks.register_module_forward_hook(self._exit_module, always_call=True),
+        ]
+        try:
+            yield
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+
+    def _enter_module(self, module: nn.Module, args: Any) -> None:
+        path = self.module_names.get(id(module))
+        if path is None:  # a module built inside build() or not registered: name it by type
+            path = f"<{type(module).__name__}>"
+        if path == "":
+            return
+        self._stack.append((path, f"{type(module).__module__}.{type(module).__qualname__}"))
+        self._stack_meta = {p: (p, t) for p, t in self._stack}
+
+    def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        path = self.module_names.get(id(module), f"<{type(module).__name__}>")
+        if path == "" or not self._stack:
+            return
+        if self._stack[-1][0] == path:
+            self._stack.pop()
+            self._stack_meta = {p: (p, t) for p, t in self._stack}
+
+    # -- torch functions --------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.backward:
+            return self._record_backward(*args, **kwargs)
+        if func is torch.autograd.backward:
+            return self._record_autograd_backward(*args, **kwargs)
+        graph = tracing_graph()
+        marker = last_node(graph) if graph is not None else None
+        if func is F.batch_norm:
+            out = _functional_batch_norm(*args, **kwargs)
+        elif func is F.dropout:
+            out = _native_dropout(*args, **kwargs)
+        elif func in CAPTURE_REWRITES:
+            out = CAPTURE_REWRITES[func](*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if marker is not None:
+            where = current_user_frame()
+            stack = self._stack_meta
+            no_grad = not torch.is_grad_enabled()
+            for node in nodes_after(graph, marker):
+                meta = node.meta
+                if "user_frame" not in meta:
+                    meta["user_frame"] = where
+                    meta["nn_module_stack"] = stack
+                    if no_grad:
+                        meta["no_grad"] = True
+        return out
+
+    def _record_backward(
+        self,
+        tensor: torch.Tensor,
+        gradient: torch.Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: Any = None,
+    ) -> None:
+        where = current_user_frame()
+        if create_graph:
+            raise CaptureError(
+                f"backward(create_graph=True){_where(where)}: higher-order gradients are not "
+                "supported inside a graphamp Graph; compute them eagerly instead"
+            )
+        if inputs is not None:
+            raise CaptureError(
+                f"backward(inputs=...){_where(where)}: graphamp differentiates with respect to "
+                "every parameter of the registered optimizers; remove inputs= (freeze parameters "
+                "with requires_grad_(False) instead)"
+            )
+        if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+            raise CaptureError(f"backward() on a non-floating tensor{_where(where)}")
+        if gradient is None and tensor.numel() != 1:
+            raise CaptureError(
+                f"backward() on a tensor of shape {tuple(tensor.shape)}{_where(where)}: a gradient "
+                "can be implied only for a scalar loss; reduce it (loss.mean()) or pass "
+                "backward(gradient=...)"
+            )
+        if gradient is not None and (
+            not isinstance(gradient, torch.Tensor) or gradient.shape != tensor.shape
+        ):
+            shape = tuple(gradient.shape) if isinstance(gradient, torch.Tensor) else gradient
+            raise CaptureError(
+                f"backward(gradient=...){_where(where)}: the gradient must be a tensor of the "
+                f"loss's shape {tuple(tensor.shape)}, got {shape}"
+            )
+        previous = self._backward_seen.get(id(tensor))
+        if previous is not None and previous.tensor is tensor and not previous.retained:
+            raise CaptureError(
+                f"backward() was called twice on the same tensor{_where(where)} (first"
+                f"{_where(previous.where)}). As in eager PyTorch this needs retain_graph=True on "
+                "the first call; to train on several losses, call backward() once on each or on "
+                "their sum"
+            )
+        record = RecordedLoss(tensor, gradient, where, retained=bool(retain_graph))
+        self._backward_seen[id(tensor)] = record
+        self.losses.append(record)
+        return None
+
+    def _record_autograd_backward(self, tensors, grad_tensors=None, retain_graph=None,
+                                  create_graph=False, grad_variables=None, inputs=None):
+        if isinstance(tensors, torch.Tensor):
+            tensors = (tensors,)
+        grads = grad_tensors if grad_tensors is not None else grad_variables
+        if grads is None or isinstance(grads, torch.Tensor):
+            grads = (grads,) * len(tensors) if grads is None else (grads,)
+        for t, g in zip(tensors, grads):
+            self._record_backward(t, g, retain_graph, create_graph, inputs)
+
+
+def _functional_batch_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    if training and input.numel() // input.shape[1] <= 1:
+        raise CaptureError(
+            f"BatchNorm in training mode got an input of shape {tuple(input.shape)}: it needs "
+            "more than one value per channel"
+        )
+    if training and running_mean is not None and running_var is not None:
+        out, _, _, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
+            input, weight, bias, running_mean, running_var, True, momentum, eps
+        )
+        running_mean.copy_(new_mean)
+        running_var.copy_(new_var)
+        return out
+    if training or running_mean is None or running_var is None:
+        return aten._native_batch_norm_legit.no_stats(input, weight, bias, True, momentum, eps)[0]
+    return aten._native_batch_norm_legit_no_training.default(
+        input, weight, bias, running_mean, running_var, momentum, eps
+    )[0]
+
+
+def _native_dropout(
+    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+) -> torch.Tensor:
+    if not training or p == 0.0:
+        return input
+    if p < 0.0 or p > 1.0:
+        raise CaptureError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if p == 1.0:
+        out = input * 0.0
+    else:
+        out = aten.native_dropout.default(input, p, True)[0]
+    if inplace:
+        input.copy_(out)
+        return input
+    return out

@@ -1,0 +1,152 @@
+"""The precision report and the debug log: which op runs in which precision, and why."""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch.fx as fx
+
+from .fxutil import module_path, op_name
+from .passes.base import is_compute_node
+from .passes.insert_casts import dtype_after_amp
+
+if TYPE_CHECKING:
+    from .graph import Graph
+    from .program import Program
+
+log = logging.getLogger("graphamp")
+COLUMNS = ("node", "op", "module", "source", "list", "colour", "dtype", "why")
+_LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.INFO, 3: logging.DEBUG}
+
+
+def configure_logging(v_level: int) -> None:
+    """Route graphamp's log to stderr at the level g.debug(v_level) asks for."""
+    log.setLevel(_LEVELS[v_level])
+    if v_level > 0 and not any(getattr(h, "_graphamp", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[graphamp] %(message)s"))
+        handler._graphamp = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+
+
+def _short_dtype(dtype: Any) -> str:
+    if isinstance(dtype, tuple):
+        dtype = next((d for d in dtype if d is not None), None)
+    return "" if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _source(node: fx.Node) -> str:
+    frame = node.meta.get("user_frame")
+    return frame.short() if frame is not None else ""
+
+
+@dataclass
+class PrecisionReport:
+    """One row per compute op of the forward graph, plus the counts that summarise it."""
+
+    rows: list[dict[str, str]]
+    dtype: str
+    casts: int
+    ops_low: int
+    ops_total: int
+    unknown_ops: dict[str, int]
+    autocast: dict[str, int] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        text = (f"converted {self.ops_low}/{self.ops_total} ops to {self.dtype} with "
+                f"{self.casts} casts")
+        if self.unknown_ops:
+            names = ", ".join(sorted(self.unknown_ops))
+            n = sum(self.unknown_ops.values())
+            text += f"; {n} unknown op{'s' if n != 1 else ''} kept fp32: {names}"
+        if self.autocast is not None:
+            text += (f" (torch.autocast on the same forward: {self.autocast['ops_low']} ops "
+                     f"low precision, {self.autocast['casts']} casts)")
+        return text
+
+    def to_csv(self) -> str:
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(self.rows)
+        return buf.getvalue()
+
+    def __str__(self) -> str:
+        widths = {c: min(max(len(c), *(len(r[c]) for r in self.rows)) if self.rows else len(c),
+                         48) for c in COLUMNS}
+        def line(r: dict) -> str:
+            return "  ".join(str(r[c])[: widths[c]].ljust(widths[c]) for c in COLUMNS).rstrip()
+        out = [line({c: c for c in COLUMNS})]
+        out += [line(r) for r in self.rows]
+        out.append(self.summary())
+        return "\n".join(out)
+
+    def __repr__(self) -> str:
+        return f"PrecisionReport({self.summary()})"
+
+
+def report_rows(gm: fx.GraphModule) -> list[dict[str, str]]:
+    rows = []
+    for node in gm.graph.nodes:
+        if not is_compute_node(node):
+            continue
+        colour = node.meta.get("amp_colour")
+        if colour is None and "amp_list" not in node.meta:
+            colour = "fp32"  # AMP off: everything as captured
+        rows.append({
+            "node": node.name,
+            "op": op_name(node),
+            "module": module_path(node),
+            "source": _source(node),
+            "list": str(node.meta.get("amp_list", "")),
+            "colour": str(colour or "n/a"),
+            "dtype": _short_dtype(dtype_after_amp(node)),
+            "why": str(node.meta.get("amp_reason", "AMP off")),
+        })
+    return rows
+
+
+def precision_report(graph: "Graph", program: "Program", *, with_autocast: bool = True):
+    amp = program.amp
+    gm = program.forward
+    rows = report_rows(gm)
+    dtype = _short_dtype(amp.dtype) if amp is not None else "fp32"
+    ops_low = sum(r["colour"] == "allow" for r in rows)
+    ops_total = sum(r["colour"] in ("allow", "deny") for r in rows)
+    autocast = None
+    if with_autocast and amp is not None:
+        from .oracle import autocast_counts_for_program
+
+        autocast = autocast_counts_for_program(graph, program)
+    return PrecisionReport(
+        rows=rows, dtype=dtype, casts=amp.stats.get("casts", 0) if amp else 0,
+        ops_low=ops_low, ops_total=ops_total,
+        unknown_ops=dict(amp.unknown_ops) if amp else {}, autocast=autocast,
+        timings=dict(program.timings))
+
+
+def log_program_summary(graph: "Graph", program: "Program") -> None:
+    name = type(graph).__name__
+    t = program.timings
+    timing = ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
+    if program.amp is not None:
+        rep = precision_report(graph, program, with_autocast=False)
+        log.info("%s: %s", name, rep.summary())
+        if graph._debug_level >= 3:
+            for node in program.forward.graph.nodes:
+                if is_compute_node(node) and "amp_colour" in node.meta:
+                    frame = node.meta.get("user_frame")
+                    log.debug("  %-28s %-28s %-6s %-6s %s  [%s]", node.name, op_name(node),
+                              node.meta.get("amp_colour"), _short_dtype(dtype_after_amp(node)),
+                              node.meta.get("amp_reason", ""),
+                              f"{os.path.basename(frame.filename)}:{frame.lineno}: {frame.code}"
+                              if frame else "")
+    log.info("%s: captured and compiled (%s) with backend %s%s", name, timing,
+             graph.config.backend,
+             "" if not hasattr(program.compiled, "graph") else ", replayed as a CUDA graph")

@@ -1,0 +1,303 @@
+"""Loss scalers and the grad-scaler subgraph they put into the step.
+
+``GradScaler`` follows ``torch.amp.GradScaler`` exactly when ``hysteresis=1``, ``min_scale=0``
+and ``max_scale=inf`` (what ``set_grad_scaler(torch.amp.GradScaler(...))`` gives): the step
+multiplies the loss by the scale, unscales the gradients with
+``_amp_foreach_non_finite_check_and_unscale_``, skips each optimizer whose gradients are not
+finite, and updates the scale as ``_amp_update_scale_`` does, all inside the compiled step on
+device tensors: no host sync. Its defaults add two guards users of dynamic loss scaling ask for:
+``max_scale=2**24`` (apex's cap) and ``min_scale=1.0`` (Megatron's and DeepSpeed's floor), so a
+run of bad batches cannot collapse the scale to zero.
+
+The state dict has ``torch.amp.GradScaler``'s keys and meaning (a state saved by either loads
+into the other), plus graphamp's fields.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+class GradScaler:
+    """Dynamic loss scaling inside the compiled step.
+
+    Args:
+        init_scale: starting scale.
+        growth_factor: multiplies the scale after ``growth_interval`` clean steps (> 1).
+        backoff_factor: multiplies the scale on an overflow step (in (0, 1)).
+        growth_interval: clean steps between growths (a positive int).
+        max_scale / min_scale: the scale stays within [min_scale, max_scale].
+        hysteresis: overflow steps tolerated before backing off (Megatron's meaning; 1 backs
+            off on every overflow, as torch does). Every overflow step is skipped regardless.
+        enabled: False makes the scaler a no-op (scale 1, no skipping), as in torch.
+    """
+
+    dynamic = True
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        max_scale: float = 2.0**24,
+        min_scale: float = 1.0,
+        hysteresis: int = 1,
+        enabled: bool = True,
+    ):
+        init_scale = _positive("init_scale", init_scale)
+        if isinstance(growth_factor, bool) or not isinstance(growth_factor, (int, float)) \
+                or not growth_factor > 1:
+            raise ConfigError(f"growth_factor must be greater than 1, got {growth_factor!r}")
+        if isinstance(backoff_factor, bool) or not isinstance(backoff_factor, (int, float)) \
+                or not 0 < backoff_factor < 1:
+            raise ConfigError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
+                or growth_interval < 1:
+            raise ConfigError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+            raise ConfigError(f"hysteresis must be a positive int, got {hysteresis!r}")
+        if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)) or min_scale < 0:
+            raise ConfigError(f"min_scale must be a number >= 0, got {min_scale!r}")
+        max_scale = _positive("max_scale", max_scale)
+        if min_scale > max_scale:
+            raise ConfigError(f"min_scale ({min_scale}) is greater than max_scale ({max_scale})")
+        if not min_scale <= init_scale <= max_scale:
+            raise ConfigError(
+                f"init_scale ({init_scale}) must lie within [min_scale, max_scale] = "
+                f"[{min_scale}, {max_scale}]"
+            )
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.max_scale = max_scale
+        self.min_scale = float(min_scale)
+        self.hysteresis = hysteresis
+        self.enabled = bool(enabled)
+        self._init_scale = init_scale
+        # Host values until the first call creates device tensors; then the tensors are truth.
+        self._pending = {"scale": init_scale, "growth_tracker": 0, "hysteresis_tracker": hysteresis}
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._found_inf: torch.Tensor | None = None
+
+    # -- device state ---------------------------------------------------------------------------
+    def _materialize(self, device: torch.device) -> None:
+        if self._scale is not None and self._scale.device == device:
+            return
+        current = self._host_values()
+        self._scale = torch.full((), current["scale"], dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full((), current["growth_tracker"], dtype=torch.int32,
+                                          device=device)
+        self._hysteresis_tracker = torch.full((), current["hysteresis_tracker"],
+                                              dtype=torch.int32, device=device)
+        self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self._pending = None
+
+    def _host_values(self) -> dict[str, Any]:
+        if self._scale is None:
+            return dict(self._pending)
+        return {"scale": self._scale.item(), "growth_tracker": int(self._growth_tracker.item()),
+                "hysteresis_tracker": int(self._hysteresis_tracker.item())}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """scale, growth tracker, hysteresis tracker, last found_inf: updated in place per step."""
+        return [self._scale, self._growth_tracker, self._hysteresis_tracker, self._found_inf]
+
+    # -- user API -------------------------------------------------------------------------------
+    def get_scale(self) -> float:
+        """The current scale as a Python float (syncs with the device; for logging)."""
+        if not self.enabled:
+            return 1.0
+        return float(self._host_values()["scale"])
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        """The current scale as a device tensor (no sync); None before the first call."""
+        return self._scale
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """1.0 if the last step overflowed (and was skipped), else 0.0; a device tensor."""
+        return self._found_inf
+
+    def is_enabled(self) -> bool:
+        return self.enabled
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.enabled:
+            return {}
+        values = self._host_values()
+        return {
+            "scale": float(values["scale"]),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": int(values["growth_tracker"]),
+            "max_scale": self.max_scale,
+            "min_scale": self.min_scale,
+            "hysteresis": self.hysteresis,
+            "_hysteresis_tracker": int(values["hysteresis_tracker"]),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        missing = [k for k in _TORCH_KEYS if k not in state_dict]
+        if missing:
+            raise ConfigError(f"grad scaler state dict lacks {missing}; it holds "
+                              f"{sorted(state_dict)}")
+        self.growth_factor = float(state_dict["growth_factor"])
+        self.backoff_factor = float(state_dict["backoff_factor"])
+        self.growth_interval = int(state_dict["growth_interval"])
+        self.max_scale = float(state_dict.get("max_scale", self.max_scale))
+        self.min_scale = float(state_dict.get("min_scale", self.min_scale))
+        self.hysteresis = int(state_dict.get("hysteresis", self.hysteresis))
+        values = {
+            "scale": float(state_dict["scale"]),
+            "growth_tracker": int(state_dict["_growth_tracker"]),
+            "hysteresis_tracker": int(state_dict.get("_hysteresis_tracker", self.hysteresis)),
+        }
+        if self._scale is None:
+            self._pending = values
+        else:
+            self._scale.fill_(values["scale"])
+            self._growth_tracker.fill_(values["growth_tracker"])
+            self._hysteresis_tracker.fill_(values["hysteresis_tracker"])
+
+    def settings(self) -> tuple:
+        """What the traced update depends on (part of the compiled step's cache key)."""
+        return (type(self).__name__, self.enabled, self.growth_factor, self.backoff_factor,
+                self.growth_interval, self.max_scale, self.min_scale, self.hysteresis)
+
+    @classmethod
+    def from_torch(cls, scaler: "torch.amp.GradScaler") -> "GradScaler":
+        """Take over a torch.amp.GradScaler's settings and state, with torch's exact semantics."""
+        ours = cls(
+            init_scale=max(scaler._init_scale, 1e-45), growth_factor=scaler._growth_factor,
+            backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
+            max_scale=math.inf, min_scale=0.0, hysteresis=1, enabled=scaler.is_enabled(),
+        )
+        if scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
+            ours.load_state_dict({**scaler.state_dict(), "max_scale": math.inf, "min_scale": 0.0})
+        return ours
+
+    def __repr__(self) -> str:
+        scale = self._pending["scale"] if self._scale is None else "<device tensor>"
+        return (f"{type(self).__name__}(scale={scale}, growth_factor={self.growth_factor}, "
+                f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
+                f"min_scale={self.min_scale}, max_scale={self.max_scale}, "
+                f"hysteresis={self.hysteresis})")
+
+    # -- traced into the step -------------------------------------------------------------------
+    def update_scale(self, scale: torch.Tensor, growth_tracker: torch.Tensor,
+                     hysteresis_tracker: torch.Tensor, found_inf: torch.Tensor):
+        """New (scale, growth_tracker, hysteresis_tracker) after a step; traced, no host sync.
+
+        With hysteresis=1, min_scale=0, max_scale=inf this is ``torch._amp_update_scale_``:
+        products are taken in float64 and rounded to fp32, as its kernels do.
+        """
+        overflow = found_inf > 0
+        wide = scale.double()
+        backed_off = (wide * self.backoff_factor).float()
+        backed_off = torch.clamp(backed_off, min=self.min_scale)
+        hysteresis_left = hysteresis_tracker - 1
+        backoff_now = hysteresis_left <= 0
+        scale_on_overflow = torch.where(backoff_now, backed_off, scale)
+        successful = growth_tracker + 1
+        grow = successful == self.growth_interval
+        grown = (wide * self.growth_factor).float()
+        grown = torch.where(torch.isfinite(grown), torch.clamp(grown, max=self.max_scale), scale)
+        scale_on_success = torch.where(grow, grown, scale)
+        new_scale = torch.where(overflow, scale_on_overflow, scale_on_success)
+        zero = torch.zeros_like(growth_tracker)
+        new_growth = torch.where(overflow | grow, zero, successful)
+        new_hysteresis = torch.where(
+            overflow, hysteresis_left,
+            torch.where(grow, torch.full_like(hysteresis_tracker, self.hysteresis),
+                        hysteresis_tracker))
+        return new_scale, new_growth, new_hysteresis
+
+
+class StaticGradScaler(GradScaler):
+    """A fixed loss scale. Steps whose gradients are not finite are still skipped."""
+
+    dynamic = False
+
+    def __init__(self, scale: float):
+        scale = _positive("scale", scale)
+        super().__init__(init_scale=scale, growth_factor=2.0, backoff_factor=0.5,
+                         growth_interval=1, max_scale=max(scale, 1.0), min_scale=min(scale, 1.0))
+
+    def update_scale(self, scale, growth_tracker, hysteresis_tracker, found_inf):
+        return scale, growth_tracker, hysteresis_tracker
+
+    def __repr__(self) -> str:
+        return f"StaticGradScaler(scale={self._init_scale})"
+
+
+def as_graphamp_scaler(scaler: Any) -> GradScaler:
+    """What set_grad_scaler accepts: graphamp scalers, or a torch.amp.GradScaler (taken over)."""
+    if isinstance(scaler, GradScaler):
+        return scaler
+    torch_scalers = tuple(c for c in (getattr(torch.amp, "GradScaler", None),
+                                      getattr(torch.cuda.amp, "GradScaler", None)) if c)
+    if isinstance(scaler, torch_scalers):
+        return GradScaler.from_torch(scaler)
+    raise ConfigError(
+        f"set_grad_scaler takes graphamp.GradScaler, graphamp.StaticGradScaler or "
+        f"torch.amp.GradScaler, got {type(scaler).__name__}"
+    )
+
+
+def unscale_and_check(grads: list[torch.Tensor], scale: torch.Tensor):
+    """(unscaled grads, found_inf): torch.amp.GradScaler.unscale_ for one optimizer."""
+    inv_scale = scale.double().reciprocal().float()
+    found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+    grads = [g.clone() for g in grads]
+    if grads:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    return grads, found_inf
+
+
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float):
+    """torch.nn.utils.clip_grad_norm_ on values: (clipped grads, total norm)."""
+    if not grads:
+        return grads, None
+    norms = torch._foreach_norm(grads, norm_type)
+    total = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return [g * coef for g in grads], total
+
+
+def warn_about_dtype(scaler: GradScaler | None, amp_active: bool, dtype: torch.dtype,
+                     graph_name: str) -> None:
+    if scaler is not None and scaler.enabled and (not amp_active or dtype == torch.bfloat16):
+        what = "bf16" if amp_active else "fp32"
+        warnings.warn(
+            f"{graph_name}: a grad scaler is set for a {what} step, where gradients do not "
+            "underflow as in fp16; loss scaling is unnecessary (it still works and still skips "
+            "non-finite steps)", stacklevel=3)
+    if scaler is None and amp_active and dtype == torch.float16:
+        warnings.warn(
+            f"{graph_name}: fp16 AMP without a grad scaler: small gradients underflow to zero "
+            "in fp16. Add self.set_grad_scaler(graphamp.GradScaler()) or use bf16",
+            stacklevel=3)

@@ -1,0 +1,110 @@
+"""Flatten g(...)'s arguments into tensors + a hashable signature, and rebuild them.
+
+A compiled step is specialised on its input signature: the pytree structure, each tensor's
+shape, dtype, device and strides, and the value of every non-tensor leaf (baked into the graph).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import InputError
+
+# Non-tensor leaves must be hashable values that tracing can bake into the graph.
+CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+TensorKey = tuple  # (shape, dtype, device, stride)
+
+
+def _tensor_key(t: torch.Tensor) -> TensorKey:
+    return (tuple(t.shape), t.dtype, t.device, t.stride())
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    structure: Any  # a hashable description of the pytree structure
+    tensors: tuple[TensorKey, ...]
+    constants: tuple[Any, ...]
+
+    def describe(self) -> str:
+        parts = [f"{'x'.join(map(str, s)) or 'scalar'} {str(d).replace('torch.', '')}"
+                 for s, d, _, _ in self.tensors]
+        return ", ".join(parts) or "no tensors"
+
+
+@dataclass
+class FlatInputs:
+    tensors: list[torch.Tensor]
+    signature: InputSignature
+    args: tuple
+    kwargs: dict
+
+    def rebuild(self, tensors: list[Any]) -> tuple[tuple, dict]:
+        """args and kwargs with the tensor leaves replaced by ``tensors`` (in order)."""
+        leaves, spec = pytree.tree_flatten((self.args, self.kwargs))
+        it = iter(tensors)
+        leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return tuple(args), dict(kwargs)
+
+    def names(self, build: Callable) -> list[str]:
+        """Readable names for the tensor leaves, from build()'s parameter names."""
+        try:
+            params = [p for p in inspect.signature(build).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        except (TypeError, ValueError):
+            params = []
+        names = []
+        leaves, _ = pytree.tree_flatten_with_path((self.args, self.kwargs))
+        for path, leaf in leaves:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            keys = [getattr(k, "idx", getattr(k, "key", None)) for k in path]
+            if keys and keys[0] == 0 and len(keys) > 1 and isinstance(keys[1], int):
+                i = keys[1]
+                base = params[i].name if i < len(params) and params[i].kind != params[i].VAR_POSITIONAL else f"arg{i}"
+                rest = keys[2:]
+            else:
+                base, rest = "kw", keys[1:]
+            names.append("_".join([base, *map(str, rest)]))
+        return names
+
+
+def flatten_inputs(args: tuple, kwargs: dict) -> FlatInputs:
+    # Fast path for the common call g(x, y) with tensors only: no pytree walk per step.
+    if not kwargs and all(type(a) is torch.Tensor for a in args):
+        sig = InputSignature(("flat", len(args)), tuple(_tensor_key(a) for a in args), ())
+        return FlatInputs(list(args), sig, args, kwargs)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    tensors, keys, constants = [], [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            keys.append(_tensor_key(leaf))
+            constants.append(None)
+        elif isinstance(leaf, CONSTANT_TYPES):
+            constants.append(leaf)
+        else:
+            raise InputError(
+                f"g(...) got an argument of type {type(leaf).__name__}; arguments may be tensors, "
+                "Python numbers, strings, None, and tuples/lists/dicts of those. Convert it first "
+                "(for example torch.as_tensor(value))"
+            )
+    sig = InputSignature(("tree", str(spec)), tuple(keys), tuple(constants))
+    return FlatInputs(tensors, sig, args, kwargs)
+
+
+def check_arity(build: Callable, args: tuple, kwargs: dict, graph_name: str) -> None:
+    """Raise InputError naming build()'s signature if g(...) cannot bind to it."""
+    try:
+        inspect.signature(build).bind(*args, **kwargs)
+    except TypeError as e:
+        raise InputError(
+            f"{graph_name}(...) does not match build{inspect.signature(build)}: {e}. Call the "
+            "graph with the arguments build() takes"
+        ) from None

@@ -1,0 +1,262 @@
+"""Step assembly: the AMP-rewritten forward, traced again inside one functional training step.
+
+    forward → loss × scale → grads (vjp) → unscale + found_inf → clip → optimizer update masked
+    by found_inf → BatchNorm statistics masked → scale update → history row
+
+The whole step becomes one FX graph (make_fx over torch.func.functionalize, fake tensors). Its
+inputs are the state tensors and the batch (see ``StepLayout``); it writes every state tensor in
+place (``copy_`` into its inputs, which the compiler keeps in place) and returns build()'s
+tensors. Nodes carry ``meta["graphamp_subgraph"]``: forward, backward, grad_scaler, clip_grad,
+optimizer, history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .capture import CapturedForward
+from .errors import CaptureError
+from .fxutil import NodeTagger, last_node, nodes_after, rename_placeholders, tracing_graph
+from .ops import EXPANSIONS
+from .optim import GroupTensors, OptimizerPlan, apply_update
+from .scaler import GradScaler, clip_grad_norm, unscale_and_check
+
+HISTORY_COLUMNS = ("step", "loss", "scale", "skipped", "grad_norm")
+_COPY_META = ("amp_colour", "amp_list", "amp_reason", "nn_module_stack", "user_frame", "amp_cast")
+
+
+@dataclass
+class StepLayout:
+    """The step's flat inputs: named groups of tensors, in this order."""
+
+    groups: list[tuple[str, int]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)  # one per tensor, for placeholders
+
+    def add(self, group: str, names: list[str]) -> None:
+        self.groups.append((group, len(names)))
+        self.names.extend(names)
+
+    def split(self, flat: tuple) -> dict[str, list]:
+        out, i = {}, 0
+        for group, n in self.groups:
+            out[group] = list(flat[i : i + n])
+            i += n
+        return out
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass
+class StepPlan:
+    captured: CapturedForward
+    training: bool
+    trainable: list[int]  # forward-parameter positions that get gradients
+    optimizers: list[OptimizerPlan]
+    scaler: GradScaler | None
+    history_capacity: int
+    layout: StepLayout = field(default_factory=StepLayout)
+
+
+class _ForwardRunner(fx.Interpreter):
+    """Runs the AMP forward graph while make_fx records; tags the nodes it produces."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        graph = tracing_graph()
+        marker = last_node(graph) if graph is not None else None
+        out = super().run_node(n)
+        if marker is not None and n.op == "call_function":
+            for new in nodes_after(graph, marker):
+                new.meta.setdefault("fwd_node", n.name)
+                for key in _COPY_META:
+                    if key in n.meta and key not in new.meta:
+                        new.meta[key] = n.meta[key]
+        return out
+
+    def call_function(self, target, args, kwargs):
+        expansion = EXPANSIONS.get(target)
+        if expansion is not None:
+            return expansion(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+def _run_forward(fwd_gm: fx.GraphModule, inputs: list) -> list:
+    with NodeTagger({"graphamp_subgraph": "forward"}):
+        return list(_ForwardRunner(fwd_gm).run(*inputs, enable_io_processing=False))
+
+
+def _where(skip: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return new if skip is None else torch.where(skip, old, new)
+
+
+def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
+    """The functional training step over the flat inputs of ``plan.layout``."""
+    cap = plan.captured
+    n_out, n_loss = cap.num_user_outputs, cap.num_losses
+    n_grad = sum(cap.loss_grad_given)
+
+    def split_outputs(outs: list):
+        user = outs[:n_out]
+        losses = outs[n_out : n_out + n_loss]
+        grads = outs[n_out + n_loss : n_out + n_loss + n_grad]
+        buffers = outs[n_out + n_loss + n_grad :]
+        return user, losses, grads, buffers
+
+    def step(*flat):
+        s = plan.layout.split(flat)
+        params, buffers, inputs = s["params"], s["buffers"], s["inputs"]
+
+        if not plan.training:
+            user, _, _, new_buffers = split_outputs(_run_forward(fwd_gm, [*params, *buffers,
+                                                                         *inputs]))
+            for i, value in zip(cap.mutated_buffers, new_buffers):
+                buffers[i].copy_(value)
+            return tuple(user)
+
+        def forward(trainable_values):
+            ps = list(params)
+            for pos, value in zip(plan.trainable, trainable_values):
+                ps[pos] = value
+            user, losses, grads, new_buffers = split_outputs(
+                _run_forward(fwd_gm, [*ps, *buffers, *inputs]))
+            return tuple(losses), (user, grads, new_buffers)
+
+        primals = [params[i] for i in plan.trainable]
+        losses, vjp_fn, (user, loss_grads, new_buffers) = torch.func.vjp(
+            forward, primals, has_aux=True)
+        scaler = plan.scaler
+        scale = s["scaler"][0] if scaler is not None else None
+        with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
+            explicit = iter(loss_grads)
+            cotangents = []
+            for loss, given in zip(losses, cap.loss_grad_given):
+                seed = next(explicit) if given else torch.ones_like(loss)
+                cotangents.append(seed * scale.to(seed.dtype) if scale is not None else seed)
+        with NodeTagger({"graphamp_subgraph": "backward"}):
+            (grads,) = vjp_fn(tuple(cotangents))
+
+        position = {p: j for j, p in enumerate(plan.trainable)}
+        states = iter(s["opt_state"])
+        hypers = iter(s["hyper"])
+        counters = s["counters"]
+        found_infs, norms = [], []
+        any_skip = None
+        for k, opt in enumerate(plan.optimizers):
+            slots = [position[i] for i in opt.forward_positions]
+            opt_grads = [grads[j] for j in slots]
+            found = None
+            if scaler is not None:
+                with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
+                    opt_grads, found = unscale_and_check(opt_grads, scale)
+            if opt.clip_max_norm is not None:
+                with NodeTagger({"graphamp_subgraph": "clip_grad"}):
+                    opt_grads, total = clip_grad_norm(opt_grads, opt.clip_max_norm,
+                                                      opt.clip_norm_type)
+                    if total is not None:
+                        norms.append(total)
+                        if found is not None:  # a non-finite norm counts as an overflow
+                            found = torch.where(torch.isfinite(total), found,
+                                                torch.ones_like(found))
+            skip = None
+            if found is not None:
+                found_infs.append(found)
+                skip = found > 0
+            with NodeTagger({"graphamp_subgraph": "optimizer"}):
+                _update_optimizer(opt, slots, params, plan.trainable, opt_grads, states, hypers,
+                                  counters[k], skip)
+        if scaler is not None:
+            with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
+                found_total = found_infs[0]
+                for f in found_infs[1:]:
+                    found_total = found_total + f
+                any_skip = found_total > 0
+                scale_t, growth_t, hysteresis_t, found_t = s["scaler"]
+                new_scale, new_growth, new_hysteresis = scaler.update_scale(
+                    scale_t, growth_t, hysteresis_t, found_total)
+                scale_t.copy_(new_scale)
+                growth_t.copy_(new_growth)
+                hysteresis_t.copy_(new_hysteresis)
+                found_t.copy_(any_skip.to(found_t.dtype))
+        for i, value in zip(cap.mutated_buffers, new_buffers):
+            buffers[i].copy_(_where(any_skip, buffers[i], value))
+        with NodeTagger({"graphamp_subgraph": "history"}):
+            _record_history(s["history"], losses, cap, scale, any_skip, norms)
+        return tuple(user)
+
+    return step
+
+
+def _update_optimizer(opt, slots, params, trainable, grads, states, hypers, counter, skip):
+    """Trace one optimizer's masked update; consumes its tensors from the shared iterators."""
+    n = len(slots)
+    state = {key: [next(states) for _ in range(n)] for key in opt.state_keys}
+    first_step = counter == 0
+    offset = 0
+    for group in opt.groups:
+        idx = list(range(offset, offset + len(group.params)))
+        offset += len(group.params)
+        hyper = {name: next(hypers) for name in opt.hyper_names}
+        if not idx:
+            continue
+        tensors = GroupTensors(
+            params=[params[trainable[slots[i]]] for i in idx],
+            grads=[grads[i] for i in idx],
+            state={key: [state[key][i] for i in idx] for key in opt.state_keys},
+            hyper=hyper,
+        )
+        new_params, new_state = apply_update(opt, group, tensors, first_step)
+        for old, new in zip(tensors.params, new_params):
+            old.copy_(_where(skip, old, new))
+        for key, values in new_state.items():
+            for old, new in zip(tensors.state[key], values):
+                old.copy_(_where(skip, old, new))
+    applied = counter + 1
+    counter.copy_(_where(skip, counter, applied))
+
+
+def _record_history(history: list, losses, cap: CapturedForward, scale, any_skip, norms) -> None:
+    step, table = history
+    scalar_losses = [l for l in losses if l.numel() == 1]
+    loss = (torch.stack([l.reshape(()).float() for l in scalar_losses]).sum()
+            if scalar_losses else torch.full((), float("nan"), device=step.device))
+    nan = torch.full((), float("nan"), device=step.device)
+    if norms:
+        grad_norm = norms[0].float() if len(norms) == 1 else torch.linalg.vector_norm(
+            torch.stack([n.float() for n in norms]))
+    else:
+        grad_norm = nan
+    row = torch.stack([
+        step.float(),
+        loss.detach(),
+        scale.float() if scale is not None else torch.ones((), device=step.device),
+        any_skip.float() if any_skip is not None else torch.zeros((), device=step.device),
+        grad_norm.detach(),
+    ])
+    index = torch.remainder(step, table.shape[0]).reshape(1)
+    table.index_copy_(0, index, row.reshape(1, -1))
+    step.copy_(step + 1)
+
+
+def assemble_step(plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Tensor],
+                  graph_name: str) -> fx.GraphModule:
+    """Trace the step into one FX graph over fake copies of ``example`` (nothing runs)."""
+    step = make_step_function(plan, fwd_gm)
+    try:
+        gm = make_fx(torch.func.functionalize(step, remove="mutations"),
+                     tracing_mode="fake")(*example)
+    except Exception as e:
+        raise CaptureError(
+            f"assembling the training step of {graph_name} failed: {type(e).__name__}: {e}. "
+            "This is a graphamp bug if build() runs eagerly; please report it with the graph "
+            "dump (g.dump(path))"
+        ) from e
+    rename_placeholders(gm, plan.layout.names)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,181 @@
+"""colour_by_lists: decide, once for the whole graph, which ops run in low precision.
+
+The algorithm is OneFlow's ``auto_mixed_precision`` pass (after TF grappler's painter), in
+three named steps on a networkx view of the FX graph (float-valued edges only; tuple unpacking
+merged into the op that produced the tuple):
+
+1. fill_deny_set: deny ops, and the infer/clear ops downstream of them (through clear ops that
+   lead to deny or infer ops).
+2. fill_allow_set: allow ops, and the infer/clear ops that sit between allow ops (downstream of
+   one, upstream of another) or lead from an allow op to a graph output.
+3. propagate_allow_through_clear: a clear op whose float inputs are all low precision, or whose
+   consumers all are, joins them.
+
+Everything else runs in fp32. Writes ``meta["amp_list"]`` (list category), ``meta["amp_colour"]``
+("allow": low precision, "deny": fp32, "fixed": dtype set by the op) and ``meta["amp_reason"]``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from typing import Callable, Iterable
+
+import networkx as nx
+import torch.fx as fx
+
+from .base import AmpContext, PassResult, classify, float_dtype, is_compute_node
+
+
+class DataFlow:
+    """Compute nodes and the float values between them, as a networkx DiGraph."""
+
+    def __init__(self, graph: fx.Graph, category: dict[fx.Node, str]):
+        self.category = category
+        self.order = [n for n in graph.nodes if n in category]
+        g = nx.DiGraph()
+        g.add_nodes_from(self.order)
+        self.feeds_output: set[fx.Node] = set()
+        edges = []
+        for node in graph.nodes:
+            if node.op == "output":
+                for src in node.all_input_nodes:
+                    src = _producer(src)
+                    if src in category and _carries_float(src):
+                        self.feeds_output.add(src)
+                continue
+            if node not in category:
+                continue
+            for value in node.all_input_nodes:
+                if not float_dtype(value.meta.get("val")):
+                    continue
+                src = _producer(value)
+                if src in category:
+                    edges.append((src, node))
+        g.add_edges_from(edges)
+        self.g = g
+
+    def reach(self, starts: Iterable[fx.Node], traversable: Callable[[fx.Node], bool],
+              reverse: bool) -> dict[fx.Node, fx.Node]:
+        """Nodes reachable from ``starts`` through traversable nodes: {node: start it came from}."""
+        neighbours = self.g.pred if reverse else self.g.succ
+        origin = {s: s for s in starts}
+        stack = list(origin)
+        while stack:
+            node = stack.pop()
+            for nxt in neighbours[node]:
+                if nxt not in origin and traversable(nxt):
+                    origin[nxt] = origin[node]
+                    stack.append(nxt)
+        return origin
+
+
+def _producer(value: fx.Node) -> fx.Node:
+    """The op behind a value: the tuple-producing op for ``getitem`` nodes."""
+    if value.op == "call_function" and value.target is operator.getitem:
+        return value.args[0]
+    return value
+
+
+def _carries_float(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return any(float_dtype(v) for v in vals)
+
+
+def fill_deny_set(flow: DataFlow) -> dict[fx.Node, fx.Node]:
+    cat = flow.category
+    deny_or_infer = [n for n in flow.order if cat[n] in ("deny", "infer")]
+    upstream = flow.reach(deny_or_infer, lambda n: cat[n] == "clear", reverse=True)
+    return flow.reach([n for n in flow.order if cat[n] == "deny"], lambda n: n in upstream,
+                      reverse=False)
+
+
+def fill_allow_set(flow: DataFlow, deny_set: dict) -> dict[fx.Node, fx.Node]:
+    cat = flow.category
+
+    def follows(n: fx.Node) -> bool:
+        return cat[n] in ("infer", "clear") and n not in deny_set
+
+    allow = [n for n in flow.order if cat[n] == "allow"]
+    sinks = [n for n in flow.order if n in flow.feeds_output and follows(n)]
+    upstream = flow.reach(allow + sinks, follows, reverse=True)
+    return flow.reach(allow, lambda n: n in upstream, reverse=False)
+
+
+def propagate_allow_through_clear(flow: DataFlow, deny_set: dict, allow_set: dict) -> list:
+    cat, g = flow.category, flow.g
+    joined = []
+
+    def candidate(n: fx.Node) -> bool:
+        return cat[n] == "clear" and n not in allow_set and n not in deny_set
+
+    for node in flow.order:  # downward: all producers low
+        preds = g.pred[node]
+        if candidate(node) and preds and all(p in allow_set for p in preds):
+            allow_set[node] = node
+            joined.append(node)
+    for node in reversed(flow.order):  # upward: all consumers low
+        succs = g.succ[node]
+        if (candidate(node) and succs and node not in flow.feeds_output
+                and all(s in allow_set for s in succs)):
+            allow_set[node] = node
+            joined.append(node)
+    return joined
+
+
+def colour_by_lists(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
+    graph = gm.graph
+    category: dict[fx.Node, str] = {}
+    why: dict[fx.Node, str] = {}
+    for node in graph.nodes:
+        if is_compute_node(node):
+            cat, reason = classify(node, ctx)
+            node.meta["amp_list"] = cat
+            if cat in ("n/a", "fixed"):
+                node.meta["amp_colour"] = "fixed" if cat == "fixed" else None
+                node.meta["amp_reason"] = reason
+                continue
+            category[node] = cat
+            why[node] = reason
+    flow = DataFlow(graph, category)
+    deny_set = fill_deny_set(flow)
+    allow_set = fill_allow_set(flow, deny_set)
+    allow_list = {n for n in flow.order if category[n] == "allow"}
+    between = {n for n in allow_set if n not in allow_list}
+    joined = set(propagate_allow_through_clear(flow, deny_set, allow_set))
+
+    for node in flow.order:
+        cat = category[node]
+        if node in allow_set:
+            node.meta["amp_colour"] = "allow"
+            if node in joined:
+                reason = "clear op next to low-precision ops"
+            elif node in between:
+                reason = (f"{cat} op between low-precision ops (from {allow_set[node].name})")
+            else:
+                reason = why[node]
+        else:
+            node.meta["amp_colour"] = "deny"
+            if cat in ("deny", "unknown"):
+                reason = why[node]
+            elif node in deny_set:
+                reason = f"{cat} op downstream of fp32 op {deny_set[node].name}"
+            else:
+                reason = f"{cat} op not between low-precision ops"
+            if cat == "unknown":
+                name = str(getattr(node.target, "overloadpacket", node.target))
+                ctx.unknown_ops[name] = ctx.unknown_ops.get(name, 0) + 1
+        node.meta["amp_reason"] = reason
+    # getitem nodes show the colour of the op whose tuple they unpack
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            src = node.args[0]
+            for key in ("amp_list", "amp_colour", "amp_reason"):
+                if key in src.meta:
+                    node.meta[key] = src.meta[key]
+    colours = Counter(n.meta["amp_colour"] for n in flow.order)
+    ctx.stats["ops_low"] = colours.get("allow", 0)
+    ctx.stats["ops_fp32"] = colours.get("deny", 0)
+    ctx.stats["ops_coloured"] = len(flow.order)
+    return PassResult(gm, True)

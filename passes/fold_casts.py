@@ -1,0 +1,84 @@
+"""fold_cast_chains: remove casts that do nothing and collapse chains of casts.
+
+- ``cast(x, d)`` where x already has dtype d disappears;
+- ``cast(cast(x, a), b)`` becomes ``cast(x, b)``, or x itself when x has dtype b. Under AMP,
+  graphamp owns precision decisions: a round trip such as ``x.half().float()`` on an fp32 value
+  is removed, so x is used at full precision;
+- afterwards each value has at most one cast per dtype (duplicates merged).
+
+User casts count as casts here (``aten._to_copy`` / ``prims.convert_element_type`` that change
+only the dtype); casts that also move devices or change layout are left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .base import AmpContext, PassResult
+from .insert_casts import dtype_after_amp
+
+aten = torch.ops.aten
+_CAST_TARGETS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def cast_target_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype a pure dtype cast converts to, or None if ``node`` is not one."""
+    if node.op != "call_function" or node.target not in _CAST_TARGETS:
+        return None
+    if node.target is aten._to_copy.default:
+        extra = {k: v for k, v in node.kwargs.items() if k != "dtype" and v is not None}
+        if extra.get("memory_format") in (None, torch.preserve_format):
+            extra.pop("memory_format", None)
+        dtype = node.kwargs.get("dtype")
+        return dtype if not extra and isinstance(dtype, torch.dtype) else None
+    dtype = node.args[1]
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _replace(node: fx.Node, with_node: fx.Node) -> None:
+    node.replace_all_uses_with(with_node)
+    node.graph.erase_node(node)
+
+
+def fold_cast_chains(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
+    graph = gm.graph
+    removed = 0
+    for node in list(graph.nodes):
+        target = cast_target_dtype(node)
+        if target is None or not node.args:
+            continue
+        src = node.args[0]
+        if not isinstance(src, fx.Node) or dtype_after_amp(src) is None:
+            continue
+        if dtype_after_amp(src) == target:
+            _replace(node, src)
+            removed += 1
+            continue
+        if cast_target_dtype(src) is not None:
+            origin = src.args[0]
+            if dtype_after_amp(origin) == target:
+                _replace(node, origin)
+            else:
+                node.args = (origin, *node.args[1:])
+            removed += 1
+            if not src.users:
+                graph.erase_node(src)
+                removed += 1
+    # one cast per (value, dtype)
+    seen: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+    for node in list(graph.nodes):
+        target = cast_target_dtype(node)
+        if target is None or not node.meta.get("amp_cast"):
+            continue
+        key = (node.args[0], target)
+        first = seen.get(key)
+        if first is None:
+            seen[key] = node
+        else:
+            _replace(node, first)
+            removed += 1
+    ctx.stats["casts_folded"] = removed
+    if removed:
+        gm.recompile()
+    return PassResult(gm, removed > 0)
