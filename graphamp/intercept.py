@@ -88,6 +88,14 @@ class CaptureMode(TorchFunctionMode):
     # -- torch functions --------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _HOST_READS:
+            where = current_user_frame()
+            raise CaptureError(
+                f"build() reads a tensor's value on the host with {_HOST_READS[func]}"
+                f"{_where(where)}. That would stop the compiled step to wait for the device, and "
+                "capture has no values (it runs on shapes alone). Return the tensor from build() "
+                "and call .item() on the result, or keep the decision in the graph with "
+                "torch.where")
         if func is torch.Tensor.backward:
             return self._record_backward(*args, **kwargs)
         if func is torch.autograd.backward:
@@ -173,6 +181,17 @@ class CaptureMode(TorchFunctionMode):
             grads = (grads,) * len(tensors) if grads is None else (grads,)
         for t, g in zip(tensors, grads):
             self._record_backward(t, g, retain_graph, create_graph, inputs)
+
+
+_HOST_READS = {
+    torch.Tensor.item: ".item()",
+    torch.Tensor.tolist: ".tolist()",
+    torch.Tensor.__bool__: "bool() or an if/while on a tensor",
+    torch.Tensor.__float__: "float()",
+    torch.Tensor.__int__: "int()",
+    torch.Tensor.__index__: "a tensor used as an index or size",
+    torch.Tensor.numpy: ".numpy()",
+}
 
 
 def _functional_batch_norm(

@@ -49,10 +49,11 @@ def optimizer_kind(optimizer: Any) -> str:
 
 @dataclass
 class GroupPlan:
-    """One param group: which parameters it updates and its structural flags."""
+    """One param group: which parameters it updates, its state keys and structural flags."""
 
     params: list[int]  # forward-parameter positions of the group's trainable parameters
     flags: tuple  # structure that changes the traced graph (part of the cache key)
+    state_keys: tuple[str, ...]  # per-parameter state in torch's format, for this group
 
 
 @dataclass
@@ -61,11 +62,18 @@ class OptimizerPlan:
     optimizer: torch.optim.Optimizer
     kind: str
     groups: list[GroupPlan]
-    state_keys: tuple[str, ...]
     clip_max_norm: float | None
     clip_norm_type: float
     params: list[torch.Tensor]  # the parameters it updates, in forward_positions order
 
+    def state_slots(self) -> list[tuple[torch.Tensor, str]]:
+        """(parameter, state key) for every state tensor, in the step's input order."""
+        out, i = [], 0
+        for group in self.groups:
+            params = self.params[i : i + len(group.params)]
+            i += len(group.params)
+            out += [(p, key) for key in group.state_keys for p in params]
+        return out
     @property
     def forward_positions(self) -> list[int]:
         """Forward-parameter positions of every parameter this optimizer updates, group order."""
@@ -82,7 +90,7 @@ class OptimizerPlan:
         return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
 
     def structure(self) -> tuple:
-        return (self.kind, self.state_keys, self.clip_max_norm, self.clip_norm_type,
+        return (self.kind, self.clip_max_norm, self.clip_norm_type,
                 tuple((tuple(g.params), g.flags) for g in self.groups))
 
 
@@ -98,11 +106,11 @@ def group_flags(kind: str, optimizer: torch.optim.Optimizer, group: dict) -> tup
             ("weight_decay", group["weight_decay"] != 0), ("maximize", maximize))
 
 
-def state_keys(kind: str, flags_per_group: list[dict]) -> tuple[str, ...]:
+def state_keys(kind: str, flags: dict) -> tuple[str, ...]:
+    """The per-parameter state torch keeps for a group with these flags."""
     if kind == "sgd":
-        return ("momentum_buffer",) if any(f["momentum"] for f in flags_per_group) else ()
-    keys = ("step", "exp_avg", "exp_avg_sq")
-    return keys + (("max_exp_avg_sq",) if any(f["amsgrad"] for f in flags_per_group) else ())
+        return ("momentum_buffer",) if flags["momentum"] else ()
+    return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if flags["amsgrad"] else ())
 
 
 def init_state(kind: str, key: str, param: torch.Tensor) -> torch.Tensor:
@@ -169,8 +177,6 @@ def adam_update(t: GroupTensors, flags: dict):
             out["max_exp_avg_sq"].append(max_sq)
             denom = max_sq.sqrt() / bias_correction2_sqrt + eps
         else:
-            if "max_exp_avg_sq" in out:  # amsgrad on in another group of this optimizer
-                out["max_exp_avg_sq"].append(t.state["max_exp_avg_sq"][i])
             denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
         new_params.append(p - step_size * exp_avg / denom)
         out["step"].append(step)

@@ -142,7 +142,7 @@ def build_plan(graph: "Graph", captured: CapturedForward, root: BuildRoot,
     for k, slot in enumerate(optimizers):
         opt = slot.optimizer
         kind = optimizer_kind(opt)
-        groups, flags_per_group, updated = [], [], []
+        groups, updated = [], []
         for group in opt.param_groups:
             positions = []
             for p in group["params"]:
@@ -162,10 +162,9 @@ def build_plan(graph: "Graph", captured: CapturedForward, root: BuildRoot,
                     positions.append(i)
                     updated.append(p)
             flags = group_flags(kind, opt, group)
-            groups.append(GroupPlan(positions, flags))
-            flags_per_group.append(dict(flags))
-        plans.append(OptimizerPlan(k, opt, kind, groups, state_keys(kind, flags_per_group),
-                                   slot.clip_max_norm, slot.clip_norm_type, updated))
+            groups.append(GroupPlan(positions, flags, state_keys(kind, dict(flags))))
+        plans.append(OptimizerPlan(k, opt, kind, groups, slot.clip_max_norm,
+                                   slot.clip_norm_type, updated))
         trainable += [i for g in groups for i in g.params]
     if training and not trainable:
         raise CaptureError(f"{name}: no parameter of the optimizers requires grad and reaches "
@@ -182,9 +181,9 @@ def _fill_layout(plan: StepPlan, cap: CapturedForward) -> None:
     layout.add("buffers", [f"b_{n}" for n in cap.buffer_names])
     state_names, hyper_names = [], []
     for opt in plan.optimizers:
-        for key in opt.state_keys:
-            state_names += [f"opt{opt.index}_{key}_{cap.param_names[i]}"
-                            for i in opt.forward_positions]
+        position = dict(zip(map(id, opt.params), opt.forward_positions))
+        state_names += [f"opt{opt.index}_{key}_{cap.param_names[position[id(p)]]}"
+                        for p, key in opt.state_slots()]
         for g, _ in enumerate(opt.groups):
             hyper_names += [f"opt{opt.index}_group{g}_{h}" for h in opt.hyper_names]
     layout.add("opt_state", state_names)
@@ -206,21 +205,20 @@ def materialize_optimizer_state(plan: StepPlan) -> list[torch.Tensor]:
     """
     flat = []
     for opt in plan.optimizers:
-        for key in opt.state_keys:
-            for p in opt.params:
-                state = opt.optimizer.state[p]
-                t = state.get(key)
-                if t is None:
-                    t = init_state(opt.kind, key, p)
-                elif key == "step":
-                    t = torch.as_tensor(t).to(device=p.device, dtype=torch.float32)
-                elif t.shape != p.shape or t.device != p.device:
-                    raise CaptureError(
-                        f"optimizer {opt.index} state {key!r} has shape {tuple(t.shape)} on "
-                        f"{t.device}, its parameter {tuple(p.shape)} on {p.device}: the loaded "
-                        "optimizer state does not belong to these parameters")
-                state[key] = t
-                flat.append(t)
+        for p, key in opt.state_slots():
+            state = opt.optimizer.state[p]
+            t = state.get(key)
+            if t is None:
+                t = init_state(opt.kind, key, p)
+            elif key == "step":
+                t = torch.as_tensor(t).to(device=p.device, dtype=torch.float32)
+            elif t.shape != p.shape or t.device != p.device:
+                raise CaptureError(
+                    f"optimizer {opt.index} state {key!r} has shape {tuple(t.shape)} on "
+                    f"{t.device}, its parameter {tuple(p.shape)} on {p.device}: the loaded "
+                    "optimizer state does not belong to these parameters")
+            state[key] = t
+            flat.append(t)
     return flat
 
 
@@ -303,13 +301,12 @@ def _example_optimizer_state(plan: StepPlan) -> list[torch.Tensor]:
     """Tensors shaped like the optimizer state, for tracing and compiling; nothing installed."""
     out = []
     for opt in plan.optimizers:
-        for key in opt.state_keys:
-            for p in opt.params:
-                existing = opt.optimizer.state.get(p, {}).get(key)
-                if isinstance(existing, torch.Tensor) and key != "step":
-                    out.append(existing)
-                else:
-                    out.append(init_state(opt.kind, key, p))
+        for p, key in opt.state_slots():
+            existing = opt.optimizer.state.get(p, {}).get(key)
+            if isinstance(existing, torch.Tensor) and key != "step":
+                out.append(existing)
+            else:
+                out.append(init_state(opt.kind, key, p))
     return out
 
 

@@ -193,20 +193,19 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
 
 def _update_optimizer(opt, slots, params, trainable, grads, states, hypers, counter, skip):
     """Trace one optimizer's masked update; consumes its tensors from the shared iterators."""
-    n = len(slots)
-    state = {key: [next(states) for _ in range(n)] for key in opt.state_keys}
     first_step = counter == 0
     offset = 0
     for group in opt.groups:
         idx = list(range(offset, offset + len(group.params)))
         offset += len(group.params)
         hyper = {name: next(hypers) for name in opt.hyper_names}
+        state = {key: [next(states) for _ in idx] for key in group.state_keys}
         if not idx:
             continue
         tensors = GroupTensors(
             params=[params[trainable[slots[i]]] for i in idx],
             grads=[grads[i] for i in idx],
-            state={key: [state[key][i] for i in idx] for key in opt.state_keys},
+            state=state,
             hyper=hyper,
         )
         new_params, new_state = apply_update(opt, group, tensors, first_step)

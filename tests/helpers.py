@@ -1,0 +1,102 @@
+"""Builders shared by the tests: a Graph around a model, and the eager reference loop."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+import graphamp
+
+
+def make_graph(model: nn.Module, loss_fn: Callable, optimizer=None, *, backend="aot_eager",
+               amp: torch.dtype | None = None, scaler=None, lr_sch=None, clip=None,
+               build: Callable | None = None, configure: Callable | None = None):
+    """A Graph training ``model`` with ``loss_fn`` (build: loss(model(x), y); backward; loss)."""
+
+    class TrainGraph(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            if isinstance(loss_fn, nn.Module):
+                self.loss_fn = loss_fn
+            if optimizer is not None:
+                self.add_optimizer(optimizer, lr_sch=lr_sch, clip_grad_max_norm=clip)
+            self.config.set_backend(backend)
+            if amp is not None:
+                self.config.enable_amp(True, dtype=amp)
+            if scaler is not None:
+                self.set_grad_scaler(scaler)
+            if configure is not None:
+                configure(self)
+
+        def build(self, x, y):
+            if build is not None:
+                return build(self, x, y)
+            loss = loss_fn(self.model(x), y)
+            loss.backward()
+            return loss
+
+    return TrainGraph()
+
+
+def clone_training(model: nn.Module, opt_factory: Callable, sch_factory: Callable | None = None):
+    """An independent copy of a model with a fresh optimizer (and scheduler) built the same way."""
+    twin = copy.deepcopy(model)
+    opt = opt_factory(twin)
+    sch = sch_factory(opt) if sch_factory else None
+    return twin, opt, sch
+
+
+def eager_step(model, loss_fn, opt, x, y, sch=None) -> torch.Tensor:
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    if sch is not None:
+        sch.step()
+    return loss.detach()
+
+
+def assert_state_close(a: nn.Module, b: nn.Module, rtol=1e-5, atol=1e-6, what="model"):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=rtol, atol=atol, msg=f"{what} {k}")
+
+
+def assert_optimizer_close(a: torch.optim.Optimizer, b: torch.optim.Optimizer, rtol=1e-5,
+                           atol=1e-6):
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert sa.keys() == sb.keys(), (sorted(sa), sorted(sb))
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys(), (i, sorted(sa[i]), sorted(sb[i]))
+        for k in sa[i]:
+            x, y = sa[i][k], sb[i][k]
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+                x, y = x.cpu().to(y.dtype) if k == "step" else x, y
+                torch.testing.assert_close(x.reshape(y.shape), y, rtol=rtol, atol=atol,
+                                           msg=f"optimizer state {i}.{k}")
+            else:
+                assert float(x) == float(y), (i, k, x, y)
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    state = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+    if opt is not None:
+        state["opt"] = copy.deepcopy(opt.state_dict())
+    return state
+
+
+def assert_unchanged(before: dict, model: nn.Module, opt=None) -> None:
+    for k, v in model.state_dict().items():
+        assert torch.equal(before["model"][k], v), f"{k} changed"
+    if opt is not None:
+        after = opt.state_dict()
+        assert after["state"].keys() == before["opt"]["state"].keys(), "optimizer state changed"
+        for i, s in after["state"].items():
+            for k, v in s.items():
+                assert torch.equal(torch.as_tensor(before["opt"]["state"][i][k]),
+                                   torch.as_tensor(v)), f"optimizer state {i}.{k} changed"
