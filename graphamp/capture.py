@@ -88,8 +88,13 @@ def capture_forward(
     root: BuildRoot,
     inputs: FlatInputs,
     graph_name: str,
+    device: torch.device | None = None,
 ) -> CapturedForward:
-    """Trace ``root``'s build() on fake copies of its state and ``inputs``."""
+    """Trace ``root``'s build() on fake copies of its state and ``inputs``.
+
+    ``device`` traces as if everything lived there (fake tensors): the CUDA graph of a model can
+    be captured and inspected on a machine without a GPU.
+    """
     named_params = list(root.named_parameters())
     named_buffers = list(root.named_buffers())
     param_names = [n for n, _ in named_params]
@@ -118,6 +123,11 @@ def capture_forward(
 
     example = [p.detach() for _, p in named_params] + [b for _, b in named_buffers]
     example += list(inputs.tensors)
+    if device is not None:
+        from .oracle import fake_copy
+
+        mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+        example = [fake_copy(mode, t, device) for t in example]
     try:
         gm = make_fx(
             torch.func.functionalize(forward, remove="mutations"), tracing_mode="fake"

@@ -76,6 +76,7 @@ class Graph:
         d["_programs"] = OrderedDict()
         d["_history"] = TrainingHistory()
         d["_counters"] = {}
+        d["_shadows"] = {}
         d["_debug_level"] = 0
         d["_step_count"] = 0
         d["_last_program"] = None
@@ -259,6 +260,19 @@ class Graph:
         if plan.training:
             out += self._history.materialize(device)
         return out
+
+    def _shadow(self, slot: tuple[dict, str], dtype: torch.dtype):
+        """The graph's low-precision copy of a parameter (shared by all its compiled steps)."""
+        from .program import ShadowEntry
+
+        param = slot[0][slot[1]]
+        key = (id(param), dtype)
+        entry = self._shadows.get(key)
+        if entry is None or entry.param is not param:
+            with torch.no_grad():
+                entry = ShadowEntry(param.detach().to(dtype), param, param._version)
+            self._shadows[key] = entry
+        return entry
 
     def _optimizer_state_loaded(self) -> None:
         for program in self._programs.values():

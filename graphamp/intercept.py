@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from .errors import CaptureError
 from .fxutil import UserFrame, current_user_frame, last_node, nodes_after, tracing_graph
-from .ops import CAPTURE_REWRITES
+from .ops import CAPTURE_REWRITES, capture_sdpa
 
 aten = torch.ops.aten
 
@@ -44,9 +44,11 @@ def _where(frame: UserFrame | None) -> str:
 class CaptureMode(TorchFunctionMode):
     """Active while build() is traced; see the module docstring."""
 
-    def __init__(self, module_names: dict[int, str]):
+    def __init__(self, module_names: dict[int, str], sdpa_policy: torch.dtype | None = None):
         super().__init__()
         self.module_names = module_names
+        # Set by the autocast oracle: attention follows autocast's lower_precision_fp policy.
+        self.sdpa_policy = sdpa_policy
         self.losses: list[RecordedLoss] = []
         self._backward_seen: dict[int, RecordedLoss] = {}
         self._stack: list[tuple[str, str]] = []
@@ -106,6 +108,8 @@ class CaptureMode(TorchFunctionMode):
             out = _functional_batch_norm(*args, **kwargs)
         elif func is F.dropout:
             out = _native_dropout(*args, **kwargs)
+        elif func is F.scaled_dot_product_attention and self.sdpa_policy is not None:
+            out = _sdpa_with_autocast_policy(self.sdpa_policy, *args, **kwargs)
         elif func in CAPTURE_REWRITES:
             out = CAPTURE_REWRITES[func](*args, **kwargs)
         else:
@@ -192,6 +196,15 @@ _HOST_READS = {
     torch.Tensor.__index__: "a tensor used as an index or size",
     torch.Tensor.numpy: ".numpy()",
 }
+
+
+def _sdpa_with_autocast_policy(dtype: torch.dtype, query, key, value, attn_mask=None,
+                               dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def low(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+
+    return capture_sdpa(low(query), low(key), low(value), low(attn_mask), dropout_p, is_causal,
+                        scale, enable_gqa)
 
 
 def _functional_batch_norm(

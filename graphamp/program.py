@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.autograd.graph import increment_version
 
 from .capture import BuildRoot, CapturedForward, capture_forward
 from .compile import CudaGraphStep, compile_step
@@ -39,6 +40,29 @@ class PassRecord:
     code: str
     seconds: float
     modified: bool
+
+
+@dataclass
+class ShadowEntry:
+    """A persistent low-precision copy of a parameter (see passes/hoist_param_casts.py).
+
+    The compiled step refreshes it together with the parameter. If the parameter changes outside
+    the graph (load_state_dict, manual edits, eager steps, another graph), its version counter
+    moves and the copy is refreshed before the next call.
+    """
+
+    tensor: torch.Tensor
+    param: torch.Tensor
+    version: int
+
+    def sync(self, param: torch.Tensor) -> None:
+        if param is not self.param or param._version != self.version:
+            if param is not self.param and param.shape != self.tensor.shape:
+                self.tensor = torch.empty_like(param, dtype=self.tensor.dtype)
+            with torch.no_grad():
+                self.tensor.copy_(param)
+            self.param = param
+            self.version = param._version
 
 
 @dataclass
@@ -78,8 +102,10 @@ class Program:
     extra_state: list[torch.Tensor]  # counters, scaler state, history
     timings: dict[str, float] = field(default_factory=dict)
     pass_records: list[PassRecord] = field(default_factory=list)
+    shadow_slots: list[tuple[tuple[dict, str], ShadowEntry]] = field(default_factory=list)
     opt_state: list[torch.Tensor] | None = None
     calls: int = 0
+    example_inputs: FlatInputs | None = None  # meta copies, for the autocast oracle
 
     @property
     def n_state(self) -> int:
@@ -90,12 +116,15 @@ class Program:
             self.opt_state = materialize_optimizer_state(self.plan)
         for slot in self.hyper:
             slot.sync()
+        for (d, k), entry in self.shadow_slots:
+            entry.sync(d[k])
         return [
             *(d[k] for d, k in self.param_slots),
             *(d[k] for d, k in self.buffer_slots),
             *self.opt_state,
             *(t for slot in self.hyper for t in slot.tensors),
             *self.extra_state,
+            *(entry.tensor for _, entry in self.shadow_slots),
         ]
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -103,6 +132,13 @@ class Program:
         with torch.no_grad():
             outputs = self.compiled(*flat)
         self.calls += 1
+        if self.plan.training:
+            # In-place updates bump version counters, as eager optimizer steps do: autograd and
+            # other graphs sharing these parameters (their shadows) see the change.
+            updated = [p for opt in self.plan.optimizers for p in opt.params]
+            increment_version(updated)
+            for (d, k), entry in self.shadow_slots:
+                entry.version = d[k]._version
         return list(outputs)
 
     def invalidate_optimizer_state(self) -> None:
@@ -122,7 +158,7 @@ def _slots(root: nn.Module, names: list[str], kind: str) -> list[tuple[dict, str
 
 
 def build_plan(graph: "Graph", captured: CapturedForward, root: BuildRoot,
-               device: torch.device) -> StepPlan:
+               shadows: list[tuple[int, torch.dtype]], direct_use: set[int]) -> StepPlan:
     name = type(graph).__name__
     optimizers = graph._optimizer_slots
     training = bool(optimizers)
@@ -170,7 +206,8 @@ def build_plan(graph: "Graph", captured: CapturedForward, root: BuildRoot,
         raise CaptureError(f"{name}: no parameter of the optimizers requires grad and reaches "
                            "a loss; there is nothing to train")
     plan = StepPlan(captured, training, trainable, plans,
-                    graph._grad_scaler if training else None, graph._history.capacity)
+                    graph._grad_scaler if training else None, graph._history.capacity,
+                    shadows=shadows, direct_use=direct_use)
     _fill_layout(plan, captured)
     return plan
 
@@ -194,6 +231,9 @@ def _fill_layout(plan: StepPlan, cap: CapturedForward) -> None:
                               "scaler_hysteresis_tracker", "scaler_found_inf"])
     if plan.training:
         layout.add("history", ["history_step", "history_table"])
+    if plan.shadows:
+        layout.add("shadows", [f"p_{cap.param_names[i]}_{str(dt).replace('torch.', '')}"
+                               for i, dt in plan.shadows])
     layout.add("inputs", [f"in_{n}" for n in cap.input_names])
 
 
@@ -237,11 +277,15 @@ def build_program(graph: "Graph", inputs: FlatInputs) -> Program:
 
     forward = captured.gm
     amp = None
+    n_params = len(captured.param_names)
+    param_placeholders = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    param_placeholders = param_placeholders[:n_params]
     if config.amp_active:
         amp = AmpContext(dtype=config.amp_dtype,
                          lists=graph._precision_lists(),
                          opt_level=config.amp_opt_level,
-                         pinned_paths=graph._pinned_paths(root))
+                         pinned_paths=graph._pinned_paths(root),
+                         parameters=frozenset(param_placeholders))
         forward = _copy_graph_module(captured.gm)
 
         def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
@@ -254,7 +298,11 @@ def build_program(graph: "Graph", inputs: FlatInputs) -> Program:
         forward = run_amp_passes(forward, amp, after_pass=record)
         timings["amp_passes"] = time.perf_counter() - start
 
-    plan = build_plan(graph, captured, root, device)
+    index = {name: i for i, name in enumerate(param_placeholders)}
+    shadows = [(index[name], dtype) for name, dtype in (amp.hoisted if amp else [])]
+    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
+    direct_use = {i for i in range(n_params) if placeholders[i].users}
+    plan = build_plan(graph, captured, root, shadows, direct_use)
     warn_about_dtype(plan.scaler, config.amp_active, config.amp_dtype, name)
     extra = graph._extra_state(plan, device)
     hyper = []
@@ -266,10 +314,12 @@ def build_program(graph: "Graph", inputs: FlatInputs) -> Program:
             hyper.append(HyperSlot(opt, group, tensors, values))
     param_slots = _slots(root, captured.param_names, "_parameters")
     buffer_slots = _slots(root, captured.buffer_names, "_buffers")
+    shadow_slots = [(param_slots[i], graph._shadow(param_slots[i], dtype))
+                    for i, dtype in plan.shadows]
     example_state = _example_optimizer_state(plan)
     example = [*(d[k].detach() for d, k in param_slots), *(d[k] for d, k in buffer_slots),
                *example_state, *(t for slot in hyper for t in slot.tensors), *extra,
-               *inputs.tensors]
+               *(entry.tensor for _, entry in shadow_slots), *inputs.tensors]
 
     start = time.perf_counter()
     step_gm = assemble_step(plan, forward, example, name)
@@ -279,7 +329,8 @@ def build_program(graph: "Graph", inputs: FlatInputs) -> Program:
     timings["compile"] = time.perf_counter() - start
 
     program = Program(name, captured, forward, amp, plan, step_gm, compiled, device, param_slots,
-                      buffer_slots, hyper, extra, timings, records)
+                      buffer_slots, hyper, extra, timings, records, shadow_slots=shadow_slots,
+                      example_inputs=inputs.as_meta())
     if _use_cuda_graph(config, device):
         try:
             program.compiled = CudaGraphStep(compiled, program.n_state,

@@ -52,6 +52,7 @@ class PrecisionReport:
     rows: list[dict[str, str]]
     dtype: str
     casts: int
+    parameter_copies: int  # parameter casts hoisted into the optimizer update
     ops_low: int
     ops_total: int
     unknown_ops: dict[str, int]
@@ -61,6 +62,9 @@ class PrecisionReport:
     def summary(self) -> str:
         text = (f"converted {self.ops_low}/{self.ops_total} ops to {self.dtype} with "
                 f"{self.casts} casts")
+        if self.parameter_copies:
+            text += (f" (+{self.parameter_copies} low-precision parameter copies refreshed by the "
+                     "optimizer update)")
         if self.unknown_ops:
             names = ", ".join(sorted(self.unknown_ops))
             n = sum(self.unknown_ops.values())
@@ -126,6 +130,7 @@ def precision_report(graph: "Graph", program: "Program", *, with_autocast: bool 
         autocast = autocast_counts_for_program(graph, program)
     return PrecisionReport(
         rows=rows, dtype=dtype, casts=amp.stats.get("casts", 0) if amp else 0,
+        parameter_copies=len(amp.hoisted) if amp else 0,
         ops_low=ops_low, ops_total=ops_total,
         unknown_ops=dict(amp.unknown_ops) if amp else {}, autocast=autocast,
         timings=dict(program.timings))

@@ -43,6 +43,7 @@ class FlatInputs:
     signature: InputSignature
     args: tuple
     kwargs: dict
+    devices: list[torch.device] | None = None  # set by as_meta(): where the real tensors were
 
     def rebuild(self, tensors: list[Any]) -> tuple[tuple, dict]:
         """args and kwargs with the tensor leaves replaced by ``tensors`` (in order)."""
@@ -51,6 +52,13 @@ class FlatInputs:
         leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         return tuple(args), dict(kwargs)
+
+    def as_meta(self) -> "FlatInputs":
+        """The same structure with meta tensors (shapes only), to rerun build() on fakes later."""
+        metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                 for t in self.tensors]
+        args, kwargs = self.rebuild(metas)
+        return FlatInputs(metas, self.signature, args, kwargs, [t.device for t in self.tensors])
 
     def names(self, build: Callable) -> list[str]:
         """Readable names for the tensor leaves, from build()'s parameter names."""

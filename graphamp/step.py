@@ -61,6 +61,10 @@ class StepPlan:
     scaler: GradScaler | None
     history_capacity: int
     layout: StepLayout = field(default_factory=StepLayout)
+    # low-precision parameter copies the forward reads (hoist_parameter_casts): (position, dtype)
+    shadows: list[tuple[int, torch.dtype]] = field(default_factory=list)
+    # parameters the forward also reads directly (in their own dtype)
+    direct_use: set[int] = field(default_factory=set)
 
 
 class _ForwardRunner(fx.Interpreter):
@@ -107,28 +111,34 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
         buffers = outs[n_out + n_loss + n_grad :]
         return user, losses, grads, buffers
 
+    trainable = set(plan.trainable)
+    direct = [i for i in plan.trainable if i in plan.direct_use]
+    shadowed = [j for j, (i, _) in enumerate(plan.shadows) if i in trainable]
+
     def step(*flat):
         s = plan.layout.split(flat)
         params, buffers, inputs = s["params"], s["buffers"], s["inputs"]
+        shadows = s.get("shadows", [])
 
         if not plan.training:
             user, _, _, new_buffers = split_outputs(_run_forward(fwd_gm, [*params, *buffers,
-                                                                         *inputs]))
+                                                                         *inputs, *shadows]))
             for i, value in zip(cap.mutated_buffers, new_buffers):
                 buffers[i].copy_(value)
             return tuple(user)
 
-        def forward(trainable_values):
-            ps = list(params)
-            for pos, value in zip(plan.trainable, trainable_values):
+        def forward(direct_values, shadow_values):
+            ps, sh = list(params), list(shadows)
+            for pos, value in zip(direct, direct_values):
                 ps[pos] = value
+            for j, value in zip(shadowed, shadow_values):
+                sh[j] = value
             user, losses, grads, new_buffers = split_outputs(
-                _run_forward(fwd_gm, [*ps, *buffers, *inputs]))
+                _run_forward(fwd_gm, [*ps, *buffers, *inputs, *sh]))
             return tuple(losses), (user, grads, new_buffers)
 
-        primals = [params[i] for i in plan.trainable]
         losses, vjp_fn, (user, loss_grads, new_buffers) = torch.func.vjp(
-            forward, primals, has_aux=True)
+            forward, [params[i] for i in direct], [shadows[j] for j in shadowed], has_aux=True)
         scaler = plan.scaler
         scale = s["scaler"][0] if scaler is not None else None
         with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
@@ -138,7 +148,13 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
                 seed = next(explicit) if given else torch.ones_like(loss)
                 cotangents.append(seed * scale.to(seed.dtype) if scale is not None else seed)
         with NodeTagger({"graphamp_subgraph": "backward"}):
-            (grads,) = vjp_fn(tuple(cotangents))
+            direct_grads, shadow_grads = vjp_fn(tuple(cotangents))
+            by_param: dict[int, torch.Tensor] = dict(zip(direct, direct_grads))
+            for j, g in zip(shadowed, shadow_grads):
+                i = plan.shadows[j][0]
+                g = g.to(params[i].dtype)  # what the cast's backward does
+                by_param[i] = by_param[i] + g if i in by_param else g
+            grads = [by_param[i] for i in plan.trainable]
 
         position = {p: j for j, p in enumerate(plan.trainable)}
         states = iter(s["opt_state"])
@@ -169,6 +185,10 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
             with NodeTagger({"graphamp_subgraph": "optimizer"}):
                 _update_optimizer(opt, slots, params, plan.trainable, opt_grads, states, hypers,
                                   counters[k], skip)
+        with NodeTagger({"graphamp_subgraph": "optimizer"}):
+            for j in shadowed:  # the optimizer refreshes the low-precision copies it feeds
+                i, dtype = plan.shadows[j]
+                shadows[j].copy_(params[i].to(dtype))
         if scaler is not None:
             with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
                 found_total = found_infs[0]

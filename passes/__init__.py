@@ -7,6 +7,7 @@ The pipeline order lives in ``pipeline.AMP_PIPELINE``; the invariants in ``READM
 from .base import AmpContext, PassResult
 from .colour import colour_by_lists
 from .fold_casts import fold_cast_chains
+from .hoist_param_casts import hoist_parameter_casts
 from .insert_casts import dtype_after_amp, insert_casts
 from .lint import AmpInvariantError, check_amp_invariants, verify_dtypes
 from .lists import DEFAULT_LISTS, PrecisionLists, resolve_op
@@ -24,6 +25,7 @@ __all__ = [
     "colour_by_lists",
     "dtype_after_amp",
     "fold_cast_chains",
+    "hoist_parameter_casts",
     "insert_casts",
     "remove_hints",
     "resolve_op",

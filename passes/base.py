@@ -25,9 +25,12 @@ class AmpContext:
     lists: PrecisionLists = DEFAULT_LISTS
     opt_level: str = "O1"
     pinned_paths: frozenset[str] = frozenset()  # module paths whose ops stay fp32
+    # placeholder names of parameters (hoist_parameter_casts may give them shadows)
+    parameters: frozenset[str] = frozenset()
     # filled by the passes
     stats: dict[str, Any] = field(default_factory=dict)
     unknown_ops: dict[str, int] = field(default_factory=dict)
+    hoisted: list[tuple[str, torch.dtype]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.dtype not in LOW_DTYPES:

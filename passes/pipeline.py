@@ -10,11 +10,13 @@ import torch.fx as fx
 from .base import AmpContext
 from .colour import colour_by_lists
 from .fold_casts import fold_cast_chains
+from .hoist_param_casts import hoist_parameter_casts
 from .insert_casts import insert_casts
 from .lint import check_amp_invariants
 from .remove_hints import remove_hints
 
-AMP_PIPELINE = (colour_by_lists, insert_casts, remove_hints, fold_cast_chains)
+AMP_PIPELINE = (colour_by_lists, insert_casts, remove_hints, fold_cast_chains,
+                hoist_parameter_casts)
 
 AfterPass = Callable[[str, fx.GraphModule, bool, float], None]
 
@@ -36,4 +38,5 @@ def run_amp_passes(gm: fx.GraphModule, ctx: AmpContext, *, after_pass: AfterPass
     if check:
         check_amp_invariants(gm, ctx)
     ctx.stats["casts"] = sum(1 for n in gm.graph.nodes if n.meta.get("amp_cast"))
+    ctx.stats["casts_with_parameters"] = ctx.stats["casts"] + len(ctx.hoisted)
     return gm
