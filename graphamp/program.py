@@ -289,7 +289,9 @@ def build_program(graph: "Graph", inputs: FlatInputs) -> Program:
         forward = _copy_graph_module(captured.gm)
 
         def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
-            records.append(PassRecord(pass_name, gm.code, seconds, modified))
+            # python_code, not recompile: the code text without compiling it
+            records.append(PassRecord(pass_name, gm.graph.python_code("self").src, seconds,
+                                      modified))
             log.log(logging.DEBUG if graph._debug_level < 2 else logging.INFO,
                     "%s: pass %s %.1f ms%s", name, pass_name, seconds * 1e3,
                     "" if modified else " (no change)")

@@ -12,7 +12,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from .lists import DEFAULT_LISTS, FIXED_DTYPE, PrecisionLists
 
-__all__ = ["AmpContext", "PassResult", "classify", "float_dtype", "is_compute_node"]
+__all__ = ["AmpContext", "PassResult", "captured_dtype", "classify", "dtype_after_amp",
+           "float_dtype", "is_compute_node"]
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -46,6 +47,30 @@ def float_dtype(value: Any) -> torch.dtype | None:
     return None
 
 
+_UNSET = object()
+
+
+def captured_dtype(node: fx.Node) -> Any:
+    """The floating dtype a value had when captured (a tuple for tuple outputs; None if not
+    floating). Read from ``meta["val"]`` once and cached in ``meta["captured_dtype"]``."""
+    meta = node.meta
+    dtype = meta.get("captured_dtype", _UNSET)
+    if dtype is _UNSET:
+        val = meta.get("val")
+        if isinstance(val, (tuple, list)):
+            dtype = tuple(float_dtype(v) for v in val)
+        else:
+            dtype = float_dtype(val)
+        meta["captured_dtype"] = dtype
+    return dtype
+
+
+def dtype_after_amp(node: fx.Node) -> Any:
+    """A value's floating dtype after the AMP passes (its captured dtype if they left it)."""
+    dtype = node.meta.get("amp_dtype", _UNSET)
+    return captured_dtype(node) if dtype is _UNSET else dtype
+
+
 def is_compute_node(node: fx.Node) -> bool:
     """A call that computes something (getitem only unpacks a tuple)."""
     return node.op == "call_function" and node.target is not operator.getitem
@@ -58,37 +83,67 @@ def packet_of(node: fx.Node) -> Any:
     return target
 
 
+def carries_float(dtype: Any) -> bool:
+    if isinstance(dtype, tuple):
+        return any(d is not None for d in dtype)
+    return dtype is not None
+
+
 def touches_float(node: fx.Node) -> bool:
     """Does the op read or produce a floating-point tensor? Only those take part in AMP."""
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    if any(float_dtype(v) for v in vals):
+    if carries_float(captured_dtype(node)):
         return True
-    return any(float_dtype(n.meta.get("val")) for n in node.all_input_nodes)
+    return any(carries_float(captured_dtype(n)) for n in node.all_input_nodes)
 
 
-def classify(node: fx.Node, ctx: AmpContext) -> tuple[str, str]:
-    """(category, why) for a compute node, after pins and the opt level are applied.
+class Classifier:
+    """(category, why) for compute nodes, after pins and the opt level; cached per op.
 
     Categories: allow, deny, infer, clear (list membership), unknown (fp32, reported), fixed
     (output dtype fixed by an argument: never coloured), n/a (no floating-point data).
     """
-    packet = packet_of(node)
-    explicit_dtype = node.kwargs.get("dtype") is not None
-    if packet in FIXED_DTYPE or (explicit_dtype and packet not in ctx.lists.clear):
-        return "fixed", "output dtype fixed by the op's arguments"
-    if not touches_float(node):
-        return "n/a", "no floating-point data"
-    base = ctx.lists.category(packet)
-    why = f"{base} list" + (" (user override)" if packet in ctx.lists.overridden else "")
-    stack = node.meta.get("nn_module_stack") or {}
-    pinned = next((p for p in stack if p in ctx.pinned_paths), None)
-    if pinned is not None and ctx.opt_level != "O3":
-        return "deny", f"inside fp32-pinned module {pinned}"
-    if ctx.opt_level == "O3":
-        return "allow", "opt level O3: everything in low precision"
-    if ctx.opt_level == "O2" and base in ("infer", "clear"):
-        return "allow", "opt level O2: all but deny ops and pinned modules"
-    if base == "unknown":
-        return "unknown", "not in any precision list: kept fp32"
-    return base, why
+
+    def __init__(self, ctx: AmpContext):
+        self.ctx = ctx
+        self._by_target: dict[Any, tuple[str, str]] = {}
+
+    def _base(self, target: Any) -> tuple[str, str]:
+        hit = self._by_target.get(target)
+        if hit is None:
+            ctx = self.ctx
+            packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+            base = ctx.lists.category(packet)
+            if packet in FIXED_DTYPE:
+                hit = ("fixed", "output dtype fixed by the op's arguments")
+            elif ctx.opt_level == "O3":
+                hit = ("allow", "opt level O3: everything in low precision")
+            elif ctx.opt_level == "O2" and base in ("infer", "clear"):
+                hit = ("allow", "opt level O2: all but deny ops and pinned modules")
+            elif base == "unknown":
+                hit = ("unknown", "not in any precision list: kept fp32")
+            else:
+                hit = (base, f"{base} list" + (" (user override)"
+                                               if packet in ctx.lists.overridden else ""))
+            self._by_target[target] = hit
+        return hit
+
+    def __call__(self, node: fx.Node) -> tuple[str, str]:
+        category, why = self._base(node.target)
+        if category == "fixed":
+            return category, why
+        if node.kwargs.get("dtype") is not None and category != "clear" and \
+                packet_of(node) not in self.ctx.lists.clear:
+            return "fixed", "output dtype fixed by the op's arguments"
+        if not touches_float(node):
+            return "n/a", "no floating-point data"
+        if self.ctx.pinned_paths and self.ctx.opt_level != "O3":
+            stack = node.meta.get("nn_module_stack") or {}
+            pinned = next((p for p in stack if p in self.ctx.pinned_paths), None)
+            if pinned is not None:
+                return "deny", f"inside fp32-pinned module {pinned}"
+        return category, why
+
+
+def classify(node: fx.Node, ctx: AmpContext) -> tuple[str, str]:
+    """classify one node (see Classifier)."""
+    return Classifier(ctx)(node)

@@ -24,7 +24,8 @@ from typing import Callable, Iterable
 import networkx as nx
 import torch.fx as fx
 
-from .base import AmpContext, PassResult, classify, float_dtype, is_compute_node
+from .base import AmpContext, Classifier, PassResult, captured_dtype, carries_float, \
+    is_compute_node
 
 
 class DataFlow:
@@ -41,24 +42,27 @@ class DataFlow:
             if node.op == "output":
                 for src in node.all_input_nodes:
                     src = _producer(src)
-                    if src in category and _carries_float(src):
+                    if src in category and carries_float(captured_dtype(src)):
                         self.feeds_output.add(src)
                 continue
             if node not in category:
                 continue
             for value in node.all_input_nodes:
-                if not float_dtype(value.meta.get("val")):
+                if captured_dtype(value) is None:
                     continue
                 src = _producer(value)
                 if src in category:
                     edges.append((src, node))
         g.add_edges_from(edges)
         self.g = g
+        # networkx's own algorithms read these dict-of-dicts directly; its public views build an
+        # AtlasView object per lookup, which costs a third of colouring on a 100k-node graph.
+        self.succ, self.pred = g._succ, g._pred  # noqa: SLF001
 
     def reach(self, starts: Iterable[fx.Node], traversable: Callable[[fx.Node], bool],
               reverse: bool) -> dict[fx.Node, fx.Node]:
         """Nodes reachable from ``starts`` through traversable nodes: {node: start it came from}."""
-        neighbours = self.g.pred if reverse else self.g.succ
+        neighbours = self.pred if reverse else self.succ
         origin = {s: s for s in starts}
         stack = list(origin)
         while stack:
@@ -75,12 +79,6 @@ def _producer(value: fx.Node) -> fx.Node:
     if value.op == "call_function" and value.target is operator.getitem:
         return value.args[0]
     return value
-
-
-def _carries_float(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    return any(float_dtype(v) for v in vals)
 
 
 def fill_deny_set(flow: DataFlow) -> dict[fx.Node, fx.Node]:
@@ -104,19 +102,19 @@ def fill_allow_set(flow: DataFlow, deny_set: dict) -> dict[fx.Node, fx.Node]:
 
 
 def propagate_allow_through_clear(flow: DataFlow, deny_set: dict, allow_set: dict) -> list:
-    cat, g = flow.category, flow.g
+    cat = flow.category
     joined = []
 
     def candidate(n: fx.Node) -> bool:
         return cat[n] == "clear" and n not in allow_set and n not in deny_set
 
     for node in flow.order:  # downward: all producers low
-        preds = g.pred[node]
+        preds = flow.pred[node]
         if candidate(node) and preds and all(p in allow_set for p in preds):
             allow_set[node] = node
             joined.append(node)
     for node in reversed(flow.order):  # upward: all consumers low
-        succs = g.succ[node]
+        succs = flow.succ[node]
         if (candidate(node) and succs and node not in flow.feeds_output
                 and all(s in allow_set for s in succs)):
             allow_set[node] = node
@@ -128,9 +126,10 @@ def colour_by_lists(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     graph = gm.graph
     category: dict[fx.Node, str] = {}
     why: dict[fx.Node, str] = {}
+    classify = Classifier(ctx)
     for node in graph.nodes:
         if is_compute_node(node):
-            cat, reason = classify(node, ctx)
+            cat, reason = classify(node)
             node.meta["amp_list"] = cat
             if cat in ("n/a", "fixed"):
                 node.meta["amp_colour"] = "fixed" if cat == "fixed" else None

@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .base import AmpContext, PassResult
-from .insert_casts import dtype_after_amp
+from .base import AmpContext, PassResult, dtype_after_amp
 
 aten = torch.ops.aten
 _CAST_TARGETS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
@@ -24,7 +23,7 @@ _CAST_TARGETS = (aten._to_copy.default, torch.ops.prims.convert_element_type.def
 
 def cast_target_dtype(node: fx.Node) -> torch.dtype | None:
     """The dtype a pure dtype cast converts to, or None if ``node`` is not one."""
-    if node.op != "call_function" or node.target not in _CAST_TARGETS:
+    if node.target not in _CAST_TARGETS or node.op != "call_function":
         return None
     if node.target is aten._to_copy.default:
         extra = {k: v for k, v in node.kwargs.items() if k != "dtype" and v is not None}
@@ -79,6 +78,4 @@ def fold_cast_chains(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
             _replace(node, first)
             removed += 1
     ctx.stats["casts_folded"] = removed
-    if removed:
-        gm.recompile()
     return PassResult(gm, removed > 0)

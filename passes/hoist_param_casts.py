@@ -1,24 +1,26 @@
 """hoist_parameter_casts: parameters come in already cast; the optimizer keeps the copies.
 
 OneFlow fuses the cast of each model weight into the model-update op, which writes a
-low-precision copy of the weight next to the fp32 master. The same here: every
-``cast(parameter, low)`` node becomes a new placeholder (a *shadow*), fed by a persistent
-low-precision copy that step assembly refreshes inside the optimizer update (fused there, so the
-forward never re-reads the fp32 weight). Numerically nothing changes: the shadow always equals
-``parameter.to(low)``. The forward graph's inputs become ``(*params, *buffers, *inputs,
-*shadows)``; each shadow placeholder carries ``meta["shadow_of"]`` (the parameter placeholder's
-name) and ``meta["amp_dtype"]``.
+low-precision copy of the weight next to the fp32 master. The same here: where a coloured op
+wants a parameter in low precision, it reads a new placeholder instead (a *shadow*), fed by a
+persistent low-precision copy that step assembly refreshes inside the optimizer update (fused
+there, so the forward never re-reads the fp32 weight and no cast node is made for it).
+Numerically nothing changes: the shadow always equals ``parameter.to(low)``.
 
-Only placeholders named in ``ctx.parameters`` are hoisted (buffers and inputs change every step
-or are not the optimizer's to refresh).
+Runs after colour_by_lists and before insert_casts. The forward graph's inputs become
+``(*params, *buffers, *inputs, *shadows)``; each shadow placeholder carries
+``meta["shadow_of"]`` (the parameter placeholder's name) and ``meta["amp_dtype"]``. Only
+placeholders named in ``ctx.parameters`` are hoisted (buffers and inputs change every step or
+are not the optimizer's to refresh).
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from .base import AmpContext, PassResult
-from .fold_casts import cast_target_dtype
+from .base import AmpContext, PassResult, captured_dtype, packet_of
+from .insert_casts import wanted_dtype
+from .lists import MIXED_ARGS
 
 
 def hoist_parameter_casts(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
@@ -27,25 +29,54 @@ def hoist_parameter_casts(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     last = placeholders[-1] if placeholders else None
     hoisted = []
     for param in placeholders:
-        if param.name not in ctx.parameters:
+        if param.name not in ctx.parameters or captured_dtype(param) is None:
             continue
-        for cast in list(param.users):
-            dtype = cast_target_dtype(cast)
-            if dtype is None or not cast.meta.get("amp_cast"):
-                continue
-            with graph.inserting_after(last):
-                shadow = graph.placeholder(f"{param.name}_{str(dtype).replace('torch.', '')}")
-            last = shadow
-            shadow.meta.update(
-                val=param.meta.get("val"), amp_dtype=dtype, amp_colour="cast", amp_cast=False,
-                shadow_of=param.name,
-                amp_reason=f"low-precision copy of {param.name}, refreshed by the optimizer",
-            )
-            cast.replace_all_uses_with(shadow)
-            graph.erase_node(cast)
-            hoisted.append((param.name, dtype))
+        users = [u for u in param.users
+                 if u.meta.get("amp_colour") == "allow" and (
+                     packet_of(u) not in MIXED_ARGS
+                     or any(wanted_dtype(u, pos, param, ctx.dtype) == ctx.dtype
+                            for pos in _positions(u, param)))]
+        if not users:
+            continue
+        with graph.inserting_after(last):
+            shadow = graph.placeholder(f"{param.name}_{str(ctx.dtype).replace('torch.', '')}")
+        last = shadow
+        shadow.meta.update(
+            val=param.meta.get("val"), captured_dtype=captured_dtype(param), amp_dtype=ctx.dtype,
+            amp_colour="cast", shadow_of=param.name,
+            amp_reason=f"low-precision copy of {param.name}, refreshed by the optimizer",
+        )
+        for user in users:
+            if packet_of(user) in MIXED_ARGS:
+                _replace_low_uses(user, param, shadow, ctx)
+            else:  # every position of this user wants low precision
+                user.replace_input_with(param, shadow)
+        hoisted.append((param.name, ctx.dtype))
     ctx.stats["parameter_casts_hoisted"] = len(hoisted)
     ctx.hoisted = hoisted
-    if hoisted:
-        gm.recompile()
     return PassResult(gm, bool(hoisted))
+
+
+def _positions(user: fx.Node, value: fx.Node) -> list:
+    out = [i for i, a in enumerate(user.args) if _mentions(a, value)]
+    return out + [k for k, a in user.kwargs.items() if _mentions(a, value)]
+
+
+def _mentions(arg, value: fx.Node) -> bool:
+    if arg is value:
+        return True
+    return isinstance(arg, (list, tuple)) and any(_mentions(a, value) for a in arg)
+
+
+def _replace_low_uses(user: fx.Node, param: fx.Node, shadow: fx.Node, ctx: AmpContext) -> None:
+    """Point the argument positions that want low precision at the shadow (BatchNorm's fp32
+    positions keep the parameter)."""
+    def swap(arg, pos):
+        if arg is param:
+            return shadow if wanted_dtype(user, pos, param, ctx.dtype) == ctx.dtype else arg
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(swap(a, pos) for a in arg)
+        return arg
+
+    user.args = tuple(swap(a, i) for i, a in enumerate(user.args))
+    user.kwargs = {k: swap(a, k) for k, a in user.kwargs.items()}

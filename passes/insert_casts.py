@@ -3,7 +3,7 @@
 Rules (each checked by ``lint.check_amp_invariants``):
 
 - at most one cast per value per dtype, placed right after the value (after the last
-  placeholder for parameters and inputs): a parameter used by several ops is cast once per step;
+  placeholder for graph inputs);
 - only floating-point values are cast, and only fp32 values are lowered: fp64 data and values
   the user cast explicitly keep their dtype;
 - mixed-precision kernels (BatchNorm) keep their parameters and statistics fp32;
@@ -25,20 +25,21 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .base import AmpContext, PassResult, float_dtype, packet_of
+from .base import AmpContext, PassResult, captured_dtype, dtype_after_amp, packet_of
 from .lists import ALL_OUTPUTS_FOLLOW, FACTORIES, LIKE_FACTORIES, MIXED_ARGS, PROMOTING
+
+__all__ = ["dtype_after_amp", "insert_casts", "wanted_dtype"]
 
 aten = torch.ops.aten
 
 
-def dtype_after_amp(node: fx.Node) -> Any:
-    """A value's floating dtype after the AMP passes (its captured dtype if they left it)."""
-    if "amp_dtype" in node.meta:
-        return node.meta["amp_dtype"]
-    val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        return tuple(float_dtype(v) for v in val)
-    return float_dtype(val)
+def wanted_dtype(consumer: fx.Node, position: Any, value: fx.Node, low: torch.dtype) -> Any:
+    """The dtype ``consumer`` wants to read ``value`` in at argument ``position``."""
+    orig = captured_dtype(value)
+    if (orig == torch.float32 and consumer.meta.get("amp_colour") == "allow"
+            and position not in MIXED_ARGS.get(packet_of(consumer), ())):
+        return low
+    return orig
 
 
 def _short(dtype: Any) -> str:
@@ -59,16 +60,19 @@ class _CastInserter:
         if node is None:
             where = self.anchor if value.op == "placeholder" else value
             with self.graph.inserting_after(where):
-                node = self.graph.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+                node = self.graph.create_node(
+                    "call_function", aten._to_copy.default, (value,), {"dtype": dtype},
+                    name=f"{value.name}_{_short(dtype)}")
             node.meta.update(
                 amp_cast=True,
                 amp_list="cast",
                 amp_colour="cast",
                 amp_dtype=dtype,
+                captured_dtype=captured_dtype(value),
                 amp_reason=f"{_short(dtype_after_amp(value))} -> {_short(dtype)} for {user.name}",
                 nn_module_stack=user.meta.get("nn_module_stack"),
                 user_frame=user.meta.get("user_frame"),
-                cast_source=value,
+                val=value.meta.get("val"),  # shape and strides; the dtype is amp_dtype
             )
             self.casts[key] = node
         return node
@@ -82,90 +86,81 @@ class _CastInserter:
         if low_here and packet in LIKE_FACTORIES:
             self._set_factory_dtype(node)
             return
-        mixed = MIXED_ARGS.get(packet, ())
-        wanted: dict[tuple[Any, int], torch.dtype] = {}
-
-        def want(value: fx.Node, position: Any) -> torch.dtype | None:
-            orig = float_dtype(value.meta.get("val"))
-            if orig is None:
-                return None
-            if low_here and orig == torch.float32 and position not in mixed:
-                return self.low
-            return orig
-
-        inputs = []  # (position, value, current dtype, wanted dtype)
-        for pos, arg in [*enumerate(node.args), *node.kwargs.items()]:
-            for value in _nodes_in(arg):
-                target = want(value, pos)
-                if target is not None:
-                    inputs.append((pos, value, dtype_after_amp(value), target))
-        if not low_here and packet in PROMOTING and self._promotes_correctly(node, inputs):
-            pass  # the kernel widens low-precision inputs itself
-        else:
-            for pos, value, current, target in inputs:
+        mixed = MIXED_ARGS.get(packet)
+        if mixed is None:
+            # the dtype a value is wanted in does not depend on its argument position:
+            # low for fp32 values of an allow op, the captured dtype otherwise (wanted_dtype)
+            changes = {}
+            for value in node.all_input_nodes:
+                current = dtype_after_amp(value)
+                if current is None or current.__class__ is tuple:
+                    continue
+                target = captured_dtype(value)
+                if low_here and target == torch.float32:
+                    target = self.low
                 if current != target:
-                    wanted[(value, pos)] = target
-        if wanted:
-            def replace(value: fx.Node, pos: Any) -> fx.Node:
-                target = wanted.get((value, pos))
-                return value if target is None else self.cast(value, target, node)
-
-            node.args = tuple(_map_nodes(a, lambda v, p=i: replace(v, p))
-                              for i, a in enumerate(node.args))
-            node.kwargs = {k: _map_nodes(a, lambda v, p=k: replace(v, p))
-                           for k, a in node.kwargs.items()}
+                    changes[value] = target
+            if changes and not (not low_here and packet in PROMOTING
+                                and self._promotes_correctly(node)):
+                for value, target in changes.items():
+                    node.replace_input_with(value, self.cast(value, target, node))
+        else:
+            self._rewrite_positional(node, mixed)
         self._set_output_dtype(node, low_here, packet)
 
-    def _promotes_correctly(self, node: fx.Node, inputs: list) -> bool:
+    def _rewrite_positional(self, node: fx.Node, mixed: tuple[int, ...]) -> None:
+        def fix(value: fx.Node, position: Any) -> fx.Node:
+            current = dtype_after_amp(value)
+            if current is None or isinstance(current, tuple):
+                return value
+            target = wanted_dtype(node, position, value, self.low)
+            return value if current == target else self.cast(value, target, node)
+
+        node.args = tuple(_map_nodes(a, lambda v, p=i: fix(v, p)) for i, a in enumerate(node.args))
+        node.kwargs = {k: _map_nodes(a, lambda v, p=k: fix(v, p)) for k, a in node.kwargs.items()}
+
+    def _promotes_correctly(self, node: fx.Node) -> bool:
         """Would type promotion on the current dtypes give the op's captured output dtype?"""
-        out = float_dtype(node.meta.get("val"))
+        out = captured_dtype(node)
         dims, zero_dims = [], []
-        for _, value, current, _ in inputs:
+        for value in node.all_input_nodes:
+            current = dtype_after_amp(value)
+            if current is None or isinstance(current, tuple):
+                continue
             val = value.meta.get("val")
             (dims if isinstance(val, torch.Tensor) and val.dim() > 0 else zero_dims).append(current)
         group = dims or zero_dims
         return bool(group) and out is not None and reduce(torch.promote_types, group) == out
 
     def _set_output_dtype(self, node: fx.Node, low_here: bool, packet: Any) -> None:
-        val = node.meta.get("val")
         if not low_here:
             return
-        if isinstance(val, (tuple, list)):
-            dtypes = []
-            for i, v in enumerate(val):
-                orig = float_dtype(v)
-                follows = i == 0 or packet in ALL_OUTPUTS_FOLLOW
-                dtypes.append(self.low if follows and orig == torch.float32 else orig)
-            node.meta["amp_dtype"] = tuple(dtypes)
+        orig = captured_dtype(node)
+        if isinstance(orig, tuple):
+            node.meta["amp_dtype"] = tuple(
+                self.low if d == torch.float32 and (i == 0 or packet in ALL_OUTPUTS_FOLLOW) else d
+                for i, d in enumerate(orig))
             return
-        if float_dtype(val) != torch.float32:
+        if orig != torch.float32:
             return
         node.meta["amp_dtype"] = self.low
         if packet in FACTORIES:
             node.kwargs = {**node.kwargs, "dtype": self.low}
 
     def _set_factory_dtype(self, node: fx.Node) -> None:
-        if float_dtype(node.meta.get("val")) == torch.float32:
+        if captured_dtype(node) == torch.float32:
             node.kwargs = {**node.kwargs, "dtype": self.low}
             node.meta["amp_dtype"] = self.low
 
     def fix_outputs(self, output: fx.Node) -> None:
         def restore(value: fx.Node) -> fx.Node:
-            orig = float_dtype(value.meta.get("val"))
+            orig = captured_dtype(value)
             current = dtype_after_amp(value)
-            if orig is None or current == orig:
+            if orig is None or current == orig or isinstance(orig, tuple):
                 return value
             return self.cast(value, orig, output)
 
         output.args = tuple(_map_nodes(a, restore) for a in output.args)
-
-
-def _nodes_in(arg: Any) -> list[fx.Node]:
-    if isinstance(arg, fx.Node):
-        return [arg]
-    if isinstance(arg, (list, tuple)):
-        return [n for a in arg for n in _nodes_in(a)]
-    return []
 
 
 def _map_nodes(arg: Any, fn) -> Any:
@@ -181,13 +176,14 @@ def insert_casts(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     for node in list(gm.graph.nodes):
         if node.op == "output":
             inserter.fix_outputs(node)
-        elif node.op == "call_function" and node.target is operator.getitem:
+        elif node.op != "call_function" or node.meta.get("amp_cast"):
+            continue
+        elif node.target is operator.getitem:
             src, index = node.args
             produced = dtype_after_amp(src)
             if isinstance(produced, tuple):
                 node.meta["amp_dtype"] = produced[index]
-        elif node.op == "call_function" and not node.meta.get("amp_cast"):
+        else:
             inserter.rewrite(node)
     ctx.stats["casts_inserted"] = len(inserter.casts)
-    gm.recompile()
     return PassResult(gm, bool(inserter.casts))

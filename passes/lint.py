@@ -8,9 +8,8 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from .base import AmpContext, float_dtype
+from .base import AmpContext, dtype_after_amp, float_dtype
 from .fold_casts import cast_target_dtype
-from .insert_casts import dtype_after_amp
 from .lists import MIXED_ARGS
 
 

@@ -27,6 +27,15 @@ Deliberate differences from torch.autocast (each tested in tests/test_amp_oracle
 4. Nearest-neighbour upsampling stays fp32 as in autocast (its backward accumulates with atomics).
 5. BatchNorm is infer with its weight, bias and running statistics kept fp32 (the mixed kernels
    take low-precision activations and fp32 parameters); autocast does the same on CUDA.
+6. ``cross_entropy``'s ``log_softmax`` runs in fp32. Under CUDA autocast it runs in the logits'
+   low precision: ``cross_entropy`` passes the input's dtype to ``log_softmax`` explicitly and
+   autocast's ``fp32_set_opt_dtype`` policy respects an explicit dtype; ``nll_loss`` then casts
+   the low-precision log-probabilities to fp32. Same number of casts, one fewer rounding of the
+   log-probabilities (measured by ``graphamp.oracle``, tested in tests/test_amp.py).
+7. softmax, log_softmax and layer_norm stay deny, as in autocast; OneFlow treats them as infer.
+   ``benchmarks/list_choice.py`` measures both choices (error against fp64 on a GPT block, casts)
+   and ``benchmarks/results/list_choice.md`` records why deny is the default; the
+   ``override_amp_lists(infer=[...])`` setter selects OneFlow's behaviour.
 """
 
 from __future__ import annotations

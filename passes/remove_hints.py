@@ -21,6 +21,4 @@ def remove_hints(gm: fx.GraphModule, ctx: AmpContext | None = None) -> PassResul
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             removed += 1
-    if removed:
-        gm.recompile()
     return PassResult(gm, removed > 0)
