@@ -192,11 +192,11 @@ class GradScaler:
     def from_torch(cls, scaler: "torch.amp.GradScaler") -> "GradScaler":
         """Take over a torch.amp.GradScaler's settings and state, with torch's exact semantics."""
         ours = cls(
-            init_scale=max(scaler._init_scale, 1e-45), growth_factor=scaler._growth_factor,
+            init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
             backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
             max_scale=math.inf, min_scale=0.0, hysteresis=1, enabled=scaler.is_enabled(),
         )
-        if scaler.is_enabled() and getattr(scaler, "_scale", None) is not None:
+        if scaler.is_enabled():  # its state_dict holds the current state, lazy or not
             ours.load_state_dict({**scaler.state_dict(), "max_scale": math.inf, "min_scale": 0.0})
         return ours
 

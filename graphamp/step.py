@@ -195,6 +195,11 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
                 for f in found_infs[1:]:
                     found_total = found_total + f
                 any_skip = found_total > 0
+        with NodeTagger({"graphamp_subgraph": "history"}):
+            # before the scaler state is written: a read after copy_ sees the new value
+            _record_history(s["history"], losses, cap, scale, any_skip, norms)
+        if scaler is not None:
+            with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
                 scale_t, growth_t, hysteresis_t, found_t = s["scaler"]
                 new_scale, new_growth, new_hysteresis = scaler.update_scale(
                     scale_t, growth_t, hysteresis_t, found_total)
@@ -204,8 +209,6 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
                 found_t.copy_(any_skip.to(found_t.dtype))
         for i, value in zip(cap.mutated_buffers, new_buffers):
             buffers[i].copy_(_where(any_skip, buffers[i], value))
-        with NodeTagger({"graphamp_subgraph": "history"}):
-            _record_history(s["history"], losses, cap, scale, any_skip, norms)
         return tuple(user)
 
     return step
