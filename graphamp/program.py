@@ -135,8 +135,7 @@ class Program:
         if self.plan.training:
             # In-place updates bump version counters, as eager optimizer steps do: autograd and
             # other graphs sharing these parameters (their shadows) see the change.
-            updated = [p for opt in self.plan.optimizers for p in opt.params]
-            increment_version(updated)
+            _increment_versions([p for opt in self.plan.optimizers for p in opt.params])
             for (d, k), entry in self.shadow_slots:
                 entry.version = d[k]._version
         return list(outputs)
@@ -145,6 +144,14 @@ class Program:
         """The user loaded an optimizer state dict: gather its tensors again at the next call
         (a CUDA graph notices the new addresses and is captured again)."""
         self.opt_state = None
+
+
+def _increment_versions(tensors: list[torch.Tensor]) -> None:
+    try:
+        increment_version(tensors)
+    except TypeError:  # torch versions whose increment_version takes one tensor
+        for t in tensors:
+            increment_version(t)
 
 
 def _slots(root: nn.Module, names: list[str], kind: str) -> list[tuple[dict, str]]:

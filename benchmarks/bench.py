@@ -1,0 +1,334 @@
+"""graphamp against what PyTorch users run today, side by side in one process on the same data.
+
+For each workload (seed MLP, GPT-2 124M, ResNet-50) and each variant:
+
+    eager_fp32        eager fp32
+    eager_amp_fp16    eager torch.autocast(fp16) + torch.amp.GradScaler
+    eager_bf16        eager torch.autocast(bf16)
+    compile_amp_fp16  torch.compile(model) + autocast fp16 + GradScaler, fused optimizer
+    compile_bf16      torch.compile(model) + autocast bf16, fused optimizer
+    graphamp_fp16     graphamp.Graph, AMP fp16 + graphamp.GradScaler (CUDA graph on CUDA)
+    graphamp_bf16     graphamp.Graph, AMP bf16
+
+it reports ms/step (median of per-step CUDA-event times over the measured steps, launched back
+to back with one sync at the end), achieved TFLOP/s where the FLOPs are known, peak memory,
+first-call time (capture/trace + compile), the loss trajectory, whether a steady-state step
+synchronises with the host (``torch.cuda.set_sync_debug_mode("error")``), and graphamp's ratio
+to the best peer of its dtype.
+
+    python benchmarks/bench.py --workload mlp gpt2 resnet50          # on a GPU
+    python benchmarks/bench.py --smoke                               # tiny, CPU, aot_eager
+
+Results: benchmarks/results/bench_<device>.jsonl (one JSON object per variant) and
+bench_<device>.md (a table), stamped with the device name and torch version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import graphamp  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
+
+VARIANTS = ("eager_fp32", "eager_amp_fp16", "eager_bf16", "compile_amp_fp16", "compile_bf16",
+            "graphamp_fp16", "graphamp_bf16")
+FP16, BF16 = torch.float16, torch.bfloat16
+
+
+def make_step(variant: str, workload, model, device, backend: str):
+    """A function (x, y) -> loss tensor that runs one training step of ``variant``."""
+    dtype = BF16 if variant.endswith("bf16") else FP16
+    cuda = device.type == "cuda"
+    if variant.startswith("graphamp"):
+        opt = workload.make_optimizer(model, False)
+
+        class TrainGraph(graphamp.Graph):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+                self.add_optimizer(opt)
+                self.config.enable_amp(True, dtype=dtype)
+                self.config.set_backend(backend)
+                if dtype == FP16:
+                    self.set_grad_scaler(graphamp.GradScaler())
+
+            def build(self, x, y):
+                loss = workload.loss(self.model(x), y)
+                loss.backward()
+                return loss
+
+        return TrainGraph()
+
+    fused = variant.startswith("compile") and cuda
+    opt = workload.make_optimizer(model, fused)
+    net = torch.compile(model, backend=backend) if variant.startswith("compile") else model
+    if variant == "eager_fp32":
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = workload.loss(net(x), y)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+    scaler = torch.amp.GradScaler(device.type) if dtype == FP16 else None
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype):
+            loss = workload.loss(net(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return loss.detach()
+    return step
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def syncs_with_host(step, batch, device) -> str:
+    """Run steady-state steps with CUDA's sync debug mode set to error."""
+    if device.type != "cuda":
+        return "n/a"
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for _ in range(2):
+            step(*batch)
+        return "no"
+    except RuntimeError as e:
+        return "yes: " + str(e).splitlines()[0][:80]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def run_variant(variant, workload, base_model, device, args) -> dict:
+    torch.manual_seed(0)
+    model = copy.deepcopy(base_model).to(device)
+    backend = "aot_eager" if args.smoke else "inductor"
+    batches = workload.batches
+    losses = []
+    step = make_step(variant, workload, model, device, backend)
+    start = time.perf_counter()
+    losses.append(step(*batches[0]))
+    _sync(device)
+    first_call = time.perf_counter() - start
+    for i in range(args.warmup):
+        losses.append(step(*batches[(i + 1) % len(batches)]))
+    sync_state = syncs_with_host(step, batches[0], device)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(args.steps)]
+    times = []
+    wall = time.perf_counter()
+    for i in range(args.steps):
+        batch = batches[i % len(batches)]
+        if device.type == "cuda":
+            events[i][0].record()
+            losses.append(step(*batch))
+            events[i][1].record()
+        else:
+            t = time.perf_counter()
+            losses.append(step(*batch))
+            times.append((time.perf_counter() - t) * 1e3)
+    _sync(device)
+    wall = (time.perf_counter() - wall) / args.steps * 1e3
+    if device.type == "cuda":
+        times = [a.elapsed_time(b) for a, b in events]
+    extra = max(0, args.loss_steps - len(losses))
+    for i in range(extra):
+        losses.append(step(*batches[i % len(batches)]))
+    trajectory = torch.stack([l.float().reshape(()) for l in losses]).cpu().tolist()
+    ms = statistics.median(times)
+    result = {
+        "workload": workload.name, "variant": variant, "ms_per_step": ms,
+        "ms_mean_wall": wall, "ms_p10": sorted(times)[len(times) // 10],
+        "ms_p90": sorted(times)[len(times) * 9 // 10],
+        "tflops": workload.flops_per_step / (ms * 1e-3) / 1e12 if workload.flops_per_step else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "first_call_s": first_call, "host_sync": sync_state,
+        "loss_first": trajectory[0], "loss_last": trajectory[-1],
+        "loss_min": min(trajectory), "loss_finite": all(map(_finite, trajectory)),
+        "steps_total": len(trajectory),
+        "loss_every_20": trajectory[::20],
+    }
+    if variant.startswith("graphamp"):
+        report = step.precision_report(with_autocast=False)
+        result["precision"] = report.summary()
+        result["cuda_graph"] = type(step._last_program.compiled).__name__ == "CudaGraphStep"
+        result["timings"] = step._last_program.timings
+        if args.profile and device.type == "cuda":
+            result["profile"] = profile_steps(step, batches, device, args)
+    del step, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return result
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def profile_steps(step, batches, device, args) -> dict:
+    """Top kernels of a few steady-state steps, and where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(5):
+            step(*batches[i % len(batches)])
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
+              or getattr(e, "self_device_time_total", 0) > 0]
+    rows = []
+    total = 0.0
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            rows.append((e.key, t / 5 / 1e3, e.count // 5))
+            total += t / 5 / 1e3
+    rows.sort(key=lambda r: -r[1])
+    def share(pred):
+        return sum(t for k, t, _ in rows if pred(k.lower()))
+    del events
+    return {
+        "gpu_ms_per_step": total,
+        "top": [{"kernel": k[:120], "ms": round(t, 4), "calls": c} for k, t, c in rows[:25]],
+        "kernels_per_step": sum(c for _, _, c in rows),
+        "ms_gemm": share(lambda k: "gemm" in k or "cutlass" in k or "sm90" in k or "xmma" in k),
+        "ms_flash": share(lambda k: "flash" in k or "fmha" in k or "attention" in k),
+        "ms_triton": share(lambda k: k.startswith("triton")),
+    }
+
+
+def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
+    lines = ["# graphamp benchmark", "",
+             f"Device: **{meta['device']}**, torch {meta['torch']}, graphamp {meta['graphamp']}. "
+             f"Command: `{meta['command']}`", "",
+             "ms/step: median of per-step CUDA-event times over the measured steps, launched back "
+             "to back with one sync at the end. Ratio: graphamp over the best peer of the same "
+             "dtype in the same run (lower is better).", ""]
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        rs = [r for r in rows if r["workload"] == workload]
+        lines += [f"## {workload}", "",
+                  "| variant | ms/step | TFLOP/s | peak GiB | first call s | host sync | loss first → last (finite) | ratio |",
+                  "|---|---:|---:|---:|---:|---|---|---:|"]
+        for r in rs:
+            tf = f"{r['tflops']:.1f}" if r.get("tflops") else "-"
+            mem = f"{r['peak_mem_gib']:.2f}" if r.get("peak_mem_gib") is not None else "-"
+            ratio = r.get("ratio_vs_best_peer")
+            lines.append(
+                f"| {r['variant']} | {r['ms_per_step']:.3f} | {tf} | {mem} | "
+                f"{r['first_call_s']:.1f} | {r['host_sync'].split(':')[0]} | "
+                f"{r['loss_first']:.3f} → {r['loss_last']:.3f} ({'yes' if r['loss_finite'] else 'NO'}) | "
+                f"{f'{ratio:.2f}' if ratio else ''} |")
+        lines.append("")
+        for r in rs:
+            if r.get("precision"):
+                lines.append(f"- {r['variant']}: {r['precision']}; CUDA graph: "
+                             f"{r.get('cuda_graph')}; first call "
+                             + ", ".join(f"{k} {v:.1f}s" for k, v in r["timings"].items()))
+        lines.append("")
+    with open(path_md, "w") as f:
+        f.write("\n".join(lines))
+
+
+def add_ratios(rows: list[dict]) -> None:
+    for r in rows:
+        if not r["variant"].startswith("graphamp"):
+            continue
+        dtype = r["variant"].split("_")[-1]
+        peers = [p for p in rows if p["workload"] == r["workload"] and not
+                 p["variant"].startswith("graphamp") and p["variant"].endswith(dtype)]
+        if peers:
+            best = min(peers, key=lambda p: p["ms_per_step"])
+            r["best_peer"] = best["variant"]
+            r["ratio_vs_best_peer"] = r["ms_per_step"] / best["ms_per_step"]
+        compiled = [p for p in peers if p["variant"].startswith("compile")]
+        if compiled:
+            r["first_call_ratio_vs_compile"] = r["first_call_s"] / compiled[0]["first_call_s"]
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", nargs="*", default=["mlp", "gpt2", "resnet50"],
+                        choices=sorted(WORKLOADS))
+    parser.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--steps", type=int, default=50, help="measured steps (default 50)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--loss-steps", type=int, default=0,
+                        help="train at least this many steps in all (loss trajectory)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny models on the CPU with the aot_eager backend (for tests)")
+    parser.add_argument("--profile", action="store_true", help="profile graphamp's steps")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--tag", default="", help="suffix for the result files")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke
+                                          else "cpu"))
+    if args.smoke:
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda"
+            else f"CPU ({platform.machine()})", "torch": torch.__version__,
+            "graphamp": graphamp.__version__,
+            "command": "python benchmarks/bench.py " + " ".join(argv if argv is not None
+                                                                 else sys.argv[1:])}
+    rows = []
+    for name in args.workload:
+        workload = WORKLOADS[name](device, smoke=args.smoke)
+        torch.manual_seed(0)
+        base = workload.make_model()
+        for variant in args.variant:
+            if device.type == "cpu" and variant.endswith("fp16") and not args.smoke:
+                continue
+            print(f"[bench] {workload.name} {variant} ...", flush=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                row = run_variant(variant, workload, base, device, args)
+            row.update(device=meta["device"], torch=meta["torch"])
+            rows.append(row)
+            print(f"[bench]   {row['ms_per_step']:.3f} ms/step, first call "
+                  f"{row['first_call_s']:.1f}s, sync {row['host_sync'].split(':')[0]}, "
+                  f"loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}", flush=True)
+        del base, workload
+    add_ratios(rows)
+    os.makedirs(args.out, exist_ok=True)
+    tag = ("smoke" if args.smoke else device.type) + (f"_{args.tag}" if args.tag else "")
+    with open(os.path.join(args.out, f"bench_{tag}.jsonl"), "a") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "meta": meta}) + "\n")
+    write_table(os.path.join(args.out, f"bench_{tag}.md"), rows, meta)
+    print(open(os.path.join(args.out, f"bench_{tag}.md")).read())
+    return rows
+
+
+if __name__ == "__main__":
+    main()
