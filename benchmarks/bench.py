@@ -135,7 +135,6 @@ def run_variant(variant, workload, base_model, device, args) -> dict:
     first_call = time.perf_counter() - start
     for i in range(args.warmup):
         losses.append(step(*batches[(i + 1) % len(batches)]))
-    sync_state = syncs_with_host(step, batches[0], device)
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -161,6 +160,8 @@ def run_variant(variant, workload, base_model, device, args) -> dict:
     for i in range(extra):
         losses.append(step(*batches[i % len(batches)]))
     trajectory = torch.stack([l.float().reshape(()) for l in losses]).cpu().tolist()
+    # last: an eager GradScaler interrupted by the sync error is left in a broken state
+    sync_state = syncs_with_host(step, batches[0], device)
     ms = statistics.median(times)
     result = {
         "workload": workload.name, "variant": variant, "ms_per_step": ms,

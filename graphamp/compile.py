@@ -46,6 +46,7 @@ class CudaGraphStep:
         self.warmup = warmup
         self._capture(flat)
 
+    @torch.no_grad()
     def _capture(self, flat: list[torch.Tensor]) -> None:
         start = time.perf_counter()
         state, inputs = flat[: self.n_state], flat[self.n_state :]
