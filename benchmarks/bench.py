@@ -50,7 +50,7 @@ VARIANTS = ("eager_fp32", "eager_amp_fp16", "eager_bf16", "compile_amp_fp16", "c
 FP16, BF16 = torch.float16, torch.bfloat16
 
 
-def make_step(variant: str, workload, model, device, backend: str):
+def make_step(variant: str, workload, model, device, backend: str, inductor_options=None):
     """A function (x, y) -> loss tensor that runs one training step of ``variant``."""
     dtype = BF16 if variant.endswith("bf16") else FP16
     cuda = device.type == "cuda"
@@ -64,6 +64,8 @@ def make_step(variant: str, workload, model, device, backend: str):
                 self.add_optimizer(opt)
                 self.config.enable_amp(True, dtype=dtype)
                 self.config.set_backend(backend)
+                if inductor_options:
+                    self.config.set_inductor_options(**inductor_options)
                 if dtype == FP16:
                     self.set_grad_scaler(graphamp.GradScaler())
 
@@ -128,7 +130,10 @@ def run_variant(variant, workload, base_model, device, args) -> dict:
     backend = "aot_eager" if args.smoke else "inductor"
     batches = workload.batches
     losses = []
-    step = make_step(variant, workload, model, device, backend)
+    step = make_step(variant, workload, model, device, backend, args.inductor_options)
+    if device.type == "cuda":  # before the first call: CUDA-graph pools are allocated there
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     losses.append(step(*batches[0]))
     _sync(device)
@@ -137,7 +142,6 @@ def run_variant(variant, workload, base_model, device, args) -> dict:
         losses.append(step(*batches[(i + 1) % len(batches)]))
     _sync(device)
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(args.steps)]
     times = []
@@ -169,6 +173,8 @@ def run_variant(variant, workload, base_model, device, args) -> dict:
         "ms_p90": sorted(times)[len(times) * 9 // 10],
         "tflops": workload.flops_per_step / (ms * 1e-3) / 1e12 if workload.flops_per_step else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30
+        if device.type == "cuda" else None,
         "first_call_s": first_call, "host_sync": sync_state,
         "loss_first": trajectory[0], "loss_last": trajectory[-1],
         "loss_min": min(trajectory), "loss_finite": all(map(_finite, trajectory)),
@@ -237,14 +243,17 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
     for workload in dict.fromkeys(r["workload"] for r in rows):
         rs = [r for r in rows if r["workload"] == workload]
         lines += [f"## {workload}", "",
-                  "| variant | ms/step | TFLOP/s | peak GiB | first call s | host sync | loss first → last (finite) | ratio |",
+                  "| variant | ms/step | TFLOP/s | peak GiB (reserved) | first call s | host sync | loss first → last (finite) | ratio |",
                   "|---|---:|---:|---:|---:|---|---|---:|"]
         for r in rs:
             tf = f"{r['tflops']:.1f}" if r.get("tflops") else "-"
-            mem = f"{r['peak_mem_gib']:.2f}" if r.get("peak_mem_gib") is not None else "-"
+            mem = (f"{r['peak_mem_gib']:.2f} ({r['peak_reserved_gib']:.2f})"
+                   if r.get("peak_mem_gib") is not None else "-")
             ratio = r.get("ratio_vs_best_peer")
+            name = r["variant"] + (" " + ",".join(f"{k}={v}" for k, v in r["inductor_options"].items())
+                                   if r.get("inductor_options") else "")
             lines.append(
-                f"| {r['variant']} | {r['ms_per_step']:.3f} | {tf} | {mem} | "
+                f"| {name} | {r['ms_per_step']:.3f} | {tf} | {mem} | "
                 f"{r['first_call_s']:.1f} | {r['host_sync'].split(':')[0]} | "
                 f"{r['loss_first']:.3f} → {r['loss_last']:.3f} ({'yes' if r['loss_finite'] else 'NO'}) | "
                 f"{f'{ratio:.2f}' if ratio else ''} |")
@@ -290,11 +299,16 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--tag", default="", help="suffix for the result files")
+    parser.add_argument("--inductor-option", action="append", default=[],
+                        help="NAME=VALUE for graphamp's inductor compile (e.g. combo_kernels=True)")
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke
                                           else "cpu"))
     if args.smoke:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+    args.inductor_options = {k: json.loads(v.lower()) if v.lower() in ("true", "false")
+                             else json.loads(v) for k, v in
+                             (o.split("=", 1) for o in args.inductor_option)}
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda"
@@ -315,6 +329,8 @@ def main(argv=None) -> list[dict]:
                 warnings.simplefilter("ignore")
                 row = run_variant(variant, workload, base, device, args)
             row.update(device=meta["device"], torch=meta["torch"])
+            if args.inductor_options and variant.startswith("graphamp"):
+                row["inductor_options"] = args.inductor_options
             rows.append(row)
             print(f"[bench]   {row['ms_per_step']:.3f} ms/step, first call "
                   f"{row['first_call_s']:.1f}s, sync {row['host_sync'].split(':')[0]}, "

@@ -20,13 +20,19 @@ log = logging.getLogger("graphamp")
 StepFn = Callable[..., Sequence[torch.Tensor]]
 
 
-def compile_step(gm: fx.GraphModule, example: list[torch.Tensor], backend: str) -> StepFn:
+def compile_step(gm: fx.GraphModule, example: list[torch.Tensor], backend: str,
+                 inductor_options: dict | None = None) -> StepFn:
     """A callable ``fn(*flat) -> outputs`` running ``gm`` compiled with ``backend``."""
     if backend == "eager":
         return gm
     import torch._dynamo  # noqa: F401 - registers the backends
 
     compiler = torch._dynamo.lookup_backend(backend)
+    if backend == "inductor" and inductor_options:
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(inductor_options):
+            return compiler(gm, example)
     return compiler(gm, example)
 
 

@@ -44,6 +44,7 @@ class GraphConfig:
         self.cuda_graph: bool | None = None  # None: on for CUDA when shapes are static
         self.grad_acc_steps = 1
         self.max_cached_graphs = 8
+        self.inductor_options: dict = {}
         self.debug_level = 0
 
     # -- AMP -----------------------------------------------------------------------------------
@@ -127,6 +128,16 @@ class GraphConfig:
             raise ConfigError(f"enable_cuda_graph(mode) takes True or False, got {mode!r}")
         self.cuda_graph = mode
 
+    def set_inductor_options(self, **options) -> None:
+        """Options for the inductor backend (``torch._inductor.config`` names), e.g.
+        ``combo_kernels=True``. Unknown names raise at once."""
+        import torch._inductor.config as inductor_config
+
+        for name in options:
+            if not hasattr(inductor_config, name.split(".")[0]):
+                raise ConfigError(f"torch._inductor.config has no option {name!r}")
+        self.inductor_options = {**self.inductor_options, **options}
+
     def set_gradient_accumulation_steps(self, n: int) -> None:
         """Split each call's batch into ``n`` micro-batches and take one optimizer step."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -154,6 +165,7 @@ class GraphConfig:
             (o.allow, o.deny, o.infer, o.clear, o.remove),
             self.fp32_module_types,
             self.fp32_module_names,
+            tuple(sorted(self.inductor_options.items())),
         )
 
     def __repr__(self) -> str:

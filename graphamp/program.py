@@ -334,7 +334,7 @@ def build_program(graph: "Graph", inputs: FlatInputs) -> Program:
     step_gm = assemble_step(plan, forward, example, name)
     timings["assemble"] = time.perf_counter() - start
     start = time.perf_counter()
-    compiled = compile_step(step_gm, example, config.backend)
+    compiled = compile_step(step_gm, example, config.backend, config.inductor_options)
     timings["compile"] = time.perf_counter() - start
 
     program = Program(name, captured, forward, amp, plan, step_gm, compiled, device, param_slots,
