@@ -317,6 +317,9 @@ def main(argv=None) -> list[dict]:
             "command": "python benchmarks/bench.py " + " ".join(argv if argv is not None
                                                                  else sys.argv[1:])}
     rows = []
+    os.makedirs(args.out, exist_ok=True)
+    tag = ("smoke" if args.smoke else device.type) + (f"_{args.tag}" if args.tag else "")
+    jsonl = os.path.join(args.out, f"bench_{tag}.jsonl")
     for name in args.workload:
         workload = WORKLOADS[name](device, smoke=args.smoke)
         torch.manual_seed(0)
@@ -335,13 +338,10 @@ def main(argv=None) -> list[dict]:
             print(f"[bench]   {row['ms_per_step']:.3f} ms/step, first call "
                   f"{row['first_call_s']:.1f}s, sync {row['host_sync'].split(':')[0]}, "
                   f"loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}", flush=True)
+            with open(jsonl, "a") as f:  # as each variant finishes: a timeout loses nothing
+                f.write(json.dumps({**row, "meta": meta}) + "\n")
         del base, workload
     add_ratios(rows)
-    os.makedirs(args.out, exist_ok=True)
-    tag = ("smoke" if args.smoke else device.type) + (f"_{args.tag}" if args.tag else "")
-    with open(os.path.join(args.out, f"bench_{tag}.jsonl"), "a") as f:
-        for r in rows:
-            f.write(json.dumps({**r, "meta": meta}) + "\n")
     write_table(os.path.join(args.out, f"bench_{tag}.md"), rows, meta)
     print(open(os.path.join(args.out, f"bench_{tag}.md")).read())
     return rows
