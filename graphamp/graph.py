@@ -269,8 +269,13 @@ class Graph:
         key = (id(param), dtype)
         entry = self._shadows.get(key)
         if entry is None or entry.param is not param:
+            # Convolution weights on CUDA are kept channels-last: cuDNN's fast kernels are NHWC,
+            # and a copy in that layout saves a transpose in every forward and backward conv.
+            layout = (torch.channels_last if param.dim() == 4 and param.is_cuda
+                      else torch.contiguous_format)
             with torch.no_grad():
-                entry = ShadowEntry(param.detach().to(dtype), param, param._version)
+                shadow = param.detach().to(dtype=dtype, memory_format=layout)
+            entry = ShadowEntry(shadow, param, param._version)
             self._shadows[key] = entry
         return entry
 
