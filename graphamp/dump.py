@@ -1,11 +1,128 @@
-"""g.dump(path): placeholder until the inspection issue."""
+"""g.dump(path): everything a person needs to see which op runs in which precision, and why.
+
+    00_captured.py ... 05_fold_cast_chains.py   the forward graph after capture and each pass
+    06_step.py                                    the assembled training step (what is compiled)
+    precision.csv                                 the precision report, one row per compute op
+    graph.dot / graph.svg                         the forward graph, coloured, clustered by module
+    report.html                                   one self-contained page: summary, table, picture
+    summary.json                                  the counts and timings
+"""
+
 from __future__ import annotations
 
+import html
+import json
+import logging
 import os
+from typing import TYPE_CHECKING
+
+from .picture import LEGEND, dot_to_svg, layered_svg, to_dot
+from .report import COLUMNS, precision_report
+
+if TYPE_CHECKING:
+    from .graph import Graph
+    from .program import Program
+
+log = logging.getLogger("graphamp")
 
 
-def dump_program(graph, program, path: str) -> str:
+def dump_program(graph: "Graph", program: "Program", path: str) -> str:
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "forward.py"), "w") as f:
-        f.write(program.forward.code)
+    name = type(graph).__name__
+    records = program.pass_records
+    for i, record in enumerate(records):
+        header = (f"# {name}: forward graph after {record.name} "
+                  f"({record.seconds * 1e3:.1f} ms{'' if record.modified else ', no change'})\n")
+        _write(path, f"{i:02d}_{record.name}.py", header + record.code)
+    _write(path, f"{len(records):02d}_step.py",
+           f"# {name}: the whole training step as compiled\n" + program.step_gm.code)
+    try:
+        report = precision_report(graph, program, with_autocast=program.amp is not None)
+    except Exception as e:  # noqa: BLE001 - the oracle is extra information; say why it is missing
+        log.warning("%s: autocast comparison skipped in the dump: %s: %s", name, type(e).__name__, e)
+        report = precision_report(graph, program, with_autocast=False)
+    _write(path, "precision.csv", report.to_csv())
+    dot = to_dot(program.forward, name)
+    _write(path, "graph.dot", dot)
+    svg = dot_to_svg(dot)
+    drawn_by = "Graphviz"
+    if svg is None:
+        svg, drawn_by = layered_svg(program.forward), "graphamp (Graphviz not installed)"
+    _write(path, "graph.svg", svg)
+    summary = {
+        "graph": name,
+        "summary": report.summary(),
+        "casts": report.casts,
+        "parameter_copies": report.parameter_copies,
+        "ops_low": report.ops_low,
+        "ops_total": report.ops_total,
+        "unknown_ops": report.unknown_ops,
+        "autocast": report.autocast,
+        "timings_s": program.timings,
+        "passes": [{"name": r.name, "ms": r.seconds * 1e3, "modified": r.modified}
+                   for r in records],
+    }
+    _write(path, "summary.json", json.dumps(summary, indent=2, default=str))
+    _write(path, "report.html", _html(name, report, svg, drawn_by, summary))
     return os.path.abspath(path)
+
+
+def _write(path: str, filename: str, text: str) -> None:
+    with open(os.path.join(path, filename), "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _html(name: str, report, svg: str, drawn_by: str, summary: dict) -> str:
+    head = "".join(f"<th onclick=\"sortBy({i})\">{c}</th>" for i, c in enumerate(COLUMNS))
+    body = "\n".join(
+        f"<tr class=\"{html.escape(r['colour'])}\">"
+        + "".join(f"<td>{html.escape(str(r[c]))}</td>" for c in COLUMNS) + "</tr>"
+        for r in report.rows)
+    legend = "".join(f'<span class="key" style="background:{c}">{html.escape(t)}</span>'
+                     for t, c in LEGEND)
+    passes = ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in summary["passes"])
+    timings = ", ".join(f"{k} {v:.2f} s" for k, v in summary["timings_s"].items())
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>graphamp report: {html.escape(name)}</title>
+<style>
+body {{ font-family: Helvetica, Arial, sans-serif; margin: 24px; color: #222; }}
+h1 {{ font-size: 20px; }} h2 {{ font-size: 16px; margin-top: 28px; }}
+.summary {{ background: #f5f7fa; padding: 12px 16px; border-radius: 6px; }}
+table {{ border-collapse: collapse; font-size: 12px; width: 100%; }}
+th, td {{ border-bottom: 1px solid #ddd; padding: 3px 6px; text-align: left; }}
+th {{ cursor: pointer; background: #eef; position: sticky; top: 0; }}
+tr.allow td:nth-child(6) {{ background: #8fd18f; }} tr.deny td:nth-child(6) {{ background: #f29b8f; }}
+tr.cast td:nth-child(6) {{ background: #f7d46b; }}
+.key {{ display: inline-block; padding: 2px 8px; margin-right: 8px; border-radius: 4px;
+        border: 1px solid #999; font-size: 12px; }}
+.picture {{ overflow: auto; max-height: 900px; border: 1px solid #ccc; }}
+input {{ margin: 8px 0; padding: 4px; width: 320px; }}
+</style></head><body>
+<h1>graphamp precision report: {html.escape(name)}</h1>
+<div class="summary"><b>{html.escape(report.summary())}</b><br>
+Passes: {html.escape(passes)}<br>First call: {html.escape(timings)}</div>
+<h2>Operators ({len(report.rows)})</h2>
+<input id="filter" placeholder="filter: op, module, colour, reason ..." oninput="filterRows()">
+<table id="ops"><thead><tr>{head}</tr></thead><tbody>
+{body}
+</tbody></table>
+<h2>Forward graph after the AMP passes</h2>
+<div>{legend} <small>drawn by {html.escape(drawn_by)}; hover a node for its reason</small></div>
+<div class="picture">{svg}</div>
+<script>
+function filterRows() {{
+  const q = document.getElementById('filter').value.toLowerCase();
+  for (const tr of document.querySelectorAll('#ops tbody tr'))
+    tr.style.display = tr.textContent.toLowerCase().includes(q) ? '' : 'none';
+}}
+let order = 1;
+function sortBy(col) {{
+  const tbody = document.querySelector('#ops tbody');
+  const rows = Array.from(tbody.rows);
+  order = -order;
+  rows.sort((a, b) => a.cells[col].textContent.localeCompare(b.cells[col].textContent,
+                                                            undefined, {{numeric: true}}) * order);
+  rows.forEach(r => tbody.appendChild(r));
+}}
+</script></body></html>
+"""

@@ -1,6 +1,133 @@
-"""print(graph): placeholder until the inspection issue."""
+"""print(graph): a tree in the spirit of OneFlow's nn.Graph repr.
+
+    (GRAPH:TrainGraph:TrainGraph): (
+      (CONFIG:GraphConfig(amp=torch.float16 O1, backend='inductor', ...))
+      (INPUT:in_x:tensor(size=(128, 256), dtype=torch.float32))
+      (MODULE:model:Sequential()): (
+        (MODULE:model.0:Linear(in_features=256, out_features=128, bias=True)): (
+          (PARAMETER:model.0.weight:tensor(size=(128, 256), dtype=torch.float32, requires_grad=True))
+          (OPERATOR: addmm(p_model_0_bias_float16:float16[128], ...) -> (addmm:float16[128, 128]), allow)
+        )
+      )
+      (OPTIMIZER:0:SGD(lr=0.001, ...))
+      (GRAD_SCALER:GradScaler(...)): (
+        (OPERATOR: ...)
+      )
+      (OUTPUT: ...)
+    )
+
+Operators appear after the first call, under the module that produced them, with the dtype and
+shape of every input and output after AMP and their colour.
+"""
+
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
 
-def graph_repr(graph) -> str:
-    return f"{type(graph).__name__}()"
+import torch
+import torch.fx as fx
+
+from .fxutil import op_name
+from .passes.base import dtype_after_amp, is_compute_node
+
+if TYPE_CHECKING:
+    from .graph import Graph
+
+INDENT = "  "
+
+
+def _short(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "") if dtype is not None else "?"
+
+
+def value_text(node: fx.Node) -> str:
+    """``name:dtype[shape]`` for a value, with the dtype it has after the AMP passes."""
+    val = node.meta.get("val")
+    if node.meta.get("amp_cast") or node.meta.get("shadow_of"):
+        val = node.meta.get("val")
+    dtype = dtype_after_amp(node)
+    if isinstance(val, torch.Tensor):
+        if isinstance(dtype, tuple):
+            dtype = dtype[0]
+        return f"{node.name}:{_short(dtype if dtype is not None else val.dtype)}{list(val.shape)}"
+    if isinstance(val, (tuple, list)):
+        return f"{node.name}:tuple[{len(val)}]"
+    return node.name
+
+
+def operator_line(node: fx.Node) -> str:
+    ins = ", ".join(value_text(a) for a in node.all_input_nodes)
+    colour = node.meta.get("amp_colour") or "fp32"
+    return f"(OPERATOR: {op_name(node).replace('aten.', '')}({ins}) -> ({value_text(node)}), {colour})"
+
+
+def _tensor_text(t: torch.Tensor) -> str:
+    grad = ", requires_grad=True" if t.requires_grad else ""
+    device = f"device='{t.device}', " if t.device.type != "cpu" else ""
+    return f"tensor({device}size={tuple(t.shape)}, dtype={t.dtype}{grad})"
+
+
+def graph_repr(graph: "Graph") -> str:
+    name = type(graph).__name__
+    program = graph.__dict__.get("_last_program")
+    lines = [f"(GRAPH:{name}:{name}): ("]
+    lines.append(f"{INDENT}(CONFIG:{graph.config!r})")
+    by_module: dict[str, list[fx.Node]] = {}
+    loose: list[fx.Node] = []
+    if program is not None:
+        for node in program.forward.graph.nodes:
+            if node.op == "placeholder" and node.name.startswith("in_"):
+                lines.append(f"{INDENT}(INPUT:{value_text(node)})")
+            if not is_compute_node(node):
+                continue
+            stack = node.meta.get("nn_module_stack") or {}
+            path = list(stack)[-1] if stack else ""
+            (by_module.setdefault(path, []) if path else loose).append(node)
+    for attr, module in graph._registered_modules.items():
+        lines += _module_lines(attr, module, by_module, 1)
+    for node in loose:
+        lines.append(f"{INDENT}{operator_line(node)}")
+    for i, slot in enumerate(graph._optimizer_slots):
+        opt = slot.optimizer
+        group = opt.param_groups[0]
+        hyper = ", ".join(f"{k}={group[k]}" for k in ("lr", "momentum", "betas", "weight_decay")
+                          if k in group)
+        clip = f", clip_grad_max_norm={slot.clip_max_norm}" if slot.clip_max_norm else ""
+        lines.append(f"{INDENT}(OPTIMIZER:{i}:{type(opt).__name__}({hyper}, "
+                     f"param_groups={len(opt.param_groups)}{clip}))")
+    scaler = graph._grad_scaler
+    if scaler is not None:
+        scaler_nodes = []
+        if program is not None:
+            scaler_nodes = [n for n in program.step_gm.graph.nodes if n.op == "call_function"
+                            and n.meta.get("graphamp_subgraph") == "grad_scaler"]
+        lines.append(f"{INDENT}(GRAD_SCALER:{scaler!r}): (" if scaler_nodes
+                     else f"{INDENT}(GRAD_SCALER:{scaler!r})")
+        if scaler_nodes:
+            lines += [f"{INDENT * 2}{operator_line(n)}" for n in scaler_nodes]
+            lines.append(f"{INDENT})")
+    if program is not None:
+        out = next(n for n in program.forward.graph.nodes if n.op == "output")
+        outs = [value_text(n) for n in out.all_input_nodes][: program.captured.num_user_outputs]
+        lines.append(f"{INDENT}(OUTPUT:{', '.join(outs)})")
+    lines.append(")")
+    return "\n".join(lines)
+
+
+def _module_lines(path: str, module: torch.nn.Module, ops: dict[str, list[fx.Node]],
+                  depth: int) -> list[str]:
+    pad = INDENT * depth
+    extra = module.extra_repr()
+    head = f"{pad}(MODULE:{path}:{type(module).__name__}({extra}))"
+    body = []
+    for pname, p in module.named_parameters(recurse=False):
+        body.append(f"{pad}{INDENT}(PARAMETER:{path}.{pname}:{_tensor_text(p)})")
+    for bname, b in module.named_buffers(recurse=False):
+        if b is not None:
+            body.append(f"{pad}{INDENT}(BUFFER:{path}.{bname}:{_tensor_text(b)})")
+    for cname, child in module.named_children():
+        body += _module_lines(f"{path}.{cname}", child, ops, depth + 1)
+    body += [f"{pad}{INDENT}{operator_line(n)}" for n in ops.get(path, [])]
+    if not body:
+        return [head]
+    return [head + ": ("] + body + [f"{pad})"]

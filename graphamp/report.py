@@ -122,7 +122,7 @@ def precision_report(graph: "Graph", program: "Program", *, with_autocast: bool 
     rows = report_rows(gm)
     dtype = _short_dtype(amp.dtype) if amp is not None else "fp32"
     ops_low = sum(r["colour"] == "allow" for r in rows)
-    ops_total = sum(r["colour"] in ("allow", "deny") for r in rows)
+    ops_total = sum(r["colour"] in ("allow", "deny", "fp32") for r in rows)
     autocast = None
     if with_autocast and amp is not None:
         from .oracle import autocast_counts_for_program

@@ -272,8 +272,9 @@ def unscale_and_check(grads: list[torch.Tensor], scale: torch.Tensor):
     """(unscaled grads, found_inf): torch.amp.GradScaler.unscale_ for one optimizer."""
     inv_scale = scale.double().reciprocal().float()
     found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-    grads = [g.clone() for g in grads]
     if grads:
+        # in place on the fresh gradients: functionalization turns it into the functional op
+        # (a clone first would make inductor copy every gradient for this fallback kernel)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     return grads, found_inf
 
