@@ -8,6 +8,7 @@ parameters and buffers lifted to inputs through ``torch.func.functional_call``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -129,9 +130,10 @@ def capture_forward(
         mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
         example = [fake_copy(mode, t, device) for t in example]
     try:
-        gm = make_fx(
-            torch.func.functionalize(forward, remove="mutations"), tracing_mode="fake"
-        )(*example)
+        with _compiling_flag():
+            gm = make_fx(
+                torch.func.functionalize(forward, remove="mutations"), tracing_mode="fake"
+            )(*example)
     except GraphampError:
         raise
     except _DATA_DEPENDENT as e:
@@ -192,6 +194,23 @@ def capture_forward(
     captured.unused_params = _params_without_path_to_losses(captured)
     log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
     return captured
+
+
+@contextlib.contextmanager
+def _compiling_flag():
+    """``torch.compiler.is_compiling()`` is True while build() is captured, as under
+    torch.compile and torch.export: libraries then skip host-side checks that read tensor values
+    (transformers' padding warning, for one), which a compiled step cannot run anyway."""
+    compiler = torch.compiler
+    if not hasattr(compiler, "_is_compiling_flag"):
+        yield
+        return
+    saved = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = saved
 
 
 def _strip_input_mutations(

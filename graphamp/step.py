@@ -86,7 +86,16 @@ class _ForwardRunner(fx.Interpreter):
         expansion = EXPANSIONS.get(target)
         if expansion is not None:
             return expansion(*args, **kwargs)
+        if target is torch.ops.aten.copy.default:
+            return _functional_copy(*args, **kwargs)
         return super().call_function(target, args, kwargs)
+
+
+def _functional_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
+    """``aten.copy`` (functionalization's form of ``copy_``) has no autograd formula; its value
+    is ``src`` in ``dst``'s dtype and shape, which autograd can differentiate."""
+    out = src.to(dtype=dst.dtype, device=dst.device)
+    return out if out.shape == dst.shape else out.expand(dst.shape)
 
 
 def _run_forward(fwd_gm: fx.GraphModule, inputs: list) -> list:
