@@ -57,7 +57,9 @@ class CapturedForward:
     loss_frames: list[UserFrame | None]
     loss_grad_given: list[bool]
     mutated_buffers: list[int]  # indexes into buffer_names, in output order
-    unused_params: set[int] = field(default_factory=set)  # params no loss depends on
+    # per loss: the parameter positions backward(inputs=...) named, or None for all
+    loss_inputs: list[frozenset[int] | None] = field(default_factory=list)
+    unused_params: set[int] = field(default_factory=set)  # params no loss sends gradients to
 
     @property
     def num_losses(self) -> int:
@@ -118,6 +120,9 @@ def capture_forward(
         result["spec"] = spec
         result["template"] = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         result["losses"] = mode.losses
+        position = {id(t): i for i, t in enumerate(flat[:n_params])}
+        result["loss_inputs"] = [_parameter_positions(r, position, param_names)
+                                 for r in mode.losses]
         losses = [r.tensor for r in mode.losses]
         grads = [r.gradient for r in mode.losses if r.gradient is not None]
         return (*tensors, *losses, *grads, *new_buffers)
@@ -190,6 +195,7 @@ def capture_forward(
         loss_frames=[r.where for r in records],
         loss_grad_given=[r.gradient is not None for r in records],
         mutated_buffers=changed,
+        loss_inputs=result["loss_inputs"],
     )
     captured.unused_params = _params_without_path_to_losses(captured)
     log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
@@ -268,20 +274,40 @@ def _detach_no_grad_values(gm: fx.GraphModule) -> None:
             user.replace_input_with(node, detached)
 
 
+def _parameter_positions(record, position: dict[int, int], names: list[str]):
+    if not record.inputs:
+        return None
+    out = set()
+    for t in record.inputs:
+        if id(t) not in position:
+            where = f" at {record.where}" if record.where else ""
+            raise CaptureError(
+                f"backward(inputs=...){where} names a tensor that is not a parameter of a "
+                "registered module; graphamp differentiates with respect to parameters only "
+                "(pass, e.g., inputs=list(self.generator.parameters()))")
+        out.add(position[id(t)])
+    return frozenset(out)
+
+
 def _params_without_path_to_losses(captured: CapturedForward) -> set[int]:
-    """Parameters no loss depends on: eager autograd leaves their .grad None and the optimizer
-    skips them (no weight decay, no momentum); the step must do the same."""
+    """Parameters no loss sends gradients to: eager autograd leaves their .grad None and the
+    optimizer skips them (no weight decay, no momentum); the step must do the same."""
     graph = captured.gm.graph
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     outs = output_node.args[0]
     losses = outs[captured.num_user_outputs : captured.num_user_outputs + captured.num_losses]
-    reached: set[fx.Node] = set()
-    stack = [n for n in losses if isinstance(n, fx.Node)]
-    while stack:
-        node = stack.pop()
-        if node in reached or node.target is aten.detach.default:
-            continue
-        reached.add(node)
-        stack.extend(node.all_input_nodes)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    return {i for i in range(len(captured.param_names)) if placeholders[i] not in reached}
+    n_params = len(captured.param_names)
+    used: set[int] = set()
+    for loss, restrict in zip(losses, captured.loss_inputs):
+        reached: set[fx.Node] = set()
+        stack = [loss] if isinstance(loss, fx.Node) else []
+        while stack:
+            node = stack.pop()
+            if node in reached or node.target is aten.detach.default:
+                continue
+            reached.add(node)
+            stack.extend(node.all_input_nodes)
+        reachable = {i for i in range(n_params) if placeholders[i] in reached}
+        used |= reachable if restrict is None else reachable & restrict
+    return set(range(n_params)) - used

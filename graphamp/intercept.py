@@ -35,6 +35,7 @@ class RecordedLoss:
     gradient: torch.Tensor | None
     where: UserFrame | None
     retained: bool = False  # backward(retain_graph=True): a second backward() on it is allowed
+    inputs: tuple = ()  # backward(inputs=...): the only tensors this loss sends gradients to
 
 
 def _where(frame: UserFrame | None) -> str:
@@ -141,12 +142,9 @@ class CaptureMode(TorchFunctionMode):
                 f"backward(create_graph=True){_where(where)}: higher-order gradients are not "
                 "supported inside a graphamp Graph; compute them eagerly instead"
             )
-        if inputs is not None:
-            raise CaptureError(
-                f"backward(inputs=...){_where(where)}: graphamp differentiates with respect to "
-                "every parameter of the registered optimizers; remove inputs= (freeze parameters "
-                "with requires_grad_(False) instead)"
-            )
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        inputs = tuple(inputs) if inputs is not None else ()
         if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
             raise CaptureError(f"backward() on a non-floating tensor{_where(where)}")
         if gradient is None and tensor.numel() != 1:
@@ -171,7 +169,8 @@ class CaptureMode(TorchFunctionMode):
                 "the first call; to train on several losses, call backward() once on each or on "
                 "their sum"
             )
-        record = RecordedLoss(tensor, gradient, where, retained=bool(retain_graph))
+        record = RecordedLoss(tensor, gradient, where, retained=bool(retain_graph),
+                              inputs=inputs)
         self._backward_seen[id(tensor)] = record
         self.losses.append(record)
         return None

@@ -19,7 +19,7 @@ from torch.autograd.graph import increment_version
 
 from .capture import BuildRoot, CapturedForward, capture_forward
 from .compile import CudaGraphStep, compile_step
-from .errors import CaptureError
+from .errors import CaptureError, ConfigError
 from .optim import GroupPlan, OptimizerPlan, group_flags, init_state, optimizer_kind, state_keys
 from .passes import AmpContext, run_amp_passes
 from .scaler import warn_about_dtype
@@ -214,7 +214,7 @@ def build_plan(graph: "Graph", captured: CapturedForward, root: BuildRoot,
                            "a loss; there is nothing to train")
     plan = StepPlan(captured, training, trainable, plans,
                     graph._grad_scaler if training else None, graph._history.capacity,
-                    shadows=shadows, direct_use=direct_use)
+                    shadows=shadows, direct_use=direct_use, acc_steps=graph.config.grad_acc_steps)
     _fill_layout(plan, captured)
     return plan
 
@@ -277,8 +277,12 @@ def build_program(graph: "Graph", inputs: FlatInputs) -> Program:
     root = BuildRoot(graph._registered_modules, graph.build)
     device = graph._check_devices(root, inputs)
 
+    acc = config.grad_acc_steps
+    if acc > 1 and not graph._optimizer_slots:
+        raise ConfigError(f"{name}: gradient accumulation splits a training step into "
+                          "micro-batches, but the graph has no optimizer")
     start = time.perf_counter()
-    captured = capture_forward(root, inputs, name)
+    captured = capture_forward(root, inputs.micro_batch(acc, name) if acc > 1 else inputs, name)
     timings["capture"] = time.perf_counter() - start
     records = [PassRecord("captured", captured.gm.code, timings["capture"], True)]
 

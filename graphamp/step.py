@@ -65,6 +65,7 @@ class StepPlan:
     shadows: list[tuple[int, torch.dtype]] = field(default_factory=list)
     # parameters the forward also reads directly (in their own dtype)
     direct_use: set[int] = field(default_factory=set)
+    acc_steps: int = 1  # gradient accumulation: micro-batches per step
 
 
 class _ForwardRunner(fx.Interpreter):
@@ -136,34 +137,45 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
                 buffers[i].copy_(value)
             return tuple(user)
 
-        def forward(direct_values, shadow_values):
-            ps, sh = list(params), list(shadows)
-            for pos, value in zip(direct, direct_values):
-                ps[pos] = value
-            for j, value in zip(shadowed, shadow_values):
-                sh[j] = value
-            user, losses, grads, new_buffers = split_outputs(
-                _run_forward(fwd_gm, [*ps, *buffers, *inputs, *sh]))
-            return tuple(losses), (user, grads, new_buffers)
-
-        losses, vjp_fn, (user, loss_grads, new_buffers) = torch.func.vjp(
-            forward, [params[i] for i in direct], [shadows[j] for j in shadowed], has_aux=True)
         scaler = plan.scaler
         scale = s["scaler"][0] if scaler is not None else None
-        with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
-            explicit = iter(loss_grads)
-            cotangents = []
-            for loss, given in zip(losses, cap.loss_grad_given):
-                seed = next(explicit) if given else torch.ones_like(loss)
-                cotangents.append(seed * scale.to(seed.dtype) if scale is not None else seed)
-        with NodeTagger({"graphamp_subgraph": "backward"}):
-            direct_grads, shadow_grads = vjp_fn(tuple(cotangents))
-            by_param: dict[int, torch.Tensor] = dict(zip(direct, direct_grads))
-            for j, g in zip(shadowed, shadow_grads):
-                i = plan.shadows[j][0]
-                g = g.to(params[i].dtype)  # what the cast's backward does
-                by_param[i] = by_param[i] + g if i in by_param else g
-            grads = [by_param[i] for i in plan.trainable]
+        n_micro = plan.acc_steps
+        total: dict[int, torch.Tensor] = {}
+        users, micro_losses = [], []
+        current = list(buffers)
+        for micro in _micro_batches(inputs, n_micro):
+            def forward(direct_values, shadow_values, micro=micro, bufs=tuple(current)):
+                ps, sh = list(params), list(shadows)
+                for pos, value in zip(direct, direct_values):
+                    ps[pos] = value
+                for j, value in zip(shadowed, shadow_values):
+                    sh[j] = value
+                user, losses, grads, new_buffers = split_outputs(
+                    _run_forward(fwd_gm, [*ps, *bufs, *micro, *sh]))
+                return tuple(losses), (user, grads, new_buffers)
+
+            losses, vjp_fn, (user, loss_grads, new_buffers) = torch.func.vjp(
+                forward, [params[i] for i in direct], [shadows[j] for j in shadowed],
+                has_aux=True)
+            with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
+                explicit = iter(loss_grads)
+                cotangents = []
+                for loss, given in zip(losses, cap.loss_grad_given):
+                    seed = next(explicit) if given else torch.ones_like(loss)
+                    if n_micro > 1:  # the micro-batch gradients average to the batch's
+                        seed = seed / n_micro
+                    cotangents.append(seed * scale.to(seed.dtype) if scale is not None else seed)
+            with NodeTagger({"graphamp_subgraph": "backward"}):
+                _accumulate_grads(plan, vjp_fn, cotangents, direct, shadowed, params, total)
+            users.append(user)
+            micro_losses.append(losses)
+            for i, value in zip(cap.mutated_buffers, new_buffers):
+                current[i] = value  # BatchNorm statistics carry from one micro-batch to the next
+        grads = [total[i] if i in total else torch.zeros_like(params[i]) for i in plan.trainable]
+        user = _combine_micro_outputs(users)
+        losses = [torch.stack([m[i].float() for m in micro_losses]).mean(0)
+                  for i in range(len(micro_losses[0]))] if n_micro > 1 else list(micro_losses[0])
+        new_buffers = [current[i] for i in cap.mutated_buffers]
 
         position = {p: j for j, p in enumerate(plan.trainable)}
         states = iter(s["opt_state"])
@@ -221,6 +233,58 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
         return tuple(user)
 
     return step
+
+
+def _micro_batches(inputs: list, n: int) -> list[list]:
+    """Every input split into n equal slices along dim 0 (checked on the host beforehand)."""
+    if n == 1:
+        return [inputs]
+    out = []
+    for k in range(n):
+        micro = []
+        for t in inputs:
+            size = t.shape[0] // n
+            micro.append(t.narrow(0, k * size, size))
+        out.append(micro)
+    return out
+
+
+def _accumulate_grads(plan, vjp_fn, cotangents, direct, shadowed, params, total) -> None:
+    """Add this micro-batch's parameter gradients to ``total``.
+
+    Losses that called backward(inputs=...) send gradients only to those parameters: one vjp
+    per distinct restriction (they share the forward), each keeping its own parameters.
+    """
+    groups: dict = {}
+    for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(cotangents)):
+        groups.setdefault(restrict, []).append(index)
+    for restrict, members in groups.items():
+        seeds = tuple(c if i in members else torch.zeros_like(c)
+                      for i, c in enumerate(cotangents)) if len(groups) > 1 else tuple(cotangents)
+        direct_grads, shadow_grads = vjp_fn(seeds)
+        parts = list(zip(direct, direct_grads))
+        for j, g in zip(shadowed, shadow_grads):
+            i = plan.shadows[j][0]
+            parts.append((i, g.to(params[i].dtype)))  # what the cast's backward does
+        for i, g in parts:
+            if restrict is not None and i not in restrict:
+                continue
+            total[i] = total[i] + g if i in total else g
+
+
+def _combine_micro_outputs(users: list[list]) -> list:
+    """build()'s tensors over micro-batches: batched ones concatenated, scalars averaged."""
+    if len(users) == 1:
+        return list(users[0])
+    out = []
+    for values in zip(*users):
+        first = values[0]
+        if first.dim() == 0:
+            out.append(torch.stack(values).float().mean().to(first.dtype)
+                       if first.dtype.is_floating_point else values[-1])
+        else:
+            out.append(torch.cat(values, dim=0))
+    return out
 
 
 def _update_optimizer(opt, slots, params, trainable, grads, states, hypers, counter, skip):
