@@ -45,6 +45,8 @@ class GraphConfig:
         self.grad_acc_steps = 1
         self.max_cached_graphs = 8
         self.inductor_options: dict = {}
+        self.data_parallel = False
+        self.process_group = None
         self.debug_level = 0
 
     # -- AMP -----------------------------------------------------------------------------------
@@ -138,6 +140,21 @@ class GraphConfig:
                 raise ConfigError(f"torch._inductor.config has no option {name!r}")
         self.inductor_options = {**self.inductor_options, **options}
 
+    def enable_data_parallel(self, mode: bool = True, *, process_group=None) -> None:
+        """Data parallel on torch.distributed: gradients are averaged over the ranks of
+        ``process_group`` (default: the world) inside the compiled step, every rank skips the
+        same overflow steps, and rank 0's parameters and buffers are broadcast at the first call.
+        Start the processes with torchrun and call torch.distributed.init_process_group first."""
+        import torch.distributed as dist
+
+        if mode and not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                "enable_data_parallel needs an initialised process group: start the script with "
+                "torchrun and call torch.distributed.init_process_group(backend) before building "
+                "the graph")
+        self.data_parallel = bool(mode)
+        self.process_group = process_group
+
     def set_gradient_accumulation_steps(self, n: int) -> None:
         """Split each call's batch into ``n`` micro-batches and take one optimizer step."""
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -166,6 +183,7 @@ class GraphConfig:
             self.fp32_module_types,
             self.fp32_module_names,
             tuple(sorted(self.inductor_options.items())),
+            self.data_parallel,
         )
 
     def __repr__(self) -> str:

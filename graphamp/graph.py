@@ -90,6 +90,15 @@ class Graph:
                 f"{type(self).__name__}.__init__ sets {name!r} before calling "
                 "super().__init__(); call super().__init__() first")
         modules = self.__dict__["_registered_modules"]
+        ddp = getattr(nn.parallel, "DistributedDataParallel", None)
+        if ddp is not None and isinstance(value, ddp):
+            # graphamp all-reduces inside its own step: keep the wrapped module, run data
+            # parallel over DDP's process group (DDP's hooks would not run in a graph anyway)
+            log.info("%s.%s is DistributedDataParallel: graphamp trains its module with "
+                     "config.enable_data_parallel over the same process group",
+                     type(self).__name__, name)
+            self.__dict__["config"].enable_data_parallel(process_group=value.process_group)
+            value = value.module
         if isinstance(value, nn.Module):
             modules[name] = value
         elif name in modules:
@@ -175,7 +184,12 @@ class Graph:
         if self._programs:
             log.info("%s: new input signature (%s): capturing and compiling again", name,
                      inputs.signature.describe())
-        program = build_program(self, inputs)
+        if self.config.data_parallel:
+            from .distributed import build_on_every_rank
+
+            program = build_on_every_rank(self, inputs)
+        else:
+            program = build_program(self, inputs)
         self._programs[key] = program
         while len(self._programs) > self.config.max_cached_graphs:
             dropped, _ = self._programs.popitem(last=False)

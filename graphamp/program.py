@@ -212,9 +212,15 @@ def build_plan(graph: "Graph", captured: CapturedForward, root: BuildRoot,
     if training and not trainable:
         raise CaptureError(f"{name}: no parameter of the optimizers requires grad and reaches "
                            "a loss; there is nothing to train")
+    group = None
+    if graph.config.data_parallel and training:
+        import torch.distributed as dist
+
+        group = graph.config.process_group or dist.group.WORLD
     plan = StepPlan(captured, training, trainable, plans,
                     graph._grad_scaler if training else None, graph._history.capacity,
-                    shadows=shadows, direct_use=direct_use, acc_steps=graph.config.grad_acc_steps)
+                    shadows=shadows, direct_use=direct_use, acc_steps=graph.config.grad_acc_steps,
+                    process_group=group)
     _fill_layout(plan, captured)
     return plan
 

@@ -66,6 +66,7 @@ class StepPlan:
     # parameters the forward also reads directly (in their own dtype)
     direct_use: set[int] = field(default_factory=set)
     acc_steps: int = 1  # gradient accumulation: micro-batches per step
+    process_group: Any = None  # data parallel: gradients averaged over this group
 
 
 class _ForwardRunner(fx.Interpreter):
@@ -177,12 +178,12 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
                   for i in range(len(micro_losses[0]))] if n_micro > 1 else list(micro_losses[0])
         new_buffers = [current[i] for i in cap.mutated_buffers]
 
+        if plan.process_group is not None:
+            with NodeTagger({"graphamp_subgraph": "data_parallel"}):
+                grads = _average_over_ranks(grads, plan.process_group)
         position = {p: j for j, p in enumerate(plan.trainable)}
-        states = iter(s["opt_state"])
-        hypers = iter(s["hyper"])
-        counters = s["counters"]
-        found_infs, norms = [], []
-        any_skip = None
+        per_optimizer = []
+        norms = []
         for k, opt in enumerate(plan.optimizers):
             slots = [position[i] for i in opt.forward_positions]
             opt_grads = [grads[j] for j in slots]
@@ -192,17 +193,27 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
                     opt_grads, found = unscale_and_check(opt_grads, scale)
             if opt.clip_max_norm is not None:
                 with NodeTagger({"graphamp_subgraph": "clip_grad"}):
-                    opt_grads, total = clip_grad_norm(opt_grads, opt.clip_max_norm,
-                                                      opt.clip_norm_type)
-                    if total is not None:
-                        norms.append(total)
+                    opt_grads, total_norm = clip_grad_norm(opt_grads, opt.clip_max_norm,
+                                                           opt.clip_norm_type)
+                    if total_norm is not None:
+                        norms.append(total_norm)
                         if found is not None:  # a non-finite norm counts as an overflow
-                            found = torch.where(torch.isfinite(total), found,
+                            found = torch.where(torch.isfinite(total_norm), found,
                                                 torch.ones_like(found))
-            skip = None
-            if found is not None:
-                found_infs.append(found)
-                skip = found > 0
+            per_optimizer.append((opt, slots, opt_grads, found))
+        found_infs = [f for *_, f in per_optimizer if f is not None]
+        if found_infs and plan.process_group is not None:
+            with NodeTagger({"graphamp_subgraph": "data_parallel"}):
+                found_infs = _agree_on_overflow(found_infs, plan.process_group)
+            it = iter(found_infs)
+            per_optimizer = [(o, sl, g, next(it) if f is not None else None)
+                             for o, sl, g, f in per_optimizer]
+        states = iter(s["opt_state"])
+        hypers = iter(s["hyper"])
+        counters = s["counters"]
+        any_skip = None
+        for k, (opt, slots, opt_grads, found) in enumerate(per_optimizer):
+            skip = found > 0 if found is not None else None
             with NodeTagger({"graphamp_subgraph": "optimizer"}):
                 _update_optimizer(opt, slots, params, plan.trainable, opt_grads, states, hypers,
                                   counters[k], skip)
@@ -233,6 +244,24 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
         return tuple(user)
 
     return step
+
+
+def _average_over_ranks(grads: list, group) -> list:
+    """DDP's gradient averaging, as one coalesced functional all-reduce inside the step."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    world = dist.get_world_size(group)
+    reduced = funcol.all_reduce_coalesced(list(grads), "sum", group)
+    return [g / world for g in reduced]
+
+
+def _agree_on_overflow(found_infs: list, group) -> list:
+    """Every rank skips a step if any rank overflowed (all-reduce max of the flags)."""
+    import torch.distributed._functional_collectives as funcol
+
+    agreed = funcol.all_reduce(torch.stack(found_infs), "max", group)
+    return list(agreed.unbind(0))
 
 
 def _micro_batches(inputs: list, n: int) -> list[list]:

@@ -213,3 +213,22 @@ def test_inputs_as_dicts_and_tuples():
     assert len(g._programs) == 1
     g({"x": torch.randn(8, 256), "y": torch.randint(0, 10, (8,))}, extra=("note", 0.25))
     assert len(g._programs) == 2  # a new constant is a new signature (it is baked in)
+
+
+# -- accuracy on real data ------------------------------------------------------------------------
+
+def test_fp16_and_bf16_reach_fp32_accuracy_on_real_data():
+    """examples/accuracy.py in its tiny mode: pydoc's text and scikit-learn's digits."""
+    pytest.importorskip("sklearn")
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                        "accuracy.py")
+    spec = importlib.util.spec_from_file_location("graphamp_accuracy_example", path)
+    accuracy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(accuracy)
+    results = accuracy.run(tiny=True)
+    for name in ("fp16", "bf16"):
+        assert abs(results["char_lm"][name]["val_loss_rel_diff"]) < 0.01
+        assert abs(results["digits"][name]["test_accuracy_rel_diff"]) < 0.01

@@ -1,0 +1,84 @@
+"""Run by tests/test_distributed.py under torchrun (2 processes, gloo, CPU).
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/dist_worker.py MODE OUT_DIR
+
+MODE: train (config.enable_data_parallel), ddp (the model registered wrapped in DDP), bf16,
+mismatch (rank 1 builds a different model: every rank must raise, none may hang).
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import graphamp  # noqa: E402
+
+STEPS, GLOBAL_BATCH, POISON_STEP = 6, 16, 2
+
+
+def global_batches(poison=True):
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for step in range(STEPS):
+        x = torch.randn(GLOBAL_BATCH, 32, generator=gen)
+        if step == POISON_STEP and poison:
+            x[GLOBAL_BATCH - 1, 0] = float("inf")  # only in the last rank's shard
+        out.append((x, torch.randint(0, 4, (GLOBAL_BATCH,), generator=gen)))
+    return out
+
+
+def make_model(seed, width=64):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, 4))
+
+
+def main():
+    mode, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    warnings.simplefilter("ignore")
+    # different initial weights per rank: graphamp must broadcast rank 0's
+    model = make_model(seed=rank, width=64 if mode != "mismatch" or rank == 0 else 48)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    registered = nn.parallel.DistributedDataParallel(model) if mode == "ddp" else model
+
+    class DP(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = registered
+            self.add_optimizer(opt)
+            self.config.set_backend("aot_eager")
+            if mode != "ddp":
+                self.config.enable_data_parallel()
+            if mode == "bf16":
+                self.config.enable_amp(True, dtype=torch.bfloat16)
+            else:
+                self.set_grad_scaler(graphamp.GradScaler(init_scale=256.0))
+
+        def build(self, x, y):
+            loss = nn.functional.cross_entropy(self.model(x), y)
+            loss.backward()
+            return loss
+
+    g = DP()
+    shard = GLOBAL_BATCH // world
+    result = {}
+    try:
+        # without a scaler (bf16) nothing would skip the poisoned step
+        for x, y in global_batches(poison=mode != "bf16"):
+            g(x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
+        result["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+        result["skipped"] = g.history.fetch()["skipped"]
+        result["scale"] = g.grad_scaler.get_scale() if g.grad_scaler else None
+    except graphamp.GraphampError as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

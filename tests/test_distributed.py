@@ -1,0 +1,84 @@
+"""Issue 8: data parallel on torch.distributed, two CPU processes on gloo, under torchrun."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphamp
+from dist_worker import POISON_STEP, global_batches, make_model
+from helpers import make_graph
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(mode: str, tmp_path) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={_free_port()}", os.path.join(HERE, "dist_worker.py"), mode,
+           str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    (tmp_path / "stderr.txt").write_text(done.stderr)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def single_process_reference():
+    """The same training on one process with the concatenated batch."""
+    model = make_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = make_graph(model, nn.CrossEntropyLoss(), opt,
+                       scaler=graphamp.GradScaler(init_scale=256.0))
+        for x, y in global_batches():
+            g(x, y)
+    return model.state_dict(), g.history.fetch()["skipped"], g.grad_scaler.get_scale()
+
+
+@pytest.mark.parametrize("mode", ["train", "ddp"])
+def test_data_parallel_ranks_agree_and_equal_one_process(mode, tmp_path):
+    ranks = run_ranks(mode, tmp_path)
+    for k in ranks[0]["params"]:
+        assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k  # bitwise
+    expected_skips = [1.0 if s == POISON_STEP else 0.0 for s in range(len(ranks[0]["skipped"]))]
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == expected_skips  # all ranks skipped it
+    params, skipped, scale = single_process_reference()
+    assert skipped == expected_skips and ranks[0]["scale"] == ranks[1]["scale"] == scale
+    for k, v in params.items():
+        torch.testing.assert_close(ranks[0]["params"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_with_bf16_amp(tmp_path):
+    ranks = run_ranks("bf16", tmp_path)
+    for k in ranks[0]["params"]:
+        assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k
+        assert torch.isfinite(ranks[0]["params"][k]).all()
+
+
+def test_ranks_with_different_graphs_all_raise_and_none_hangs(tmp_path):
+    ranks = run_ranks("mismatch", tmp_path)
+    for r in ranks:
+        assert "error" in r
+    for r in ranks:
+        assert "the ranks hold different models" in r["error"], r["error"]
+        assert "0.weight" in r["error"]
+
+
+def test_data_parallel_without_a_process_group_is_a_clear_error():
+    g = make_graph(make_model(0), nn.CrossEntropyLoss(), None)
+    with pytest.raises(graphamp.ConfigError, match="init_process_group"):
+        g.config.enable_data_parallel()
