@@ -26,7 +26,6 @@ bench_<device>.md (a table), stamped with the device name and torch version.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import json

@@ -136,7 +136,7 @@ def main() -> None:
     suffix = "" if device.type == "cpu" else "_cuda"
     with open(os.path.join(args.out, f"list_choice{suffix}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    lines = [f"# softmax / log_softmax / layer_norm: deny (autocast) or infer (OneFlow)", "",
+    lines = ["# softmax / log_softmax / layer_norm: deny (autocast) or infer (OneFlow)", "",
              f"{meta['device']}, torch {meta['torch']}. Command: `{meta['command']}`. One step "
              "of a 4-layer, 256-wide LM (batch 8, sequence 128) against a float64 reference.", "",
              "| model | dtype | choice | loss rel. error | grad rel. error | casts | ops low/total | ms/step |",

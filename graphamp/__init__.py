@@ -58,6 +58,7 @@ __all__ = [
     "InputError",
     "StaticGradScaler",
     "UnsupportedOptimizerError",
+    "config",
     "full_precision",
     "low_precision",
     "passes",

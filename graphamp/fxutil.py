@@ -142,17 +142,6 @@ def rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
     gm.recompile()
 
 
-def tensor_meta(node: fx.Node) -> torch.Tensor | None:
-    """The fake tensor a node produces, if it produces exactly one tensor."""
-    val = node.meta.get("val")
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def is_float_node(node: fx.Node) -> bool:
-    val = tensor_meta(node)
-    return val is not None and val.dtype.is_floating_point
-
-
 def module_path(node: fx.Node) -> str:
     """The innermost module that produced a node ('' for code outside any module)."""
     stack = node.meta.get("nn_module_stack")
@@ -160,14 +149,6 @@ def module_path(node: fx.Node) -> str:
         return ""
     path, _ = list(stack.values())[-1]
     return path
-
-
-def module_type(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    _, typ = list(stack.values())[-1]
-    return typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
 
 
 def op_name(node: fx.Node) -> str:

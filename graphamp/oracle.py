@@ -17,7 +17,7 @@ autocast's CUDA kernels.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -218,6 +218,3 @@ def autocast_counts_for_program(graph: "Graph", program: "Program") -> dict[str,
     return {"ops_low": trace.ops_low, "ops": len(trace.ops), "casts": trace.casts,
             "agree": sum(p.agrees for p in cmp.pairs), "compared": len(cmp.pairs)}
 
-
-def summarize_differences(cmp: Comparison) -> Counter:
-    return Counter((p.op, p.graphamp_low, p.autocast_low) for p in cmp.differences)

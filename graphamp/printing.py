@@ -42,9 +42,7 @@ def _short(dtype: Any) -> str:
 
 def value_text(node: fx.Node) -> str:
     """``name:dtype[shape]`` for a value, with the dtype it has after the AMP passes."""
-    val = node.meta.get("val")
-    if node.meta.get("amp_cast") or node.meta.get("shadow_of"):
-        val = node.meta.get("val")
+    val = node.meta.get("val")  # casts and shadows carry their source's value: shape and strides
     dtype = dtype_after_amp(node)
     if isinstance(val, torch.Tensor):
         if isinstance(dtype, tuple):

@@ -24,7 +24,7 @@ from .optim import GroupPlan, OptimizerPlan, group_flags, init_state, optimizer_
 from .passes import AmpContext, run_amp_passes
 from .scaler import warn_about_dtype
 from .signature import FlatInputs
-from .step import StepLayout, StepPlan, assemble_step
+from .step import StepPlan, assemble_step
 
 if TYPE_CHECKING:
     from .graph import Graph

@@ -7,7 +7,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import graphamp  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -199,10 +199,7 @@ def test_build_may_return_any_structure():
     assert not out["loss"].requires_grad
 
 
-def test_eval_graph_compiles_forward_only():
-    model = SmallCNN()
-    model.eval()
-
+def _eval_graph(model):
     class Eval(graphamp.Graph):
         def __init__(self):
             super().__init__()
@@ -212,7 +209,13 @@ def test_eval_graph_compiles_forward_only():
         def build(self, x):
             return self.model(x)
 
-    g = Eval()
+    return Eval()
+
+
+def test_eval_graph_compiles_forward_only():
+    model = SmallCNN()
+    model.eval()
+    g = _eval_graph(model)
     x = torch.randn(4, 3, 16, 16)
     torch.testing.assert_close(g(x), model(x), rtol=1e-5, atol=1e-6)
     program = g._last_program
@@ -223,17 +226,7 @@ def test_eval_graph_compiles_forward_only():
 def test_eval_graph_in_train_mode_updates_batchnorm_statistics():
     model = SmallCNN()
     ref = copy.deepcopy(model)
-
-    class Eval(graphamp.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.config.set_backend("aot_eager")
-
-        def build(self, x):
-            return self.model(x)
-
-    g = Eval()
+    g = _eval_graph(model)
     x = torch.randn(4, 3, 16, 16)
     with torch.no_grad():
         expected = ref(x)

@@ -1,0 +1,26 @@
+"""Issue 7: the benchmark's CPU smoke mode (tiny models, few steps, aot_eager) runs end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench  # noqa: E402
+
+
+def test_benchmark_smoke_mode(tmp_path):
+    rows = bench.main(["--smoke", "--workload", "mlp", "gpt2", "--out", str(tmp_path)])
+    variants = {(r["workload"], r["variant"]) for r in rows}
+    assert len(variants) == 2 * len(bench.VARIANTS)
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["loss_finite"], r
+    graphamp_rows = [r for r in rows if r["variant"].startswith("graphamp")]
+    assert all("ratio_vs_best_peer" in r and "precision" in r for r in graphamp_rows)
+    lines = open(tmp_path / "bench_smoke.jsonl").read().splitlines()
+    assert len(lines) == len(rows) and json.loads(lines[0])["meta"]["torch"]
+    table = open(tmp_path / "bench_smoke.md").read()
+    assert "| graphamp_fp16 |" in table and "## gpt-tiny" in table
