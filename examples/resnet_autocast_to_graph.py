@@ -21,6 +21,9 @@ step inside one compiled program. Synthetic ImageNet-shaped data; torchvision Re
     python examples/resnet_autocast_to_graph.py --tiny   # CPU: ResNet-18, 32x32, a few steps
 """
 
+import os
+import tempfile
+
 import torch
 import torch.nn as nn
 import torchvision
@@ -67,5 +70,6 @@ print(f"loss {losses[0].item():.3f} -> {losses[-1].item():.3f}; skipped "
       f"{int(sum(history['skipped']))} of {len(history['step'])} steps; scale "
       f"{history['scale'][0]:g} -> {train.grad_scaler.get_scale():g}; "
       f"lr {optimizer.param_groups[0]['lr']}")
+checkpoint = os.path.join(tempfile.gettempdir(), "graphamp_resnet_checkpoint.pt")
 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "graph": train.state_dict()}, "/tmp/graphamp_resnet_checkpoint.pt")
+            "graph": train.state_dict()}, checkpoint)  # ordinary torch checkpoint, three parts
