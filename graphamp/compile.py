@@ -42,9 +42,11 @@ def default_inductor_options(gm: fx.GraphModule, example: list[torch.Tensor]) ->
 
     Channels-last layout for convolutions on CUDA: inductor decides it with heuristics tuned for
     separate forward and backward graphs, one of which gives up when a graph has more than 300
-    nodes per convolution. A whole step (BatchNorm decomposed, one optimizer update per
-    parameter) passes that mark on ResNet-50, and cuDNN then spent 4.5 ms of a 40 ms step
-    transposing NCHW to NHWC and back (profiled on an H100). Grouped convolutions, where
+    nodes per convolution, which a whole step passes. Measured on an H100 with torch 2.11
+    (benchmarks/results/README.md): this option alone left ResNet-50 at 40.1 ms/step, cuDNN still
+    transposing NCHW<->NHWC around every convolution; together with channels-last copies of the
+    convolution weights (Graph._shadow) the step took 23.2 ms. Whether this option is still
+    needed beside those copies was not measured separately. Grouped convolutions, where
     channels-last can be slower, keep inductor's own decision.
     """
     options = {}
