@@ -16,6 +16,7 @@ are not the optimizer's to refresh).
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from .base import AmpContext, PassResult, captured_dtype, packet_of
@@ -29,7 +30,8 @@ def hoist_parameter_casts(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     last = placeholders[-1] if placeholders else None
     hoisted = []
     for param in placeholders:
-        if param.name not in ctx.parameters or captured_dtype(param) is None:
+        # only fp32 values are lowered (fp64 parameters keep their precision)
+        if param.name not in ctx.parameters or captured_dtype(param) != torch.float32:
             continue
         users = [u for u in param.users
                  if u.meta.get("amp_colour") == "allow" and (

@@ -282,8 +282,10 @@ def test_batchnorm_keeps_parameters_and_statistics_fp32():
 
 
 def test_fp64_values_are_never_lowered():
-    gm, _ = amp(lambda x, w: torch.mm(x, w), X.double(), W.double())
+    gm, ctx = amp(lambda x, w: torch.mm(x, w), X.double(), W.double(),
+                  parameters=frozenset({"w_1"}))
     assert casts(gm) == []
+    assert ctx.hoisted == []  # an fp64 parameter gets no low-precision shadow either
 
 
 def test_bf16_works_like_fp16():
