@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("graphamp")
 
 
-def _group(graph: "Graph"):
+def process_group(graph: "Graph"):
+    """The group a data-parallel graph averages over (the world by default)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             f"{type(graph).__name__}: data parallel needs an initialised process group: start "
@@ -76,7 +77,7 @@ def fingerprint(program: "Program") -> str:
 def build_on_every_rank(graph: "Graph", inputs: "FlatInputs") -> "Program":
     from .program import build_program
 
-    group = _group(graph)
+    group = process_group(graph)
     rank = dist.get_rank(group)
     if not graph.__dict__.get("_dp_broadcast_done"):
         broadcast_state(graph, group)

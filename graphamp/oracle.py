@@ -75,13 +75,11 @@ def _float_dtypes(tree: Any) -> list[torch.dtype]:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, modules: CaptureMode, low: torch.dtype):
+    def __init__(self, modules: CaptureMode):
         super().__init__()
         self.modules = modules
-        self.low = low
         self.ops: list[OracleOp] = []
         self.casts: list[OracleOp] = []
-        self._cast_params: set[tuple[int, torch.dtype]] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -137,7 +135,7 @@ def autocast_forward(root: BuildRoot, inputs: FlatInputs, dtype: torch.dtype,
     args, kwargs = inputs.rebuild(fake_inputs)
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     capture = CaptureMode(names, sdpa_policy=dtype)
-    recorder = _Recorder(capture, dtype)
+    recorder = _Recorder(capture)
     buffer_names = [n for n, _ in root.named_buffers()]
     with mode, autocast_enabled(target.type, dtype), capture.tracking_modules(), capture, recorder:
         torch.func.functional_call(root, state, (args, kwargs, buffer_names), tie_weights=True,

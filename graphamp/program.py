@@ -107,6 +107,10 @@ class Program:
     calls: int = 0
     example_inputs: FlatInputs | None = None  # meta copies, for the autocast oracle
 
+    def __post_init__(self) -> None:
+        # the parameters each call updates in place (fixed per plan): version counters to bump
+        self.updated_params = [p for opt in self.plan.optimizers for p in opt.params]
+
     @property
     def n_state(self) -> int:
         return len(self.plan.layout) - self.captured.num_inputs
@@ -135,7 +139,7 @@ class Program:
         if self.plan.training:
             # In-place updates bump version counters, as eager optimizer steps do: autograd and
             # other graphs sharing these parameters (their shadows) see the change.
-            _increment_versions([p for opt in self.plan.optimizers for p in opt.params])
+            _increment_versions(self.updated_params)
             for (d, k), entry in self.shadow_slots:
                 entry.version = d[k]._version
         return list(outputs)
@@ -214,9 +218,9 @@ def build_plan(graph: "Graph", captured: CapturedForward, root: BuildRoot,
                            "a loss; there is nothing to train")
     group = None
     if graph.config.data_parallel and training:
-        import torch.distributed as dist
+        from .distributed import process_group
 
-        group = graph.config.process_group or dist.group.WORLD
+        group = process_group(graph)
     plan = StepPlan(captured, training, trainable, plans,
                     graph._grad_scaler if training else None, graph._history.capacity,
                     shadows=shadows, direct_use=direct_use, acc_steps=graph.config.grad_acc_steps,

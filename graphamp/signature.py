@@ -62,20 +62,16 @@ class FlatInputs:
 
     def micro_batch(self, n: int, graph_name: str) -> "FlatInputs":
         """The first of n equal slices along dim 0 of every tensor (gradient accumulation)."""
-        names = self.names_or_positions()
         sliced = []
-        for name, t in zip(names, self.tensors):
+        for i, t in enumerate(self.tensors):
             if t.dim() == 0 or t.shape[0] % n:
                 raise InputError(
                     f"{graph_name}(...): gradient accumulation over {n} micro-batches splits every "
-                    f"tensor argument along dim 0, but {name} has shape {tuple(t.shape)}; pass "
-                    f"batches whose first dimension is a multiple of {n}")
+                    f"tensor argument along dim 0, but tensor argument {i} has shape "
+                    f"{tuple(t.shape)}; pass batches whose first dimension is a multiple of {n}")
             sliced.append(t[: t.shape[0] // n])
         args, kwargs = self.rebuild(sliced)
         return FlatInputs(sliced, self.signature, args, kwargs)
-
-    def names_or_positions(self) -> list[str]:
-        return [f"tensor argument {i}" for i in range(len(self.tensors))]
 
     def names(self, build: Callable) -> list[str]:
         """Readable names for the tensor leaves, from build()'s parameter names."""

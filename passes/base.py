@@ -12,7 +12,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from .lists import DEFAULT_LISTS, FIXED_DTYPE, PrecisionLists
 
-__all__ = ["AmpContext", "PassResult", "captured_dtype", "classify", "dtype_after_amp",
+__all__ = ["AmpContext", "Classifier", "PassResult", "captured_dtype", "dtype_after_amp",
            "float_dtype", "is_compute_node"]
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -131,8 +131,8 @@ class Classifier:
         category, why = self._base(node.target)
         if category == "fixed":
             return category, why
-        if node.kwargs.get("dtype") is not None and category != "clear" and \
-                packet_of(node) not in self.ctx.lists.clear:
+        # an explicit dtype fixes the output, except for factories (clear ops get it rewritten)
+        if node.kwargs.get("dtype") is not None and packet_of(node) not in self.ctx.lists.clear:
             return "fixed", "output dtype fixed by the op's arguments"
         if not touches_float(node):
             return "n/a", "no floating-point data"
@@ -143,7 +143,3 @@ class Classifier:
                 return "deny", f"inside fp32-pinned module {pinned}"
         return category, why
 
-
-def classify(node: fx.Node, ctx: AmpContext) -> tuple[str, str]:
-    """classify one node (see Classifier)."""
-    return Classifier(ctx)(node)
