@@ -160,7 +160,7 @@ def _graph(model, opt, sch, dtype, loss_of):
 
 
 def run(tiny: bool) -> dict:
-    lm_steps, epochs = (12, 1) if tiny else (500, 20)
+    lm_steps, epochs = (12, 5) if tiny else (500, 20)
     lm_kwargs = {"batch": 8, "seq": 32, "dim": 64} if tiny else {}
     results = {"char_lm": {}, "digits": {}, "steps": {"char_lm": lm_steps, "digits_epochs": epochs}}
     for name, dtype in DTYPES.items():

@@ -18,6 +18,7 @@ import torch.nn as nn
 from .capture import BuildRoot
 from .config import GraphConfig
 from .errors import ConfigError, GraphDefinitionError, InputError
+from .validate import check_choice
 from .history import TrainingHistory
 from .optim import optimizer_kind, validate_clip
 from .passes.lists import DEFAULT_LISTS, PrecisionLists
@@ -207,10 +208,7 @@ class Graph:
         return (
             tuple(m.training for m in modules),
             tuple(slot.structure() for slot in self._optimizer_slots),
-            self.config.amp_key(),
-            self.config.backend,
-            self.config.cuda_graph,
-            self.config.grad_acc_steps,
+            self.config.snapshot(),
             scaler.settings() if scaler is not None else None,
         )
 
@@ -339,8 +337,7 @@ class Graph:
     # -- inspection -----------------------------------------------------------------------------
     def debug(self, v_level: int = 1) -> None:
         """0 quiet, 1 capture/compile summary, 2 each pass, 3 each node's precision decision."""
-        if v_level not in (0, 1, 2, 3):
-            raise ConfigError(f"debug level must be 0, 1, 2 or 3, got {v_level!r}")
+        check_choice("debug level", v_level, (0, 1, 2, 3))
         self.__dict__["_debug_level"] = v_level
         from .report import configure_logging
 

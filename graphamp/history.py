@@ -11,15 +11,13 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .validate import check_int
 from .step import HISTORY_COLUMNS
 
 
 class TrainingHistory:
     def __init__(self, capacity: int = 10_000):
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ConfigError(f"history capacity must be a positive int, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = check_int("history capacity", capacity, at_least=1)
         self.step: torch.Tensor | None = None
         self.table: torch.Tensor | None = None
         self._pending: dict[str, Any] | None = None

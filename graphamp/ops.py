@@ -13,12 +13,14 @@ back to ``F.scaled_dot_product_attention`` on the final dtypes.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_unary
+
+from .errors import ConfigError
 
 @torch.library.custom_op("graphamp::low_precision", mutates_args=())
 def _low_precision_op(x: Tensor) -> Tensor:
@@ -104,3 +106,22 @@ CAPTURE_REWRITES = {
 # How step assembly expands graphamp's ops back into torch (hints left by a graph without AMP
 # are identities).
 EXPANSIONS = {SDPA: sdpa_reference, LOW_PRECISION_HINT: lambda x: x, FULL_PRECISION_HINT: lambda x: x}
+
+
+def resolve_op(op: Any) -> Any:
+    """An aten op packet from ``torch.ops.aten.gelu``, an overload, ``"aten.gelu"`` or ``"gelu"``."""
+    if isinstance(op, torch._ops.OpOverload):  # noqa: SLF001
+        return op.overloadpacket
+    if isinstance(op, torch._ops.OpOverloadPacket):  # noqa: SLF001
+        return op
+    if isinstance(op, str):
+        ns, _, name = op.rpartition(".")
+        namespace = getattr(torch.ops, ns or "aten", None)
+        if namespace is not None and name and hasattr(namespace, name):
+            packet = getattr(namespace, name)
+            if isinstance(packet, torch._ops.OpOverloadPacket):  # noqa: SLF001
+                return packet
+    raise ConfigError(
+        f"no such op {op!r}: name an aten op as torch.ops.aten.gelu, 'aten.gelu' or 'gelu' "
+        "(the precision report's 'op' column shows the names in your graph)"
+    )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, UnsupportedOptimizerError
+from .validate import check_number
 
 SUPPORTED = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
 _HYPER = {"sgd": ("lr", "momentum", "dampening", "weight_decay"),
@@ -195,10 +196,5 @@ def apply_update(plan: OptimizerPlan, group: GroupPlan, tensors: GroupTensors,
 
 def validate_clip(max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
     if max_norm is not None:
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm <= 0:
-            raise ConfigError(f"clip_grad_max_norm must be a positive number, got {max_norm!r}")
-        max_norm = float(max_norm)
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or norm_type <= 0:
-        raise ConfigError(
-            f"clip_grad_norm_type must be a positive number or float('inf'), got {norm_type!r}")
-    return max_norm, float(norm_type)
+        max_norm = check_number("clip_grad_max_norm", max_norm, above=0)
+    return max_norm, check_number("clip_grad_norm_type", norm_type, above=0, allow_inf=True)

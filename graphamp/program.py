@@ -25,6 +25,7 @@ from .passes import AmpContext, run_amp_passes
 from .scaler import warn_about_dtype
 from .signature import FlatInputs
 from .step import StepPlan, assemble_step
+from .validate import dtype_name
 
 if TYPE_CHECKING:
     from .graph import Graph
@@ -249,7 +250,7 @@ def _fill_layout(plan: StepPlan, cap: CapturedForward) -> None:
     if plan.training:
         layout.add("history", ["history_step", "history_table"])
     if plan.shadows:
-        layout.add("shadows", [f"p_{cap.param_names[i]}_{str(dt).replace('torch.', '')}"
+        layout.add("shadows", [f"p_{cap.param_names[i]}_{dtype_name(dt)}"
                                for i, dt in plan.shadows])
     layout.add("inputs", [f"in_{n}" for n in cap.input_names])
 
@@ -348,7 +349,7 @@ def build_program(graph: "Graph", inputs: FlatInputs) -> Program:
     step_gm = assemble_step(plan, forward, example, name)
     timings["assemble"] = time.perf_counter() - start
     start = time.perf_counter()
-    compiled = compile_step(step_gm, example, config.backend, config.inductor_options)
+    compiled = compile_step(step_gm, example, config.backend, dict(config.inductor_options))
     timings["compile"] = time.perf_counter() - start
 
     program = Program(name, captured, forward, amp, plan, step_gm, compiled, device, param_slots,

@@ -22,14 +22,9 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .validate import check_bool, check_int, check_number
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-
-
-def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
 
 
 class GradScaler:
@@ -59,21 +54,13 @@ class GradScaler:
         hysteresis: int = 1,
         enabled: bool = True,
     ):
-        init_scale = _positive("init_scale", init_scale)
-        if isinstance(growth_factor, bool) or not isinstance(growth_factor, (int, float)) \
-                or not growth_factor > 1:
-            raise ConfigError(f"growth_factor must be greater than 1, got {growth_factor!r}")
-        if isinstance(backoff_factor, bool) or not isinstance(backoff_factor, (int, float)) \
-                or not 0 < backoff_factor < 1:
-            raise ConfigError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-                or growth_interval < 1:
-            raise ConfigError(f"growth_interval must be a positive int, got {growth_interval!r}")
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
-            raise ConfigError(f"hysteresis must be a positive int, got {hysteresis!r}")
-        if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)) or min_scale < 0:
-            raise ConfigError(f"min_scale must be a number >= 0, got {min_scale!r}")
-        max_scale = _positive("max_scale", max_scale)
+        init_scale = check_number("init_scale", init_scale, above=0)
+        growth_factor = check_number("growth_factor", growth_factor, above=1)
+        backoff_factor = check_number("backoff_factor", backoff_factor, above=0, below=1)
+        growth_interval = check_int("growth_interval", growth_interval, at_least=1)
+        hysteresis = check_int("hysteresis", hysteresis, at_least=1)
+        min_scale = check_number("min_scale", min_scale, at_least=0)
+        max_scale = check_number("max_scale", max_scale, above=0, allow_inf=True)
         if min_scale > max_scale:
             raise ConfigError(f"min_scale ({min_scale}) is greater than max_scale ({max_scale})")
         if not min_scale <= init_scale <= max_scale:
@@ -87,7 +74,7 @@ class GradScaler:
         self.max_scale = max_scale
         self.min_scale = float(min_scale)
         self.hysteresis = hysteresis
-        self.enabled = bool(enabled)
+        self.enabled = check_bool("enabled", enabled)
         self._init_scale = init_scale
         # Host values until the first call creates device tensors; then the tensors are truth.
         self._pending = {"scale": init_scale, "growth_tracker": 0, "hysteresis_tracker": hysteresis}
@@ -243,7 +230,7 @@ class StaticGradScaler(GradScaler):
     dynamic = False
 
     def __init__(self, scale: float):
-        scale = _positive("scale", scale)
+        scale = check_number("scale", scale, above=0)
         super().__init__(init_scale=scale, growth_factor=2.0, backoff_factor=0.5,
                          growth_interval=1, max_scale=max(scale, 1.0), min_scale=min(scale, 1.0))
 

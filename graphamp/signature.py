@@ -14,6 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import InputError
+from .validate import dtype_name
 
 # Non-tensor leaves must be hashable values that tracing can bake into the graph.
 CONSTANT_TYPES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
@@ -32,7 +33,7 @@ class InputSignature:
     constants: tuple[Any, ...]
 
     def describe(self) -> str:
-        parts = [f"{'x'.join(map(str, s)) or 'scalar'} {str(d).replace('torch.', '')}"
+        parts = [f"{'x'.join(map(str, s)) or 'scalar'} {dtype_name(d)}"
                  for s, d, _, _ in self.tensors]
         return ", ".join(parts) or "no tensors"
 

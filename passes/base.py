@@ -10,12 +10,12 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
+from ..validate import check_low_precision_dtype, check_opt_level
 from .lists import DEFAULT_LISTS, FIXED_DTYPE, PrecisionLists
 
 __all__ = ["AmpContext", "Classifier", "PassResult", "captured_dtype", "dtype_after_amp",
            "float_dtype", "is_compute_node"]
 
-LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -34,10 +34,8 @@ class AmpContext:
     hoisted: list[tuple[str, torch.dtype]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.dtype not in LOW_DTYPES:
-            raise ValueError(f"AMP dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
-        if self.opt_level not in ("O0", "O1", "O2", "O3"):
-            raise ValueError(f"unknown AMP opt level {self.opt_level!r}")
+        check_low_precision_dtype("AmpContext(dtype", self.dtype)
+        check_opt_level(self.opt_level)
 
 
 def float_dtype(value: Any) -> torch.dtype | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..validate import dtype_name
 from .base import AmpContext, PassResult, captured_dtype, packet_of
 from .insert_casts import wanted_dtype
 from .lists import MIXED_ARGS
@@ -41,7 +42,7 @@ def hoist_parameter_casts(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
         if not users:
             continue
         with graph.inserting_after(last):
-            shadow = graph.placeholder(f"{param.name}_{str(ctx.dtype).replace('torch.', '')}")
+            shadow = graph.placeholder(f"{param.name}_{dtype_name(ctx.dtype)}")
         last = shadow
         shadow.meta.update(
             val=param.meta.get("val"), captured_dtype=captured_dtype(param), amp_dtype=ctx.dtype,

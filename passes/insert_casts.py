@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..validate import dtype_name
 from .base import AmpContext, PassResult, captured_dtype, dtype_after_amp, packet_of
 from .lists import ALL_OUTPUTS_FOLLOW, FACTORIES, LIKE_FACTORIES, MIXED_ARGS, PROMOTING
 
@@ -40,10 +41,6 @@ def wanted_dtype(consumer: fx.Node, position: Any, value: fx.Node, low: torch.dt
             and position not in MIXED_ARGS.get(packet_of(consumer), ())):
         return low
     return orig
-
-
-def _short(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 class _CastInserter:
@@ -62,14 +59,14 @@ class _CastInserter:
             with self.graph.inserting_after(where):
                 node = self.graph.create_node(
                     "call_function", aten._to_copy.default, (value,), {"dtype": dtype},
-                    name=f"{value.name}_{_short(dtype)}")
+                    name=f"{value.name}_{dtype_name(dtype)}")
             node.meta.update(
                 amp_cast=True,
                 amp_list="cast",
                 amp_colour="cast",
                 amp_dtype=dtype,
                 captured_dtype=captured_dtype(value),
-                amp_reason=f"{_short(dtype_after_amp(value))} -> {_short(dtype)} for {user.name}",
+                amp_reason=f"{dtype_name(dtype_after_amp(value))} -> {dtype_name(dtype)} for {user.name}",
                 nn_module_stack=user.meta.get("nn_module_stack"),
                 user_frame=user.meta.get("user_frame"),
                 val=value.meta.get("val"),  # shape and strides; the dtype is amp_dtype

@@ -46,7 +46,7 @@ from typing import Any, Iterable
 import torch
 
 from .. import ops as _graphamp_ops  # noqa: F401 - registers torch.ops.graphamp.*
-from ..errors import ConfigError
+from ..ops import resolve_op  # noqa: F401 - re-exported: graphamp.passes.resolve_op
 
 aten = torch.ops.aten
 
@@ -229,25 +229,6 @@ class PrecisionLists:
 
 
 DEFAULT_LISTS = PrecisionLists()
-
-
-def resolve_op(op: Any) -> Any:
-    """An aten op packet from ``torch.ops.aten.gelu``, an overload, ``"aten.gelu"`` or ``"gelu"``."""
-    if isinstance(op, torch._ops.OpOverload):  # noqa: SLF001
-        return op.overloadpacket
-    if isinstance(op, torch._ops.OpOverloadPacket):  # noqa: SLF001
-        return op
-    if isinstance(op, str):
-        ns, _, name = op.rpartition(".")
-        namespace = getattr(torch.ops, ns or "aten", None)
-        if namespace is not None and name and hasattr(namespace, name):
-            packet = getattr(namespace, name)
-            if isinstance(packet, torch._ops.OpOverloadPacket):  # noqa: SLF001
-                return packet
-    raise ConfigError(
-        f"no such op {op!r}: name an aten op as torch.ops.aten.gelu, 'aten.gelu' or 'gelu' "
-        "(the precision report's 'op' column shows the names in your graph)"
-    )
 
 
 def describe(ops: Iterable[Any]) -> list[str]:
