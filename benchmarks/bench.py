@@ -183,8 +183,9 @@ def run_variant(variant, workload, base_model, device, args) -> dict:
     if variant.startswith("graphamp"):
         report = step.precision_report(with_autocast=False)
         result["precision"] = report.summary()
-        result["cuda_graph"] = type(step._last_program.compiled).__name__ == "CudaGraphStep"
-        result["timings"] = step._last_program.timings
+        compiled = step.compiled_steps[-1]
+        result["cuda_graph"] = compiled.cuda_graph
+        result["timings"] = dict(compiled.timings)
         if args.profile and device.type == "cuda":
             result["profile"] = profile_steps(step, batches, device, args)
     del step, model

@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import demo
+from .inspect.plot import plot_state_file
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="graphamp",
         description="Graph-compiled automatic mixed precision for PyTorch (OneFlow-style).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from . import demo
-
     demo_parser = sub.add_parser("demo", help="train the OneFlow AMP example MLP through a Graph")
     demo.add_arguments(demo_parser)
     plot_parser = sub.add_parser("plot", help="draw loss, loss scale and skipped steps from a "
@@ -25,8 +26,6 @@ def main(argv: list[str] | None = None) -> int:
         demo.run(args)
         return 0
     if args.command == "plot":
-        from .plot import plot_state_file
-
         print(plot_state_file(args.state, args.out))
         return 0
     parser.print_help()

@@ -57,10 +57,15 @@ class ConfigSnapshot:
         return self.amp_enabled and self.amp_opt_level != "O0"
 
     def __hash__(self) -> int:
-        # inductor option values may be lists or dicts: hashed by their text
-        fields = [getattr(self, f.name) for f in dataclasses.fields(self)
-                  if f.name != "inductor_options"]
-        return hash((*fields, repr(self.inductor_options)))
+        # part of the cache key looked up at every call: computed once. Inductor option values
+        # may be lists or dicts, so they are hashed by their text.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            fields = [getattr(self, f.name) for f in dataclasses.fields(self)
+                      if f.name != "inductor_options"]
+            cached = hash((*fields, repr(self.inductor_options)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
 
 class GraphConfig:

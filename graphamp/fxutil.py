@@ -127,7 +127,8 @@ class NodeTagger:
 
 
 def rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
-    """Give placeholders readable names (``p_model_0_weight``) so dumps read like code."""
+    """Give placeholders readable names (``p_model_0_weight``) so dumps read like code.
+    The caller recompiles once it has finished editing the graph."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(names):
         raise ValueError(f"{len(placeholders)} placeholders but {len(names)} names")
@@ -139,7 +140,16 @@ def rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
         taken.add(candidate)
         node.target = candidate
         node._rename(candidate)  # noqa: SLF001 - public API has no rename for nodes
-    gm.recompile()
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy whose nodes can be rewritten without touching ``gm``'s graph (each node's
+    metadata copied shallowly)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(gm, graph)
 
 
 def module_path(node: fx.Node) -> str:

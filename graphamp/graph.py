@@ -1,51 +1,37 @@
 """graphamp.Graph: write the training step once in build(); call it like a function.
 
-The first call for an input signature captures build(), runs the AMP passes, assembles the whole
-step (forward, backward, grad scaler, clipping, optimizer) and compiles it; later calls with the
-same signature only run it. See DESIGN.md for the pipeline.
+The Graph keeps what the user registered, the cache of compiled steps (one per input
+signature), its own state (scaler, counters, history) and the inspection entry points. The
+first call for a signature hands a GraphSpec to ``pipeline.build_program``; later calls only run
+the cached step. ``docs/architecture.md`` describes the stages.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .capture import BuildRoot
+from . import pipeline
 from .config import GraphConfig
-from .errors import ConfigError, GraphDefinitionError, InputError
-from .validate import check_choice
+from .errors import ConfigError, GraphDefinitionError
 from .history import TrainingHistory
-from .optim import optimizer_kind, validate_clip
-from .passes.lists import DEFAULT_LISTS, PrecisionLists
-from .program import Program, build_program
+from .inputs import FlatInputs, check_arity, flatten_inputs
+from .inspect.dump import dump_program
+from .inspect.printing import graph_repr
+from .inspect.report import PrecisionReport, configure_logging, log_program_summary, \
+    precision_report
+from .optimizers import optimizer_kind, validate_clip
 from .scaler import GradScaler, as_graphamp_scaler
-from .signature import check_arity, flatten_inputs
-from .step import StepPlan
+from .spec import CompiledStep, GraphSpec, OptimizerSlot, Program
+from .state import SharedState
+from .validate import check_choice
 
 log = logging.getLogger("graphamp")
 _READY = "_graphamp_ready"
-
-
-@dataclass
-class OptimizerSlot:
-    optimizer: torch.optim.Optimizer
-    lr_sch: Any
-    clip_max_norm: float | None
-    clip_norm_type: float
-
-    def structure(self) -> tuple:
-        groups = []
-        for g in self.optimizer.param_groups:
-            groups.append((len(g["params"]), tuple(p.requires_grad for p in g["params"]),
-                           g.get("momentum", 0) != 0, g.get("dampening", 0) != 0,
-                           bool(g.get("nesterov")), g.get("weight_decay", 0) != 0,
-                           bool(g.get("amsgrad")), bool(g.get("maximize"))))
-        return (type(self.optimizer), tuple(groups), self.clip_max_norm, self.clip_norm_type)
 
 
 class Graph:
@@ -74,13 +60,10 @@ class Graph:
         d["_optimizer_slots"] = []
         d["config"] = GraphConfig()
         d["_grad_scaler"] = None
-        d["_programs"] = OrderedDict()
-        d["_history"] = TrainingHistory()
-        d["_counters"] = {}
-        d["_shadows"] = {}
+        d["_programs"] = OrderedDict()  # structure key -> Program, least recently used first
+        d["_state"] = SharedState(TrainingHistory())
         d["_debug_level"] = 0
         d["_step_count"] = 0
-        d["_last_program"] = None
         d["_module_list"] = None
         d[_READY] = True
 
@@ -154,7 +137,7 @@ class Graph:
     @property
     def history(self) -> TrainingHistory:
         """Per-step rows written on the device: ``g.history.fetch()`` returns them."""
-        return self._history
+        return self._state.history
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
@@ -171,33 +154,34 @@ class Graph:
             program = self._compile(inputs, key, args, kwargs)
         else:
             self._programs.move_to_end(key)
-        outputs = program.run(inputs.tensors)
+        outputs = program.runner.run(inputs.tensors)
         self.__dict__["_step_count"] += 1
-        self.__dict__["_last_program"] = program
         for slot in self._optimizer_slots:
             if slot.lr_sch is not None:
                 slot.lr_sch.step()
         return program.captured.unflatten_outputs(outputs)
 
-    def _compile(self, inputs, key, args, kwargs) -> Program:
+    def _compile(self, inputs: FlatInputs, key: tuple, args: tuple, kwargs: dict) -> Program:
         name = type(self).__name__
         check_arity(self.build, args, kwargs, name)
         if self._programs:
             log.info("%s: new input signature (%s): capturing and compiling again", name,
                      inputs.signature.describe())
-        if self.config.data_parallel:
-            from .distributed import build_on_every_rank
-
-            program = build_on_every_rank(self, inputs)
-        else:
-            program = build_program(self, inputs)
+        program = pipeline.build_program(self._spec(), inputs, self._state)
         self._programs[key] = program
         while len(self._programs) > self.config.max_cached_graphs:
-            dropped, _ = self._programs.popitem(last=False)
+            self._programs.popitem(last=False)
             log.info("%s: dropped the least recently used compiled step (cache holds %d)", name,
                      self.config.max_cached_graphs)
-        self._log_summary(program)
+        log_program_summary(program)
         return program
+
+    def _spec(self) -> GraphSpec:
+        """What the pipeline may read of this Graph, as of now."""
+        return GraphSpec(type(self).__name__, tuple(self._registered_modules.items()),
+                         self.build, tuple(self._optimizer_slots), self._grad_scaler,
+                         self.config.snapshot(), self._state.history.capacity,
+                         self._debug_level)
 
     def _structure_key(self) -> tuple:
         modules = self._module_list
@@ -212,88 +196,14 @@ class Graph:
             scaler.settings() if scaler is not None else None,
         )
 
-    # -- helpers for program building -----------------------------------------------------------
     def _check_ready(self) -> None:
         if _READY not in self.__dict__:
             raise GraphDefinitionError(
                 f"{type(self).__name__}.__init__ must call super().__init__()")
 
-    def _check_devices(self, root: BuildRoot, inputs) -> torch.device:
-        devices = {t.device for t in root.parameters()} | {t.device for t in root.buffers()}
-        name = type(self).__name__
-        if len(devices) > 1:
-            raise InputError(
-                f"{name}: the registered modules have tensors on {sorted(map(str, devices))}; "
-                "a Graph runs on one device: move them all (model.to(device))")
-        device = next(iter(devices)) if devices else None
-        for i, t in enumerate(inputs.tensors):
-            if device is None:
-                device = t.device
-            if t.device != device:
-                raise InputError(
-                    f"{name}(...): input tensor {i} is on {t.device} but the graph runs on "
-                    f"{device}; move the batch there (x.to({str(device)!r}))")
-        return device or torch.device("cpu")
-
-    def _precision_lists(self) -> PrecisionLists:
-        return DEFAULT_LISTS.with_overrides(self.config.list_overrides)
-
-    def _pinned_paths(self, root: BuildRoot) -> frozenset[str]:
-        paths = set()
-        names = dict(root.named_modules())
-        for wanted in self.config.fp32_module_names:
-            if wanted not in names:
-                close = [n for n in names if n and n.split(".")[-1] == wanted.split(".")[-1]]
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ConfigError(
-                    f"pin_fp32({wanted!r}): no registered module has that path{hint} (paths "
-                    "start at the Graph's attributes, e.g. 'model.head')")
-        for path, module in names.items():
-            if not path:
-                continue
-            if isinstance(module, self.config.fp32_module_types) or any(
-                    path == w or path.startswith(w + ".") for w in self.config.fp32_module_names):
-                paths.add(path)
-        return frozenset(paths)
-
-    def _extra_state(self, plan: StepPlan, device: torch.device) -> list[torch.Tensor]:
-        """Counters, scaler state and history: the graph's own state, created once per device."""
-        out = []
-        for opt in plan.optimizers:
-            counter = self._counters.get(opt.index)
-            if counter is None or counter.device != device:
-                started = any(opt.optimizer.state.get(p) for p in opt.params)
-                counter = torch.full((), int(started), dtype=torch.int64, device=device)
-                self._counters[opt.index] = counter
-            out.append(counter)
-        if plan.scaler is not None:
-            plan.scaler._materialize(device)
-            out += plan.scaler.state_tensors()
-        if plan.training:
-            out += self._history.materialize(device)
-        return out
-
-    def _shadow(self, slot: tuple[dict, str], dtype: torch.dtype):
-        """The graph's low-precision copy of a parameter (shared by all its compiled steps)."""
-        from .program import ShadowEntry
-
-        param = slot[0][slot[1]]
-        key = (id(param), dtype)
-        entry = self._shadows.get(key)
-        if entry is None or entry.param is not param:
-            # Convolution weights on CUDA are kept channels-last: cuDNN's fast kernels are NHWC,
-            # and a copy in that layout saves a transpose in every forward and backward conv.
-            layout = (torch.channels_last if param.dim() == 4 and param.is_cuda
-                      else torch.contiguous_format)
-            with torch.no_grad():
-                shadow = param.detach().to(dtype=dtype, memory_format=layout)
-            entry = ShadowEntry(shadow, param, param._version)
-            self._shadows[key] = entry
-        return entry
-
     def _optimizer_state_loaded(self) -> None:
         for program in self._programs.values():
-            program.invalidate_optimizer_state()
+            program.runner.invalidate_optimizer_state()
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -306,8 +216,8 @@ class Graph:
         return {
             "step": self._step_count,
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
-            "optimizer_steps": {k: int(v.item()) for k, v in self._counters.items()},
-            "history": self._history.state_dict(),
+            "optimizer_steps": {k: int(v.item()) for k, v in self._state.counters.items()},
+            "history": self._state.history.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -320,14 +230,15 @@ class Graph:
                                   "scaler: call set_grad_scaler(...) before load_state_dict")
             self._grad_scaler.load_state_dict(state["grad_scaler"])
         self.__dict__["_step_count"] = int(state["step"])
+        counters = self._state.counters
         for k, v in state["optimizer_steps"].items():
             k = int(k)
-            if k in self._counters:
-                self._counters[k].fill_(int(v))
+            if k in counters:
+                counters[k].fill_(int(v))
             else:
                 device = _first_param_device(self._optimizer_slots, k)
-                self._counters[k] = torch.full((), int(v), dtype=torch.int64, device=device)
-        self._history.load_state_dict(state["history"])
+                counters[k] = torch.full((), int(v), dtype=torch.int64, device=device)
+        self._state.history.load_state_dict(state["history"])
 
     @property
     def step_count(self) -> int:
@@ -337,39 +248,42 @@ class Graph:
     # -- inspection -----------------------------------------------------------------------------
     def debug(self, v_level: int = 1) -> None:
         """0 quiet, 1 capture/compile summary, 2 each pass, 3 each node's precision decision."""
-        check_choice("debug level", v_level, (0, 1, 2, 3))
-        self.__dict__["_debug_level"] = v_level
-        from .report import configure_logging
-
+        self.__dict__["_debug_level"] = check_choice("debug level", v_level, (0, 1, 2, 3))
         configure_logging(v_level)
 
-    def _log_summary(self, program: Program) -> None:
-        from .report import log_program_summary
+    @property
+    def compiled_steps(self) -> tuple[CompiledStep, ...]:
+        """Read-only views of the cached compiled steps, least recently used first: the last
+        one ran last. Its ``forward_graph`` is what ``precision_report`` and ``dump`` show."""
+        return tuple(CompiledStep.of(p) for p in self._programs.values())
 
-        log_program_summary(self, program)
-
-    def precision_report(self, *, with_autocast: bool = True):
+    def precision_report(self, *, with_autocast: bool = True) -> PrecisionReport:
         """The precision decision for every compute op of the last compiled step."""
-        from .report import precision_report
-
-        return precision_report(self, self._require_program(), with_autocast=with_autocast)
+        program = self._require_program()
+        trace = pipeline.trace_autocast(program) \
+            if with_autocast and program.amp is not None else None
+        return precision_report(program, trace)
 
     def dump(self, path: str) -> str:
         """Write per-pass graphs, precision.csv, graph.dot (.svg) and report.html under path."""
-        from .dump import dump_program
-
-        return dump_program(self, self._require_program(), path)
+        program = self._require_program()
+        try:
+            report = self.precision_report(with_autocast=program.amp is not None)
+        except Exception as e:  # noqa: BLE001 - the oracle is extra information; say why it is missing
+            log.warning("%s: autocast comparison skipped in the dump: %s: %s",
+                        type(self).__name__, type(e).__name__, e)
+            report = self.precision_report(with_autocast=False)
+        return dump_program(program, report, path)
 
     def _require_program(self) -> Program:
-        if self._last_program is None:
+        if not self._programs:
             raise RuntimeError(f"{type(self).__name__} has not run yet: call it once "
                                "(g(x, y)) so there is a captured graph to inspect")
-        return self._last_program
+        return next(reversed(self._programs.values()))
 
     def __repr__(self) -> str:
-        from .printing import graph_repr
-
-        return graph_repr(self)
+        program = next(reversed(self._programs.values())) if self._programs else None
+        return graph_repr(self._spec(), repr(self.config), program)
 
 
 def _silence_scheduler_order_warning(optimizer: torch.optim.Optimizer) -> None:

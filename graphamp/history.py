@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from .validate import check_int
-from .step import HISTORY_COLUMNS
+
+HISTORY_COLUMNS = ("step", "loss", "scale", "skipped", "grad_norm")
 
 
 class TrainingHistory:

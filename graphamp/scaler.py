@@ -16,7 +16,6 @@ into the other), plus graphamp's fields.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -253,39 +252,3 @@ def as_graphamp_scaler(scaler: Any) -> GradScaler:
         f"set_grad_scaler takes graphamp.GradScaler, graphamp.StaticGradScaler or "
         f"torch.amp.GradScaler, got {type(scaler).__name__}"
     )
-
-
-def unscale_and_check(grads: list[torch.Tensor], scale: torch.Tensor):
-    """(unscaled grads, found_inf): torch.amp.GradScaler.unscale_ for one optimizer."""
-    inv_scale = scale.double().reciprocal().float()
-    found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-    if grads:
-        # in place on the fresh gradients: functionalization turns it into the functional op
-        # (a clone first would make inductor copy every gradient for this fallback kernel)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-    return grads, found_inf
-
-
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float):
-    """torch.nn.utils.clip_grad_norm_ on values: (clipped grads, total norm)."""
-    if not grads:
-        return grads, None
-    norms = torch._foreach_norm(grads, norm_type)
-    total = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return [g * coef for g in grads], total
-
-
-def warn_about_dtype(scaler: GradScaler | None, amp_active: bool, dtype: torch.dtype,
-                     graph_name: str) -> None:
-    if scaler is not None and scaler.enabled and (not amp_active or dtype == torch.bfloat16):
-        what = "bf16" if amp_active else "fp32"
-        warnings.warn(
-            f"{graph_name}: a grad scaler is set for a {what} step, where gradients do not "
-            "underflow as in fp16; loss scaling is unnecessary (it still works and still skips "
-            "non-finite steps)", stacklevel=3)
-    if scaler is None and amp_active and dtype == torch.float16:
-        warnings.warn(
-            f"{graph_name}: fp16 AMP without a grad scaler: small gradients underflow to zero "
-            "in fp16. Add self.set_grad_scaler(graphamp.GradScaler()) or use bf16",
-            stacklevel=3)

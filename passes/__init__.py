@@ -11,13 +11,14 @@ from .hoist_param_casts import hoist_parameter_casts
 from .insert_casts import dtype_after_amp, insert_casts
 from .lint import AmpInvariantError, check_amp_invariants, verify_dtypes
 from .lists import DEFAULT_LISTS, PrecisionLists, resolve_op
-from .pipeline import AMP_PIPELINE, run_amp_passes
+from .pipeline import AMP_PIPELINE, AmpPassError, run_amp_passes
 from .remove_hints import remove_hints
 
 __all__ = [
     "AMP_PIPELINE",
     "AmpContext",
     "AmpInvariantError",
+    "AmpPassError",
     "DEFAULT_LISTS",
     "PassResult",
     "PrecisionLists",

@@ -12,7 +12,8 @@ Four disjoint sets of aten op packets (overloads do not matter):
 
 Everything else is *unknown*: kept fp32 and listed in the precision report.
 
-Deliberate differences from torch.autocast (each tested in tests/test_amp_oracle.py):
+Deliberate differences from torch.autocast (tested against the autocast oracle in
+tests/test_amp.py):
 
 1. Infer ops run in low precision only *between* allow ops (or from an allow op to an output),
    after OneFlow and TF's grappler; autocast runs them in whatever dtype arrives. An

@@ -56,15 +56,26 @@ def _gc_paused():
             gc.enable()
 
 
+class AmpPassError(RuntimeError):
+    """An AMP pass raised: names the pass and the passes that ran before it (a graphamp bug, or
+    a graph the passes do not handle; the original error is the cause)."""
+
+
 def _run(gm, ctx, after_pass, check, timings):
-    for amp_pass in AMP_PIPELINE:
+    for i, amp_pass in enumerate(AMP_PIPELINE):
+        name = amp_pass.__name__
         start = time.perf_counter()
-        result = amp_pass(gm, ctx)
+        try:
+            result = amp_pass(gm, ctx)
+            if check:
+                result.graph_module.graph.lint()
+        except Exception as e:
+            before = ", ".join(p.__name__ for p in AMP_PIPELINE[:i]) or "none"
+            raise AmpPassError(f"AMP pass {name} failed (passes run before it: {before}): "
+                               f"{type(e).__name__}: {e}") from e
         gm = result.graph_module
         seconds = time.perf_counter() - start
-        timings[amp_pass.__name__] = seconds
-        if check:
-            gm.graph.lint()
+        timings[name] = seconds
         if after_pass is not None:
-            after_pass(amp_pass.__name__, gm, result.modified, seconds)
+            after_pass(name, gm, result.modified, seconds)
     return gm

@@ -12,10 +12,11 @@ import torch.nn as nn
 import graphamp
 from graphamp import ConfigError
 from graphamp.capture import BuildRoot, capture_forward
-from graphamp.oracle import autocast_forward, compare
+from graphamp.capture import autocast_forward
+from graphamp.inspect.compare import compare
 from graphamp.passes import AmpContext, run_amp_passes
-from graphamp.program import _copy_graph_module
-from graphamp.signature import flatten_inputs
+from graphamp.fxutil import copy_graph_module
+from graphamp.inputs import flatten_inputs
 from helpers import make_graph
 from models import ManualAttentionBlock, SmallCNN, TinyGPT, lm_loss, seed_mlp
 
@@ -47,7 +48,7 @@ def _graphamp_vs_autocast(name, dtype):
     cap = capture_forward(root, inputs, name, device=CUDA)
     params = frozenset(n.name for n in list(cap.gm.graph.nodes)[: len(cap.param_names)])
     ctx = AmpContext(dtype=dtype, parameters=params)
-    forward = run_amp_passes(_copy_graph_module(cap.gm), ctx)
+    forward = run_amp_passes(copy_graph_module(cap.gm), ctx)
     trace = autocast_forward(root, inputs, dtype, device=CUDA)
     return compare(forward, trace), ctx, trace
 
@@ -202,7 +203,7 @@ def test_opt_levels(level, gelu, layer_norm):
 def test_opt_level_o0_is_fp32():
     with pytest.warns(UserWarning, match="loss scaling is unnecessary"):
         g = _small_gpt_graph(lambda self: self.config.set_amp_opt_level("O0"))
-    assert g._last_program.amp is None
+    assert g.compiled_steps[-1].amp_dtype is None
     assert {r["colour"] for r in g.precision_report().rows} == {"fp32"}
 
 
@@ -215,7 +216,7 @@ def test_batchnorm_statistics_and_parameters_stay_fp32():
     assert bn.weight.dtype == bn.running_mean.dtype == torch.float32
     rows = [r for r in g.precision_report(with_autocast=False).rows if "batch_norm" in r["op"]]
     assert rows and all(r["colour"] == "allow" for r in rows)
-    forward = g._last_program.forward
+    forward = g.compiled_steps[-1].forward_graph
     for node in forward.graph.nodes:
         if "batch_norm" in str(node.target):
             assert not any(a.meta.get("amp_cast") or a.meta.get("shadow_of")

@@ -59,7 +59,7 @@ def test_five_steps_match_eager_fp32(model_name, opt_name):
     assert_state_close(model, ref)  # parameters and BatchNorm running statistics
     assert_optimizer_close(opt, ref_opt)
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
-    assert len(g._programs) == 1, "a changing learning rate must not recompile"
+    assert len(g.compiled_steps) == 1, "a changing learning rate must not recompile"
 
 
 @pytest.mark.inductor
@@ -149,7 +149,7 @@ def test_learning_rate_schedule_is_a_graph_input():
         eager_step(ref, nn.CrossEntropyLoss(), ref_opt, x, y, ref_sch)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 / 6)
     assert_state_close(model, ref)
-    assert len(g._programs) == 1
+    assert len(g.compiled_steps) == 1
 
 
 def test_frozen_and_unused_parameters_are_left_alone_like_eager():
@@ -218,9 +218,9 @@ def test_eval_graph_compiles_forward_only():
     g = _eval_graph(model)
     x = torch.randn(4, 3, 16, 16)
     torch.testing.assert_close(g(x), model(x), rtol=1e-5, atol=1e-6)
-    program = g._last_program
-    assert not program.plan.training
-    assert "optimizer" not in {n.meta.get("graphamp_subgraph") for n in program.step_gm.graph.nodes}
+    (step,) = g.compiled_steps
+    assert not step.training and step.calls == 1 and step.step_nodes > 0
+    assert "optimizer" not in {n.meta.get("graphamp_subgraph") for n in step.step_graph.graph.nodes}
 
 
 def test_eval_graph_in_train_mode_updates_batchnorm_statistics():
@@ -242,7 +242,7 @@ def test_new_input_shape_recaptures_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="graphamp"):
         g(torch.randn(4, 256), torch.randint(0, 10, (4,)))
         g(torch.randn(8, 256), torch.randint(0, 10, (8,)))
-    assert len(g._programs) == 2
+    assert len(g.compiled_steps) == 2
     messages = [r.getMessage() for r in caplog.records if "new input signature" in r.getMessage()]
     assert len(messages) == 1 and "4x256" in messages[0]
 
@@ -253,7 +253,7 @@ def test_cache_is_bounded():
                    configure=lambda self: self.config.set_max_cached_graphs(2))
     for batch in (2, 3, 4):
         g(torch.randn(batch, 256), torch.randint(0, 10, (batch,)))
-    assert len(g._programs) == 2
+    assert len(g.compiled_steps) == 2
 
 
 def test_train_eval_switch_recaptures():
@@ -265,7 +265,7 @@ def test_train_eval_switch_recaptures():
     g(x, y)
     model.train()
     g(x, y)
-    assert len(g._programs) == 2
+    assert len(g.compiled_steps) == 2
 
 
 def test_dropout_draws_a_new_mask_each_step_reproducibly():
@@ -380,6 +380,6 @@ def test_no_host_sync_ops_in_the_captured_step():
     g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
                    amp=torch.float16, scaler=graphamp.GradScaler())
     g(torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
-    targets = {str(n.target) for n in g._last_program.step_gm.graph.nodes}
+    targets = {str(n.target) for n in g.compiled_steps[-1].step_graph.graph.nodes}
     assert "aten._local_scalar_dense.default" not in targets
     assert not any(t.endswith(".item") for t in targets)

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 import graphamp
-from graphamp.picture import layered_svg, to_dot
-from graphamp.plot import plot_history
+from graphamp.inspect.picture import layered_svg, to_dot
+from graphamp.inspect.plot import plot_history
 from helpers import make_graph
 from models import SmallCNN, seed_mlp
 
@@ -134,7 +134,7 @@ def test_dump_writes_every_file(which, mlp_graph, cnn_graph, tmp_path):
 
 
 def test_own_svg_drawing_without_graphviz(cnn_graph):
-    forward = cnn_graph._last_program.forward
+    forward = cnn_graph.compiled_steps[-1].forward_graph
     svg = layered_svg(forward)
     assert svg.startswith("<svg") and svg.count("<rect") == len(list(forward.graph.nodes))
     assert "#8fd18f" in svg and "<title>" in svg

@@ -158,7 +158,7 @@ def test_precision_hints_force_the_colour_and_spread():
         return torch.mm(a, w), b
 
     from graphamp.capture import BuildRoot, capture_forward
-    from graphamp.signature import flatten_inputs
+    from graphamp.inputs import flatten_inputs
 
     root = BuildRoot({}, fn)
     cap = capture_forward(root, flatten_inputs((X, W), {}), "hints")

@@ -210,9 +210,9 @@ def test_inputs_as_dicts_and_tuples():
         ref_opt.step()
         torch.testing.assert_close(out["loss"], ref_loss.detach())
     assert_state_close(model, ref)
-    assert len(g._programs) == 1
+    assert len(g.compiled_steps) == 1
     g({"x": torch.randn(8, 256), "y": torch.randint(0, 10, (8,))}, extra=("note", 0.25))
-    assert len(g._programs) == 2  # a new constant is a new signature (it is baked in)
+    assert len(g.compiled_steps) == 2  # a new constant is a new signature (it is baked in)
 
 
 # -- accuracy on real data ------------------------------------------------------------------------

@@ -22,22 +22,21 @@ shape of every input and output after AMP and their colour.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from .fxutil import op_name
-from .passes.base import dtype_after_amp, is_compute_node
-
-if TYPE_CHECKING:
-    from .graph import Graph
+from ..fxutil import op_name
+from ..passes.base import dtype_after_amp, is_compute_node
+from ..spec import GraphSpec, Program
+from ..validate import dtype_name
 
 INDENT = "  "
 
 
 def _short(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "") if dtype is not None else "?"
+    return dtype_name(dtype) if dtype is not None else "?"
 
 
 def value_text(node: fx.Node) -> str:
@@ -65,27 +64,45 @@ def _tensor_text(t: torch.Tensor) -> str:
     return f"tensor({device}size={tuple(t.shape)}, dtype={t.dtype}{grad})"
 
 
-def graph_repr(graph: "Graph") -> str:
-    name = type(graph).__name__
-    program = graph.__dict__.get("_last_program")
-    lines = [f"(GRAPH:{name}:{name}): ("]
-    lines.append(f"{INDENT}(CONFIG:{graph.config!r})")
+def graph_repr(spec: GraphSpec, config_repr: str, program: Program | None) -> str:
+    """The tree for a Graph: registration from ``spec``, operators from the last ``program``."""
+    name = spec.name
+    lines = [f"(GRAPH:{name}:{name}): (", f"{INDENT}(CONFIG:{config_repr})"]
     by_module: dict[str, list[fx.Node]] = {}
     loose: list[fx.Node] = []
     if program is not None:
-        for node in program.forward.graph.nodes:
-            if node.op == "placeholder" and node.name.startswith("in_"):
-                lines.append(f"{INDENT}(INPUT:{value_text(node)})")
-            if not is_compute_node(node):
-                continue
-            stack = node.meta.get("nn_module_stack") or {}
-            path = list(stack)[-1] if stack else ""
-            (by_module.setdefault(path, []) if path else loose).append(node)
-    for attr, module in graph._registered_modules.items():
+        lines += _group_operators(program.forward, by_module, loose)
+    for attr, module in spec.modules:
         lines += _module_lines(attr, module, by_module, 1)
-    for node in loose:
-        lines.append(f"{INDENT}{operator_line(node)}")
-    for i, slot in enumerate(graph._optimizer_slots):
+    lines += [f"{INDENT}{operator_line(node)}" for node in loose]
+    lines += _optimizer_lines(spec)
+    lines += _scaler_lines(spec, program)
+    if program is not None:
+        out = next(n for n in program.forward.graph.nodes if n.op == "output")
+        outs = [value_text(n) for n in out.all_input_nodes][: program.captured.num_user_outputs]
+        lines.append(f"{INDENT}(OUTPUT:{', '.join(outs)})")
+    lines.append(")")
+    return "\n".join(lines)
+
+
+def _group_operators(forward: fx.GraphModule, by_module: dict[str, list[fx.Node]],
+                     loose: list[fx.Node]) -> list[str]:
+    """INPUT lines; compute nodes sorted into ``by_module`` (innermost module) or ``loose``."""
+    inputs = []
+    for node in forward.graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("in_"):
+            inputs.append(f"{INDENT}(INPUT:{value_text(node)})")
+        if not is_compute_node(node):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack)[-1] if stack else ""
+        (by_module.setdefault(path, []) if path else loose).append(node)
+    return inputs
+
+
+def _optimizer_lines(spec: GraphSpec) -> list[str]:
+    lines = []
+    for i, slot in enumerate(spec.optimizers):
         opt = slot.optimizer
         group = opt.param_groups[0]
         hyper = ", ".join(f"{k}={group[k]}" for k in ("lr", "momentum", "betas", "weight_decay")
@@ -93,23 +110,21 @@ def graph_repr(graph: "Graph") -> str:
         clip = f", clip_grad_max_norm={slot.clip_max_norm}" if slot.clip_max_norm else ""
         lines.append(f"{INDENT}(OPTIMIZER:{i}:{type(opt).__name__}({hyper}, "
                      f"param_groups={len(opt.param_groups)}{clip}))")
-    scaler = graph._grad_scaler
-    if scaler is not None:
-        scaler_nodes = []
-        if program is not None:
-            scaler_nodes = [n for n in program.step_gm.graph.nodes if n.op == "call_function"
-                            and n.meta.get("graphamp_subgraph") == "grad_scaler"]
-        lines.append(f"{INDENT}(GRAD_SCALER:{scaler!r}): (" if scaler_nodes
-                     else f"{INDENT}(GRAD_SCALER:{scaler!r})")
-        if scaler_nodes:
-            lines += [f"{INDENT * 2}{operator_line(n)}" for n in scaler_nodes]
-            lines.append(f"{INDENT})")
+    return lines
+
+
+def _scaler_lines(spec: GraphSpec, program: Program | None) -> list[str]:
+    scaler = spec.scaler
+    if scaler is None:
+        return []
+    nodes = []
     if program is not None:
-        out = next(n for n in program.forward.graph.nodes if n.op == "output")
-        outs = [value_text(n) for n in out.all_input_nodes][: program.captured.num_user_outputs]
-        lines.append(f"{INDENT}(OUTPUT:{', '.join(outs)})")
-    lines.append(")")
-    return "\n".join(lines)
+        nodes = [n for n in program.step_gm.graph.nodes if n.op == "call_function"
+                 and n.meta.get("graphamp_subgraph") == "grad_scaler"]
+    if not nodes:
+        return [f"{INDENT}(GRAD_SCALER:{scaler!r})"]
+    return ([f"{INDENT}(GRAD_SCALER:{scaler!r}): ("]
+            + [f"{INDENT * 2}{operator_line(n)}" for n in nodes] + [f"{INDENT})"])
 
 
 def _module_lines(path: str, module: torch.nn.Module, ops: dict[str, list[fx.Node]],

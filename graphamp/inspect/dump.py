@@ -12,23 +12,16 @@ from __future__ import annotations
 
 import html
 import json
-import logging
 import os
-from typing import TYPE_CHECKING
-
+from ..spec import Program
 from .picture import LEGEND, dot_to_svg, layered_svg, to_dot
-from .report import COLUMNS, precision_report
-
-if TYPE_CHECKING:
-    from .graph import Graph
-    from .program import Program
-
-log = logging.getLogger("graphamp")
+from .report import COLUMNS, PrecisionReport
 
 
-def dump_program(graph: "Graph", program: "Program", path: str) -> str:
+def dump_program(program: Program, report: PrecisionReport, path: str) -> str:
+    """Write the files listed above for ``program`` under ``path``; returns its absolute path."""
     os.makedirs(path, exist_ok=True)
-    name = type(graph).__name__
+    name = program.spec.name
     records = program.pass_records
     for i, record in enumerate(records):
         header = (f"# {name}: forward graph after {record.name} "
@@ -36,11 +29,6 @@ def dump_program(graph: "Graph", program: "Program", path: str) -> str:
         _write(path, f"{i:02d}_{record.name}.py", header + record.code)
     _write(path, f"{len(records):02d}_step.py",
            f"# {name}: the whole training step as compiled\n" + program.step_gm.code)
-    try:
-        report = precision_report(graph, program, with_autocast=program.amp is not None)
-    except Exception as e:  # noqa: BLE001 - the oracle is extra information; say why it is missing
-        log.warning("%s: autocast comparison skipped in the dump: %s: %s", name, type(e).__name__, e)
-        report = precision_report(graph, program, with_autocast=False)
     _write(path, "precision.csv", report.to_csv())
     dot = to_dot(program.forward, name)
     _write(path, "graph.dot", dot)

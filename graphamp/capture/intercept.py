@@ -22,9 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .errors import CaptureError
-from .fxutil import UserFrame, current_user_frame, last_node, nodes_after, tracing_graph
-from .ops import CAPTURE_REWRITES, capture_sdpa
+from ..errors import CaptureError
+from ..fxutil import UserFrame, current_user_frame, last_node, nodes_after, tracing_graph
+from ..ops import CAPTURE_REWRITES, capture_sdpa
 
 aten = torch.ops.aten
 
@@ -184,6 +184,21 @@ class CaptureMode(TorchFunctionMode):
             grads = (grads,) * len(tensors) if grads is None else (grads,)
         for t, g in zip(tensors, grads):
             self._record_backward(t, g, retain_graph, create_graph, inputs)
+
+
+def parameter_positions(record: RecordedLoss, position: dict[int, int]) -> frozenset[int] | None:
+    """The forward-parameter positions backward(inputs=...) named (None: all parameters)."""
+    if not record.inputs:
+        return None
+    out = set()
+    for t in record.inputs:
+        if id(t) not in position:
+            raise CaptureError(
+                f"backward(inputs=...){_where(record.where)} names a tensor that is not a "
+                "parameter of a registered module; graphamp differentiates with respect to "
+                "parameters only (pass, e.g., inputs=list(self.generator.parameters()))")
+        out.add(position[id(t)])
+    return frozenset(out)
 
 
 _HOST_READS = {

@@ -1,7 +1,7 @@
 """Training plots from the history graphamp keeps on the device: loss, loss scale, skipped steps.
 
     g.history.fetch()                        -> the rows
-    graphamp.plot.plot_history(g, "run.png") -> a PNG (needs the optional extra: pip install graphamp[plot])
+    graphamp.inspect.plot.plot_history(g, "run.png") -> a PNG (needs the optional extra: pip install graphamp[plot])
     python -m graphamp plot state.pt --out run.png   (state.pt: torch.save(g.state_dict(), ...))
 """
 
@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from ..history import TrainingHistory
 
 
 def _rows(source: Any) -> dict[str, list[float]]:
@@ -23,8 +24,6 @@ def _rows(source: Any) -> dict[str, list[float]]:
     if isinstance(source, dict) and "history" in source:  # a Graph state dict
         source = source["history"]
     if isinstance(source, dict) and "table" in source:
-        from .history import TrainingHistory
-
         history = TrainingHistory(max(1, int(torch.as_tensor(source["table"]).shape[0])))
         history.load_state_dict(source)
         history.materialize(torch.device("cpu"))

@@ -15,8 +15,9 @@ from collections import defaultdict
 import networkx as nx
 import torch.fx as fx
 
-from .fxutil import module_path, op_name
-from .passes.base import dtype_after_amp
+from ..fxutil import module_path, op_name
+from ..passes.base import dtype_after_amp
+from ..validate import dtype_name
 
 FILL = {  # allow / deny / infer-or-clear decided either way / cast / grad-scaler subgraph
     "allow": "#8fd18f",   # low precision
@@ -45,7 +46,7 @@ def _label(node: fx.Node) -> str:
     dtype = dtype_after_amp(node)
     if isinstance(dtype, tuple):
         dtype = dtype[0]
-    dtype = str(dtype).replace("torch.", "") if dtype is not None else ""
+    dtype = dtype_name(dtype) if dtype is not None else ""
     name = node.name if node.op != "call_function" else op_name(node).replace("aten.", "")
     return f"{name}\\n{dtype}" if dtype else name
 

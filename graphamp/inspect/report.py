@@ -7,17 +7,15 @@ import io
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.fx as fx
 
-from .fxutil import module_path, op_name
-from .passes.base import is_compute_node
-from .passes.insert_casts import dtype_after_amp
-
-if TYPE_CHECKING:
-    from .graph import Graph
-    from .program import Program
+from ..fxutil import module_path, op_name
+from ..passes.base import dtype_after_amp, is_compute_node
+from ..spec import AutocastTrace, Program
+from ..validate import dtype_name
+from .compare import compare
 
 log = logging.getLogger("graphamp")
 COLUMNS = ("node", "op", "module", "source", "list", "colour", "dtype", "why")
@@ -37,7 +35,7 @@ def configure_logging(v_level: int) -> None:
 def _short_dtype(dtype: Any) -> str:
     if isinstance(dtype, tuple):
         dtype = next((d for d in dtype if d is not None), None)
-    return "" if dtype is None else str(dtype).replace("torch.", "")
+    return "" if dtype is None else dtype_name(dtype)
 
 
 def _source(node: fx.Node) -> str:
@@ -116,42 +114,47 @@ def report_rows(gm: fx.GraphModule) -> list[dict[str, str]]:
     return rows
 
 
-def precision_report(graph: "Graph", program: "Program", *, with_autocast: bool = True):
-    amp = program.amp
-    gm = program.forward
-    rows = report_rows(gm)
-    dtype = _short_dtype(amp.dtype) if amp is not None else "fp32"
-    ops_low = sum(r["colour"] == "allow" for r in rows)
-    ops_total = sum(r["colour"] in ("allow", "deny", "fp32") for r in rows)
-    autocast = None
-    if with_autocast and amp is not None:
-        from .oracle import autocast_counts_for_program
+def autocast_counts(program: Program, trace: AutocastTrace) -> dict[str, int]:
+    """Autocast's op and cast counts on the program's forward, and how often it agrees."""
+    cmp = compare(program.forward, trace)
+    return {"ops_low": trace.ops_low, "ops": len(trace.ops), "casts": trace.casts,
+            "agree": sum(p.agrees for p in cmp.pairs), "compared": len(cmp.pairs)}
 
-        autocast = autocast_counts_for_program(graph, program)
+
+def precision_report(program: Program, trace: AutocastTrace | None = None) -> PrecisionReport:
+    """The report for ``program``'s forward; with ``trace`` (the autocast oracle's run on the
+    same forward), autocast's counts beside graphamp's."""
+    amp = program.amp
+    rows = report_rows(program.forward)
     return PrecisionReport(
-        rows=rows, dtype=dtype, casts=amp.stats.get("casts", 0) if amp else 0,
+        rows=rows, dtype=_short_dtype(amp.dtype) if amp is not None else "fp32",
+        casts=amp.stats.get("casts", 0) if amp else 0,
         parameter_copies=len(amp.hoisted) if amp else 0,
-        ops_low=ops_low, ops_total=ops_total,
-        unknown_ops=dict(amp.unknown_ops) if amp else {}, autocast=autocast,
+        ops_low=sum(r["colour"] == "allow" for r in rows),
+        ops_total=sum(r["colour"] in ("allow", "deny", "fp32") for r in rows),
+        unknown_ops=dict(amp.unknown_ops) if amp else {},
+        autocast=autocast_counts(program, trace) if trace is not None else None,
         timings=dict(program.timings))
 
 
-def log_program_summary(graph: "Graph", program: "Program") -> None:
-    name = type(graph).__name__
-    t = program.timings
-    timing = ", ".join(f"{k} {v:.2f}s" for k, v in t.items())
+def log_program_summary(program: Program) -> None:
+    spec = program.spec
+    timing = ", ".join(f"{k} {v:.2f}s" for k, v in program.timings.items())
     if program.amp is not None:
-        rep = precision_report(graph, program, with_autocast=False)
-        log.info("%s: %s", name, rep.summary())
-        if graph._debug_level >= 3:
-            for node in program.forward.graph.nodes:
-                if is_compute_node(node) and "amp_colour" in node.meta:
-                    frame = node.meta.get("user_frame")
-                    log.debug("  %-28s %-28s %-6s %-6s %s  [%s]", node.name, op_name(node),
-                              node.meta.get("amp_colour"), _short_dtype(dtype_after_amp(node)),
-                              node.meta.get("amp_reason", ""),
-                              f"{os.path.basename(frame.filename)}:{frame.lineno}: {frame.code}"
-                              if frame else "")
-    log.info("%s: captured and compiled (%s) with backend %s%s", name, timing,
-             graph.config.backend,
-             "" if not hasattr(program.compiled, "graph") else ", replayed as a CUDA graph")
+        log.info("%s: %s", spec.name, precision_report(program).summary())
+        if spec.debug_level >= 3:
+            _log_decisions(program.forward)
+    log.info("%s: captured and compiled (%s) with backend %s%s", spec.name, timing,
+             spec.config.backend,
+             ", replayed as a CUDA graph" if program.runner.uses_cuda_graph else "")
+
+
+def _log_decisions(forward: fx.GraphModule) -> None:
+    for node in forward.graph.nodes:
+        if is_compute_node(node) and "amp_colour" in node.meta:
+            frame = node.meta.get("user_frame")
+            log.debug("  %-28s %-28s %-6s %-6s %s  [%s]", node.name, op_name(node),
+                      node.meta.get("amp_colour"), _short_dtype(dtype_after_amp(node)),
+                      node.meta.get("amp_reason", ""),
+                      f"{os.path.basename(frame.filename)}:{frame.lineno}: {frame.code}"
+                      if frame else "")

@@ -1,0 +1,104 @@
+"""After tracing: make the captured forward pure and describe what it touches.
+
+Functionalization leaves trailing ``copy_`` nodes into inputs that build() changed in place;
+values computed under ``torch.no_grad()`` must carry no gradient; only buffers build() really
+changed stay among the outputs; parameters no loss depends on are left out of the update.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..errors import CaptureError
+from ..spec import CapturedForward
+
+aten = torch.ops.aten
+
+
+def strip_input_mutations(gm: fx.GraphModule, placeholders: list[fx.Node],
+                          param_names: list[str], buffer_names: list[str],
+                          input_names: list[str], graph_name: str) -> list[int]:
+    """Remove functionalization's trailing ``copy_`` into inputs; the forward graph stays pure.
+
+    Buffer updates are already among the outputs (read back inside functional_call); in-place
+    changes to parameters or to g(...)'s arguments are errors. Returns the mutated buffers'
+    indexes.
+    """
+    n_params, n_buffers = len(param_names), len(buffer_names)
+    index = {node: i for i, node in enumerate(placeholders)}
+    mutated_buffers = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy_.default:
+            continue
+        i = index.get(node.args[0])
+        if i is None:
+            continue
+        if i < n_params:
+            raise CaptureError(
+                f"{graph_name}.build() changes parameter {param_names[i]!r} in place. Parameters "
+                "are updated only by the optimizer inside the graph; change them outside g(...)"
+            )
+        if i >= n_params + n_buffers:
+            raise CaptureError(
+                f"{graph_name}.build() changes its argument {input_names[i - n_params - n_buffers]!r}"
+                " in place; work on a copy (x = x.clone()) or return the new value instead"
+            )
+        mutated_buffers.append(i - n_params)
+        gm.graph.erase_node(node)
+    return mutated_buffers
+
+
+def detach_no_grad_values(gm: fx.GraphModule) -> None:
+    """Values computed under torch.no_grad() in build() carry no gradient, as in eager mode."""
+    for node in list(gm.graph.nodes):
+        if not node.meta.get("no_grad"):
+            continue
+        users = [u for u in node.users if not u.meta.get("no_grad")]
+        val = node.meta.get("val")
+        if not users or not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
+            continue
+        with gm.graph.inserting_after(node):
+            detached = gm.graph.call_function(aten.detach.default, (node,))
+        detached.meta.update(val=val, nn_module_stack=node.meta.get("nn_module_stack"),
+                             user_frame=node.meta.get("user_frame"), no_grad=False)
+        for user in users:
+            user.replace_input_with(node, detached)
+
+
+def keep_changed_buffers(gm: fx.GraphModule, placeholders: list[fx.Node], n_params: int,
+                         first_buffer_output: int, mutated: list[int]) -> list[int]:
+    """Drop the outputs of buffers build() left unchanged; returns the changed buffers'
+    indexes, in output order."""
+    output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = list(output_node.args[0])
+    buffer_outs = outs[first_buffer_output:]
+    changed = [i for i, node in enumerate(buffer_outs) if node is not placeholders[n_params + i]]
+    unexpected = set(mutated) - set(changed)
+    if unexpected:  # a copy_ into a buffer that functional_call did not see: keep its value
+        raise CaptureError(f"internal: buffer update not visible for {sorted(unexpected)}")
+    output_node.args = (tuple(outs[:first_buffer_output] + [buffer_outs[i] for i in changed]),)
+    return changed
+
+
+def params_without_path_to_losses(captured: CapturedForward) -> set[int]:
+    """Parameters no loss sends gradients to: eager autograd leaves their .grad None and the
+    optimizer skips them (no weight decay, no momentum); the step must do the same."""
+    graph = captured.gm.graph
+    output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+    _, losses, _, _ = captured.split_outputs(output_node.args[0])
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    n_params = len(captured.param_names)
+    used: set[int] = set()
+    for loss, restrict in zip(losses, captured.loss_inputs):
+        reached: set[fx.Node] = set()
+        stack = [loss] if isinstance(loss, fx.Node) else []
+        while stack:
+            node = stack.pop()
+            if node in reached or node.target is aten.detach.default:
+                continue
+            reached.add(node)
+            stack.extend(node.all_input_nodes)
+        reachable = {i for i in range(n_params) if placeholders[i] in reached}
+        used |= reachable if restrict is None else reachable & restrict
+    return set(range(n_params)) - used

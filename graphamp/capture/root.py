@@ -1,0 +1,73 @@
+"""The module tree build() runs on, and the facts capture checks on it before tracing."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import ConfigError, InputError
+from ..inputs import FlatInputs
+
+
+class BuildRoot(nn.Module):
+    """Holds a Graph's registered modules so functional_call can swap in traced tensors."""
+
+    def __init__(self, modules: Mapping[str, nn.Module] | Iterable[tuple[str, nn.Module]],
+                 build: Callable[..., Any]):
+        super().__init__()
+        for name, module in (modules.items() if isinstance(modules, Mapping) else modules):
+            self.add_module(name, module)
+        self._build = build
+
+    def forward(self, args: tuple, kwargs: dict, buffer_names: list[str]):
+        out = self._build(*args, **kwargs)
+        # Read the buffers while the traced values are swapped in: these are the updated ones.
+        return out, [self.get_buffer(n) for n in buffer_names]
+
+
+def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch.device:
+    """The one device the registered modules and the batch share; InputError otherwise."""
+    devices = {t.device for t in root.parameters()} | {t.device for t in root.buffers()}
+    if len(devices) > 1:
+        raise InputError(
+            f"{graph_name}: the registered modules have tensors on {sorted(map(str, devices))}; "
+            "a Graph runs on one device: move them all (model.to(device))")
+    device = next(iter(devices)) if devices else None
+    for i, t in enumerate(inputs.tensors):
+        if device is None:
+            device = t.device
+        if t.device != device:
+            raise InputError(
+                f"{graph_name}(...): input tensor {i} is on {t.device} but the graph runs on "
+                f"{device}; move the batch there (x.to({str(device)!r}))")
+    return device or torch.device("cpu")
+
+
+def pinned_paths(root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...]) -> frozenset[str]:
+    """Module paths whose ops stay fp32 (config.pin_fp32): every module of the pinned types,
+    and every module at or below a pinned name. A name that matches no module is an error."""
+    modules = dict(root.named_modules())
+    for wanted in names:
+        if wanted not in modules:
+            close = [n for n in modules if n and n.split(".")[-1] == wanted.split(".")[-1]]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"pin_fp32({wanted!r}): no registered module has that path{hint} (paths "
+                "start at the Graph's attributes, e.g. 'model.head')")
+    paths = set()
+    for path, module in modules.items():
+        if path and (isinstance(module, types) or any(
+                path == w or path.startswith(w + ".") for w in names)):
+            paths.add(path)
+    return frozenset(paths)
+
+
+def fake_copy(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A fake tensor like ``t`` (on ``device`` if given), keeping requires_grad and leafness."""
+    with mode:
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                  device=device if device is not None else t.device)
+    return out.requires_grad_(t.requires_grad) if t.dtype.is_floating_point else out

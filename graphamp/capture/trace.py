@@ -1,0 +1,150 @@
+"""Capture: trace build() into a functional aten-level forward graph (a CapturedForward).
+
+Tracing runs on fake tensors (nothing real is computed or mutated), functionalized, with the
+parameters and buffers lifted to inputs through ``torch.func.functional_call``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+import torch._subclasses.fake_tensor as fake_tensor
+import torch.fx as fx
+import torch.fx.experimental.symbolic_shapes as symbolic_shapes
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..errors import CaptureError, GraphampError
+from ..fxutil import rename_placeholders, user_frame_of_exception
+from ..inputs import FlatInputs
+from ..spec import TENSOR, CapturedForward
+from .cleanup import (detach_no_grad_values, keep_changed_buffers, params_without_path_to_losses,
+                      strip_input_mutations)
+from .intercept import CaptureMode, parameter_positions
+from .root import BuildRoot, fake_copy
+
+log = logging.getLogger("graphamp")
+
+_DATA_DEPENDENT = tuple(
+    e
+    for e in (
+        getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None),
+        getattr(fake_tensor, "DataDependentOutputException", None),
+        getattr(fake_tensor, "DynamicOutputShapeException", None),
+    )
+    if e is not None
+)
+
+
+def capture_forward(root: BuildRoot, inputs: FlatInputs, graph_name: str,
+                    device: torch.device | None = None) -> CapturedForward:
+    """Trace ``root``'s build() on fake copies of its state and ``inputs``.
+
+    ``device`` traces as if everything lived there (fake tensors): the CUDA graph of a model can
+    be captured and inspected on a machine without a GPU.
+    """
+    param_names = [n for n, _ in root.named_parameters()]
+    buffer_names = [n for n, _ in root.named_buffers()]
+    gm, traced = _trace(root, inputs, param_names, buffer_names, graph_name, device)
+    input_names = inputs.names(root._build)
+    n_losses, n_grads = len(traced["losses"]), sum(r.gradient is not None for r in traced["losses"])
+    n_outputs = sum(1 for x in traced["template"] if x is TENSOR)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    rename_placeholders(gm, [f"p_{n}" for n in param_names] + [f"b_{n}" for n in buffer_names]
+                        + [f"in_{n}" for n in input_names])
+    mutated = strip_input_mutations(gm, placeholders, param_names, buffer_names, input_names,
+                                    graph_name)
+    detach_no_grad_values(gm)
+    changed = keep_changed_buffers(gm, placeholders, len(param_names),
+                                   n_outputs + n_losses + n_grads, mutated)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    captured = CapturedForward(
+        gm=gm, param_names=param_names, buffer_names=buffer_names, input_names=input_names,
+        num_user_outputs=n_outputs, output_spec=traced["spec"],
+        output_template=traced["template"],
+        loss_frames=[r.where for r in traced["losses"]],
+        loss_grad_given=[r.gradient is not None for r in traced["losses"]],
+        mutated_buffers=changed, loss_inputs=traced["loss_inputs"],
+    )
+    captured.unused_params = params_without_path_to_losses(captured)
+    log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
+    return captured
+
+
+def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
+           buffer_names: list[str], graph_name: str,
+           device: torch.device | None) -> tuple[fx.GraphModule, dict[str, Any]]:
+    """make_fx over the functionalized forward; returns the graph and what build() reported
+    (losses, return structure), with torch's errors turned into CaptureErrors."""
+    module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    n_params, n_buffers = len(param_names), len(buffer_names)
+    traced: dict[str, Any] = {}
+
+    def forward(*flat: torch.Tensor):
+        state = dict(zip(param_names, flat[:n_params]))
+        state.update(zip(buffer_names, flat[n_params : n_params + n_buffers]))
+        args, kwargs = inputs.rebuild(list(flat[n_params + n_buffers :]))
+        mode = CaptureMode(module_names)
+        with torch.enable_grad(), mode.tracking_modules(), mode:
+            out, new_buffers = torch.func.functional_call(
+                root, state, (args, kwargs, buffer_names), tie_weights=True, strict=True
+            )
+        leaves, spec = pytree.tree_flatten(out)
+        position = {id(t): i for i, t in enumerate(flat[:n_params])}
+        traced.update(spec=spec, losses=mode.losses,
+                      template=[TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
+                      loss_inputs=[parameter_positions(r, position) for r in mode.losses])
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        losses = [r.tensor for r in mode.losses]
+        grads = [r.gradient for r in mode.losses if r.gradient is not None]
+        return (*tensors, *losses, *grads, *new_buffers)
+
+    example = [p.detach() for p in root.parameters()] + list(root.buffers())
+    example += list(inputs.tensors)
+    if device is not None:
+        mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+        example = [fake_copy(mode, t, device) for t in example]
+    try:
+        with _compiling_flag():
+            gm = make_fx(torch.func.functionalize(forward, remove="mutations"),
+                         tracing_mode="fake")(*example)
+    except GraphampError:
+        raise
+    except _DATA_DEPENDENT as e:
+        raise CaptureError(
+            f"{graph_name}.build() uses the value of a tensor in Python{_at(e)}. graphamp captures "
+            "build() once on shapes alone, so Python control flow and .item()/float()/bool() on "
+            "tensors cannot be recorded. Compute both branches and select with torch.where, "
+            "or return the tensor from build() and decide outside the graph"
+        ) from e
+    except Exception as e:
+        raise CaptureError(
+            f"capturing {graph_name}.build() failed{_at(e)}: {type(e).__name__}: {e}") from e
+    return gm, traced
+
+
+def _at(e: BaseException) -> str:
+    frame = user_frame_of_exception(e)
+    return f" at {frame}" if frame else ""
+
+
+@contextlib.contextmanager
+def _compiling_flag():
+    """``torch.compiler.is_compiling()`` is True while build() is captured, as under
+    torch.compile and torch.export: libraries then skip host-side checks that read tensor values
+    (transformers' padding warning, for one), which a compiled step cannot run anyway."""
+    compiler = torch.compiler
+    if not hasattr(compiler, "_is_compiling_flag"):
+        yield
+        return
+    saved = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = saved

@@ -1,0 +1,123 @@
+"""What graphamp knows about torch's optimizers: which it supports, and their state format.
+
+The optimizer state lives in ``optimizer.state`` in torch's own format (``momentum_buffer``;
+``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), updated in place by the compiled step,
+so ``optimizer.state_dict()`` is always current. ``step`` tensors live on the parameters'
+device, as torch keeps them for ``capturable=True``. The update math itself is traced by
+``step/optimizer_update.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import ConfigError, UnsupportedOptimizerError
+from .validate import check_number
+
+SUPPORTED = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
+# The float hyperparameters each kind reads per param group: graph inputs (0-dim fp32 tensors),
+# so a scheduler changing them never recompiles.
+HYPER = {"sgd": ("lr", "momentum", "dampening", "weight_decay"),
+         "adam": ("lr", "beta1", "beta2", "eps", "weight_decay")}
+
+
+def optimizer_kind(optimizer: Any) -> str:
+    """"sgd" or "adam"; raises for optimizers and options without an in-graph update."""
+    kind = SUPPORTED.get(type(optimizer))
+    if kind is None:
+        names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED)
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} has no in-graph "
+            f"implementation; graphamp supports {names}. Use one of those, or train that part "
+            "eagerly outside the Graph"
+        )
+    for group in optimizer.param_groups:
+        if group.get("differentiable"):
+            raise UnsupportedOptimizerError(
+                f"{type(optimizer).__name__}(differentiable=True) is not supported in a Graph"
+            )
+        if kind == "sgd" and group.get("nesterov") and (
+            group["momentum"] <= 0 or group["dampening"] != 0
+        ):
+            raise ConfigError("SGD nesterov momentum requires a momentum and zero dampening")
+    return kind
+
+
+def validate_clip(max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
+    if max_norm is not None:
+        max_norm = check_number("clip_grad_max_norm", max_norm, above=0)
+    return max_norm, check_number("clip_grad_norm_type", norm_type, above=0, allow_inf=True)
+
+
+def group_flags(kind: str, optimizer: torch.optim.Optimizer, group: dict) -> tuple:
+    """The options of a param group that change the traced update (part of the cache key)."""
+    maximize = bool(group.get("maximize", False))
+    if kind == "sgd":
+        return (("momentum", group["momentum"] != 0), ("dampening", group["dampening"] != 0),
+                ("nesterov", bool(group["nesterov"])), ("weight_decay", group["weight_decay"] != 0),
+                ("maximize", maximize))
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+        group.get("decoupled_weight_decay", False))
+    return (("amsgrad", bool(group["amsgrad"])), ("decoupled", decoupled),
+            ("weight_decay", group["weight_decay"] != 0), ("maximize", maximize))
+
+
+def state_keys(kind: str, flags: dict) -> tuple[str, ...]:
+    """The per-parameter state torch keeps for a group with these flags."""
+    if kind == "sgd":
+        return ("momentum_buffer",) if flags["momentum"] else ()
+    return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if flags["amsgrad"] else ())
+
+
+def init_state(kind: str, key: str, param: torch.Tensor) -> torch.Tensor:
+    """A fresh state tensor in torch's format (step on the param's device)."""
+    if key == "step":
+        return torch.zeros((), dtype=torch.float32, device=param.device)
+    return torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+@dataclass
+class GroupPlan:
+    """One param group: which parameters it updates, its state keys and structural flags."""
+
+    params: list[int]  # forward-parameter positions of the group's trainable parameters
+    flags: tuple  # structure that changes the traced graph (part of the cache key)
+    state_keys: tuple[str, ...]  # per-parameter state in torch's format, for this group
+
+
+@dataclass
+class OptimizerPlan:
+    index: int  # position among the Graph's optimizers
+    optimizer: torch.optim.Optimizer
+    kind: str  # a value of SUPPORTED
+    groups: list[GroupPlan]  # one per param group, same order
+    clip_max_norm: float | None
+    clip_norm_type: float
+    params: list[torch.Tensor]  # the parameters it updates, in forward_positions order
+
+    def state_slots(self) -> list[tuple[torch.Tensor, str]]:
+        """(parameter, state key) for every state tensor, in the step's input order."""
+        out, i = [], 0
+        for group in self.groups:
+            params = self.params[i : i + len(group.params)]
+            i += len(group.params)
+            out += [(p, key) for key in group.state_keys for p in params]
+        return out
+
+    @property
+    def forward_positions(self) -> list[int]:
+        """Forward-parameter positions of every parameter this optimizer updates, group order."""
+        return [i for g in self.groups for i in g.params]
+
+    @property
+    def hyper_names(self) -> tuple[str, ...]:
+        return HYPER[self.kind]
+
+    def hyper_values(self, group: dict) -> tuple[Any, ...]:
+        if self.kind == "sgd":
+            return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"])
+        beta1, beta2 = group["betas"]
+        return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])

@@ -1,0 +1,104 @@
+"""Data parallel on torch.distributed: what happens on the host when a step is (re)built.
+
+Inside the step (step/collectives.py), gradients are averaged with one coalesced functional
+all-reduce and the overflow flags with an all-reduce max. Here, once per build: rank 0's
+parameters and buffers are broadcast (as DDP does at construction), every rank builds its
+program, and the ranks compare a fingerprint of the captured step. A rank that failed to build,
+or built a different graph, makes every rank raise: no rank is left waiting in a collective the
+others never reach.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from ..config import ConfigSnapshot
+from ..errors import CaptureError, ConfigError
+
+log = logging.getLogger("graphamp")
+T = TypeVar("T")
+
+
+def process_group(graph_name: str, config: ConfigSnapshot):
+    """The group a data-parallel graph averages over (the world by default)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            f"{graph_name}: data parallel needs an initialised process group: start with "
+            "torchrun and call torch.distributed.init_process_group(backend) first")
+    return config.process_group or dist.group.WORLD
+
+
+def _agree(graph_name: str, group, status: tuple, what: str) -> list:
+    """All-gather each rank's (ok|error, detail); every rank raises if any failed."""
+    statuses: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(statuses, status, group=group)
+    failed = [(r, s[1]) for r, s in enumerate(statuses) if s[0] == "error"]
+    if failed:
+        r, message = failed[0]
+        raise CaptureError(f"{graph_name}: rank {r} failed {what}, so every rank stops "
+                           f"(none is left waiting in a collective): {message}")
+    return statuses
+
+
+def broadcast_state(graph_name: str, root: nn.Module, group) -> None:
+    """Rank 0's parameters and buffers on every rank (once, like DDP's constructor), after
+    checking that every rank holds the same tensors (a mismatched broadcast would abort)."""
+    tensors = [*root.named_parameters(), *root.named_buffers()]
+    layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
+    statuses = _agree(graph_name, group, ("ok", layout), "to describe its model")
+    if any(s[1] != layout for s in statuses):
+        differ = [r for r, s in enumerate(statuses) if s[1] != statuses[0][1]]
+        first = next((a, b) for a, b in zip(statuses[0][1], statuses[differ[0]][1]) if a != b) \
+            if len(statuses[0][1]) == len(statuses[differ[0]][1]) else ("tensor count", "")
+        raise CaptureError(
+            f"{graph_name}: the ranks hold different models (ranks {differ} differ "
+            f"from rank 0, first at {first[0]} vs {first[1]}); data parallel needs the same "
+            "model on every rank")
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    with torch.no_grad():
+        for _, tensor in tensors:
+            dist.broadcast(tensor.data, src=src, group=group)
+
+
+def fingerprint(step_gm: fx.GraphModule, names: list[str]) -> str:
+    text = step_gm.code + "|" + "|".join(names)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def build_on_every_rank(graph_name: str, group, build: Callable[[], T],
+                        fingerprint_of: Callable[[T], str]) -> T:
+    """``build()`` on this rank; every rank raises if any rank failed or built another step."""
+    rank = dist.get_rank(group)
+    result, error, status = None, None, None
+    try:
+        result = build()
+        status = ("ok", fingerprint_of(result))
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
+        error = e
+        status = ("error", f"{type(e).__name__}: {e}")
+    try:
+        statuses = _agree(graph_name, group, status, "to build its step")
+    except CaptureError:
+        if error is not None:
+            raise error from None
+        raise
+    prints = {s[1] for s in statuses}
+    if len(prints) > 1:
+        by_print: dict[str, list[int]] = {}
+        for r, s in enumerate(statuses):
+            by_print.setdefault(s[1], []).append(r)
+        groups = "; ".join(f"ranks {v}" for v in by_print.values())
+        raise CaptureError(
+            f"{graph_name}: the ranks captured different training steps ({groups}). Every rank "
+            "must run the same build() on the same model with inputs of the same shapes; rank "
+            f"{rank} is in the group with fingerprint {status[1]}")
+    log.info("%s: rank %d built the same step as its %d peers (%s)", graph_name, rank,
+             len(statuses) - 1, status[1])
+    return result

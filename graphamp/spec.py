@@ -1,0 +1,293 @@
+"""The records the stages hand each other (``docs/architecture.md`` draws them).
+
+    GraphSpec ──capture──▶ CapturedForward ──AMP passes──▶ forward + AmpContext
+              ──plan──▶ StepPlan (with its StepLayout) ──assemble──▶ step graph
+              ──compile──▶ Program
+
+Each field states the invariant the stage that writes it keeps and the stages that read it rely
+on. Records hold no reference to ``Graph``: a stage sees only what its record gives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .config import ConfigSnapshot
+from .fxutil import UserFrame
+from .inputs import FlatInputs, InputSignature
+from .optimizers import OptimizerPlan
+from .scaler import GradScaler
+
+if TYPE_CHECKING:  # the AMP passes' context: a record of the passes stage, typed only
+    from .passes import AmpContext
+
+__all__ = ["AutocastTrace", "CapturedForward", "CompiledStep", "GraphSpec", "OptimizerSlot", "OracleOp",
+           "PassRecord", "Program", "STEP_INPUT_GROUPS", "STRUCTURAL_OPS", "StepLayout", "StepPlan", "StepRunner"]
+
+
+# -- what the user registered and configured ------------------------------------------------------
+
+@dataclass(frozen=True)
+class OptimizerSlot:
+    """One ``add_optimizer`` call."""
+
+    optimizer: torch.optim.Optimizer  # a supported torch optimizer (checked at add_optimizer)
+    lr_sch: Any  # None, or a scheduler whose .optimizer is ``optimizer``
+    clip_max_norm: float | None  # None (no clipping) or a positive finite number
+    clip_norm_type: float  # positive, or inf
+
+    def structure(self) -> tuple:
+        """What the traced update depends on besides values (part of the cache key)."""
+        groups = []
+        for g in self.optimizer.param_groups:
+            groups.append((len(g["params"]), tuple(p.requires_grad for p in g["params"]),
+                           g.get("momentum", 0) != 0, g.get("dampening", 0) != 0,
+                           bool(g.get("nesterov")), g.get("weight_decay", 0) != 0,
+                           bool(g.get("amsgrad")), bool(g.get("maximize"))))
+        return (type(self.optimizer), tuple(groups), self.clip_max_norm, self.clip_norm_type)
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """Everything a build reads from the Graph, taken when the build starts."""
+
+    name: str  # the Graph subclass's name: every message starts with it
+    modules: tuple[tuple[str, nn.Module], ...]  # registered modules, in registration order
+    build: Callable[..., Any]  # the bound build() method
+    optimizers: tuple[OptimizerSlot, ...]  # in add_optimizer order; index = optimizer number
+    scaler: GradScaler | None  # None: no loss scaling
+    config: ConfigSnapshot  # frozen: a later setter changes the cache key, not this build
+    history_capacity: int  # rows of the on-device history table
+    debug_level: int  # 0..3, as set by Graph.debug
+
+    @property
+    def training(self) -> bool:
+        """A Graph with an optimizer trains; one without is an eval graph."""
+        return bool(self.optimizers)
+
+
+# -- what capture hands the AMP passes and the planner ----------------------------------------------
+
+@dataclass
+class CapturedForward:
+    """build() traced once on fake tensors: a functional aten-level forward graph.
+
+    Placeholders are ``(*parameters, *buffers, *input tensors)`` in ``param_names``,
+    ``buffer_names``, ``input_names`` order. Outputs are ``(*build()'s tensors, *losses,
+    *explicit loss gradients, *new values of mutated buffers)``: ``split_outputs`` cuts them.
+    """
+
+    gm: fx.GraphModule  # linted and recompiled; no in-place op on a placeholder
+    param_names: list[str]  # qualified names from the registered modules, tied ones once
+    buffer_names: list[str]
+    input_names: list[str]  # readable names of g(...)'s tensor leaves
+    num_user_outputs: int  # tensors among build()'s return leaves
+    output_spec: pytree.TreeSpec  # build()'s return structure
+    output_template: list[Any]  # build()'s return leaves, with TENSOR where a tensor goes
+    loss_frames: list[UserFrame | None]  # where each backward() was called
+    loss_grad_given: list[bool]  # backward(gradient=...) for that loss
+    mutated_buffers: list[int]  # indexes into buffer_names, in output order
+    # per loss: the parameter positions backward(inputs=...) named, or None for all
+    loss_inputs: list[frozenset[int] | None] = field(default_factory=list)
+    unused_params: set[int] = field(default_factory=set)  # params no loss sends gradients to
+
+    @property
+    def num_losses(self) -> int:
+        return len(self.loss_frames)
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.input_names)
+
+    def split_outputs(self, outs: Sequence[Any]) -> tuple[list, list, list, list]:
+        """(build()'s tensors, losses, explicit loss gradients, new buffer values)."""
+        n_out, n_loss = self.num_user_outputs, self.num_losses
+        n_grad = sum(self.loss_grad_given)
+        return (list(outs[:n_out]), list(outs[n_out:n_out + n_loss]),
+                list(outs[n_out + n_loss:n_out + n_loss + n_grad]),
+                list(outs[n_out + n_loss + n_grad:]))
+
+    def unflatten_outputs(self, tensors: Sequence[Any]) -> Any:
+        """build()'s return value with ``tensors`` where it returned tensors."""
+        it = iter(tensors)
+        leaves = [next(it) if x is TENSOR else x for x in self.output_template]
+        return pytree.tree_unflatten(leaves, self.output_spec)
+
+
+TENSOR = object()  # marks where build()'s return value held a tensor
+
+
+# -- what the planner hands assembly and the runtime ----------------------------------------------
+
+# The compiled step's inputs, group by group, in this order; the batch comes last so the runtime
+# can tell state (kept at fixed addresses, e.g. for CUDA graphs) from per-call inputs.
+STEP_INPUT_GROUPS = ("params", "buffers", "opt_state", "hyper", "counters", "scaler", "history",
+                     "shadows", "inputs")
+
+
+class StepLayout:
+    """The one owner of the order of the compiled step's inputs.
+
+    Every group of ``STEP_INPUT_GROUPS`` has a list of placeholder names (possibly empty); the
+    step's flat inputs are the groups concatenated in that order. Whoever builds, traces or
+    calls the step goes through ``flatten`` / ``split``, never through hand-kept indexes.
+    """
+
+    def __init__(self, names: Mapping[str, Sequence[str]]):
+        unknown = set(names) - set(STEP_INPUT_GROUPS)
+        if unknown:
+            raise ValueError(f"unknown step input groups {sorted(unknown)}")
+        self.sizes = {g: len(names.get(g, ())) for g in STEP_INPUT_GROUPS}
+        self.names = [n for g in STEP_INPUT_GROUPS for n in names.get(g, ())]
+        self.n_state = len(self.names) - self.sizes["inputs"]  # tensors before the batch
+
+    def flatten(self, groups: Mapping[str, Sequence[Any]]) -> list[Any]:
+        """The step's flat inputs from ``{group: values}`` (absent groups must be empty)."""
+        flat: list[Any] = []
+        for g in STEP_INPUT_GROUPS:
+            values = groups.get(g, ())
+            if len(values) != self.sizes[g]:
+                raise ValueError(f"step input group {g!r} has {len(values)} values, the layout "
+                                 f"{self.sizes[g]}")
+            flat.extend(values)
+        return flat
+
+    def split(self, flat: Sequence[Any]) -> dict[str, list[Any]]:
+        """``{group: values}`` from the step's flat inputs."""
+        out, i = {}, 0
+        for g in STEP_INPUT_GROUPS:
+            n = self.sizes[g]
+            out[g] = list(flat[i:i + n])
+            i += n
+        return out
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass
+class StepPlan:
+    """What the training step does, decided before it is traced."""
+
+    captured: CapturedForward
+    training: bool  # False: forward only (an eval graph); True: at least one optimizer
+    trainable: list[int]  # forward-parameter positions that get gradients, ascending
+    optimizers: list[OptimizerPlan]  # one per add_optimizer, same order
+    scaler: GradScaler | None  # None for eval graphs and graphs without a scaler
+    layout: StepLayout
+    # low-precision parameter copies the forward reads (hoist_parameter_casts): (position, dtype)
+    shadows: list[tuple[int, torch.dtype]] = field(default_factory=list)
+    # parameters the forward also reads directly (in their own dtype)
+    direct_use: set[int] = field(default_factory=set)
+    acc_steps: int = 1  # gradient accumulation: micro-batches per step (>= 1)
+    process_group: Any = None  # data parallel: gradients averaged over this group
+
+
+# -- what a build leaves for running and inspection -------------------------------------------------
+
+@dataclass
+class PassRecord:
+    """The forward graph's code after one stage, kept for dumps and debug output."""
+
+    name: str
+    code: str
+    seconds: float
+    modified: bool
+
+
+class StepRunner(Protocol):
+    """The runtime side of a Program: runs the compiled step on the live state."""
+
+    calls: int  # how many times the step ran
+    uses_cuda_graph: bool
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def invalidate_optimizer_state(self) -> None: ...
+
+
+@dataclass
+class Program:
+    """One compiled step for one input signature: what each stage made of it, and its runner."""
+
+    spec: GraphSpec  # the registration and settings it was built from
+    signature: InputSignature
+    captured: CapturedForward
+    forward: fx.GraphModule  # the forward after the AMP passes (the captured one if AMP is off)
+    amp: "AmpContext | None"  # the passes' context and statistics; None when AMP is off
+    plan: StepPlan
+    step_gm: fx.GraphModule  # the whole step as compiled
+    runner: StepRunner
+    device: torch.device
+    timings: dict[str, float] = field(default_factory=dict)  # stage name -> seconds
+    pass_records: list[PassRecord] = field(default_factory=list)
+    example_inputs: FlatInputs | None = None  # meta copies, to rerun build() on fakes later
+
+
+# -- what the autocast oracle measures (read by the inspection modules) ----------------------------
+
+# Ops that move or alias data without computing: the oracle records them as neither ops nor
+# casts, and the comparison leaves them out.
+STRUCTURAL_OPS = frozenset({"aten._to_copy", "aten.detach", "aten.alias", "aten.lift_fresh",
+                            "aten.lift_fresh_copy", "aten.empty", "aten.copy", "prim.device",
+                            "aten.empty_strided"})
+
+
+@dataclass
+class OracleOp:
+    op: str
+    module: str
+    dtype: torch.dtype | None  # the floating dtype it computed in (output, else first input)
+
+
+@dataclass
+class AutocastTrace:
+    """torch.autocast's decisions on the same forward, measured with a dispatch mode."""
+
+    device_type: str
+    dtype: torch.dtype
+    ops: list[OracleOp]
+    casts: int
+    cast_ops: list[OracleOp] = field(default_factory=list)
+
+    @property
+    def ops_low(self) -> int:
+        return sum(op.dtype == self.dtype for op in self.ops)
+
+
+# -- what users may read about the compiled steps (Graph.compiled_steps) --------------------------
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """A read-only view of one compiled step of a Graph.
+
+    ``forward_graph`` and ``step_graph`` are the FX graph modules themselves: read them (nodes,
+    ``.code``, ``node.meta``), do not edit them.
+    """
+
+    signature: str  # the input signature it was built for, e.g. "128x256 float32, 128 int64"
+    training: bool
+    amp_dtype: torch.dtype | None  # None when AMP is off
+    backend: str
+    cuda_graph: bool  # replayed as a CUDA graph
+    timings: Mapping[str, float]  # seconds per stage of the build
+    forward_nodes: int  # nodes of the forward after the AMP passes
+    step_nodes: int  # nodes of the whole compiled step
+    calls: int  # how many times it ran (when the view was taken)
+    forward_graph: fx.GraphModule
+    step_graph: fx.GraphModule
+
+    @classmethod
+    def of(cls, program: Program) -> "CompiledStep":
+        return cls(program.signature.describe(), program.plan.training,
+                   program.amp.dtype if program.amp is not None else None,
+                   program.spec.config.backend, program.runner.uses_cuda_graph,
+                   dict(program.timings), len(program.forward.graph.nodes),
+                   len(program.step_gm.graph.nodes), program.runner.calls, program.forward,
+                   program.step_gm)

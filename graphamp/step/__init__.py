@@ -1,0 +1,11 @@
+"""Stages 3 and 4: plan the training step on the host, then trace it into one FX graph.
+
+``build_plan`` makes the StepPlan (with the StepLayout of the step's inputs); ``assemble_step``
+traces forward, backward, grad scaler, clipping, optimizer update and history into one graph,
+one module per subgraph (gradients, scaling, optimizer_update, history, collectives).
+"""
+
+from .assemble import assemble_step
+from .plan import build_plan
+
+__all__ = ["assemble_step", "build_plan"]

@@ -1,0 +1,150 @@
+"""Stage 4, assemble: the AMP-rewritten forward traced again inside one functional training step.
+
+    forward → loss × scale → grads (vjp) → [all-reduce] → unscale + found_inf → clip
+    → optimizer update masked by found_inf → low-precision copies → history row
+    → scale update → BatchNorm statistics masked
+
+The whole step becomes one FX graph (make_fx over torch.func.functionalize, fake tensors). Its
+inputs are the state tensors and the batch (``plan.layout``); it writes every state tensor in
+place (``copy_`` into its inputs, which the compiler keeps in place) and returns build()'s
+tensors. Nodes carry ``meta["graphamp_subgraph"]``: forward, backward, grad_scaler, clip_grad,
+data_parallel, optimizer, history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..errors import CaptureError
+from ..fxutil import NodeTagger, rename_placeholders
+from ..optimizers import OptimizerPlan
+from ..spec import StepPlan
+from .collectives import agree_on_overflow, average_over_ranks
+from .gradients import forward_and_gradients, run_forward
+from .history import record_history
+from .optimizer_update import masked, update_optimizer
+from .scaling import clip_grad_norm, count_nonfinite_norm, unscale_and_check, write_scale_update
+
+
+def assemble_step(plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Tensor],
+                  graph_name: str) -> fx.GraphModule:
+    """Trace the step into one FX graph over fake copies of ``example`` (nothing runs)."""
+    step = make_step_function(plan, fwd_gm)
+    try:
+        gm = make_fx(torch.func.functionalize(step, remove="mutations"),
+                     tracing_mode="fake")(*example)
+    except Exception as e:
+        raise CaptureError(
+            f"assembling the training step of {graph_name} failed: {type(e).__name__}: {e}. "
+            "This is a graphamp bug if build() runs eagerly; please report it with the graph "
+            "dump (g.dump(path))"
+        ) from e
+    rename_placeholders(gm, plan.layout.names)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
+    """The functional step over the flat inputs of ``plan.layout``, one subgraph per call."""
+
+    def step(*flat):
+        s = plan.layout.split(flat)
+        if not plan.training:
+            return _eval_step(plan, fwd_gm, s)
+        scale = s["scaler"][0] if plan.scaler is not None else None
+        fwd = forward_and_gradients(plan, fwd_gm, s, scale)
+        grads = fwd.grads
+        if plan.process_group is not None:
+            with NodeTagger({"graphamp_subgraph": "data_parallel"}):
+                grads = average_over_ranks(grads, plan.process_group)
+        updates, norms = _unscale_and_clip(plan, grads, scale)
+        _update_optimizers(plan, s, updates)
+        found_total = any_skip = None
+        if plan.scaler is not None:
+            with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
+                found_total = _total(updates)
+                any_skip = found_total > 0
+        with NodeTagger({"graphamp_subgraph": "history"}):
+            # before the scaler state is written: a read after copy_ sees the new value
+            record_history(s["history"], fwd.losses, scale, any_skip, norms)
+        if plan.scaler is not None:
+            with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
+                write_scale_update(plan.scaler, s["scaler"], found_total, any_skip)
+        for i, value in zip(plan.captured.mutated_buffers, fwd.new_buffers):
+            s["buffers"][i].copy_(masked(any_skip, s["buffers"][i], value))
+        return tuple(fwd.user)
+
+    return step
+
+
+def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list]) -> tuple:
+    cap = plan.captured
+    user, _, _, new_buffers = cap.split_outputs(
+        run_forward(fwd_gm, [*s["params"], *s["buffers"], *s["inputs"], *s["shadows"]]))
+    for i, value in zip(cap.mutated_buffers, new_buffers):
+        s["buffers"][i].copy_(value)
+    return tuple(user)
+
+
+@dataclass
+class _OptimizerUpdate:
+    opt: OptimizerPlan
+    grads: list[torch.Tensor]  # unscaled and clipped, in opt.forward_positions order
+    found: torch.Tensor | None  # this optimizer's overflow flag (None without a scaler)
+
+
+def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Tensor | None):
+    """Per optimizer: unscale and check for overflow, then clip (after unscaling, always)."""
+    position = {p: j for j, p in enumerate(plan.trainable)}
+    updates, norms = [], []
+    for opt in plan.optimizers:
+        opt_grads = [grads[position[i]] for i in opt.forward_positions]
+        found = None
+        if scale is not None:
+            with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
+                opt_grads, found = unscale_and_check(opt_grads, scale)
+        if opt.clip_max_norm is not None:
+            with NodeTagger({"graphamp_subgraph": "clip_grad"}):
+                opt_grads, total_norm = clip_grad_norm(opt_grads, opt.clip_max_norm,
+                                                       opt.clip_norm_type)
+                if total_norm is not None:
+                    norms.append(total_norm)
+                    found = count_nonfinite_norm(found, total_norm)
+        updates.append(_OptimizerUpdate(opt, opt_grads, found))
+    if plan.process_group is not None and any(u.found is not None for u in updates):
+        with NodeTagger({"graphamp_subgraph": "data_parallel"}):
+            agreed = iter(agree_on_overflow([u.found for u in updates if u.found is not None],
+                                            plan.process_group))
+        for u in updates:
+            u.found = next(agreed) if u.found is not None else None
+    return updates, norms
+
+
+def _update_optimizers(plan: StepPlan, s: dict[str, list], updates: list[_OptimizerUpdate]):
+    """Each optimizer's masked update, then the low-precision copies it feeds."""
+    states, hypers = iter(s["opt_state"]), iter(s["hyper"])
+    params, shadows = s["params"], s["shadows"]
+    with NodeTagger({"graphamp_subgraph": "optimizer"}):
+        for u, counter in zip(updates, s["counters"]):
+            skip = u.found > 0 if u.found is not None else None
+            update_optimizer(u.opt, [params[i] for i in u.opt.forward_positions], u.grads,
+                             states, hypers, counter, skip)
+        trainable = set(plan.trainable)
+        for j, (i, dtype) in enumerate(plan.shadows):
+            if i in trainable:  # the optimizer refreshes the low-precision copies it feeds
+                shadows[j].copy_(params[i].to(dtype))
+
+
+def _total(updates: list[_OptimizerUpdate]) -> torch.Tensor:
+    """The overflow flags of all optimizers, summed (> 0: the step overflowed somewhere)."""
+    found = [u.found for u in updates if u.found is not None]
+    total = found[0]
+    for f in found[1:]:
+        total = total + f
+    return total

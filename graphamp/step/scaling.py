@@ -1,0 +1,51 @@
+"""The grad-scaler and clipping subgraphs: unscale + overflow check, clip, scale update.
+
+``torch.amp.GradScaler.unscale_`` / ``clip_grad_norm_`` / ``update`` on values, traced into the
+step: the overflow flag never leaves the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..scaler import GradScaler
+
+
+def unscale_and_check(grads: list[torch.Tensor], scale: torch.Tensor):
+    """(unscaled grads, found_inf): torch.amp.GradScaler.unscale_ for one optimizer."""
+    inv_scale = scale.double().reciprocal().float()
+    found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+    if grads:
+        # in place on the fresh gradients: functionalization turns it into the functional op
+        # (a clone first would make inductor copy every gradient for this fallback kernel)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    return grads, found_inf
+
+
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float):
+    """torch.nn.utils.clip_grad_norm_ on values: (clipped grads, total norm)."""
+    if not grads:
+        return grads, None
+    norms = torch._foreach_norm(grads, norm_type)
+    total = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return [g * coef for g in grads], total
+
+
+def count_nonfinite_norm(found: torch.Tensor | None, norm: torch.Tensor) -> torch.Tensor | None:
+    """A non-finite gradient norm counts as an overflow (the step is skipped)."""
+    if found is None:
+        return None
+    return torch.where(torch.isfinite(norm), found, torch.ones_like(found))
+
+
+def write_scale_update(scaler: GradScaler, state: list[torch.Tensor],
+                       found_total: torch.Tensor, any_skip: torch.Tensor) -> None:
+    """The scale update after a step, written into the scaler's state tensors in place."""
+    scale_t, growth_t, hysteresis_t, found_t = state
+    new_scale, new_growth, new_hysteresis = scaler.update_scale(
+        scale_t, growth_t, hysteresis_t, found_total)
+    scale_t.copy_(new_scale)
+    growth_t.copy_(new_growth)
+    hysteresis_t.copy_(new_hysteresis)
+    found_t.copy_(any_skip.to(found_t.dtype))
