@@ -1,8 +1,10 @@
-"""Small FX helpers shared by capture, step assembly and the dumps."""
+"""Small FX helpers shared by capture, the AMP passes, step assembly and inspection: user
+frames, node tagging while tracing, and the metadata accessors every stage reads."""
 
 from __future__ import annotations
 
 import linecache
+import operator
 import os
 import sys
 import types
@@ -150,6 +152,42 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     for node in gm.graph.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     return fx.GraphModule(gm, graph)
+
+
+def float_dtype(value: Any) -> torch.dtype | None:
+    """The floating dtype of a fake tensor, or None for anything else."""
+    if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
+        return value.dtype
+    return None
+
+
+_UNSET = object()  # a metadata key not set (None is a value: "not floating")
+
+
+def captured_dtype(node: fx.Node) -> Any:
+    """The floating dtype a value had when captured (a tuple for tuple outputs; None if not
+    floating). Read from ``meta["val"]`` once and cached in ``meta["captured_dtype"]``."""
+    meta = node.meta
+    dtype = meta.get("captured_dtype", _UNSET)
+    if dtype is _UNSET:
+        val = meta.get("val")
+        if isinstance(val, (tuple, list)):
+            dtype = tuple(float_dtype(v) for v in val)
+        else:
+            dtype = float_dtype(val)
+        meta["captured_dtype"] = dtype
+    return dtype
+
+
+def dtype_after_amp(node: fx.Node) -> Any:
+    """A value's floating dtype after the AMP passes (its captured dtype if they left it)."""
+    dtype = node.meta.get("amp_dtype", _UNSET)
+    return captured_dtype(node) if dtype is _UNSET else dtype
+
+
+def is_compute_node(node: fx.Node) -> bool:
+    """A call that computes something (getitem only unpacks a tuple)."""
+    return node.op == "call_function" and node.target is not operator.getitem
 
 
 def module_path(node: fx.Node) -> str:

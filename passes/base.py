@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,6 +9,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
+from ..fxutil import captured_dtype, dtype_after_amp, float_dtype, is_compute_node
 from ..validate import check_low_precision_dtype, check_opt_level
 from .lists import DEFAULT_LISTS, FIXED_DTYPE, PrecisionLists
 
@@ -36,42 +36,6 @@ class AmpContext:
     def __post_init__(self) -> None:
         check_low_precision_dtype("AmpContext(dtype", self.dtype)
         check_opt_level(self.opt_level)
-
-
-def float_dtype(value: Any) -> torch.dtype | None:
-    """The floating dtype of a fake tensor, or None for anything else."""
-    if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
-        return value.dtype
-    return None
-
-
-_UNSET = object()
-
-
-def captured_dtype(node: fx.Node) -> Any:
-    """The floating dtype a value had when captured (a tuple for tuple outputs; None if not
-    floating). Read from ``meta["val"]`` once and cached in ``meta["captured_dtype"]``."""
-    meta = node.meta
-    dtype = meta.get("captured_dtype", _UNSET)
-    if dtype is _UNSET:
-        val = meta.get("val")
-        if isinstance(val, (tuple, list)):
-            dtype = tuple(float_dtype(v) for v in val)
-        else:
-            dtype = float_dtype(val)
-        meta["captured_dtype"] = dtype
-    return dtype
-
-
-def dtype_after_amp(node: fx.Node) -> Any:
-    """A value's floating dtype after the AMP passes (its captured dtype if they left it)."""
-    dtype = node.meta.get("amp_dtype", _UNSET)
-    return captured_dtype(node) if dtype is _UNSET else dtype
-
-
-def is_compute_node(node: fx.Node) -> bool:
-    """A call that computes something (getitem only unpacks a tuple)."""
-    return node.op == "call_function" and node.target is not operator.getitem
 
 
 def packet_of(node: fx.Node) -> Any:

@@ -124,48 +124,18 @@ def propagate_allow_through_clear(flow: DataFlow, deny_set: dict, allow_set: dic
 
 def colour_by_lists(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     graph = gm.graph
-    category: dict[fx.Node, str] = {}
-    why: dict[fx.Node, str] = {}
-    classify = Classifier(ctx)
-    for node in graph.nodes:
-        if is_compute_node(node):
-            cat, reason = classify(node)
-            node.meta["amp_list"] = cat
-            if cat in ("n/a", "fixed"):
-                node.meta["amp_colour"] = "fixed" if cat == "fixed" else None
-                node.meta["amp_reason"] = reason
-                continue
-            category[node] = cat
-            why[node] = reason
+    category, why = _classify(graph, Classifier(ctx))
     flow = DataFlow(graph, category)
     deny_set = fill_deny_set(flow)
     allow_set = fill_allow_set(flow, deny_set)
-    allow_list = {n for n in flow.order if category[n] == "allow"}
-    between = {n for n in allow_set if n not in allow_list}
     joined = set(propagate_allow_through_clear(flow, deny_set, allow_set))
-
     for node in flow.order:
-        cat = category[node]
-        if node in allow_set:
-            node.meta["amp_colour"] = "allow"
-            if node in joined:
-                reason = "clear op next to low-precision ops"
-            elif node in between:
-                reason = (f"{cat} op between low-precision ops (from {allow_set[node].name})")
-            else:
-                reason = why[node]
-        else:
-            node.meta["amp_colour"] = "deny"
-            if cat in ("deny", "unknown"):
-                reason = why[node]
-            elif node in deny_set:
-                reason = f"{cat} op downstream of fp32 op {deny_set[node].name}"
-            else:
-                reason = f"{cat} op not between low-precision ops"
-            if cat == "unknown":
-                name = str(getattr(node.target, "overloadpacket", node.target))
-                ctx.unknown_ops[name] = ctx.unknown_ops.get(name, 0) + 1
-        node.meta["amp_reason"] = reason
+        node.meta["amp_colour"] = "allow" if node in allow_set else "deny"
+        node.meta["amp_reason"] = _reason(node, category[node], why[node], allow_set, deny_set,
+                                          joined)
+        if node not in allow_set and category[node] == "unknown":
+            name = str(getattr(node.target, "overloadpacket", node.target))
+            ctx.unknown_ops[name] = ctx.unknown_ops.get(name, 0) + 1
     # getitem nodes show the colour of the op whose tuple they unpack
     for node in graph.nodes:
         if node.op == "call_function" and node.target is operator.getitem:
@@ -178,3 +148,38 @@ def colour_by_lists(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     ctx.stats["ops_fp32"] = colours.get("deny", 0)
     ctx.stats["ops_coloured"] = len(flow.order)
     return PassResult(gm, True)
+
+
+def _classify(graph: fx.Graph, classify: Classifier):
+    """List category and reason of every compute node that takes part in colouring; nodes
+    without floating-point data or with a fixed dtype are annotated and left out."""
+    category: dict[fx.Node, str] = {}
+    why: dict[fx.Node, str] = {}
+    for node in graph.nodes:
+        if not is_compute_node(node):
+            continue
+        cat, reason = classify(node)
+        node.meta["amp_list"] = cat
+        if cat in ("n/a", "fixed"):
+            node.meta["amp_colour"] = "fixed" if cat == "fixed" else None
+            node.meta["amp_reason"] = reason
+            continue
+        category[node] = cat
+        why[node] = reason
+    return category, why
+
+
+def _reason(node: fx.Node, cat: str, listed: str, allow_set: dict, deny_set: dict,
+            joined: set) -> str:
+    """One sentence: why the colouring gave ``node`` its precision."""
+    if node in allow_set:
+        if node in joined:
+            return "clear op next to low-precision ops"
+        if cat != "allow":
+            return f"{cat} op between low-precision ops (from {allow_set[node].name})"
+        return listed
+    if cat in ("deny", "unknown"):
+        return listed
+    if node in deny_set:
+        return f"{cat} op downstream of fp32 op {deny_set[node].name}"
+    return f"{cat} op not between low-precision ops"

@@ -8,12 +8,13 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
+from ..errors import GraphampError
 from .base import AmpContext, dtype_after_amp, float_dtype
 from .fold_casts import cast_target_dtype
 from .lists import MIXED_ARGS
 
 
-class AmpInvariantError(RuntimeError):
+class AmpInvariantError(GraphampError, RuntimeError):
     """An AMP pass broke one of the invariants in passes/README.md (a graphamp bug)."""
 
 

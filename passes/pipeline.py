@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch.fx as fx
 
+from ..errors import GraphampError
 from .base import AmpContext
 from .colour import colour_by_lists
 from .fold_casts import fold_cast_chains
@@ -56,7 +57,7 @@ def _gc_paused():
             gc.enable()
 
 
-class AmpPassError(RuntimeError):
+class AmpPassError(GraphampError, RuntimeError):
     """An AMP pass raised: names the pass and the passes that ran before it (a graphamp bug, or
     a graph the passes do not handle; the original error is the cause)."""
 

@@ -15,8 +15,7 @@ from collections import defaultdict
 import networkx as nx
 import torch.fx as fx
 
-from ..fxutil import module_path, op_name
-from ..passes.base import dtype_after_amp
+from ..fxutil import dtype_after_amp, is_compute_node, module_path, op_name
 from ..validate import dtype_name
 
 FILL = {  # allow / deny / infer-or-clear decided either way / cast / grad-scaler subgraph

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..fxutil import op_name
-from ..passes.base import dtype_after_amp, is_compute_node
+from ..fxutil import dtype_after_amp, is_compute_node, op_name
 from ..spec import GraphSpec, Program
 from ..validate import dtype_name
 

@@ -11,8 +11,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..fxutil import module_path, op_name
-from ..passes.base import dtype_after_amp, is_compute_node
+from ..fxutil import dtype_after_amp, is_compute_node, module_path, op_name
 from ..spec import AutocastTrace, Program
 from ..validate import dtype_name
 from .compare import compare
