@@ -9,10 +9,12 @@ import os
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHAMP_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -22,7 +24,8 @@ _LIBRARY_DIRS = (_TORCH_DIR, _GRAPHAMP_DIR, _PASSES_DIR)
 _is_library_cache: dict[str, bool] = {}
 
 
-def _is_library_file(filename: str) -> bool:
+def is_library_file(filename: str) -> bool:
+    """Is this file torch's or graphamp's (not the user's)?"""
     hit = _is_library_cache.get(filename)
     if hit is None:
         absolute = os.path.abspath(filename)
@@ -55,7 +58,7 @@ def user_frame_of(frame: types.FrameType | None) -> UserFrame | None:
     """The innermost frame at or above ``frame`` that is not torch's or graphamp's."""
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not _is_library_file(filename):
+        if not is_library_file(filename):
             return UserFrame(filename, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
     return None
@@ -71,7 +74,7 @@ def user_frame_of_exception(exc: BaseException) -> UserFrame | None:
     tb = exc.__traceback__
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if not _is_library_file(filename):
+        if not is_library_file(filename):
             found = UserFrame(filename, tb.tb_lineno, tb.tb_frame.f_code.co_name)
         tb = tb.tb_next
     cause = exc.__cause__ or exc.__context__
@@ -80,10 +83,25 @@ def user_frame_of_exception(exc: BaseException) -> UserFrame | None:
     return found
 
 
+def trace_functional(fn: Callable[..., Any], example: list[Any],
+                     propagate_input_mutations: bool) -> fx.GraphModule:
+    """``fn`` traced with make_fx on fake copies of ``example``, functionalized in Python
+    (FunctionalTensorMode, below autograd: custom autograd Functions, ``requires_grad_`` and
+    ``torch.autograd.grad`` work as in eager mode, which functorch transforms refuse).
+
+    In-place writes to ``fn``'s inputs come out as trailing ``copy_`` nodes into the
+    placeholders when ``propagate_input_mutations``; everything else is pure. The explicit (empty)
+    decomposition table keeps ``detach`` as ``detach``: make_fx's default turns it into
+    ``alias``, and a graph that is differentiated again would then let gradients through a
+    user's ``.detach()``.
+    """
+    functional = dispatch_functionalize(fn, FunctionalTensorMode(),
+                                        propagate_input_mutations=propagate_input_mutations)
+    return make_fx(functional, tracing_mode="fake", decomposition_table={})(*example)
+
+
 def tracing_graph() -> fx.Graph | None:
     """The FX graph make_fx is appending to right now, or None outside a trace."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
     mode = get_proxy_mode()
     return None if mode is None else mode.tracer.graph
 

@@ -1,6 +1,6 @@
-"""After tracing: make the captured forward pure and describe what it touches.
+"""After tracing: check what build() changed, make the captured forward pure, describe it.
 
-Functionalization leaves trailing ``copy_`` nodes into inputs that build() changed in place;
+build() may change buffers in place (BatchNorm statistics), never parameters or its arguments;
 values computed under ``torch.no_grad()`` must carry no gradient; only buffers build() really
 changed stay among the outputs; parameters no loss depends on are left out of the update.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..errors import CaptureError
 from ..spec import CapturedForward
@@ -16,24 +17,25 @@ from ..spec import CapturedForward
 aten = torch.ops.aten
 
 
-def strip_input_mutations(gm: fx.GraphModule, placeholders: list[fx.Node],
-                          param_names: list[str], buffer_names: list[str],
-                          input_names: list[str], graph_name: str) -> list[int]:
-    """Remove functionalization's trailing ``copy_`` into inputs; the forward graph stays pure.
+def mutated_inputs(flat: tuple) -> list[int]:
+    """Positions of the traced function's inputs it changed in place (data or metadata), read
+    from the functional wrappers while functionalization is active."""
+    out = []
+    for i, t in enumerate(flat):
+        if isinstance(t, FunctionalTensor):
+            torch._sync(t)
+            if torch._functionalize_has_data_mutation(t.elem) or \
+                    torch._functionalize_has_metadata_mutation(t.elem):
+                out.append(i)
+    return out
 
-    Buffer updates are already among the outputs (read back inside functional_call); in-place
-    changes to parameters or to g(...)'s arguments are errors. Returns the mutated buffers'
-    indexes.
-    """
+
+def check_input_mutations(mutated: list[int], param_names: list[str], buffer_names: list[str],
+                          input_names: list[str], graph_name: str) -> list[int]:
+    """In-place changes to parameters or to g(...)'s arguments are errors; returns the mutated
+    buffers' indexes (their new values are among the forward's outputs)."""
     n_params, n_buffers = len(param_names), len(buffer_names)
-    index = {node: i for i, node in enumerate(placeholders)}
-    mutated_buffers = []
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.copy_.default:
-            continue
-        i = index.get(node.args[0])
-        if i is None:
-            continue
+    for i in mutated:
         if i < n_params:
             raise CaptureError(
                 f"{graph_name}.build() changes parameter {param_names[i]!r} in place. Parameters "
@@ -44,9 +46,7 @@ def strip_input_mutations(gm: fx.GraphModule, placeholders: list[fx.Node],
                 f"{graph_name}.build() changes its argument {input_names[i - n_params - n_buffers]!r}"
                 " in place; work on a copy (x = x.clone()) or return the new value instead"
             )
-        mutated_buffers.append(i - n_params)
-        gm.graph.erase_node(node)
-    return mutated_buffers
+    return [i - n_params for i in mutated]
 
 
 def detach_no_grad_values(gm: fx.GraphModule) -> None:

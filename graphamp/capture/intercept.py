@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import CaptureError
-from ..fxutil import UserFrame, current_user_frame, last_node, nodes_after, tracing_graph
+from ..fxutil import (UserFrame, current_user_frame, is_library_file, last_node, nodes_after,
+                      tracing_graph)
 from ..ops import CAPTURE_REWRITES, capture_sdpa
 
 aten = torch.ops.aten
@@ -94,7 +96,7 @@ class CaptureMode(TorchFunctionMode):
         if func in _HOST_READS:
             where = current_user_frame()
             raise CaptureError(
-                f"build() reads a tensor's value on the host with {_HOST_READS[func]}"
+                f"build() reads a tensor's value on the host with {_host_read(func)}"
                 f"{_where(where)}. That would stop the compiled step to wait for the device, and "
                 "capture has no values (it runs on shapes alone). Return the tensor from build() "
                 "and call .item() on the result, or keep the decision in the graph with "
@@ -210,6 +212,22 @@ _HOST_READS = {
     torch.Tensor.__index__: "a tensor used as an index or size",
     torch.Tensor.numpy: ".numpy()",
 }
+
+
+# Python-level conversions of tensor subclasses (FunctionalTensor.__bool__ calls .item()):
+# the conversion the user wrote is the outermost one on the stack.
+_CONVERSIONS = {"__bool__": torch.Tensor.__bool__, "__float__": torch.Tensor.__float__,
+                "__int__": torch.Tensor.__int__, "__index__": torch.Tensor.__index__,
+                "tolist": torch.Tensor.tolist}
+
+
+def _host_read(func) -> str:
+    """How the user's code read a value: the outermost conversion between it and ``func``."""
+    frame, found = sys._getframe(1), func
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        found = _CONVERSIONS.get(frame.f_code.co_name, found)
+        frame = frame.f_back
+    return _HOST_READS[found]
 
 
 def _sdpa_with_autocast_policy(dtype: torch.dtype, query, key, value, attn_mask=None,

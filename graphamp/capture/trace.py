@@ -1,7 +1,8 @@
 """Capture: trace build() into a functional aten-level forward graph (a CapturedForward).
 
 Tracing runs on fake tensors (nothing real is computed or mutated), functionalized, with the
-parameters and buffers lifted to inputs through ``torch.func.functional_call``.
+parameters and buffers lifted to inputs: their traced values are swapped into the user's modules
+for the length of the trace (``swap.py``), and the user's own tensors are always put back.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ import torch._subclasses.fake_tensor as fake_tensor
 import torch.fx as fx
 import torch.fx.experimental.symbolic_shapes as symbolic_shapes
 import torch.utils._pytree as pytree
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import CaptureError, GraphampError
-from ..fxutil import rename_placeholders, user_frame_of_exception
+from ..fxutil import rename_placeholders, trace_functional, user_frame_of_exception
 from ..inputs import FlatInputs
 from ..spec import TENSOR, CapturedForward
-from .cleanup import (detach_no_grad_values, keep_changed_buffers, params_without_path_to_losses,
-                      strip_input_mutations)
+from .cleanup import (check_input_mutations, detach_no_grad_values, keep_changed_buffers,
+                      mutated_inputs, params_without_path_to_losses)
 from .intercept import CaptureMode, parameter_positions
 from .root import BuildRoot, fake_copy
+from .swap import state_slots, swapped
 
 log = logging.getLogger("graphamp")
 
@@ -55,7 +56,7 @@ def capture_forward(root: BuildRoot, inputs: FlatInputs, graph_name: str,
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     rename_placeholders(gm, [f"p_{n}" for n in param_names] + [f"b_{n}" for n in buffer_names]
                         + [f"in_{n}" for n in input_names])
-    mutated = strip_input_mutations(gm, placeholders, param_names, buffer_names, input_names,
+    mutated = check_input_mutations(traced["mutated"], param_names, buffer_names, input_names,
                                     graph_name)
     detach_no_grad_values(gm)
     changed = keep_changed_buffers(gm, placeholders, len(param_names),
@@ -82,37 +83,38 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
     """make_fx over the functionalized forward; returns the graph and what build() reported
     (losses, return structure), with torch's errors turned into CaptureErrors."""
     module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-    n_params, n_buffers = len(param_names), len(buffer_names)
+    params, buffers = list(root.parameters()), list(root.buffers())
+    slots = state_slots(root)
+    n_state = len(params) + len(buffers)
     traced: dict[str, Any] = {}
 
     def forward(*flat: torch.Tensor):
-        state = dict(zip(param_names, flat[:n_params]))
-        state.update(zip(buffer_names, flat[n_params : n_params + n_buffers]))
-        args, kwargs = inputs.rebuild(list(flat[n_params + n_buffers :]))
+        replacement = {id(t): v for t, v in zip([*params, *buffers], flat[:n_state])}
+        args, kwargs = inputs.rebuild(list(flat[n_state:]))
         mode = CaptureMode(module_names)
-        with torch.enable_grad(), mode.tracking_modules(), mode:
-            out, new_buffers = torch.func.functional_call(
-                root, state, (args, kwargs, buffer_names), tie_weights=True, strict=True
-            )
+        with torch.enable_grad(), swapped(slots, replacement), mode.tracking_modules(), mode:
+            out = root._build(*args, **kwargs)
+            new_buffers = [root.get_buffer(n) for n in buffer_names]  # the updated values
         leaves, spec = pytree.tree_flatten(out)
-        position = {id(t): i for i, t in enumerate(flat[:n_params])}
+        position = {id(t): i for i, t in enumerate(flat[:len(params)])}
         traced.update(spec=spec, losses=mode.losses,
                       template=[TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
                       loss_inputs=[parameter_positions(r, position) for r in mode.losses])
+        traced["mutated"] = mutated_inputs(flat)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         losses = [r.tensor for r in mode.losses]
         grads = [r.gradient for r in mode.losses if r.gradient is not None]
         return (*tensors, *losses, *grads, *new_buffers)
 
-    example = [p.detach() for p in root.parameters()] + list(root.buffers())
+    # parameters require grad as the user's do: build() may differentiate (torch.autograd.grad)
+    example = [p.detach().requires_grad_(p.requires_grad) for p in params] + buffers
     example += list(inputs.tensors)
     if device is not None:
         mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
         example = [fake_copy(mode, t, device) for t in example]
     try:
         with _compiling_flag():
-            gm = make_fx(torch.func.functionalize(forward, remove="mutations"),
-                         tracing_mode="fake")(*example)
+            gm = trace_functional(forward, example, propagate_input_mutations=False)
     except GraphampError:
         raise
     except _DATA_DEPENDENT as e:

@@ -1,10 +1,10 @@
 """Stage 4, assemble: the AMP-rewritten forward traced again inside one functional training step.
 
-    forward → loss × scale → grads (vjp) → [all-reduce] → unscale + found_inf → clip
+    forward → loss × scale → grads (autograd) → [all-reduce] → unscale + found_inf → clip
     → optimizer update masked by found_inf → low-precision copies → history row
     → scale update → BatchNorm statistics masked
 
-The whole step becomes one FX graph (make_fx over torch.func.functionalize, fake tensors). Its
+The whole step becomes one FX graph (make_fx over Python functionalization, fake tensors). Its
 inputs are the state tensors and the batch (``plan.layout``); it writes every state tensor in
 place (``copy_`` into its inputs, which the compiler keeps in place) and returns build()'s
 tensors. Nodes carry ``meta["graphamp_subgraph"]``: forward, backward, grad_scaler, clip_grad,
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import CaptureError
-from ..fxutil import NodeTagger, rename_placeholders
+from ..fxutil import NodeTagger, rename_placeholders, trace_functional
 from ..optimizers import OptimizerPlan
 from ..spec import StepPlan
 from .collectives import agree_on_overflow, average_over_ranks
@@ -35,8 +34,7 @@ def assemble_step(plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Te
     """Trace the step into one FX graph over fake copies of ``example`` (nothing runs)."""
     step = make_step_function(plan, fwd_gm)
     try:
-        gm = make_fx(torch.func.functionalize(step, remove="mutations"),
-                     tracing_mode="fake")(*example)
+        gm = trace_functional(step, example, propagate_input_mutations=True)
     except Exception as e:
         raise CaptureError(
             f"assembling the training step of {graph_name} failed: {type(e).__name__}: {e}. "

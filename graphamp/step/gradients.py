@@ -1,7 +1,7 @@
 """Forward, loss scaling and gradients inside the step (the forward and backward subgraphs).
 
 The AMP-rewritten forward graph runs under an ``fx.Interpreter`` while make_fx records; its
-losses are seeded with the loss scale and differentiated with ``torch.func.vjp``, one
+losses are seeded with the loss scale and differentiated with ``torch.autograd.grad``, one
 micro-batch at a time under gradient accumulation.
 """
 
@@ -71,35 +71,35 @@ class ForwardResult:
 def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list],
                           scale: torch.Tensor | None) -> ForwardResult:
     """Run the forward on each micro-batch, seed each loss with ``scale`` (None: 1) and add the
-    parameter gradients up; BatchNorm statistics carry from one micro-batch to the next."""
+    parameter gradients up; BatchNorm statistics carry from one micro-batch to the next.
+
+    Plain autograd differentiates the traced forward (``torch.autograd.grad``): the forward's
+    ops record their backward as in eager mode, custom autograd Functions included."""
     cap = plan.captured
     params, shadows = s["params"], s["shadows"]
-    direct = [i for i in plan.trainable if i in plan.direct_use]
     trainable = set(plan.trainable)
+    direct = [i for i in plan.trainable if i in plan.direct_use]
     shadowed = [j for j, (i, _) in enumerate(plan.shadows) if i in trainable]
     total: dict[int, torch.Tensor] = {}
     users, micro_losses = [], []
     current = list(s["buffers"])
     for micro in _micro_batches(s["inputs"], plan.acc_steps):
-        def forward(direct_values, shadow_values, micro=micro, bufs=tuple(current)):
-            ps, sh = list(params), list(shadows)
-            for pos, value in zip(direct, direct_values):
-                ps[pos] = value
-            for j, value in zip(shadowed, shadow_values):
-                sh[j] = value
-            user, losses, grads, new_buffers = cap.split_outputs(
-                run_forward(fwd_gm, [*ps, *bufs, *micro, *sh]))
-            return tuple(losses), (user, grads, new_buffers)
-
-        losses, vjp_fn, (user, loss_grads, new_buffers) = torch.func.vjp(
-            forward, [params[i] for i in direct], [shadows[j] for j in shadowed], has_aux=True)
-        cotangents = _seeds(plan, losses, loss_grads, scale)
+        ps, sh = list(params), list(shadows)
+        for i in direct:  # leaves the gradients are taken with respect to
+            ps[i] = params[i].detach().requires_grad_(True)
+        for j in shadowed:
+            sh[j] = shadows[j].detach().requires_grad_(True)
+        with torch.enable_grad():
+            user, losses, loss_grads, new_buffers = cap.split_outputs(
+                run_forward(fwd_gm, [*ps, *current, *micro, *sh]))
+        seeds = _seeds(plan, losses, loss_grads, scale)
         with NodeTagger({"graphamp_subgraph": "backward"}):
-            _accumulate_grads(plan, vjp_fn, cotangents, direct, shadowed, params, total)
-        users.append(user)
-        micro_losses.append(losses)
+            _accumulate_grads(plan, losses, seeds, [(i, ps[i]) for i in direct],
+                              [(plan.shadows[j][0], sh[j]) for j in shadowed], params, total)
+        users.append([u.detach() for u in user])
+        micro_losses.append([loss.detach() for loss in losses])
         for i, value in zip(cap.mutated_buffers, new_buffers):
-            current[i] = value
+            current[i] = value.detach()
     grads = [total[i] if i in total else torch.zeros_like(params[i]) for i in plan.trainable]
     return ForwardResult(_combine_micro_outputs(users), _mean_losses(micro_losses), grads,
                          [current[i] for i in cap.mutated_buffers])
@@ -112,7 +112,7 @@ def _seeds(plan: StepPlan, losses, loss_grads, scale) -> list[torch.Tensor]:
         explicit = iter(loss_grads)
         seeds = []
         for loss, given in zip(losses, plan.captured.loss_grad_given):
-            seed = next(explicit) if given else torch.ones_like(loss)
+            seed = next(explicit).detach() if given else torch.ones_like(loss)
             if plan.acc_steps > 1:  # the micro-batch gradients average to the batch's
                 seed = seed / plan.acc_steps
             seeds.append(seed * scale.to(seed.dtype) if scale is not None else seed)
@@ -127,26 +127,27 @@ def _micro_batches(inputs: list, n: int) -> list[list]:
             for k in range(n)]
 
 
-def _accumulate_grads(plan, vjp_fn, cotangents, direct, shadowed, params, total) -> None:
+def _accumulate_grads(plan: StepPlan, losses: list, seeds: list, direct: list, shadowed: list,
+                     params: list, total: dict) -> None:
     """Add this micro-batch's parameter gradients to ``total``.
 
-    Losses that called backward(inputs=...) send gradients only to those parameters: one vjp
-    per distinct restriction (they share the forward), each keeping its own parameters.
+    ``direct`` and ``shadowed`` are (forward position, leaf) pairs: parameters read in their own
+    dtype, and low-precision copies (whose gradient is cast back, as a cast's backward does).
+    Losses that called backward(inputs=...) send gradients only to those parameters: one
+    ``autograd.grad`` per distinct restriction, over the parameters it names.
     """
     groups: dict = {}
-    for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(cotangents)):
+    for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(losses)):
         groups.setdefault(restrict, []).append(index)
-    for restrict, members in groups.items():
-        seeds = tuple(c if i in members else torch.zeros_like(c)
-                      for i, c in enumerate(cotangents)) if len(groups) > 1 else tuple(cotangents)
-        direct_grads, shadow_grads = vjp_fn(seeds)
-        parts = list(zip(direct, direct_grads))
-        for j, g in zip(shadowed, shadow_grads):
-            i = plan.shadows[j][0]
-            parts.append((i, g.to(params[i].dtype)))  # what the cast's backward does
-        for i, g in parts:
-            if restrict is not None and i not in restrict:
+    for n, (restrict, members) in enumerate(groups.items()):
+        wrt = [(i, leaf) for i, leaf in [*direct, *shadowed] if restrict is None or i in restrict]
+        grads = torch.autograd.grad([losses[k] for k in members], [leaf for _, leaf in wrt],
+                                    [seeds[k] for k in members], allow_unused=True,
+                                    retain_graph=n + 1 < len(groups))
+        for (i, _), g in zip(wrt, grads):
+            if g is None:
                 continue
+            g = g.to(params[i].dtype)
             total[i] = total[i] + g if i in total else g
 
 
