@@ -84,7 +84,8 @@ def user_frame_of_exception(exc: BaseException) -> UserFrame | None:
 
 
 def trace_functional(fn: Callable[..., Any], example: list[Any],
-                     propagate_input_mutations: bool) -> fx.GraphModule:
+                     propagate_input_mutations: bool,
+                     allow_constants: bool = False) -> fx.GraphModule:
     """``fn`` traced with make_fx on fake copies of ``example``, functionalized in Python
     (FunctionalTensorMode, below autograd: custom autograd Functions, ``requires_grad_`` and
     ``torch.autograd.grad`` work as in eager mode, which functorch transforms refuse).
@@ -93,11 +94,13 @@ def trace_functional(fn: Callable[..., Any], example: list[Any],
     placeholders when ``propagate_input_mutations``; everything else is pure. The explicit (empty)
     decomposition table keeps ``detach`` as ``detach``: make_fx's default turns it into
     ``alias``, and a graph that is differentiated again would then let gradients through a
-    user's ``.detach()``.
+    user's ``.detach()``. With ``allow_constants``, real tensors ``fn`` reads that are not among
+    its inputs become ``get_attr`` constants holding those very objects.
     """
     functional = dispatch_functionalize(fn, FunctionalTensorMode(),
                                         propagate_input_mutations=propagate_input_mutations)
-    return make_fx(functional, tracing_mode="fake", decomposition_table={})(*example)
+    return make_fx(functional, tracing_mode="fake", decomposition_table={},
+                   _allow_non_fake_inputs=allow_constants)(*example)
 
 
 def tracing_graph() -> fx.Graph | None:
@@ -218,7 +221,11 @@ def module_path(node: fx.Node) -> str:
 
 
 def op_name(node: fx.Node) -> str:
-    """``aten.addmm`` for an aten op node; the target's name otherwise."""
+    """``aten.addmm`` for an aten op node, ``autograd.Function MyFn`` for a custom Function;
+    the target's name otherwise."""
+    function = node.meta.get("autograd_function")
+    if function is not None:
+        return f"autograd.Function {function.__qualname__}"
     target = node.target
     if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
         return str(target.overloadpacket)

@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from .config import ConfigSnapshot
 from .fxutil import UserFrame
 from .inputs import FlatInputs, InputSignature
+from .ops import FunctionCall
 from .optimizers import OptimizerPlan
 from .scaler import GradScaler
 
@@ -78,8 +79,10 @@ class GraphSpec:
 class CapturedForward:
     """build() traced once on fake tensors: a functional aten-level forward graph.
 
-    Placeholders are ``(*parameters, *buffers, *input tensors)`` in ``param_names``,
-    ``buffer_names``, ``input_names`` order. Outputs are ``(*build()'s tensors, *losses,
+    Placeholders are ``(*parameters, *buffers, *input tensors, loss_scale, *constants)`` in
+    ``param_names``, ``buffer_names``, ``input_names``, ``constant_names`` order;
+    ``loss_scale`` (0-dim fp32) scales the gradients build() takes itself
+    (``torch.autograd.grad``), 1 without a scaler. Outputs are ``(*build()'s tensors, *losses,
     *explicit loss gradients, *new values of mutated buffers)``: ``split_outputs`` cuts them.
     """
 
@@ -96,6 +99,12 @@ class CapturedForward:
     # per loss: the parameter positions backward(inputs=...) named, or None for all
     loss_inputs: list[frozenset[int] | None] = field(default_factory=list)
     unused_params: set[int] = field(default_factory=set)  # params no loss sends gradients to
+    # custom autograd Functions captured as graphamp.autograd_function nodes (kept alive here)
+    function_calls: list[FunctionCall] = field(default_factory=list)
+    # tensors build() read that are neither state nor arguments: the live objects, passed to
+    # every call (in-place changes are seen), and their names (attribute paths where known)
+    constants: list[torch.Tensor] = field(default_factory=list)
+    constant_names: list[str] = field(default_factory=list)
 
     @property
     def num_losses(self) -> int:
@@ -128,7 +137,7 @@ TENSOR = object()  # marks where build()'s return value held a tensor
 # The compiled step's inputs, group by group, in this order; the batch comes last so the runtime
 # can tell state (kept at fixed addresses, e.g. for CUDA graphs) from per-call inputs.
 STEP_INPUT_GROUPS = ("params", "buffers", "opt_state", "hyper", "counters", "scaler", "history",
-                     "shadows", "inputs")
+                     "shadows", "constants", "inputs")
 
 
 class StepLayout:

@@ -90,7 +90,8 @@ class Classifier:
         return hit
 
     def __call__(self, node: fx.Node) -> tuple[str, str]:
-        category, why = self._base(node.target)
+        # a custom autograd Function is one node; the lists name it by its class
+        category, why = self._base(node.meta.get("autograd_function") or node.target)
         if category == "fixed":
             return category, why
         # an explicit dtype fixes the output, except for factories (clear ops get it rewritten)

@@ -24,8 +24,10 @@ from typing import Callable, Iterable
 import networkx as nx
 import torch.fx as fx
 
+from ..fxutil import op_name
 from .base import AmpContext, Classifier, PassResult, captured_dtype, carries_float, \
-    is_compute_node
+    is_compute_node, packet_of
+from .lists import MIXED_ARGS
 
 
 class DataFlow:
@@ -47,7 +49,7 @@ class DataFlow:
                 continue
             if node not in category:
                 continue
-            for value in node.all_input_nodes:
+            for value in _precision_inputs(node):
                 if captured_dtype(value) is None:
                     continue
                 src = _producer(value)
@@ -72,6 +74,16 @@ class DataFlow:
                     origin[nxt] = origin[node]
                     stack.append(nxt)
         return origin
+
+
+def _precision_inputs(node: fx.Node) -> list[fx.Node]:
+    """The inputs whose precision follows the op's: all of them, except the fp32-only positions
+    of mixed-precision kernels (BatchNorm's weight, bias and statistics), which take no part in
+    colouring (a value that only feeds them stays fp32, with no round trip through fp16)."""
+    fp32_only = MIXED_ARGS.get(packet_of(node))
+    if fp32_only is None:
+        return node.all_input_nodes
+    return [a for i, a in enumerate(node.args) if i not in fp32_only and isinstance(a, fx.Node)]
 
 
 def _producer(value: fx.Node) -> fx.Node:
@@ -134,7 +146,7 @@ def colour_by_lists(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
         node.meta["amp_reason"] = _reason(node, category[node], why[node], allow_set, deny_set,
                                           joined)
         if node not in allow_set and category[node] == "unknown":
-            name = str(getattr(node.target, "overloadpacket", node.target))
+            name = op_name(node)
             ctx.unknown_ops[name] = ctx.unknown_ops.get(name, 0) + 1
     # getitem nodes show the colour of the op whose tuple they unpack
     for node in graph.nodes:

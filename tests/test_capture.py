@@ -114,3 +114,208 @@ def test_a_failed_capture_leaves_the_users_model_exactly_as_it_was(name):
         assert torch.equal(t.detach(), before[n][1]), n
     assert all(type(p) is nn.Parameter for p in model.parameters())
     model(torch.randn(2, 4, 10)).sum().backward()  # still an ordinary eager model
+
+
+# -- custom autograd Functions (issue 13) -----------------------------------------------------------
+
+class GradReverse(torch.autograd.Function):
+    """DANN's gradient reversal, old style (ctx in forward), with a non-tensor argument."""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.alpha * grad, None
+
+
+class StraightThroughSign(torch.autograd.Function):
+    """A straight-through estimator with setup_context and two outputs."""
+
+    @staticmethod
+    def forward(x, scale):
+        return torch.sign(x) * scale, x.abs().mean()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, scale = inputs
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+
+    @staticmethod
+    def backward(ctx, grad, grad_mean):
+        (x,) = ctx.saved_tensors
+        return grad * ctx.scale * (x.abs() <= 1).to(grad.dtype) + grad_mean * x.sign() / x.numel(), None
+
+
+class WithCustomFunctions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 4)
+        self.domain = nn.Linear(32, 2)
+
+    def forward(self, x):
+        h = torch.relu(self.features(x))
+        q, mean = StraightThroughSign.apply(h, 0.5)
+        return self.head(q + mean), self.domain(GradReverse.apply(h, 0.3))
+
+
+def _dann_loss(m, x, y):
+    logits, domain = m(x)
+    return F.cross_entropy(logits, y) + F.cross_entropy(domain, y % 2)
+
+
+def test_custom_autograd_functions_train_with_their_own_backward():
+    _train_both(WithCustomFunctions(), _dann_loss, _batches())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_custom_autograd_functions_under_amp_are_one_fp32_node(dtype):
+    model = WithCustomFunctions()
+    ref = copy.deepcopy(model)
+    scaler = graphamp.GradScaler() if dtype == torch.float16 else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def build(self, x, y):
+        loss = _dann_loss(self.model, x, y)
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, opt, build=build, amp=dtype, scaler=scaler)
+    x, y = _batches(1)[0]
+    loss = g(x, y)
+    with torch.autocast("cpu", dtype=dtype):
+        ref_loss = _dann_loss(ref, x, y)
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=2e-2, atol=2e-2)
+    rows = [r for r in g.precision_report(with_autocast=False).rows
+            if r["op"].startswith("autograd.Function")]
+    assert sorted(r["op"] for r in rows) == ["autograd.Function GradReverse",
+                                             "autograd.Function StraightThroughSign"]
+    assert all(r["dtype"] == "float32" and r["list"] == "unknown" for r in rows)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_listed_autograd_function_runs_in_low_precision():
+    model = WithCustomFunctions()
+
+    def configure(self):
+        self.config.override_amp_lists(infer=[GradReverse], clear=[StraightThroughSign])
+
+    g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                   build=lambda self, x, y: _backward(_dann_loss(self.model, x, y)),
+                   amp=torch.bfloat16, configure=configure)
+    g(*_batches(1)[0])
+    rows = {r["op"]: r for r in g.precision_report(with_autocast=False).rows}
+    reverse, sign = rows["autograd.Function GradReverse"], rows["autograd.Function StraightThroughSign"]
+    assert (reverse["list"], sign["list"]) == ("infer", "clear")
+    # both sit between the features' and the heads' matrix products: low precision
+    assert reverse["dtype"] == sign["dtype"] == "bfloat16", (reverse, sign)
+
+
+def _backward(loss):
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_in_user_code_trains_like_eager(reentrant):
+    import torch.utils.checkpoint as checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU())
+                                        for _ in range(3))
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = x + checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+            return self.head(x)
+
+    def loss_of(m, x, y):
+        return F.cross_entropy(m(x), y)
+
+    model = Checkpointed()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    g = make_graph(model, None, opt, build=lambda self, x, y: _backward(loss_of(self.model, x, y)))
+    for x, y in _batches():
+        g(x, y)
+        ref_opt.zero_grad()
+        x_ref = x.requires_grad_(True) if reentrant else x  # reentrant needs an input with grad
+        loss_of(ref, x_ref, y).backward()
+        ref_opt.step()
+    assert_state_close(model, ref)
+
+
+# -- gradients taken inside build(): gradient penalties (issue 13) ---------------------------------
+
+class Critic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(),
+                                 nn.Linear(32, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+ALPHA = torch.rand(8, 1, generator=torch.Generator().manual_seed(0))
+
+
+def _wgan_gp(m, real, fake):
+    """WGAN-GP's critic loss: the penalty differentiates the critic with respect to its input.
+    (The mixing weights are drawn outside: random draws inside a compiled step follow torch's
+    global generator, not eager's sequence.)"""
+    mixed = (ALPHA * real + (1 - ALPHA) * fake).requires_grad_(True)
+    (grad,) = torch.autograd.grad(m(mixed).sum(), mixed, create_graph=True)
+    penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
+    return m(fake).mean() - m(real).mean() + 10.0 * penalty
+
+
+def test_gradient_penalty_trains_like_eager():
+    real_fake = [(torch.randn(8, 16), torch.randn(8, 16) * 2) for _ in range(3)]
+    _train_both(Critic(), _wgan_gp, real_fake, make_opt=lambda m: torch.optim.Adam(
+        m.parameters(), lr=1e-3, betas=(0.5, 0.9)))
+
+
+def test_gradient_penalty_with_a_scaler_follows_torchs_recipe():
+    """torch's documented recipe under autocast + GradScaler: the penalty's gradients are taken
+    on the scaled output and unscaled before use. graphamp does it for the user."""
+    model = Critic()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    real, fake = torch.randn(8, 16), torch.randn(8, 16) * 2
+
+    def build(self, real, fake):
+        loss = _wgan_gp(self.model, real, fake)
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, opt, build=build, amp=torch.bfloat16,
+                   scaler=graphamp.GradScaler(init_scale=2.0 ** 12))
+    with pytest.warns(UserWarning, match="loss scaling is unnecessary"):
+        loss = g(real, fake)
+    # the eager recipe (https://pytorch.org/docs/stable/notes/amp_examples.html)
+    mixed = (ALPHA * real + (1 - ALPHA) * fake).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ref(mixed)
+    (scaled,) = torch.autograd.grad(scaler.scale(out.sum()), mixed, create_graph=True)
+    grad = scaled / scaler.get_scale()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = ref(fake).mean() - ref(real).mean() + 10.0 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
+    scaler.scale(ref_loss).backward()
+    scaler.step(ref_opt)
+    scaler.update()
+    torch.testing.assert_close(loss, ref_loss.float().detach(), rtol=2e-2, atol=2e-2)
+    assert_state_close(model, ref, rtol=2e-2, atol=2e-3)
+    # the penalty's gradient is computed on the scaled seed: a node multiplies by loss_scale
+    forward = g.compiled_steps[-1].forward_graph
+    scale = next(n for n in forward.graph.nodes if n.name == "loss_scale")
+    assert {u.target for u in scale.users} >= {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}

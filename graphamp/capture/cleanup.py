@@ -49,6 +49,47 @@ def check_input_mutations(mutated: list[int], param_names: list[str], buffer_nam
     return [i - n_params for i in mutated]
 
 
+def lift_constants(gm: fx.GraphModule, owners: dict[int, str]) -> tuple[list[torch.Tensor], list[str]]:
+    """Turn the tensors build() read from outside (module attributes that are neither
+    parameters nor buffers, globals, helper objects' tables) into inputs after the last
+    placeholder. Each call then passes the live object, so in-place changes are seen.
+    Returns the tensors and their names (``owners``: id -> attribute path where known)."""
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    tensors: list[torch.Tensor] = []
+    names: list[str] = []
+    lifted: dict[int, fx.Node] = {}  # id(tensor) -> its placeholder
+    attrs = set()
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr"]:
+        value = getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        placeholder = lifted.get(id(value))
+        if placeholder is None:
+            name = owners.get(id(value), f"constant{len(tensors)}")
+            with gm.graph.inserting_after(last):
+                placeholder = gm.graph.placeholder(f"c_{name}")
+            placeholder.meta.update(node.meta)
+            lifted[id(value)] = last = placeholder
+            tensors.append(value)
+            names.append(name)
+        node.replace_all_uses_with(placeholder)
+        gm.graph.erase_node(node)
+        attrs.add(node.target)
+    for attr in attrs:
+        delattr(gm, attr)
+    return tensors, names
+
+
+def drop_autograd_detaches(gm: fx.GraphModule) -> None:
+    """Remove the detaches autograd itself made (a saved output unpacked while build()'s own
+    torch.autograd.grad ran): the step differentiates this graph again, and a gradient penalty's
+    second derivative flows through them. The user's ``.detach()`` / ``.data`` stay."""
+    for node in list(gm.graph.nodes):
+        if node.target is aten.detach.default and not node.meta.get("user_detach"):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+
+
 def detach_no_grad_values(gm: fx.GraphModule) -> None:
     """Values computed under torch.no_grad() in build() carry no gradient, as in eager mode."""
     for node in list(gm.graph.nodes):
@@ -61,7 +102,8 @@ def detach_no_grad_values(gm: fx.GraphModule) -> None:
         with gm.graph.inserting_after(node):
             detached = gm.graph.call_function(aten.detach.default, (node,))
         detached.meta.update(val=val, nn_module_stack=node.meta.get("nn_module_stack"),
-                             user_frame=node.meta.get("user_frame"), no_grad=False)
+                             user_frame=node.meta.get("user_frame"), no_grad=False,
+                             user_detach=True)
         for user in users:
             user.replace_input_with(node, detached)
 

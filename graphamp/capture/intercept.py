@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -47,9 +49,13 @@ def _where(frame: UserFrame | None) -> str:
 class CaptureMode(TorchFunctionMode):
     """Active while build() is traced; see the module docstring."""
 
-    def __init__(self, module_names: dict[int, str], sdpa_policy: torch.dtype | None = None):
+    def __init__(self, module_names: dict[int, str], sdpa_policy: torch.dtype | None = None,
+                 loss_scale: torch.Tensor | None = None):
         super().__init__()
         self.module_names = module_names
+        # The step's loss scale (a traced 0-dim input): gradients build() takes itself are
+        # computed scaled and unscaled before use, torch's recipe for gradient penalties.
+        self.loss_scale = loss_scale
         # Set by the autocast oracle: attention follows autocast's lower_precision_fp policy.
         self.sdpa_policy = sdpa_policy
         self.losses: list[RecordedLoss] = []
@@ -94,18 +100,17 @@ class CaptureMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _HOST_READS:
-            where = current_user_frame()
-            raise CaptureError(
-                f"build() reads a tensor's value on the host with {_host_read(func)}"
-                f"{_where(where)}. That would stop the compiled step to wait for the device, and "
-                "capture has no values (it runs on shapes alone). Return the tensor from build() "
-                "and call .item() on the result, or keep the decision in the graph with "
-                "torch.where")
+            culprit = _torch_function_reading()
+            if culprit is not None and culprit[1] in _SAFE_ANSWERS:
+                return _SAFE_ANSWERS[culprit[1]]
+            raise _host_read_error(func, culprit)
         if func is torch.Tensor.backward:
             return self._record_backward(*args, **kwargs)
         if func is torch.autograd.backward:
             return self._record_autograd_backward(*args, **kwargs)
         graph = tracing_graph()
+        if func is torch.autograd.grad and self.loss_scale is not None:
+            func = functools.partial(_scaled_grad, self.loss_scale)
         marker = last_node(graph) if graph is not None else None
         if func is F.batch_norm:
             out = _functional_batch_norm(*args, **kwargs)
@@ -121,6 +126,7 @@ class CaptureMode(TorchFunctionMode):
             where = current_user_frame()
             stack = self._stack_meta
             no_grad = not torch.is_grad_enabled()
+            cuts = func in _GRADIENT_CUTS
             for node in nodes_after(graph, marker):
                 meta = node.meta
                 if "user_frame" not in meta:
@@ -128,6 +134,8 @@ class CaptureMode(TorchFunctionMode):
                     meta["nn_module_stack"] = stack
                     if no_grad:
                         meta["no_grad"] = True
+                if cuts and node.target is aten.detach.default:
+                    meta["user_detach"] = True
         return out
 
     def _record_backward(
@@ -203,6 +211,23 @@ def parameter_positions(record: RecordedLoss, position: dict[int, int]) -> froze
     return frozenset(out)
 
 
+def _scaled_grad(scale: torch.Tensor, outputs, inputs, grad_outputs=None, *args, **kwargs):
+    """torch.autograd.grad with the loss scale: seeds times ``scale``, results divided by it
+    (what torch documents for gradient penalties under a GradScaler, done for the user)."""
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
+        grad_outputs = (grad_outputs,) * len(outputs) if grad_outputs is None else (grad_outputs,)
+    seeds = [(torch.ones_like(o) if g is None else g) * scale.to(o.dtype)
+             for o, g in zip(outputs, grad_outputs)]
+    grads = torch.autograd.grad(outputs, inputs, seeds, *args, **kwargs)
+    return tuple(None if g is None else g / scale.to(g.dtype) for g in grads)
+
+
+# What the user writes to stop gradients. Autograd's own detaches (saved outputs unpacked when
+# build() differentiates with torch.autograd.grad) are not cuts: capture removes them.
+_GRADIENT_CUTS = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__,
+                            torch.Tensor.detach_})
+
 _HOST_READS = {
     torch.Tensor.item: ".item()",
     torch.Tensor.tolist: ".tolist()",
@@ -219,6 +244,54 @@ _HOST_READS = {
 _CONVERSIONS = {"__bool__": torch.Tensor.__bool__, "__float__": torch.Tensor.__float__,
                 "__int__": torch.Tensor.__int__, "__index__": torch.Tensor.__index__,
                 "tolist": torch.Tensor.tolist}
+
+
+def _host_read_error(func, culprit: tuple[str, str] | None) -> CaptureError:
+    """build() (or the torch code ``culprit`` it called) read a tensor's value on the host."""
+    where = _where(current_user_frame())
+    how = _host_read(func)
+    if culprit is not None:
+        module, function = culprit
+        hint = _TORCH_READ_WORKAROUNDS.get(function, "look for an argument of that torch API "
+                                           "that gives the value it computes (a hint or flag), "
+                                           "or call it outside build()")
+        return CaptureError(
+            f"torch's {module}.{function} reads a tensor's value on the host with {how}, "
+            f"called from build(){where}. A compiled step cannot stop to read values, and "
+            f"capture has none (it runs on shapes alone). Workaround: {hint}")
+    return CaptureError(
+        f"build() reads a tensor's value on the host with {how}{where}. That would stop the "
+        "compiled step to wait for the device, and capture has no values (it runs on shapes "
+        "alone). Return the tensor from build() and call .item() on the result, or keep the "
+        "decision in the graph with torch.where")
+
+
+# Plumbing between a conversion and the code that asked for it (tensor subclasses, dispatch).
+_PLUMBING = tuple(os.path.join(os.path.dirname(torch.__file__), d) for d in (
+    "_subclasses", "overrides.py", "_tensor.py", "utils" + os.sep + "_", "fx", "_ops.py"))
+# torch helpers whose value reads only choose a faster path: the answer that keeps the general
+# path is always right. nn.Transformer* compare the mask with a causal one to set is_causal;
+# "not causal" applies the mask as given.
+_SAFE_ANSWERS = {"_detect_is_causal_mask": False}
+# Known torch helpers that read values, and how users avoid the read.
+_TORCH_READ_WORKAROUNDS = {
+    "_detect_is_causal_mask": "pass is_causal=True with a causal mask (torch then trusts the "
+                              "flag instead of comparing the mask's values), or build the "
+                              "mask outside build() and pass is_causal explicitly",
+}
+
+
+def _torch_function_reading() -> tuple[str, str] | None:
+    """(module, function) of the innermost torch code below the user's frame that asked for the
+    value, or None when the user's own code did."""
+    frame = sys._getframe(1)
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        filename = frame.f_code.co_filename
+        if filename.startswith(os.path.dirname(torch.__file__)) and \
+                not filename.startswith(_PLUMBING):
+            return frame.f_globals.get("__name__", "torch"), frame.f_code.co_name
+        frame = frame.f_back
+    return None
 
 
 def _host_read(func) -> str:

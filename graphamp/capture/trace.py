@@ -21,8 +21,10 @@ from ..errors import CaptureError, GraphampError
 from ..fxutil import rename_placeholders, trace_functional, user_frame_of_exception
 from ..inputs import FlatInputs
 from ..spec import TENSOR, CapturedForward
-from .cleanup import (check_input_mutations, detach_no_grad_values, keep_changed_buffers,
-                      mutated_inputs, params_without_path_to_losses)
+from .cleanup import (check_input_mutations, detach_no_grad_values, drop_autograd_detaches,
+                      keep_changed_buffers, lift_constants, mutated_inputs,
+                      params_without_path_to_losses)
+from .functions import capturing_autograd_functions
 from .intercept import CaptureMode, parameter_positions
 from .root import BuildRoot, fake_copy
 from .swap import state_slots, swapped
@@ -55,9 +57,11 @@ def capture_forward(root: BuildRoot, inputs: FlatInputs, graph_name: str,
     n_outputs = sum(1 for x in traced["template"] if x is TENSOR)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     rename_placeholders(gm, [f"p_{n}" for n in param_names] + [f"b_{n}" for n in buffer_names]
-                        + [f"in_{n}" for n in input_names])
+                        + [f"in_{n}" for n in input_names] + ["loss_scale"])
     mutated = check_input_mutations(traced["mutated"], param_names, buffer_names, input_names,
                                     graph_name)
+    constants, constant_names = lift_constants(gm, _tensor_attributes(root))
+    drop_autograd_detaches(gm)
     detach_no_grad_values(gm)
     changed = keep_changed_buffers(gm, placeholders, len(param_names),
                                    n_outputs + n_losses + n_grads, mutated)
@@ -71,6 +75,8 @@ def capture_forward(root: BuildRoot, inputs: FlatInputs, graph_name: str,
         loss_frames=[r.where for r in traced["losses"]],
         loss_grad_given=[r.gradient is not None for r in traced["losses"]],
         mutated_buffers=changed, loss_inputs=traced["loss_inputs"],
+        function_calls=traced["function_calls"],
+        constants=constants, constant_names=constant_names,
     )
     captured.unused_params = params_without_path_to_losses(captured)
     log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
@@ -86,13 +92,14 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
     params, buffers = list(root.parameters()), list(root.buffers())
     slots = state_slots(root)
     n_state = len(params) + len(buffers)
-    traced: dict[str, Any] = {}
+    traced: dict[str, Any] = {"function_calls": []}
 
     def forward(*flat: torch.Tensor):
         replacement = {id(t): v for t, v in zip([*params, *buffers], flat[:n_state])}
-        args, kwargs = inputs.rebuild(list(flat[n_state:]))
-        mode = CaptureMode(module_names)
-        with torch.enable_grad(), swapped(slots, replacement), mode.tracking_modules(), mode:
+        args, kwargs = inputs.rebuild(list(flat[n_state:-1]))
+        mode = CaptureMode(module_names, loss_scale=flat[-1])
+        with torch.enable_grad(), swapped(slots, replacement), mode.tracking_modules(), mode, \
+                capturing_autograd_functions(traced["function_calls"]):
             out = root._build(*args, **kwargs)
             new_buffers = [root.get_buffer(n) for n in buffer_names]  # the updated values
         leaves, spec = pytree.tree_flatten(out)
@@ -109,12 +116,14 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
     # parameters require grad as the user's do: build() may differentiate (torch.autograd.grad)
     example = [p.detach().requires_grad_(p.requires_grad) for p in params] + buffers
     example += list(inputs.tensors)
+    example.append(torch.ones((), device=_device_of(example)))  # the loss scale
     if device is not None:
         mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
         example = [fake_copy(mode, t, device) for t in example]
     try:
         with _compiling_flag():
-            gm = trace_functional(forward, example, propagate_input_mutations=False)
+            gm = trace_functional(forward, example, propagate_input_mutations=False,
+                                  allow_constants=True)
     except GraphampError:
         raise
     except _DATA_DEPENDENT as e:
@@ -128,6 +137,17 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
         raise CaptureError(
             f"capturing {graph_name}.build() failed{_at(e)}: {type(e).__name__}: {e}") from e
     return gm, traced
+
+
+def _tensor_attributes(root: BuildRoot) -> dict[int, str]:
+    """id -> path of the plain tensor attributes of the registered modules (not parameters
+    or buffers): the names lifted constants get."""
+    return {id(v): f"{path}.{k}" if path else k for path, m in root.named_modules()
+            for k, v in vars(m).items() if isinstance(v, torch.Tensor)}
+
+
+def _device_of(tensors: list[torch.Tensor]) -> torch.device:
+    return next((t.device for t in tensors), torch.device("cpu"))
 
 
 def _at(e: BaseException) -> str:

@@ -101,6 +101,7 @@ class Runner:
             "scaler": self.scaler_state,
             "history": self.history,
             "shadows": [entry.tensor for _, entry in self.shadow_slots],
+            "constants": self.plan.captured.constants,
             "inputs": inputs,
         }
 

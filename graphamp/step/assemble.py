@@ -83,8 +83,10 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
 
 def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list]) -> tuple:
     cap = plan.captured
+    one = torch.ones((), device=s["params"][0].device if s["params"] else None)
     user, _, _, new_buffers = cap.split_outputs(
-        run_forward(fwd_gm, [*s["params"], *s["buffers"], *s["inputs"], *s["shadows"]]))
+        run_forward(fwd_gm, [*s["params"], *s["buffers"], *s["inputs"], one, *s["constants"],
+                             *s["shadows"]]))
     for i, value in zip(cap.mutated_buffers, new_buffers):
         s["buffers"][i].copy_(value)
     return tuple(user)

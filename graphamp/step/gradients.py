@@ -53,7 +53,8 @@ def _functional_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = 
 
 
 def run_forward(fwd_gm: fx.GraphModule, inputs: list) -> list:
-    """The forward graph's outputs, its nodes traced into the step tagged ``forward``."""
+    """The forward graph's outputs for ``inputs`` = (*params, *buffers, *batch, loss_scale,
+    *constants, *low-precision copies); its nodes are traced into the step tagged ``forward``."""
     with NodeTagger({"graphamp_subgraph": "forward"}):
         return list(_ForwardRunner(fwd_gm).run(*inputs, enable_io_processing=False))
 
@@ -91,7 +92,8 @@ def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, l
             sh[j] = shadows[j].detach().requires_grad_(True)
         with torch.enable_grad():
             user, losses, loss_grads, new_buffers = cap.split_outputs(
-                run_forward(fwd_gm, [*ps, *current, *micro, *sh]))
+                run_forward(fwd_gm, [*ps, *current, *micro, _loss_scale(scale, params),
+                                     *s["constants"], *sh]))
         seeds = _seeds(plan, losses, loss_grads, scale)
         with NodeTagger({"graphamp_subgraph": "backward"}):
             _accumulate_grads(plan, losses, seeds, [(i, ps[i]) for i in direct],
@@ -103,6 +105,13 @@ def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, l
     grads = [total[i] if i in total else torch.zeros_like(params[i]) for i in plan.trainable]
     return ForwardResult(_combine_micro_outputs(users), _mean_losses(micro_losses), grads,
                          [current[i] for i in cap.mutated_buffers])
+
+
+def _loss_scale(scale: torch.Tensor | None, like: list[torch.Tensor]) -> torch.Tensor:
+    """The forward's loss_scale input: the scaler's scale, or 1."""
+    if scale is not None:
+        return scale
+    return torch.ones((), device=like[0].device if like else None)
 
 
 def _seeds(plan: StepPlan, losses, loss_grads, scale) -> list[torch.Tensor]:

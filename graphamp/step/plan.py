@@ -106,6 +106,7 @@ def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler, training: 
                     "scaler_found_inf"] if scaler is not None else []),
         "history": ["history_step", "history_table"] if training else [],
         "shadows": [f"p_{cap.param_names[i]}_{dtype_name(dt)}" for i, dt in shadows],
+        "constants": [f"c_{n}" for n in cap.constant_names],
         "inputs": [f"in_{n}" for n in cap.input_names],
     })
 

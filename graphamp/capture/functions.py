@@ -1,0 +1,65 @@
+"""Custom ``torch.autograd.Function``s at capture: one node each, with the user's backward.
+
+``Function.apply`` is implemented in C and is invisible to torch-function modes, so while
+build() is traced (and only in the tracing thread) ``torch.autograd.Function.apply`` is
+replaced by ``_capturing_apply``: a user's Function becomes one ``graphamp.autograd_function``
+node (``ops.FunctionCall``), which step assembly expands by calling the Function again under
+autograd. Functions defined inside torch run as usual (custom ops' autograd, for one), except
+reentrant activation checkpointing, whose meaning is simply ``function(*args)``: it is traced
+inline, with gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.utils.checkpoint import CheckpointFunction
+
+from ..fxutil import current_user_frame, last_node, nodes_after, tracing_graph
+from ..ops import _ORIGINAL_APPLY, AUTOGRAD_FUNCTION, FunctionCall
+
+_active = threading.local()  # .calls: the FunctionCalls of the capture running in this thread
+_patch_lock = threading.Lock()
+_patch_users = 0  # captures running in any thread: the patch is in place while > 0
+
+
+def _capturing_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+    calls = getattr(_active, "calls", None)
+    if calls is None or (cls.__module__.startswith("torch.") and cls is not CheckpointFunction):
+        return _ORIGINAL_APPLY.__get__(None, cls)(*args, **kwargs)
+    if cls is CheckpointFunction:  # checkpoint(function, *args, use_reentrant=True)
+        function, _preserve_rng_state, *inputs = args
+        return function(*inputs)
+    call = FunctionCall(cls, args, kwargs)
+    calls.append(call)
+    graph = tracing_graph()
+    marker = last_node(graph) if graph is not None else None
+    outputs = torch.ops.graphamp.autograd_function(call.tensor_args(args, kwargs), call.key)
+    if marker is not None:
+        for node in nodes_after(graph, marker):
+            if node.target is AUTOGRAD_FUNCTION:
+                node.meta["autograd_function"] = cls
+                node.meta.setdefault("user_frame", current_user_frame())
+    return call.rebuild_outputs(list(outputs))
+
+
+@contextlib.contextmanager
+def capturing_autograd_functions(calls: list[FunctionCall]) -> Iterator[None]:
+    """Within the block, custom Functions applied in this thread are recorded into ``calls``."""
+    global _patch_users
+    previous = getattr(_active, "calls", None)
+    _active.calls = calls
+    with _patch_lock:
+        _patch_users += 1
+        torch.autograd.Function.apply = classmethod(_capturing_apply)
+    try:
+        yield
+    finally:
+        _active.calls = previous
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                torch.autograd.Function.apply = _ORIGINAL_APPLY
