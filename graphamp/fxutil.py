@@ -13,7 +13,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -96,11 +99,27 @@ def trace_functional(fn: Callable[..., Any], example: list[Any],
     ``alias``, and a graph that is differentiated again would then let gradients through a
     user's ``.detach()``. With ``allow_constants``, real tensors ``fn`` reads that are not among
     its inputs become ``get_attr`` constants holding those very objects.
+    Sizes that depend on values (boolean-mask indexing, ``nonzero``) become unbacked symbols of
+    the fake mode's ShapeEnv; every other size stays static.
     """
+    mode = detect_fake_mode(example) or FakeTensorMode(shape_env=ShapeEnv(),
+                                                        allow_non_fake_inputs=allow_constants)
+    fakes = [_fake_like(mode, t) if isinstance(t, torch.Tensor) else t for t in example]
     functional = dispatch_functionalize(fn, FunctionalTensorMode(),
                                         propagate_input_mutations=propagate_input_mutations)
-    return make_fx(functional, tracing_mode="fake", decomposition_table={},
-                   _allow_non_fake_inputs=allow_constants)(*example)
+    with mode:
+        return make_fx(functional, tracing_mode="real", decomposition_table={},
+                       _allow_non_fake_inputs=allow_constants)(*fakes)
+
+
+def _fake_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a fake tensor of ``mode`` with static sizes, keeping ``requires_grad``."""
+    if isinstance(t, FakeTensor):
+        return t
+    fake = mode.from_tensor(t, static_shapes=True)
+    if t.requires_grad and not fake.requires_grad:
+        fake.requires_grad_(True)
+    return fake
 
 
 def tracing_graph() -> fx.Graph | None:

@@ -319,3 +319,205 @@ def test_gradient_penalty_with_a_scaler_follows_torchs_recipe():
     forward = g.compiled_steps[-1].forward_graph
     scale = next(n for n in forward.graph.nodes if n.name == "loss_scale")
     assert {u.target for u in scale.users} >= {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}
+
+
+# -- data-dependent shapes, plain tensors, custom ops (issue 21) ------------------------------------
+
+def _masked_ce(m, x, y):
+    keep = y >= 0  # a masked token loss: labels -1 are padding
+    return F.cross_entropy(m(x)[keep], y[keep])
+
+
+def _nonzero_ce(m, x, y):
+    idx = torch.nonzero(y >= 0).squeeze(1)
+    return F.cross_entropy(m(x).index_select(0, idx), y.index_select(0, idx))
+
+
+def _masked_select(m, x, y):
+    out = m(x)
+    return torch.masked_select(out, (y >= 0).unsqueeze(1).expand_as(out)).pow(2).mean()
+
+
+def _label_batches():
+    gen = torch.Generator().manual_seed(1)
+    labels = [[0, -1, 2, 1, -1, 0], [-1, -1, 2, 1, -1, 3], [1, 2, 3, 0, 1, -1]]
+    return [(torch.randn(6, 16, generator=gen), torch.tensor(y)) for y in labels]
+
+
+@pytest.mark.parametrize("loss_of", [_masked_ce, _nonzero_ce, _masked_select])
+def test_data_dependent_shapes_train_like_eager(loss_of):
+    """A different number of kept rows every call, one compiled step."""
+    g, _ = _train_both(nn.Linear(16, 4), loss_of, _label_batches())
+    assert len(g.compiled_steps) == 1
+
+
+@pytest.mark.inductor
+def test_data_dependent_shapes_compile_with_inductor():
+    _train_both(nn.Linear(16, 4), _masked_ce, _label_batches(), backend="inductor",
+                rtol=1e-4, atol=1e-5)
+
+
+TABLE = torch.randn(16, 16)  # a module-level constant tensor, read in build()
+
+
+class Lookup:
+    """A helper object holding a plain tensor (neither parameter, buffer nor argument)."""
+
+    def __init__(self):
+        self.scale = torch.full((16,), 0.5)
+
+
+def test_plain_tensors_read_in_build_are_live_inputs():
+    helper = Lookup()
+    model = nn.Linear(16, 4)
+
+    def loss_of(m, x, y):
+        return F.cross_entropy(m((x @ TABLE) * helper.scale), y)
+
+    g, ref = _train_both(model, loss_of, _batches())
+    helper.scale.mul_(3.0)  # an in-place change between calls is seen by the next one
+    x, y = _batches(1, seed=5)[0]
+    loss = g(x, y)
+    torch.testing.assert_close(loss, loss_of(ref, x, y).detach(), rtol=1e-5, atol=1e-6)
+
+
+@torch.library.custom_op("graphamp_tests::scaled_sin", mutates_args=())
+def scaled_sin(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.sin(x) * scale
+
+
+@scaled_sin.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def _scaled_sin_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.scale = inputs[1]
+
+
+def _scaled_sin_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * torch.cos(x) * ctx.scale, None
+
+
+scaled_sin.register_autograd(_scaled_sin_backward, setup_context=_scaled_sin_context)
+
+
+def test_custom_ops_with_their_own_backward_train_like_eager():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+
+    def loss_of(m, x, y):
+        return F.cross_entropy(m[1](scaled_sin(m[0](x), 0.5)), y)
+
+    _train_both(model, loss_of, _batches())
+
+
+def test_custom_ops_are_one_node_kept_fp32_unless_listed():
+    def run(configure=None):
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+        g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                       build=lambda self, x, y: _backward(F.cross_entropy(
+                           self.model[1](scaled_sin(self.model[0](x), 0.5)), y)),
+                       amp=torch.bfloat16, configure=configure)
+        g(*_batches(1)[0])
+        report = g.precision_report(with_autocast=False)
+        (row,) = [r for r in report.rows if r["op"] == "graphamp_tests.scaled_sin"]
+        return row, report
+
+    row, report = run()
+    assert (row["list"], row["dtype"]) == ("unknown", "float32")
+    assert "graphamp_tests.scaled_sin" in report.unknown_ops
+    row, _ = run(lambda self: self.config.override_amp_lists(infer=["graphamp_tests.scaled_sin"]))
+    assert (row["list"], row["dtype"]) == ("infer", "bfloat16")
+
+
+# -- common modules: EmbeddingBag, InstanceNorm, TransformerEncoder masks, sparse gradients --------
+
+def test_embedding_bag_trains_like_eager():
+    class TextClassifier(nn.Module):  # PyTorch's text-classification tutorial model
+        def __init__(self):
+            super().__init__()
+            self.embedding = nn.EmbeddingBag(50, 16, mode="mean")
+            self.fc = nn.Linear(16, 4)
+
+        def forward(self, text, offsets):
+            return self.fc(self.embedding(text, offsets))
+
+    gen = torch.Generator().manual_seed(0)
+    data = [((torch.randint(0, 50, (20,), generator=gen), torch.tensor([0, 5, 12])),
+             torch.tensor([0, 3, 1])) for _ in range(3)]
+    _train_both(TextClassifier(), lambda m, x, y: F.cross_entropy(m(*x), y), data)
+
+
+class StyleBlock(nn.Module):
+    """conv -> InstanceNorm(affine) -> ReLU -> conv, as in style-transfer and CycleGAN nets."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.InstanceNorm2d(8, affine=True)
+        self.out = nn.Conv2d(8, 3, 3, padding=1)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.conv(x))))
+
+
+def test_instance_norm_trains_like_eager_and_under_amp():
+    data = [(torch.randn(2, 3, 8, 8), None) for _ in range(3)]
+    _train_both(StyleBlock(), lambda m, x, y: m(x).pow(2).mean(), data)
+    model = StyleBlock()
+    g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
+                   build=lambda self, x, y: _backward(self.model(x).pow(2).mean()),
+                   amp=torch.float16, scaler=graphamp.GradScaler())
+    g(*data[0])
+    rows = [r for r in g.precision_report(with_autocast=False).rows if "batch_norm" in r["op"]]
+    assert rows and all(r["colour"] == "allow" for r in rows)  # between the two convolutions
+    assert model.norm.weight.dtype == torch.float32 and torch.isfinite(model.norm.weight).all()
+
+
+@pytest.mark.parametrize("causal_flag", [None, True])
+def test_transformer_encoder_with_a_mask_trains_like_eager(causal_flag):
+    """PyTorch's tutorial passes a causal mask; torch checks its values to set is_causal."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    mask = nn.Transformer.generate_square_subsequent_mask(6)
+    data = [(torch.randn(3, 6, 16), None) for _ in range(3)]
+    _train_both(encoder, lambda m, x, y: m(x, mask=mask, is_causal=causal_flag).pow(2).mean(),
+                data)
+
+
+class SparseBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(30, 8, sparse=True)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc(self.embedding(x).mean(1))
+
+
+def _sparse_data():
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 30, (4, 5), generator=gen), torch.tensor([0, 1, 0, 1]))
+            for _ in range(3)]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sparse_gradients_with_sgd_and_a_scaler_train_like_eager(momentum):
+    make_opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum)  # noqa: E731
+    _train_both(SparseBag(), lambda m, x, y: F.cross_entropy(m(x), y), _sparse_data(),
+                make_opt=make_opt)
+    with pytest.warns(UserWarning, match="loss scaling is unnecessary"):
+        _train_both(SparseBag(), lambda m, x, y: F.cross_entropy(m(x), y), _sparse_data(),
+                    make_opt=make_opt, scaler=graphamp.GradScaler(init_scale=256.0))
+
+
+def test_sparse_gradients_with_adam_are_refused_as_in_eager():
+    model = SparseBag()
+    before = [p.detach().clone() for p in model.parameters()]
+    g = make_graph(model, None, torch.optim.Adam(model.parameters(), lr=0.1),
+                   build=lambda self, x, y: _backward(F.cross_entropy(self.model(x), y)))
+    with pytest.raises(graphamp.CaptureError, match=r"sparse gradients.*Adam.*sparse=False"):
+        g(*_sparse_data()[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -15,6 +15,7 @@ import torch
 import torch._subclasses.fake_tensor as fake_tensor
 import torch.fx as fx
 import torch.fx.experimental.symbolic_shapes as symbolic_shapes
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import torch.utils._pytree as pytree
 
 from ..errors import CaptureError, GraphampError
@@ -118,7 +119,7 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
     example += list(inputs.tensors)
     example.append(torch.ones((), device=_device_of(example)))  # the loss scale
     if device is not None:
-        mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+        mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         example = [fake_copy(mode, t, device) for t in example]
     try:
         with _compiling_flag():

@@ -9,10 +9,14 @@ compiled step as a CUDA graph is ``cudagraph.py``.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch._guards import TracingContext, detect_fake_mode, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
 StepFn = Callable[..., Sequence[torch.Tensor]]
 
@@ -25,13 +29,32 @@ def compile_step(gm: fx.GraphModule, example: list[torch.Tensor], backend: str,
     import torch._dynamo  # noqa: F401 - registers the backends
 
     compiler = torch._dynamo.lookup_backend(backend)
+    # The backend re-traces the graph on fake tensors. Where sizes depend on values (boolean
+    # masks, nonzero), it does so in the fake mode (and ShapeEnv) the step was traced in, so
+    # they stay the symbols assembly made.
+    context = TracingContext(_fake_mode_of(gm)) if _has_unbacked_sizes(gm) else nullcontext()
     if backend != "inductor":
-        return compiler(gm, example)
+        with _tracing(context):
+            return compiler(gm, example)
     import torch._inductor.config as inductor_config
 
     options = {**default_inductor_options(gm, example), **(inductor_options or {})}
-    with inductor_config.patch(options):
+    with inductor_config.patch(options), _tracing(context):
         return compiler(gm, example)
+
+
+def _tracing(context):
+    return tracing(context) if isinstance(context, TracingContext) else context
+
+
+def _has_unbacked_sizes(gm: fx.GraphModule) -> bool:
+    return any(free_unbacked_symbols(n.meta.get("val")) for n in gm.graph.nodes
+               if isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def _fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode(vals) or FakeTensorMode(shape_env=ShapeEnv())
 
 
 def default_inductor_options(gm: fx.GraphModule, example: list[torch.Tensor]) -> dict:

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..errors import CaptureError
+from ..errors import CaptureError, GraphampError
 from ..fxutil import NodeTagger, rename_placeholders, trace_functional
 from ..optimizers import OptimizerPlan
 from ..spec import StepPlan
 from .collectives import agree_on_overflow, average_over_ranks
 from .gradients import forward_and_gradients, run_forward
 from .history import record_history
-from .optimizer_update import masked, update_optimizer
+from .optimizer_update import densify_sparse_grads, masked, update_optimizer
 from .scaling import clip_grad_norm, count_nonfinite_norm, unscale_and_check, write_scale_update
 
 
@@ -35,6 +35,8 @@ def assemble_step(plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Te
     step = make_step_function(plan, fwd_gm)
     try:
         gm = trace_functional(step, example, propagate_input_mutations=True)
+    except GraphampError:
+        raise
     except Exception as e:
         raise CaptureError(
             f"assembling the training step of {graph_name} failed: {type(e).__name__}: {e}. "
@@ -104,7 +106,7 @@ def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Te
     position = {p: j for j, p in enumerate(plan.trainable)}
     updates, norms = [], []
     for opt in plan.optimizers:
-        opt_grads = [grads[position[i]] for i in opt.forward_positions]
+        opt_grads = densify_sparse_grads(opt, [grads[position[i]] for i in opt.forward_positions])
         found = None
         if scale is not None:
             with NodeTagger({"graphamp_subgraph": "grad_scaler"}):

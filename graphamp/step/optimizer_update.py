@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from ..errors import CaptureError
 from ..optimizers import GroupPlan, OptimizerPlan
 
 
@@ -88,6 +89,23 @@ def apply_update(plan: OptimizerPlan, group: GroupPlan, tensors: GroupTensors,
     if plan.kind == "sgd":
         return sgd_update(tensors, flags, first_step)
     return adam_update(tensors, flags)
+
+
+def densify_sparse_grads(opt: OptimizerPlan, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Sparse gradients (``nn.Embedding(sparse=True)``) as dense ones, where torch's optimizer
+    accepts them: plain SGD with or without momentum, where a dense update with zero rows equals
+    eager's sparse one. Adam and weight decay refuse them in eager PyTorch, and here."""
+    if not any(g.is_sparse for g in grads):
+        return grads
+    decays = any(dict(g.flags).get("weight_decay") for g in opt.groups)
+    if opt.kind != "sgd" or decays:
+        what = "weight decay" if opt.kind == "sgd" else type(opt.optimizer).__name__
+        raise CaptureError(
+            f"optimizer {opt.index} ({type(opt.optimizer).__name__}) gets sparse gradients "
+            f"(nn.Embedding(sparse=True) or F.embedding(sparse=True)), which {what} does not "
+            "support in eager PyTorch either: use sparse=False, or plain SGD for those "
+            "parameters")
+    return [g.to_dense() if g.is_sparse else g for g in grads]
 
 
 def masked(skip: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
