@@ -12,22 +12,36 @@ at step assembly can give.
 ``scaled_dot_product_attention`` is captured as one ``graphamp.scaled_dot_product_attention``
 node instead of the backend kernel torch picks for fp32 inputs: the kernel (flash, efficient,
 math) depends on the dtype, which is known only after the AMP passes. Step assembly expands it
-back to ``F.scaled_dot_product_attention`` on the final dtypes.
+back to ``F.scaled_dot_product_attention`` on the final dtypes. Recurrent layers
+(``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) are kept whole the same way, as ``graphamp.rnn``: the
+kernel torch picks for them (cuDNN, oneDNN, or a loop of matmuls) also depends on the dtype.
+
+Composite ops that autocast decides for as a whole (an RNN cell, ``linalg_vecdot``, ``l1_loss``)
+are split by capture into pieces no precision list can classify (``addmm``, ``sigmoid``, ``mul``,
+``sum``...). Their capture forms tag every node the call appends with ``meta["part_of"]``, the
+aten op the pieces belong to; the AMP passes classify the pieces as that op
+(``WHOLE_OP_FUNCTIONS``). Functions on autocast's promote list whose kernels reject mixed
+floating dtypes already at capture (``dot``, ``tensordot``...) cast their inputs to the widest
+floating dtype among them first, as autocast does (``PROMOTE_AT_CAPTURE``).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Any, Optional
 
 import torch
-import torch.utils._pytree as pytree
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from .errors import ConfigError
+from .fxutil import NodeTagger
+
+aten = torch.ops.aten
 
 @torch.library.custom_op("graphamp::low_precision", mutates_args=())
 def _low_precision_op(x: Tensor) -> Tensor:
@@ -104,15 +118,195 @@ LOW_PRECISION_HINT = torch.ops.graphamp.low_precision.default
 FULL_PRECISION_HINT = torch.ops.graphamp.full_precision.default
 SDPA = torch.ops.graphamp.scaled_dot_product_attention.default
 
+
+# -- recurrent layers, kept whole -----------------------------------------------------------------
+
+RNN_MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+
+
+@torch.library.custom_op("graphamp::rnn", mutates_args=())
+def _rnn_op(mode: str, input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool,
+            num_layers: int, dropout: float, train: bool, bidirectional: bool,
+            batch_first: bool) -> list[Tensor]:
+    return rnn_reference(mode, input, hx, params, has_biases, num_layers, dropout, train,
+                         bidirectional, batch_first)
+
+
+@_rnn_op.register_fake
+def _(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+      batch_first):
+    # the shapes torch's own kernel gives, computed on the fake tensors (nothing runs)
+    with torch.no_grad():
+        return rnn_reference(mode, input, hx, params, has_biases, num_layers, dropout, train,
+                             bidirectional, batch_first)
+
+
+def rnn_reference(mode: str, input: Tensor, hx: list[Tensor], params: list[Tensor],
+                  has_biases: bool, num_layers: int, dropout: float, train: bool,
+                  bidirectional: bool, batch_first: bool) -> list[Tensor]:
+    """torch._VF.<mode> on a dense batch (what a graphamp.rnn node stands for): the outputs as a
+    list, ``[output, h_n]`` (``[output, h_n, c_n]`` for an LSTM)."""
+    state = list(hx) if mode == "lstm" else hx[0]
+    out = getattr(torch._VF, mode)(input, state, list(params), has_biases, num_layers, dropout,
+                                   train, bidirectional, batch_first)
+    return list(out)
+
+
+def _expand_rnn(*args: Any) -> list[Tensor]:
+    """A graphamp.rnn node in the traced step. oneDNN's CPU kernel (bf16) is left out: make_fx
+    records its backward without the workspace tensor the forward saved (torch 2.14), so the
+    compiled step would fail; the matmul loop torch uses otherwise differentiates cleanly."""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)  # mkldnn.flags() would also touch TF32 and warn
+    try:
+        return rnn_reference(*args)
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+def _capture_rnn(mode: str):
+    vf = getattr(torch._VF, mode)
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        # dense: (input, hx, params, ...); packed sequences pass batch_sizes second and are
+        # traced as torch dispatches them
+        dense = (not kwargs and len(args) == 9 and isinstance(args[2], (list, tuple))
+                 and (mode != "lstm" or isinstance(args[1], (list, tuple))))
+        if not dense:
+            return vf(*args, **kwargs)
+        input, hx, params, *flags = args
+        hx = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+        with NodeTagger({"part_of": getattr(aten, mode)}):
+            out = torch.ops.graphamp.rnn(mode, input, hx, list(params), bool(flags[0]),
+                                         int(flags[1]), float(flags[2]), bool(flags[3]),
+                                         bool(flags[4]), bool(flags[5]))
+        return tuple(out)
+
+    return capture
+
+
+def _register_rnn_autocast() -> None:
+    """Under torch.autocast a graphamp.rnn node does what autocast does with the layer it stands
+    for (the autocast oracle measures it): on CUDA cuDNN's RNN runs in the autocast dtype; on CPU
+    LSTM and plain RNNs do (oneDNN and the CPU list's matmuls) and GRU stays fp32 (torch 2.14)."""
+    lowered = {"cuda": set(RNN_MODES), "cpu": {"lstm", "rnn_tanh", "rnn_relu"}}
+    for device_type, modes in lowered.items():
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+        def kernel(_keyset, mode, *args, _device=device_type, _modes=modes, _exclude=keyset):
+            dtype = torch.get_autocast_dtype(_device)
+
+            def low(t):
+                if isinstance(t, (list, tuple)):
+                    return [low(x) for x in t]
+                if isinstance(t, Tensor) and t.dtype == torch.float32 and mode in _modes:
+                    return t.to(dtype)
+                return t
+
+            with torch._C._ExcludeDispatchKeyGuard(_exclude):
+                return torch.ops.graphamp.rnn(mode, *[low(a) for a in args])
+
+        _LIBRARY.impl("rnn", kernel, key, with_keyset=True)
+
+
+_LIBRARY = torch.library.Library("graphamp", "FRAGMENT")
+_register_rnn_autocast()
+
+
+# -- composite ops classified as a whole, and autocast's promote policy at capture ---------------
+
+def _capture_form(func: Any):
+    """What ``func`` becomes at capture: mixed floating inputs cast to the widest first (ops in
+    PROMOTE_AT_CAPTURE), and every node its decomposition appends tagged ``part_of`` (ops in
+    WHOLE_OP_FUNCTIONS)."""
+    promote = func in PROMOTE_AT_CAPTURE
+    tag = {"part_of": WHOLE_OP_FUNCTIONS[func]} if func in WHOLE_OP_FUNCTIONS else {}
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        if promote:
+            args, kwargs = promote_floating_inputs(args, kwargs)
+        with NodeTagger(tag):
+            return func(*args, **kwargs)
+
+    return capture
+
+
+def promote_floating_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with their floating tensors cast to the widest floating dtype among
+    them (fp64 ignored, as autocast's promote policy does)."""
+    tensors = [t for t in _tensor_leaves((args, kwargs))
+               if t.dtype.is_floating_point and t.dtype != torch.float64]
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) < 2:
+        return args, kwargs
+    widest = functools.reduce(torch.promote_types, dtypes)
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            return x.to(widest) if x.dtype in dtypes else x
+        if isinstance(x, (list, tuple)):
+            return type(x)(cast(v) for v in x)
+        return x
+
+    return cast(args), {k: cast(v) for k, v in kwargs.items()}
+
+
+def _tensor_leaves(x: Any):
+    if isinstance(x, Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensor_leaves(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensor_leaves(v)
+
+
+# Functions on autocast's promote list whose kernels or fake kernels reject mixed floating dtypes
+# at capture. (addcmul, addcdiv, atan2, cat and stack promote in their kernels; cross,
+# grid_sampler and index_put are traced with mixed dtypes and cast by the AMP passes.)
+PROMOTE_AT_CAPTURE = frozenset({
+    torch.dot, torch.Tensor.dot, torch.vdot, torch.Tensor.vdot, torch.tensordot,
+    torch.bilinear, torch.scatter_add, torch.Tensor.scatter_add,
+})
+
+# Composite functions (as user code reaches them) -> the aten op whose list decides for their
+# pieces. Autocast casts once, for the whole call; capture splits the call into pieces that, one
+# by one, would be classified differently (an LSTM cell's sigmoid and tanh, l1_loss's sub and
+# abs, linalg_vecdot's mul and sum, tensordot's mm).
+WHOLE_OP_FUNCTIONS = {
+    torch.lstm_cell: aten.lstm_cell, torch.gru_cell: aten.gru_cell,
+    torch.rnn_tanh_cell: aten.rnn_tanh_cell, torch.rnn_relu_cell: aten.rnn_relu_cell,
+    torch.linalg.vecdot: aten.linalg_vecdot,
+    torch.tensordot: aten.tensordot, torch.bilinear: aten.bilinear,
+    F.l1_loss: aten.l1_loss, torch._C._nn.l1_loss: aten.l1_loss,
+    F.margin_ranking_loss: aten.margin_ranking_loss,
+    torch.margin_ranking_loss: aten.margin_ranking_loss,
+    F.hinge_embedding_loss: aten.hinge_embedding_loss,
+    torch.hinge_embedding_loss: aten.hinge_embedding_loss,
+    F.poisson_nll_loss: aten.poisson_nll_loss, torch.poisson_nll_loss: aten.poisson_nll_loss,
+    F.cosine_embedding_loss: aten.cosine_embedding_loss,
+    torch.cosine_embedding_loss: aten.cosine_embedding_loss,
+    F.kl_div: aten.kl_div, torch.kl_div: aten.kl_div,
+    F.triplet_margin_loss: aten.triplet_margin_loss,
+    torch.triplet_margin_loss: aten.triplet_margin_loss,
+    torch.cosine_similarity: aten.cosine_similarity, torch.cdist: aten.cdist,
+    F.rms_norm: aten.rms_norm, torch.rms_norm: aten.rms_norm,
+}
+
 # What the capture mode turns user-level calls into.
 CAPTURE_REWRITES = {
     low_precision: lambda x: torch.ops.graphamp.low_precision(x),
     full_precision: lambda x: torch.ops.graphamp.full_precision(x),
     F.scaled_dot_product_attention: capture_sdpa,
+    **{getattr(torch._VF, mode): _capture_rnn(mode) for mode in RNN_MODES},
+    **{func: _capture_form(func) for func in [*WHOLE_OP_FUNCTIONS, *PROMOTE_AT_CAPTURE]},
 }
 # How step assembly expands graphamp's ops back into torch (hints left by a graph without AMP
 # are identities).
-EXPANSIONS = {SDPA: sdpa_reference, LOW_PRECISION_HINT: lambda x: x, FULL_PRECISION_HINT: lambda x: x}
+EXPANSIONS = {SDPA: sdpa_reference, LOW_PRECISION_HINT: lambda x: x,
+              FULL_PRECISION_HINT: lambda x: x, torch.ops.graphamp.rnn.default: _expand_rnn}
 
 
 def resolve_op(op: Any) -> Any:

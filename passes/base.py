@@ -11,7 +11,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..fxutil import captured_dtype, dtype_after_amp, float_dtype, is_compute_node
 from ..validate import check_low_precision_dtype, check_opt_level
-from .lists import DEFAULT_LISTS, FIXED_DTYPE, PrecisionLists
+from .lists import DEFAULT_LISTS, FIXED_DTYPE, PROMOTE, PrecisionLists
 
 __all__ = ["AmpContext", "Classifier", "PassResult", "captured_dtype", "dtype_after_amp",
            "float_dtype", "is_compute_node"]
@@ -61,8 +61,10 @@ def touches_float(node: fx.Node) -> bool:
 class Classifier:
     """(category, why) for compute nodes, after pins and the opt level; cached per op.
 
-    Categories: allow, deny, infer, clear (list membership), unknown (fp32, reported), fixed
-    (output dtype fixed by an argument: never coloured), n/a (no floating-point data).
+    Categories: allow, deny, infer, clear (list membership), unknown (fp32, reported), promote
+    (autocast's promote list: the widest input dtype, never coloured), fixed (output dtype fixed
+    by an argument: never coloured), n/a (no floating-point data). A piece of a composite op
+    (``meta["part_of"]``, written at capture) is classified as that op.
     """
 
     def __init__(self, ctx: AmpContext):
@@ -79,6 +81,8 @@ class Classifier:
                 hit = ("fixed", "output dtype fixed by the op's arguments")
             elif ctx.opt_level == "O3":
                 hit = ("allow", "opt level O3: everything in low precision")
+            elif packet in PROMOTE and packet not in ctx.lists.overridden:
+                hit = ("promote", "autocast's promote list: runs in the widest input dtype")
             elif ctx.opt_level == "O2" and base in ("infer", "clear"):
                 hit = ("allow", "opt level O2: all but deny ops and pinned modules")
             elif base == "unknown":
@@ -94,6 +98,11 @@ class Classifier:
         category, why = self._base(node.meta.get("autograd_function") or node.target)
         if category == "fixed":
             return category, why
+        whole = node.meta.get("part_of")
+        if whole is not None and whole != packet_of(node):
+            whole_category, whole_why = self._base(whole)
+            if whole_category not in ("unknown", "fixed"):
+                category, why = whole_category, f"part of {whole} ({whole_why})"
         # an explicit dtype fixes the output, except for factories (clear ops get it rewritten)
         if node.kwargs.get("dtype") is not None and packet_of(node) not in self.ctx.lists.clear:
             return "fixed", "output dtype fixed by the op's arguments"

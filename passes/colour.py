@@ -12,7 +12,10 @@ merged into the op that produced the tuple):
    consumers all are, joins them.
 
 Everything else runs in fp32. Writes ``meta["amp_list"]`` (list category), ``meta["amp_colour"]``
-("allow": low precision, "deny": fp32, "fixed": dtype set by the op) and ``meta["amp_reason"]``.
+("allow": low precision, "deny": fp32, "promote": the widest input dtype, "fixed": dtype set by
+the op), ``meta["amp_reason"]``, and ``meta["amp_widen"]`` on the deny set of step 1: those ops
+compute in fp32 even where their inputs arrive in low precision (autocast's fp32 rule; the
+other deny-coloured ops keep the dtype they were captured with).
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ def colour_by_lists(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     joined = set(propagate_allow_through_clear(flow, deny_set, allow_set))
     for node in flow.order:
         node.meta["amp_colour"] = "allow" if node in allow_set else "deny"
+        node.meta["amp_widen"] = node in deny_set
         node.meta["amp_reason"] = _reason(node, category[node], why[node], allow_set, deny_set,
                                           joined)
         if node not in allow_set and category[node] == "unknown":
@@ -164,7 +168,8 @@ def colour_by_lists(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
 
 def _classify(graph: fx.Graph, classify: Classifier):
     """List category and reason of every compute node that takes part in colouring; nodes
-    without floating-point data or with a fixed dtype are annotated and left out."""
+    without floating-point data, with a fixed dtype or on the promote list are annotated and
+    left out."""
     category: dict[fx.Node, str] = {}
     why: dict[fx.Node, str] = {}
     for node in graph.nodes:
@@ -172,8 +177,8 @@ def _classify(graph: fx.Graph, classify: Classifier):
             continue
         cat, reason = classify(node)
         node.meta["amp_list"] = cat
-        if cat in ("n/a", "fixed"):
-            node.meta["amp_colour"] = "fixed" if cat == "fixed" else None
+        if cat in ("n/a", "fixed", "promote"):
+            node.meta["amp_colour"] = cat if cat != "n/a" else None
             node.meta["amp_reason"] = reason
             continue
         category[node] = cat

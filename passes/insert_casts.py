@@ -1,16 +1,30 @@
 """insert_casts: make every op read its inputs in the precision colour_by_lists chose.
 
+What each op computes in:
+
+- allow: the AMP dtype. Its floating inputs (fp32, and fp16/bf16 in the other low precision)
+  are cast to it, as autocast's ``lower_precision_fp`` policy does;
+- deny with ``amp_widen`` (deny-list ops and the ops downstream of them): fp32. Low-precision
+  inputs are cast up whatever made them low (an explicit ``.half()``, an fp16 graph input or
+  parameter, a low-precision op upstream): autocast's fp32 rule;
+- promote (autocast's promote list): the widest floating dtype among its inputs as they arrive;
+- every other op: the dtype it was captured with (low-precision results graphamp made are cast
+  back for it).
+
 Rules (each checked by ``lint.check_amp_invariants``):
 
 - at most one cast per value per dtype, placed right after the value (after the last
   placeholder for graph inputs);
-- only floating-point values are cast, and only fp32 values are lowered: fp64 data and values
-  the user cast explicitly keep their dtype;
+- only floating-point values are cast; fp64 values never are;
 - mixed-precision kernels (BatchNorm) keep their parameters and statistics fp32;
-- an fp32 elementwise op that promotes mixed inputs itself (add, mul, where, ...) reads a
-  low-precision input directly, as eager PyTorch does: no cast node;
-- factories coloured low precision get their ``dtype`` rewritten instead of a cast;
-- graph outputs (user results, losses, buffer updates) are returned in their captured dtype.
+- an op whose kernel needs equal input dtypes (``EQUAL_DTYPES``: index_put...) gets them cast
+  to the widest when the rules above would leave them mixed;
+- an elementwise op that promotes mixed inputs itself (add, mul, where, ...) reads a
+  low-precision input directly when promotion gives the dtype it should compute in, as eager
+  PyTorch does: no cast node;
+- factories get their ``dtype`` rewritten instead of a cast;
+- graph outputs (user results, losses, buffer updates) are returned in their captured dtype, so
+  a widened or lowered value is cast back once for the output.
 
 Writes ``meta["amp_dtype"]`` (the floating dtype a value has after the pass; a tuple for
 tuple-producing ops) and marks inserted casts with ``meta["amp_cast"] = True``.
@@ -27,20 +41,39 @@ import torch.fx as fx
 
 from ..validate import dtype_name
 from .base import AmpContext, PassResult, captured_dtype, dtype_after_amp, packet_of
-from .lists import ALL_OUTPUTS_FOLLOW, FACTORIES, LIKE_FACTORIES, MIXED_ARGS, PROMOTING
+from .lists import (ALL_OUTPUTS_FOLLOW, EQUAL_DTYPES, FACTORIES, LIKE_FACTORIES, MIXED_ARGS,
+                    PROMOTING)
 
 __all__ = ["dtype_after_amp", "insert_casts", "wanted_dtype"]
 
 aten = torch.ops.aten
+# floating dtypes AMP may change (autocast's "eligible" tensors): fp64 is never touched
+AMP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def compute_dtype(node: fx.Node, low: torch.dtype) -> torch.dtype | None:
+    """The floating dtype ``node`` computes in, or None: each input in its captured dtype."""
+    colour = node.meta.get("amp_colour")
+    if colour == "allow":
+        return low
+    if colour == "deny" and node.meta.get("amp_widen"):
+        return torch.float32
+    if colour == "promote":
+        arriving = {dtype_after_amp(v) for v in node.all_input_nodes}
+        arriving = [d for d in arriving if d in AMP_DTYPES]
+        return reduce(torch.promote_types, arriving) if arriving else None
+    return None
 
 
 def wanted_dtype(consumer: fx.Node, position: Any, value: fx.Node, low: torch.dtype) -> Any:
-    """The dtype ``consumer`` wants to read ``value`` in at argument ``position``."""
+    """The dtype ``consumer`` wants to read ``value`` in at argument ``position`` (before the
+    equal-dtype rule)."""
     orig = captured_dtype(value)
-    if (orig == torch.float32 and consumer.meta.get("amp_colour") == "allow"
-            and position not in MIXED_ARGS.get(packet_of(consumer), ())):
-        return low
-    return orig
+    current = dtype_after_amp(value)
+    if current not in AMP_DTYPES or position in MIXED_ARGS.get(packet_of(consumer), ()):
+        return orig
+    compute = compute_dtype(consumer, low)
+    return compute if compute is not None else orig
 
 
 class _CastInserter:
@@ -76,49 +109,42 @@ class _CastInserter:
 
     def rewrite(self, node: fx.Node) -> None:
         colour = node.meta.get("amp_colour")
-        if colour not in ("allow", "deny"):
+        if colour == "fixed" and node.meta.get("part_of") is not None:
+            _widen_inner_cast(node)
+        if colour not in ("allow", "deny", "promote"):
             return  # fixed-dtype and non-float ops read their inputs as they come
         packet = packet_of(node)
-        low_here = colour == "allow"
-        if low_here and packet in LIKE_FACTORIES:
-            self._set_factory_dtype(node)
+        compute = compute_dtype(node, self.low)
+        if packet in FACTORIES or packet in LIKE_FACTORIES:
+            self._set_factory_dtype(node, compute)
             return
-        mixed = MIXED_ARGS.get(packet)
-        if mixed is None:
-            # the dtype a value is wanted in does not depend on its argument position:
-            # low for fp32 values of an allow op, the captured dtype otherwise (wanted_dtype)
-            changes = {}
-            for value in node.all_input_nodes:
-                current = dtype_after_amp(value)
-                if current is None or current.__class__ is tuple:
-                    continue
-                target = captured_dtype(value)
-                if low_here and target == torch.float32:
-                    target = self.low
-                if current != target:
-                    changes[value] = target
-            if changes and not (not low_here and packet in PROMOTING
-                                and self._promotes_correctly(node)):
-                for value, target in changes.items():
-                    node.replace_input_with(value, self.cast(value, target, node))
-        else:
-            self._rewrite_positional(node, mixed)
-        self._set_output_dtype(node, low_here, packet)
+        wanted = self._wanted(node, packet)
+        changes = {(v, p): d for (v, p), d in wanted.items() if dtype_after_amp(v) != d}
+        if changes and not (packet in PROMOTING and self._promotes_to(node, compute)):
+            swap = {key: self.cast(key[0], d, node) for key, d in changes.items()}
+            node.args = tuple(_map_positions(a, i, swap) for i, a in enumerate(node.args))
+            node.kwargs = {k: _map_positions(a, k, swap) for k, a in node.kwargs.items()}
+        self._set_output_dtype(node, compute, packet, wanted)
 
-    def _rewrite_positional(self, node: fx.Node, mixed: tuple[int, ...]) -> None:
-        def fix(value: fx.Node, position: Any) -> fx.Node:
+    def _wanted(self, node: fx.Node, packet: Any) -> dict[tuple[fx.Node, Any], torch.dtype]:
+        """{(value, argument position): dtype it should be read in} for the floating inputs."""
+        wanted = {}
+        for position, value in _positions(node):
             current = dtype_after_amp(value)
             if current is None or isinstance(current, tuple):
-                return value
-            target = wanted_dtype(node, position, value, self.low)
-            return value if current == target else self.cast(value, target, node)
+                continue
+            wanted[(value, position)] = wanted_dtype(node, position, value, self.low)
+        if packet in EQUAL_DTYPES and len(set(wanted.values())) > 1:
+            widest = reduce(torch.promote_types, set(wanted.values()))
+            wanted = {key: widest for key in wanted}
+        return wanted
 
-        node.args = tuple(_map_nodes(a, lambda v, p=i: fix(v, p)) for i, a in enumerate(node.args))
-        node.kwargs = {k: _map_nodes(a, lambda v, p=k: fix(v, p)) for k, a in node.kwargs.items()}
-
-    def _promotes_correctly(self, node: fx.Node) -> bool:
-        """Would type promotion on the current dtypes give the op's captured output dtype?"""
+    def _promotes_to(self, node: fx.Node, compute: torch.dtype | None) -> bool:
+        """Would type promotion on the current dtypes give the dtype ``node`` should compute in
+        (its captured output dtype when it has no compute dtype)?"""
         out = captured_dtype(node)
+        if compute is not None and out in AMP_DTYPES:
+            out = compute
         dims, zero_dims = [], []
         for value in node.all_input_nodes:
             current = dtype_after_amp(value)
@@ -129,25 +155,38 @@ class _CastInserter:
         group = dims or zero_dims
         return bool(group) and out is not None and reduce(torch.promote_types, group) == out
 
-    def _set_output_dtype(self, node: fx.Node, low_here: bool, packet: Any) -> None:
-        if not low_here:
-            return
+    def _set_output_dtype(self, node: fx.Node, compute: torch.dtype | None, packet: Any,
+                          wanted: dict) -> None:
         orig = captured_dtype(node)
+        if compute is None and packet in EQUAL_DTYPES and wanted:
+            compute = next(iter(wanted.values()))  # the one dtype its inputs now share
+        if compute is None:
+            return
+        # low-precision ops change only their data outputs (output 0, or all for splits and
+        # recurrent states); widened ops compute every output in fp32
+        widen = node.meta.get("amp_widen") and compute == torch.float32
         if isinstance(orig, tuple):
-            node.meta["amp_dtype"] = tuple(
-                self.low if d == torch.float32 and (i == 0 or packet in ALL_OUTPUTS_FOLLOW) else d
-                for i, d in enumerate(orig))
-            return
-        if orig != torch.float32:
-            return
-        node.meta["amp_dtype"] = self.low
-        if packet in FACTORIES:
-            node.kwargs = {**node.kwargs, "dtype": self.low}
+            after = tuple(compute if d in AMP_DTYPES and (widen or i == 0
+                                                          or packet in ALL_OUTPUTS_FOLLOW) else d
+                          for i, d in enumerate(orig))
+            if after != orig:
+                node.meta["amp_dtype"] = after
+        elif orig in AMP_DTYPES and orig != compute:
+            node.meta["amp_dtype"] = compute
 
-    def _set_factory_dtype(self, node: fx.Node) -> None:
-        if captured_dtype(node) == torch.float32:
-            node.kwargs = {**node.kwargs, "dtype": self.low}
-            node.meta["amp_dtype"] = self.low
+    def _set_factory_dtype(self, node: fx.Node, compute: torch.dtype | None) -> None:
+        """Factories read no data: their ``dtype`` argument is set instead of casting. A
+        ``*_like`` factory whose source changed dtype gets it set too, to keep its own."""
+        orig = captured_dtype(node)
+        if orig not in AMP_DTYPES:
+            return
+        target = compute if compute is not None else orig
+        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        follows_source = source is not None and node.kwargs.get("dtype") is None
+        if target != orig or (follows_source and dtype_after_amp(source) != target):
+            node.kwargs = {**node.kwargs, "dtype": target}
+        if target != orig:
+            node.meta["amp_dtype"] = target
 
     def fix_outputs(self, output: fx.Node) -> None:
         def restore(value: fx.Node) -> fx.Node:
@@ -158,6 +197,47 @@ class _CastInserter:
             return self.cast(value, orig, output)
 
         output.args = tuple(_map_nodes(a, restore) for a in output.args)
+
+
+def _widen_inner_cast(node: fx.Node) -> None:
+    """A composite op's own cast back to its input's precision (rms_norm's CPU kernel computes
+    in fp32 and casts back) follows the input the whole op sees: when the op's pieces were
+    widened to fp32, so is the cast, and it becomes a plain dtype cast that fold_cast_chains
+    removes."""
+    src = node.args[0] if node.args else None
+    if node.target is not aten._to_copy.default or not isinstance(src, fx.Node):
+        return
+    if not (node.kwargs.get("dtype") in (torch.float16, torch.bfloat16)
+            and src.meta.get("amp_widen") and src.meta.get("part_of") == node.meta["part_of"]
+            and dtype_after_amp(src) == torch.float32):
+        return
+    val = src.meta.get("val")
+    same_place = {"layout": torch.strided, "device": getattr(val, "device", None)}
+    node.kwargs = {k: v for k, v in node.kwargs.items() if same_place.get(k, object()) != v}
+    node.kwargs = {**node.kwargs, "dtype": torch.float32}
+    node.meta["amp_dtype"] = torch.float32
+
+
+def _positions(node: fx.Node):
+    """(argument position, value) for every node among the arguments (lists flattened)."""
+    for i, a in enumerate(node.args):
+        for value in _nodes_in(a):
+            yield i, value
+    for k, a in node.kwargs.items():
+        for value in _nodes_in(a):
+            yield k, value
+
+
+def _nodes_in(arg: Any):
+    if isinstance(arg, fx.Node):
+        yield arg
+    elif isinstance(arg, (list, tuple)):
+        for a in arg:
+            yield from _nodes_in(a)
+
+
+def _map_positions(arg: Any, position: Any, swap: dict) -> Any:
+    return _map_nodes(arg, lambda v: swap.get((v, position), v))
 
 
 def _map_nodes(arg: Any, fn) -> Any:

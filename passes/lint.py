@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import operator
 from collections import Counter
 
 import torch
 import torch.fx as fx
 
 from ..errors import GraphampError
-from .base import AmpContext, dtype_after_amp, float_dtype
+from .base import AmpContext, captured_dtype, dtype_after_amp
 from .fold_casts import cast_target_dtype
 from .lists import MIXED_ARGS
 
@@ -34,6 +33,10 @@ def check_amp_invariants(gm: fx.GraphModule, ctx: AmpContext | None = None) -> N
                 problems.append(f"{node.name} casts {src.name} to the dtype it already has")
             if cast_target_dtype(src) is not None:
                 problems.append(f"{node.name} casts the cast {src.name} (chain not folded)")
+        if node.op == "call_function" and node.meta.get("amp_widen"):
+            low = [d for d in _dtypes(dtype_after_amp(node)) if d in (torch.float16, torch.bfloat16)]
+            if low:
+                problems.append(f"{node.name} must compute in fp32 but gives {low[0]}")
         if node.op == "call_function":
             packet = getattr(node.target, "overloadpacket", None)
             for pos in MIXED_ARGS.get(packet, ()):
@@ -42,9 +45,7 @@ def check_amp_invariants(gm: fx.GraphModule, ctx: AmpContext | None = None) -> N
                     problems.append(f"{node.name} takes a cast in fp32-only position {pos}")
         if node.op == "output":
             for value in node.all_input_nodes:
-                orig = float_dtype(value.meta.get("val"))
-                if value.meta.get("amp_cast"):
-                    orig = float_dtype(value.args[0].meta.get("val"))
+                orig = captured_dtype(value)  # a cast records its source's captured dtype
                 if orig is not None and dtype_after_amp(value) != orig:
                     problems.append(f"output {value.name} is {dtype_after_amp(value)}, "
                                     f"captured as {orig}")
@@ -68,10 +69,19 @@ def verify_dtypes(gm: fx.GraphModule) -> list[str]:
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
     mismatches = []
     for node in gm.graph.nodes:
-        want = expected[node]
-        got = node.meta.get("val")
-        if node.op == "call_function" and node.target is operator.getitem:
+        if node.op == "output":
             continue
-        if isinstance(got, torch.Tensor) and got.dtype.is_floating_point and want != got.dtype:
-            mismatches.append(f"{node.name}: passes say {want}, the op gives {got.dtype}")
+        want, got = expected[node], node.meta.get("val")
+        if isinstance(got, (tuple, list)):  # every floating output of a tuple-producing op
+            wants = want if isinstance(want, tuple) else (want,) * len(got)
+            pairs = [(f"{node.name}[{i}]", w, g) for i, (w, g) in enumerate(zip(wants, got))]
+        else:
+            pairs = [(node.name, want, got)]
+        for name, w, g in pairs:
+            if isinstance(g, torch.Tensor) and g.dtype.is_floating_point and w != g.dtype:
+                mismatches.append(f"{name}: passes say {w}, the op gives {g.dtype}")
     return mismatches
+
+
+def _dtypes(dtype) -> tuple:
+    return dtype if isinstance(dtype, tuple) else (dtype,)

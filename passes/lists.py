@@ -3,14 +3,21 @@
 Four disjoint sets of aten op packets (overloads do not matter):
 
 - ALLOW: run in fp16/bf16 (matrix units): torch.autocast's CUDA ``lower_precision_fp`` list as it
-  appears at aten level after capture.
-- DENY: stay fp32: autocast's ``fp32`` and ``fp32_set_opt_dtype`` lists, plus the statistics
-  ops (var, std) whose fp16 result can overflow. Deny spreads downstream through infer ops.
+  appears at aten level after capture. Their floating inputs (fp32, and fp16/bf16 in the other
+  low precision) are cast to the AMP dtype, as autocast does.
+- DENY: run in fp32: autocast's ``fp32`` and ``fp32_set_opt_dtype`` lists, plus the statistics
+  ops (var, std) whose fp16 result can overflow. Deny spreads downstream through infer ops, and
+  the ops it reaches *widen*: low-precision inputs, whatever made them low (an explicit
+  ``.half()``, an fp16 graph input or parameter), are cast up to fp32, autocast's rule.
 - INFER: compute ops that follow their neighbours: low precision only between allow ops.
 - CLEAR: dtype-blind ops (views, data movement, exact selections, comparisons): take their
   neighbours' colour in both directions.
 
-Everything else is *unknown*: kept fp32 and listed in the precision report.
+Everything else is *unknown*: kept in its captured dtype (fp32 in an fp32 model) and listed in
+the precision report. ``PROMOTE`` ops (autocast's promote list) run in the widest floating dtype
+among their inputs as they arrive. Composite ops that capture splits into pieces (an RNN cell,
+``l1_loss``, ``linalg_vecdot``) are classified as the whole op: ``graphamp.ops`` tags each piece
+with ``meta["part_of"]``.
 
 Deliberate differences from torch.autocast (tested against the autocast oracle in
 tests/test_amp.py):
@@ -19,6 +26,10 @@ tests/test_amp.py):
    after OneFlow and TF's grappler; autocast runs them in whatever dtype arrives. An
    elementwise op whose result only feeds fp32 ops (e.g. the scale-multiply before a softmax)
    therefore runs in fp32 here, in fp16 under autocast: same cast count, one fewer rounding.
+   The same holds the other way for the elementwise ops of autocast's promote list (addcmul,
+   addcdiv, atan2: infer here) and for clear ops that need equal input dtypes (index_put):
+   between allow ops they run in low precision, where autocast promotes a mixed fp16/fp32 pair
+   to fp32.
 2. ``mean`` is infer (autocast leaves it unlisted, which is the same in effect): a mean cannot
    overflow and its fp32 accumulation happens inside the kernel; when it sits between allow ops
    (global average pooling before the classifier) an fp32 mean would cost two casts and gain
@@ -37,6 +48,18 @@ tests/test_amp.py):
    ``benchmarks/list_choice.py`` measures both choices (error against fp64 on a GPT block, casts)
    and ``benchmarks/results/list_choice.md`` records why deny is the default; the
    ``override_amp_lists(infer=[...])`` setter selects OneFlow's behaviour.
+8. ``binary_cross_entropy`` is deny: it runs in fp32 where autocast raises (autocast bans it as
+   unsafe in fp16). A compiled step has no good place for that error, and computing it in fp32
+   is the remedy autocast's message itself offers; ``binary_cross_entropy_with_logits`` remains
+   the better op.
+9. Recurrent layers and cells (``nn.LSTM``/``GRU``/``RNN``, their cells) run in low precision on
+   every device, as CUDA autocast runs them (cuDNN RNN, ``lstm_cell``...). CPU autocast keeps
+   GRU and the LSTM/GRU cells in fp32. Packed sequences are not kept whole: their CPU/CUDA
+   kernels (``mkldnn_rnn_layer``, ``_cudnn_rnn``) are in no list and stay fp32.
+10. A deny op with no low-precision input keeps what it was captured with; graphamp never widens
+   fp64. There is no exception for ``graphamp.low_precision``: the hint lowers its producer and
+   the infer/clear ops next to it, never a deny op that reads it (to run a deny op in low
+   precision, move it with ``override_amp_lists``).
 """
 
 from __future__ import annotations
@@ -72,9 +95,10 @@ ALLOW = _packets(
     "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "cudnn_convolution",
     "cudnn_convolution_transpose", "mkldnn_convolution",
     "prelu", "_prelu_kernel",
-    # recurrent cells
+    # recurrent cells and layers (layers are kept whole as graphamp.rnn, tagged with these;
+    # the cells' pieces are tagged with the cell)
     "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell",
-    "rnn_tanh_cell", "rnn_relu_cell",
+    "rnn_tanh_cell", "rnn_relu_cell", "lstm", "gru", "rnn_tanh", "rnn_relu",
     # attention (graphamp keeps SDPA whole; the raw kernels in case user code calls them)
     "graphamp.scaled_dot_product_attention", "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -111,7 +135,7 @@ DENY = _packets(
     "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
     "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d",
     "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d",
-    "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa", "grid_sampler_2d", "grid_sampler_3d",
+    "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa",
     # OneFlow's amp_black_identity
     "graphamp.full_precision",
 )
@@ -172,6 +196,22 @@ MIXED_ARGS: dict[Any, tuple[int, ...]] = {
         "cudnn_batch_norm",
     )
 }
+
+# autocast's promote list (and the aten ops it reaches): run in the widest floating dtype among
+# the inputs as they arrive (fp64 aside); mixed inputs are cast to it. Not coloured: they follow
+# whatever their producers give. A user override that lists one of them wins.
+PROMOTE = _packets(
+    "dot", "vdot", "tensordot", "bilinear", "_trilinear", "cross", "linalg_cross", "grid_sampler",
+    "grid_sampler_2d", "grid_sampler_3d", "_grid_sampler_2d_cpu_fallback", "cudnn_grid_sampler",
+    "scatter_add",
+)
+
+# Ops whose kernels need their floating inputs in one dtype: when the AMP passes would leave
+# them mixed, all are cast to the widest. (cat, stack and where promote in their kernels.)
+EQUAL_DTYPES = _packets(
+    "index_put", "_unsafe_index_put", "index_add", "index_copy", "masked_scatter", "scatter",
+    "lerp",
+)
 
 # Elementwise ops that promote mixed float inputs themselves: when they run in fp32 a
 # low-precision input needs no cast node (the kernel reads it and widens, as eager does).
@@ -245,4 +285,8 @@ LIKE_FACTORIES = _packets(
 # tuple-returning ops only output 0 follows the compute dtype; the rest are statistics kept in
 # fp32 by the kernels (BatchNorm's mean and rstd, attention's logsumexp).
 ALL_OUTPUTS_FOLLOW = _packets("split", "split_with_sizes", "unbind", "chunk", "tensor_split",
-                              "unsafe_split", "unsafe_split_with_sizes")
+                              "unsafe_split", "unsafe_split_with_sizes",
+                              # recurrent states are data: an LSTM's cell state, the cells'
+                              # gate workspaces, graphamp.rnn's h_n and c_n
+                              "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell",
+                              "graphamp.rnn", "_cudnn_rnn", "mkldnn_rnn_layer")

@@ -278,3 +278,69 @@ def test_scaler_warnings():
         warnings.simplefilter("error")
         make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
                    amp=torch.float16, scaler=graphamp.GradScaler())(x, y)
+
+
+# -- issue 14: widening, and recurrent models ---------------------------------------------------
+
+def _eval_graph(build, dtype):
+    class Eval(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.config.enable_amp(True, dtype=dtype)
+            self.config.set_backend("aot_eager")
+
+        def build(self, *args):
+            return build(*args)
+
+    return Eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_deny_ops_widen_fp16_inputs_so_reductions_do_not_overflow(dtype):
+    x = torch.full((8192,), 10.0, dtype=torch.float16)
+    # the sum (81,920) overflows fp16; computed in fp32 as under autocast, the mean is exact
+    mean = _eval_graph(lambda x: torch.sum(x) / x.numel(), dtype)(x)
+    assert mean.dtype == torch.float16 and mean.item() == 10.0
+    a, b = torch.full((64,), 300.0, dtype=torch.float16), torch.zeros(64, dtype=torch.float16)
+    rms = _eval_graph(lambda a, b: torch.sqrt(nn.functional.mse_loss(a, b)), dtype)(a, b)
+    assert rms.item() == 300.0  # the squared error 90,000 is out of fp16's range
+
+
+class RnnLM(nn.Module):
+    def __init__(self, cell, vocab=50, dim=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.rnn = cell(dim, dim, num_layers=2, batch_first=True)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x):
+        return self.head(self.rnn(self.emb(x))[0])
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)],
+                         ids=["fp16", "bf16"])
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
+def test_recurrent_lm_trains_in_low_precision_with_fewer_casts_than_autocast(cell, dtype, tol):
+    torch.manual_seed(0)
+    model = RnnLM(cell)
+    ref = copy.deepcopy(model)
+    idx = torch.randint(0, 50, (4, 13))
+    x, y = idx[:, :-1], idx[:, 1:]
+    g = make_graph(model, lm_loss, torch.optim.SGD(model.parameters(), lr=1.0), amp=dtype,
+                   scaler=graphamp.GradScaler(init_scale=1024.0) if dtype == torch.float16 else None)
+    loss, grads = _grads_by_sgd(lambda: g(x, y), model)
+    forward = g.compiled_steps[-1].forward_graph
+    rnn = [n for n in forward.graph.nodes if "graphamp.rnn" in str(n.target)]
+    assert len(rnn) == 1 and rnn[0].meta["amp_colour"] == "allow"
+    # against eager fp32: the low-precision layer stays within precision noise
+    ref_loss = lm_loss(ref(x), y)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=tol, atol=tol)
+    for n, p in ref.named_parameters():
+        err = (grads[n] - p.grad).norm() / p.grad.norm()
+        assert err < tol * 5, (n, float(err))
+    # casts: graphamp's, parameter copies included, against autocast's on the same forward
+    root = BuildRoot({"model": model}, lambda x, y: lm_loss(model(x), y))
+    trace = autocast_forward(root, flatten_inputs((x, y), {}), dtype, device=CUDA)
+    report = g.precision_report(with_autocast=False)
+    assert report.casts + report.parameter_copies < trace.casts

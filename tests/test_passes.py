@@ -327,3 +327,161 @@ def test_every_pass_returns_a_pass_result_and_the_pipeline_is_one_tuple():
         result = amp_pass(gm, ctx)
         assert isinstance(result, passes.PassResult)
         gm = result.graph_module
+
+
+# -- issue 14: widening, promote, composite ops ------------------------------------------------
+
+X16 = X.half()
+
+
+def _node(gm, name):
+    return next(n for n in gm.graph.nodes if op_name(n) == name)
+
+
+def test_deny_op_widens_an_fp16_graph_input_and_the_output_comes_back_fp16():
+    gm, _ = amp(lambda x: torch.exp(x), X16, lists=passes.DEFAULT_LISTS)
+    exp = _node(gm, "aten.exp")
+    assert passes.dtype_after_amp(exp) == torch.float32
+    assert [c.meta["amp_dtype"] for c in casts(gm)] == [torch.float32, torch.float16]
+    assert passes.verify_dtypes(gm) == []
+
+
+def test_deny_op_widens_the_users_explicit_half_cast():
+    # x.half() then sum: the sum runs in fp32; the user's round trip to fp16 is folded away
+    gm, _ = amp(lambda x: torch.sum(x.half()), X, lists=passes.DEFAULT_LISTS)
+    total = _node(gm, "aten.sum")
+    assert total.args[0].op == "placeholder" and passes.dtype_after_amp(total) == torch.float32
+    assert passes.verify_dtypes(gm) == []
+
+
+def test_widening_spreads_downstream_and_each_value_is_cast_once():
+    def fn(x):
+        s = torch.sum(x, dim=0)            # deny: fp32
+        return s * 2, torch.mm(s.view(1, 4), x.t())   # mul downstream of it; mm wants fp16
+    gm, _ = amp(fn, X16, lists=passes.DEFAULT_LISTS)
+    mul = _node(gm, "aten.mul")
+    assert mul.meta["amp_widen"] and passes.dtype_after_amp(mul) == torch.float32
+    # the sum's fp32 result is cast to fp16 once, shared by the mm and nothing else
+    per_value = [(c.args[0].name, c.meta["amp_dtype"]) for c in casts(gm)]
+    assert len(per_value) == len(set(per_value))
+    assert passes.verify_dtypes(gm) == []
+
+
+def test_fp64_is_never_widened_or_lowered():
+    gm, _ = amp(lambda x: torch.exp(x).sum(), X.double(), lists=passes.DEFAULT_LISTS)
+    assert casts(gm) == []
+
+
+def test_low_precision_hint_does_not_lower_a_deny_op():
+    import graphamp
+    gm, _ = amp(lambda x: torch.exp(graphamp.low_precision(x)), X, lists=passes.DEFAULT_LISTS)
+    assert passes.dtype_after_amp(_node(gm, "aten.exp")) == torch.float32
+
+
+def test_allow_op_casts_the_other_low_precision_to_the_amp_dtype():
+    # under bf16 AMP an fp16 input of a matmul is cast to bf16, as autocast does
+    gm, _ = amp(lambda x, w: torch.mm(x, w), X16, W, dtype=torch.bfloat16,
+                lists=passes.DEFAULT_LISTS)
+    mm = _node(gm, "aten.mm")
+    assert {passes.dtype_after_amp(a) for a in mm.args} == {torch.bfloat16}
+    assert passes.verify_dtypes(gm) == []
+
+
+def test_promote_op_runs_in_the_widest_arriving_dtype():
+    def fn(x, w):
+        return torch.dot(torch.mm(x, w)[0], torch.mm(w, x)[0]), torch.dot(x[0], w[1])
+
+    gm, _ = amp(fn, X, W, lists=passes.DEFAULT_LISTS)
+    low_dot, fp32_dot = [n for n in gm.graph.nodes if op_name(n) == "aten.dot"]
+    assert low_dot.meta["amp_colour"] == "promote"
+    assert passes.dtype_after_amp(low_dot) == torch.float16   # both inputs arrive fp16
+    assert passes.dtype_after_amp(fp32_dot) == torch.float32
+    assert passes.verify_dtypes(gm) == []
+
+
+def test_mixed_promote_inputs_are_cast_to_the_widest_at_capture():
+    from graphamp.capture import BuildRoot, capture_forward
+    from graphamp.inputs import flatten_inputs
+
+    cap = capture_forward(BuildRoot({}, lambda a, b: torch.dot(a, b)),
+                          flatten_inputs((X16[0], X[1]), {}), "dot")
+    dot = _node(cap.gm, "aten.dot")
+    assert {a.meta["val"].dtype for a in dot.args} == {torch.float32}
+
+
+def test_equal_dtype_op_gets_mixed_inputs_cast_to_the_widest():
+    def fn(x, v):
+        return torch.index_put(x, (torch.tensor([1]),), v)
+
+    gm, _ = amp(fn, X16[0], torch.randn(1), lists=passes.DEFAULT_LISTS)
+    put = _node(gm, "aten.index_put")
+    assert passes.dtype_after_amp(put.args[0]) == passes.dtype_after_amp(put.args[2]) \
+        == torch.float32
+    assert passes.verify_dtypes(gm) == []
+
+
+def _captured(fn, *args, modules=None):
+    from graphamp.capture import BuildRoot, capture_forward
+    from graphamp.inputs import flatten_inputs
+
+    return capture_forward(BuildRoot(modules or {}, fn), flatten_inputs(args, {}), "g").gm
+
+
+def test_pieces_of_a_composite_op_take_the_whole_ops_list():
+    # l1_loss is split into sub and abs (infer); autocast runs the whole loss in fp32
+    gm = _captured(lambda a, b: torch.nn.functional.l1_loss(a, b), X16, X16)
+    passes.colour_by_lists(gm, AmpContext())
+    pieces = [n for n in gm.graph.nodes if n.meta.get("part_of") is aten.l1_loss]
+    assert {op_name(n) for n in pieces} >= {"aten.sub", "aten.abs"}
+    assert all(n.meta["amp_list"] == "deny" and n.meta["amp_widen"] for n in pieces)
+    assert "part of aten.l1_loss" in pieces[0].meta["amp_reason"]
+
+
+def test_rnn_cell_pieces_run_low_and_follow_user_overrides():
+    w_ih, w_hh = torch.randn(16, 4), torch.randn(16, 4)
+    fn = lambda x, h, c, a, b: torch.lstm_cell(x, (h, c), a, b)  # noqa: E731
+    gm = _captured(fn, X, X, X, w_ih, w_hh)
+    ctx = AmpContext()
+    gm = run_amp_passes(gm, ctx)
+    addmms = [n for n in gm.graph.nodes if op_name(n) == "aten.addmm"
+              or op_name(n) == "aten.mm"]
+    assert addmms and all(passes.dtype_after_amp(n) == torch.float16 for n in addmms)
+    # (the cell's gates are in-place ops in torch's CPU decomposition)
+    sigmoid = next(n for n in gm.graph.nodes if op_name(n).startswith("aten.sigmoid"))
+    assert sigmoid.meta["amp_colour"] == "allow" and "aten.lstm_cell" in sigmoid.meta["amp_reason"]
+    assert passes.verify_dtypes(gm) == []
+    overrides = type("O", (), {"allow": (), "deny": (aten.lstm_cell,), "infer": (), "clear": (),
+                               "remove": ()})()
+    gm = run_amp_passes(_captured(fn, X, X, X, w_ih, w_hh),
+                        AmpContext(lists=passes.DEFAULT_LISTS.with_overrides(overrides)))
+    assert all(n.meta["amp_colour"] == "deny" for n in gm.graph.nodes
+               if op_name(n).startswith("aten.sigmoid"))
+
+
+def test_recurrent_layers_are_kept_whole_and_their_states_follow():
+    lstm = torch.nn.LSTM(4, 4, num_layers=2)
+    gm = _captured(lambda x: lstm(x), X.view(2, 2, 4), modules={"lstm": lstm})
+    rnn = [n for n in gm.graph.nodes if op_name(n) == "graphamp.rnn"]
+    assert len(rnn) == 1 and not any(op_name(n) == "aten.mkldnn_rnn_layer" for n in gm.graph.nodes)
+    gm = run_amp_passes(gm, AmpContext())
+    assert passes.dtype_after_amp(rnn[0]) == (torch.float16,) * 3
+    assert passes.verify_dtypes(gm) == []
+
+
+def test_verify_dtypes_checks_getitem_outputs():
+    # on CUDA an LSTM cell is one _thnn_fused_lstm_cell whose cell state (output 1) is data
+    from graphamp.capture import BuildRoot, capture_forward
+    from graphamp.inputs import flatten_inputs
+
+    w_ih, w_hh = torch.randn(16, 4), torch.randn(16, 4)
+    bias = torch.randn(16)  # (torch's fake kernel of the fused cell needs the biases)
+    root = BuildRoot({}, lambda x, h, c, a, b, d: torch.lstm_cell(x, (h, c), a, b, d, d))
+    cap = capture_forward(root, flatten_inputs((X, X, X, w_ih, w_hh, bias), {}), "cell",
+                          device=torch.device("cuda"))
+    gm = run_amp_passes(cap.gm, AmpContext())
+    fused = _node(gm, "aten._thnn_fused_lstm_cell")
+    assert passes.dtype_after_amp(fused)[:2] == (torch.float16, torch.float16)
+    assert passes.verify_dtypes(gm) == []
+    state = next(u for u in fused.users if u.args[1] == 1)
+    state.meta["amp_dtype"] = torch.float32  # what the passes said before issue 12 item 11
+    assert any(state.name in m for m in passes.verify_dtypes(gm))

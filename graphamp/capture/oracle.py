@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..inputs import FlatInputs
 from ..spec import STRUCTURAL_OPS, AutocastTrace, OracleOp
 from .intercept import CaptureMode
-from .root import BuildRoot, fake_copy
+from .root import BuildRoot, fake_copy, quiet_fake_data_pointers
 
 
 def _canonical(func: Any) -> str:
@@ -95,7 +95,8 @@ def autocast_forward(root: BuildRoot, inputs: FlatInputs, dtype: torch.dtype,
     capture = CaptureMode(names, sdpa_policy=dtype)
     recorder = _Recorder(capture)
     buffer_names = [n for n, _ in root.named_buffers()]
-    with mode, autocast_enabled(target.type, dtype), capture.tracking_modules(), capture, recorder:
+    with mode, autocast_enabled(target.type, dtype), capture.tracking_modules(), capture, \
+            recorder, quiet_fake_data_pointers():
         torch.func.functional_call(root, state, (args, kwargs, buffer_names), tie_weights=True,
                                    strict=True)
     return AutocastTrace(target.type, dtype, recorder.ops, len(recorder.casts), recorder.casts)

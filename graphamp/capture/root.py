@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+import contextlib
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -63,6 +65,15 @@ def pinned_paths(root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...
                 path == w or path.startswith(w + ".") for w in names)):
             paths.add(path)
     return frozenset(paths)
+
+
+@contextlib.contextmanager
+def quiet_fake_data_pointers() -> Iterator[None]:
+    """nn.LSTM/GRU compare their weights' data pointers to decide whether to flatten them; on
+    fake tensors torch warns about it. Nothing reads real memory during capture: silence it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        yield
 
 
 def fake_copy(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from .cleanup import (check_input_mutations, detach_no_grad_values, drop_autogra
                       params_without_path_to_losses)
 from .functions import capturing_autograd_functions
 from .intercept import CaptureMode, parameter_positions
-from .root import BuildRoot, fake_copy
+from .root import BuildRoot, fake_copy, quiet_fake_data_pointers
 from .swap import state_slots, swapped
 
 log = logging.getLogger("graphamp")
@@ -122,7 +122,7 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
         mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         example = [fake_copy(mode, t, device) for t in example]
     try:
-        with _compiling_flag():
+        with _compiling_flag(), quiet_fake_data_pointers():
             gm = trace_functional(forward, example, propagate_input_mutations=False,
                                   allow_constants=True)
     except GraphampError:
