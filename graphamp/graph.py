@@ -28,6 +28,7 @@ from .inspect.printing import graph_repr
 from .inspect.report import PrecisionReport, configure_logging, log_program_summary, \
     precision_report
 from .optimizers import optimizer_kind, validate_clip
+from .interrupts import hold_interrupts, release_interrupts
 from .scaler import GradScaler, as_graphamp_scaler
 from .spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .state import SharedState
@@ -167,12 +168,39 @@ class Graph:
         else:
             self._programs.move_to_end(key)
         self.__dict__["_last_key"] = key
-        outputs = program.runner.run(inputs.tensors)
-        self.__dict__["_step_count"] += 1
-        for slot in self._optimizer_slots:
-            if slot.lr_sch is not None:
-                slot.lr_sch.step()
-        return program.captured.unflatten_outputs(outputs)
+        return program.captured.unflatten_outputs(self._step(program, inputs))
+
+    def _step(self, program: Program, inputs: FlatInputs) -> list[torch.Tensor]:
+        """One step as a transaction: whatever raises, parameters, optimizer state, scaler,
+        counters, history and schedulers are all from before the step or all from after it.
+
+        The step's inputs (this step's learning rates included) are gathered first. Then,
+        with Ctrl-C held back (interrupts.py): the schedulers step (snapshotted first), the
+        bookkeeping is recorded, and the compiled step runs, last, as the one thing that cannot
+        be undone. If anything before it fails, the rest is undone."""
+        runner = program.runner
+        flat = runner.gather(inputs.tensors)
+        schedulers = [s.lr_sch for s in self._optimizer_slots if s.lr_sch is not None]
+        saved = [_scheduler_snapshot(sch) for sch in schedulers]
+        undo = None
+        held = hold_interrupts()
+        try:
+            for sch in schedulers:
+                sch.step()  # sets the next step's lr; this step's is already gathered
+            undo = runner.record_step()
+            self.__dict__["_step_count"] += 1
+            outputs = runner.execute(flat)
+        except BaseException:
+            if undo is not None:
+                undo()
+                self.__dict__["_step_count"] -= 1
+            for snapshot in saved:
+                _restore_scheduler(*snapshot)
+            raise
+        finally:
+            if held:
+                release_interrupts()  # a Ctrl-C that arrived meanwhile is raised here
+        return outputs
 
     def _compile(self, inputs: FlatInputs, key: tuple, args: tuple, kwargs: dict) -> Program:
         name = type(self).__name__
@@ -331,6 +359,29 @@ def _silence_scheduler_order_warning(optimizer: torch.optim.Optimizer) -> None:
     """LR schedulers warn when step() runs before optimizer.step(); graphamp steps the optimizer
     inside the compiled program, so mark it as stepped for them."""
     optimizer._opt_called = True  # noqa: SLF001 - the flag torch's schedulers check
+
+
+def _scheduler_snapshot(sch: Any) -> tuple:
+    """What a scheduler's step() changes: its attributes (and those of the schedulers it chains)
+    and its optimizer's hyperparameters. Attributes are copied one level deep, enough for torch's
+    schedulers, which replace or extend their lists and numbers; cheaper than ``state_dict()``,
+    which is paid on every call."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in sch.optimizer.param_groups]
+    return _attributes(sch), groups
+
+
+def _attributes(sch: Any) -> list[tuple[Any, dict]]:
+    saved = {k: (list(v) if type(v) is list else v) for k, v in vars(sch).items()}
+    nested = [a for s in vars(sch).get("_schedulers", ()) for a in _attributes(s)]
+    return [(sch, saved), *nested]
+
+
+def _restore_scheduler(attributes: list[tuple[Any, dict]], groups: list[dict]) -> None:
+    for sch, saved in attributes:
+        vars(sch).clear()
+        vars(sch).update(saved)
+    for group, values in zip(attributes[0][0].optimizer.param_groups, groups):
+        group.update(values)
 
 
 def _checked_counters(saved: Any, n_optimizers: int) -> dict[int, int]:

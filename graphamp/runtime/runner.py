@@ -21,6 +21,7 @@ from ..spec import StepPlan
 from ..state import SharedState
 
 Slot = tuple[dict, str]  # (the dict holding a tensor, its key): a live lookup
+_MISSING = object()
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Runner:
             self.scaler_state = plan.scaler.state_tensors()
         self.history = state.history.materialize(device) if plan.training else []
         self.opt_state: list[torch.Tensor] | None = None
+        self._to_install: list[tuple] = []  # optimizer state made at gather, installed at commit
         self.compiled: Callable[..., Sequence[torch.Tensor]] | None = None
         self.uses_cuda_graph = False
         self.calls = 0
@@ -85,9 +87,10 @@ class Runner:
                                                      [t.detach() for t in inputs], detach=True))
 
     def gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The step's flat inputs for this call, with every refresh applied."""
+        """The step's flat inputs for this call, with every refresh applied. Changes nothing
+        the user can see: optimizer state graphamp creates is installed by ``commit``."""
         if self.opt_state is None:
-            self.opt_state = materialize_optimizer_state(self.plan)
+            self.opt_state, self._to_install = materialize_optimizer_state(self.plan)
         for slot in self.hyper:
             slot.sync()
         return self.plan.layout.flatten(self._groups(self.opt_state, inputs))
@@ -107,16 +110,48 @@ class Runner:
             "inputs": inputs,
         }
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        flat = self.gather(inputs)
+    def execute(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run the compiled step on ``gather``'s inputs (it writes the state in place)."""
         with torch.no_grad():
-            outputs = self.compiled(*flat)
+            return list(self.compiled(*flat))
+
+    def record_step(self) -> Callable[[], None]:
+        """The bookkeeping of a step, done before it runs so that the step itself is the last
+        thing that happens: installs the optimizer state gather created, counts the call, bumps
+        the updated parameters' version counters (as eager optimizer steps do, so autograd sees
+        the change). Returns the function that undoes it if the step then fails."""
+        installed = []
+        for optimizer, p, key, t in self._to_install:
+            previous = optimizer.state.get(p, {}).get(key, _MISSING)
+            optimizer.state[p][key] = t
+            installed.append((optimizer, p, key, previous))
+        pending, self._to_install = self._to_install, []
         self.calls += 1
         if self.plan.training:
-            # In-place updates bump version counters, as eager optimizer steps do: autograd
-            # sees the change.
             _increment_versions(self.updated_params)
-        return list(outputs)
+
+        def undo() -> None:
+            for optimizer, p, key, previous in reversed(installed):
+                if previous is _MISSING:
+                    del optimizer.state[p][key]
+                    if not optimizer.state[p]:
+                        del optimizer.state[p]
+                else:
+                    optimizer.state[p][key] = previous
+            self._to_install = pending
+            self.calls -= 1
+
+        return undo
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """gather, record, execute: one whole step (the Graph adds its own bookkeeping)."""
+        flat = self.gather(inputs)
+        undo = self.record_step()
+        try:
+            return self.execute(flat)
+        except BaseException:
+            undo()
+            raise
 
     def invalidate_optimizer_state(self) -> None:
         """The user loaded an optimizer state dict: gather its tensors again at the next call
@@ -146,17 +181,19 @@ def _increment_versions(tensors: list[torch.Tensor]) -> None:
             increment_version(t)
 
 
-def materialize_optimizer_state(plan: StepPlan) -> list[torch.Tensor]:
-    """The optimizer state tensors in layout order, created in torch's format where missing.
+def materialize_optimizer_state(plan: StepPlan):
+    """(the optimizer state tensors in layout order, [(optimizer, parameter, key, tensor)] still
+    to be installed): created in torch's format where missing; nothing is written into the
+    optimizer here (``Runner.commit`` installs them once a step has run).
 
     Existing state (from a checkpoint or earlier eager steps) is kept; a ``step`` on the CPU is
-    moved to the parameters' device, where the compiled step can update it without a sync.
+    copied to the parameters' device, where the compiled step can update it without a sync.
     """
-    flat = []
+    flat, install = [], []
     for opt in plan.optimizers:
         for p, key in opt.state_slots():
-            state = opt.optimizer.state[p]
-            t = state.get(key)
+            existing = opt.optimizer.state.get(p, {}).get(key)
+            t = existing
             if t is None:
                 t = init_state(opt.kind, key, p)
             elif key == "step":
@@ -166,9 +203,10 @@ def materialize_optimizer_state(plan: StepPlan) -> list[torch.Tensor]:
                     f"optimizer {opt.index} state {key!r} has shape {tuple(t.shape)} on "
                     f"{t.device}, its parameter {tuple(p.shape)} on {p.device}: the loaded "
                     "optimizer state does not belong to these parameters")
-            state[key] = t
+            if t is not existing:
+                install.append((opt.optimizer, p, key, t))
             flat.append(t)
-    return flat
+    return flat, install
 
 
 def _example_optimizer_state(plan: StepPlan) -> list[Any]:
