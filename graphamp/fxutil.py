@@ -15,9 +15,11 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from .compat import dispatch_functionalize
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHAMP_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -218,6 +218,18 @@ class StepRunner(Protocol):
     calls: int  # how many times the step ran
     uses_cuda_graph: bool
 
+    def gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The step's flat inputs for this call; changes nothing the user can see."""
+        ...
+
+    def record_step(self) -> Callable[[], None]:
+        """The step's bookkeeping, done before the program runs; returns its undo."""
+        ...
+
+    def execute(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run the compiled program on ``gather``'s inputs (it writes the state in place)."""
+        ...
+
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
 
     def invalidate_optimizer_state(self) -> None: ...
