@@ -32,6 +32,9 @@ import torch.nn.functional as F
 import graphamp
 
 
+GROWTH_INTERVAL = 10
+
+
 def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 8))
 
@@ -43,7 +46,10 @@ class SoakGraph(graphamp.Graph):
         self.add_optimizer(opt, lr_sch=sch)
         self.config.enable_amp(True)
         self.config.set_backend(backend)
-        self.set_grad_scaler(graphamp.GradScaler(init_scale=2.0 ** 12, growth_interval=20,
+        # growth every 10 clean steps, a poisoned batch every 20: the scale moves up and down
+        # around 2**12 for ever (with growth every 20 it would halve for ever and reach 0)
+        self.set_grad_scaler(graphamp.GradScaler(init_scale=2.0 ** 12,
+                                                 growth_interval=GROWTH_INTERVAL,
                                                  min_scale=0.0, max_scale=math.inf))
 
     def build(self, x, y):
@@ -93,7 +99,7 @@ def run(steps: int, poison_every: int = 20, backend: str = "aot_eager", seed: in
             problems.append(f"step {step}: skipped={found}, poisoned={poisoned}")
         if poisoned and not all(torch.equal(a, b) for a, b in zip(before, _state(model, opt))):
             problems.append(f"step {step}: a skipped step changed the state")
-        scale, tracker = _torch_scale_rule(scale, tracker, found, 20)
+        scale, tracker = _torch_scale_rule(scale, tracker, found, GROWTH_INTERVAL)
         if g.grad_scaler.get_scale() != scale:
             problems.append(f"step {step}: scale {g.grad_scaler.get_scale()} != torch's {scale}")
         adam_steps = {float(s["step"]) for s in opt.state.values()}

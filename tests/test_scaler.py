@@ -185,6 +185,22 @@ def test_a_hundred_consecutive_overflows_neither_crash_nor_poison_the_model():
     assert g.grad_scaler.found_inf.item() == 0.0
 
 
+def test_a_scale_collapsed_to_zero_skips_instead_of_writing_nan():
+    """With torch's bounds (min_scale=0) a run of overflows drives the scale below 2**-128,
+    whose reciprocal is inf in fp32: finite scaled gradients would unscale to inf/NaN and pass
+    torch's check (found by the 10,000-step soak). graphamp counts it as an overflow."""
+    model = seed_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt, amp=torch.float16,
+                   scaler=graphamp.GradScaler(init_scale=2.0 ** -127, min_scale=0.0))
+    before = _full_state(model, opt)
+    for x, y in _batches(3, poison={0}):
+        g(x, y)  # a real overflow halves the scale to 2**-128, whose reciprocal overflows
+    assert g.history.fetch()["skipped"] == [1.0, 1.0, 1.0]
+    after = _full_state(model, opt)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no NaN written, no change
+
+
 def test_hysteresis_tolerates_isolated_overflows():
     model = seed_mlp()
     g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01),

@@ -14,7 +14,11 @@ from ..scaler import GradScaler
 def unscale_and_check(grads: list[torch.Tensor], scale: torch.Tensor):
     """(unscaled grads, found_inf): torch.amp.GradScaler.unscale_ for one optimizer."""
     inv_scale = scale.double().reciprocal().float()
-    found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+    # A scale whose reciprocal overflows fp32 (below 2**-128: reachable only with min_scale=0,
+    # after ~140 backoffs from 2**12) turns finite scaled gradients into inf/NaN. torch's check
+    # looks at the scaled values, so torch's GradScaler then writes NaN into the parameters;
+    # here it counts as an overflow and the step is skipped, the state kept.
+    found_inf = torch.isinf(inv_scale).to(torch.float32)
     if grads:
         # in place on the fresh gradients: functionalization turns it into the functional op
         # (a clone first would make inductor copy every gradient for this fallback kernel)
