@@ -29,7 +29,8 @@ from .inspect.report import PrecisionReport, configure_logging, log_program_summ
     precision_report
 from .optimizers import optimizer_kind, validate_clip
 from .interrupts import hold_interrupts, release_interrupts
-from .scaler import GradScaler, as_graphamp_scaler
+from .scaler import GradScaler
+from .torch_scaler import as_graphamp_scaler
 from .spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .state import SharedState
 from .validate import check_choice, check_int
@@ -131,7 +132,8 @@ class Graph:
 
     def set_grad_scaler(self, scaler: Any) -> None:
         """Scale the loss inside the step: a graphamp.GradScaler / StaticGradScaler, or a
-        torch.amp.GradScaler whose settings and state graphamp takes over. A disabled scaler
+        torch.amp.GradScaler, which graphamp runs inside the step while that object stays the
+        truth (its get_scale, state_dict and load_state_dict stay current). A disabled scaler
         (``enabled=False``) or None means no loss scaling, as in torch."""
         self._check_ready()
         self.__dict__["_grad_scaler"] = None if scaler is None else as_graphamp_scaler(scaler)

@@ -1,7 +1,8 @@
 """Loss scalers and the grad-scaler subgraph they put into the step.
 
 ``GradScaler`` follows ``torch.amp.GradScaler`` exactly when ``hysteresis=1``, ``min_scale=0``
-and ``max_scale=inf`` (what ``set_grad_scaler(torch.amp.GradScaler(...))`` gives): the step
+and ``max_scale=inf`` (what ``set_grad_scaler(torch.amp.GradScaler(...))`` gives, through
+``torch_scaler.TakenOverGradScaler``, which keeps the user's torch object current): the step
 multiplies the loss by the scale, unscales the gradients with
 ``_amp_foreach_non_finite_check_and_unscale_``, skips each optimizer whose gradients are not
 finite, and updates the scale as ``_amp_update_scale_`` does, all inside the compiled step on
@@ -15,7 +16,6 @@ into the other), plus graphamp's fields.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -203,20 +203,6 @@ class GradScaler:
         return (type(self).__name__, self.enabled, self.growth_factor, self.backoff_factor,
                 self.growth_interval, self.max_scale, self.min_scale, self.hysteresis)
 
-    @classmethod
-    def from_torch(cls, scaler: "torch.amp.GradScaler") -> "GradScaler":
-        """Take over a torch.amp.GradScaler's settings and state, with torch's exact semantics
-        (a disabled one, ``GradScaler(enabled=use_amp)``, becomes a disabled graphamp scaler)."""
-        if not scaler.is_enabled():
-            return cls(enabled=False)
-        ours = cls(
-            init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
-            backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
-            max_scale=math.inf, min_scale=0.0, hysteresis=1)
-        # its state_dict holds the current state, lazy or not
-        ours.load_state_dict({**scaler.state_dict(), "max_scale": math.inf, "min_scale": 0.0})
-        return ours
-
     def __repr__(self) -> str:
         if not self.enabled:
             return f"{type(self).__name__}(enabled=False)"
@@ -272,16 +258,3 @@ class StaticGradScaler(GradScaler):
     def __repr__(self) -> str:
         return f"StaticGradScaler(scale={self.get_scale()})"
 
-
-def as_graphamp_scaler(scaler: Any) -> GradScaler:
-    """What set_grad_scaler accepts: graphamp scalers, or a torch.amp.GradScaler (taken over)."""
-    if isinstance(scaler, GradScaler):
-        return scaler
-    torch_scalers = tuple(c for c in (getattr(torch.amp, "GradScaler", None),
-                                      getattr(torch.cuda.amp, "GradScaler", None)) if c)
-    if isinstance(scaler, torch_scalers):
-        return GradScaler.from_torch(scaler)
-    raise ConfigError(
-        f"set_grad_scaler takes graphamp.GradScaler, graphamp.StaticGradScaler or "
-        f"torch.amp.GradScaler, got {type(scaler).__name__}"
-    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -361,6 +362,27 @@ def test_set_grad_scaler_takes_over_a_torch_scaler_with_its_state():
     assert (s.get_scale(), s.growth_factor, s.backoff_factor, s.growth_interval) == \
         (100.0, 3.0, 0.25, 9)
     assert s.state_dict()["_growth_tracker"] == 4 and s.min_scale == 0.0
+
+
+def test_a_taken_over_torch_scaler_stays_the_truth():
+    """The user's torch scaler, already used eagerly, then handed over: what they load into it
+    before the first call is used, and after each call it holds the graph's state (its tensors
+    are the ones the step writes), as does a pickled copy of the graph's scaler."""
+    model = seed_mlp()
+    theirs = torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=2)
+    theirs.scale(torch.ones(()))  # eager use: its scale tensor exists
+    g = _quiet_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                     scaler=theirs)
+    theirs.load_state_dict(dict(theirs.state_dict(), scale=1024.0, _growth_tracker=1))
+    batches = _batches(5, poison={3})
+    for x, y in batches:
+        g(x, y)
+    # 1024 grows at once (tracker 1 of 2), again 2 clean steps later, then backs off
+    assert g.history.fetch()["scale"] == [1024.0, 2048.0, 2048.0, 4096.0, 2048.0]
+    assert theirs.get_scale() == g.grad_scaler.get_scale() == 2048.0
+    assert theirs.state_dict()["_growth_tracker"] == 1
+    copy_ = pickle.loads(pickle.dumps(g.grad_scaler))
+    assert copy_.state_dict() == g.grad_scaler.state_dict()
 
 
 def test_graph_state_dict_loads_with_weights_only(tmp_path):
