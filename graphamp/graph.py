@@ -360,7 +360,8 @@ class Graph:
 def _silence_scheduler_order_warning(optimizer: torch.optim.Optimizer) -> None:
     """LR schedulers warn when step() runs before optimizer.step(); graphamp steps the optimizer
     inside the compiled program, so mark it as stepped for them."""
-    optimizer._opt_called = True  # noqa: SLF001 - the flag torch's schedulers check
+    # the flag torch's schedulers check
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # noqa: SLF001
 
 
 def _scheduler_snapshot(sch: Any) -> tuple:

@@ -76,7 +76,8 @@ class GradScaler:
         self.enabled = check_bool("enabled", enabled)
         self._init_scale = init_scale
         # Host values until the first call creates device tensors; then the tensors are truth.
-        self._pending = {"scale": init_scale, "growth_tracker": 0, "hysteresis_tracker": hysteresis}
+        self._pending: dict[str, Any] | None = {"scale": init_scale, "growth_tracker": 0,
+                                                 "hysteresis_tracker": hysteresis}
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
@@ -96,14 +97,19 @@ class GradScaler:
         self._pending = None
 
     def _host_values(self) -> dict[str, Any]:
-        if self._scale is None:
+        if self._pending is not None:
             return dict(self._pending)
-        return {"scale": self._scale.item(), "growth_tracker": int(self._growth_tracker.item()),
-                "hysteresis_tracker": int(self._hysteresis_tracker.item())}
+        scale, growth, hysteresis, _ = self.state_tensors()
+        return {"scale": scale.item(), "growth_tracker": int(growth.item()),
+                "hysteresis_tracker": int(hysteresis.item())}
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """scale, growth tracker, hysteresis tracker, last found_inf: updated in place per step."""
-        return [self._scale, self._growth_tracker, self._hysteresis_tracker, self._found_inf]
+        """scale, growth tracker, hysteresis tracker, last found_inf: updated in place per step
+        (created by the first call)."""
+        tensors = [self._scale, self._growth_tracker, self._hysteresis_tracker, self._found_inf]
+        if any(t is None for t in tensors):
+            raise RuntimeError("the scaler's device state is made by the first call")
+        return [t for t in tensors if t is not None]
 
     # -- user API -------------------------------------------------------------------------------
     def get_scale(self) -> float:
@@ -155,9 +161,10 @@ class GradScaler:
         if self._scale is None:
             self._pending = values
         else:
-            self._scale.fill_(values["scale"])
-            self._growth_tracker.fill_(values["growth_tracker"])
-            self._hysteresis_tracker.fill_(values["hysteresis_tracker"])
+            scale, growth, hysteresis, _ = self.state_tensors()
+            scale.fill_(values["scale"])
+            growth.fill_(values["growth_tracker"])
+            hysteresis.fill_(values["hysteresis_tracker"])
 
     def check_state_dict(self, state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """(settings, values) a state dict would load; ConfigError if anything is invalid."""
