@@ -50,6 +50,12 @@ class ConfigSnapshot:
     inductor_options: tuple[tuple[str, Any], ...]
     data_parallel: bool
     process_group: Any
+    checkpoint_module_types: tuple[type, ...] = ()
+    checkpoint_module_names: tuple[str, ...] = ()
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return bool(self.checkpoint_module_types or self.checkpoint_module_names)
 
     @property
     def amp_active(self) -> bool:
@@ -148,6 +154,24 @@ class GraphConfig:
                     f"pin_fp32 takes nn.Module classes or qualified module names, got {m!r}"
                 )
         self._set(fp32_module_types=types, fp32_module_names=names)
+
+    # -- memory --------------------------------------------------------------------------------
+    def enable_activation_checkpointing(self, *modules: type | str) -> None:
+        """Recompute these modules' activations in the backward instead of keeping them from
+        the forward: module classes (every instance, e.g. ``GPT2Block``) or qualified names
+        (``"model.blocks.0"``). Each instance is one region: only its inputs stay alive between
+        forward and backward. Called with no argument, turns checkpointing off."""
+        types, names = (), ()
+        for m in modules:
+            if isinstance(m, type) and issubclass(m, torch.nn.Module):
+                types += (m,)
+            elif isinstance(m, str) and m:
+                names += (m,)
+            else:
+                raise ConfigError(
+                    "enable_activation_checkpointing takes nn.Module classes or qualified "
+                    f"module names (e.g. 'model.blocks.0'), got {m!r}")
+        self._set(checkpoint_module_types=types, checkpoint_module_names=names)
 
     # -- compile -------------------------------------------------------------------------------
     def set_backend(self, backend: str) -> None:

@@ -5,8 +5,8 @@ under torch.autocast and measures its decisions (the oracle the precision report
 """
 
 from .oracle import autocast_forward
-from .root import BuildRoot, check_devices, fake_copy, pinned_paths
+from .root import BuildRoot, check_devices, checkpointed_paths, fake_copy, pinned_paths
 from .trace import capture_forward
 
 __all__ = ["BuildRoot", "autocast_forward", "capture_forward", "check_devices", "fake_copy",
-           "pinned_paths"]
+           "pinned_paths", "checkpointed_paths"]

@@ -51,20 +51,39 @@ def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch
 def pinned_paths(root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...]) -> frozenset[str]:
     """Module paths whose ops stay fp32 (config.pin_fp32): every module of the pinned types,
     and every module at or below a pinned name. A name that matches no module is an error."""
-    modules = dict(root.named_modules())
-    for wanted in names:
-        if wanted not in modules:
-            close = [n for n in modules if n and n.split(".")[-1] == wanted.split(".")[-1]]
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"pin_fp32({wanted!r}): no registered module has that path{hint} (paths "
-                "start at the Graph's attributes, e.g. 'model.head')")
+    modules = _named_modules_checked(root, names, "pin_fp32")
     paths = set()
     for path, module in modules.items():
         if path and (isinstance(module, types) or any(
                 path == w or path.startswith(w + ".") for w in names)):
             paths.add(path)
     return frozenset(paths)
+
+
+def checkpointed_paths(root: BuildRoot, types: tuple[type, ...],
+                       names: tuple[str, ...]) -> frozenset[str]:
+    """The recompute regions of config.enable_activation_checkpointing: every module of the
+    given types and every named module, outermost only (a marked module inside a marked
+    module belongs to its parent's region). A name that matches no module is an error."""
+    if not types and not names:
+        return frozenset()
+    modules = _named_modules_checked(root, names, "enable_activation_checkpointing")
+    marked = [p for p, m in modules.items() if p and (isinstance(m, types) or p in names)]
+    return frozenset(p for p in marked
+                     if not any(p.startswith(q + ".") for q in marked if q != p))
+
+
+def _named_modules_checked(root: BuildRoot, names: tuple[str, ...],
+                           setter: str) -> dict[str, nn.Module]:
+    modules = dict(root.named_modules())
+    for wanted in names:
+        if wanted not in modules:
+            close = [n for n in modules if n and n.split(".")[-1] == wanted.split(".")[-1]]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{setter}({wanted!r}): no registered module has that path{hint} (paths "
+                "start at the Graph's attributes, e.g. 'model.head')")
+    return modules
 
 
 @contextlib.contextmanager
