@@ -52,6 +52,7 @@ class ConfigSnapshot:
     process_group: Any
     checkpoint_module_types: tuple[type, ...] = ()
     checkpoint_module_names: tuple[str, ...] = ()
+    zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded (enable_zero)
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -207,6 +208,23 @@ class GraphConfig:
                 "torchrun and call torch.distributed.init_process_group(backend) before building "
                 "the graph")
         self._set(data_parallel=mode, process_group=process_group)
+
+    def enable_zero(self, mode: bool = True, *, stage: int = 1) -> None:
+        """ZeRO data parallel (OneFlow's ``config.enable_zero``): each rank keeps and updates
+        only its shard of the optimizer state and of the fp32 parameters' update; gradients are
+        reduce-scattered and the updated parameters all-gathered inside the compiled step.
+        Stage 2 also reduce-scatters each micro-batch of gradient accumulation at once, so a
+        rank only holds its gradient shard between micro-batches. Implies data parallel over
+        the world (or the group given to ``enable_data_parallel``). ``optimizer.state_dict()``
+        gathers torch's format on every rank (call it on every rank); loading one shards it."""
+        mode = check_bool("enable_zero(mode)", mode)
+        stage = check_choice("enable_zero(stage)", stage, (1, 2))
+        if not mode:
+            self._set(zero_stage=0)
+            return
+        if not self.data_parallel:
+            self.enable_data_parallel(True)
+        self._set(zero_stage=stage)
 
     def set_gradient_accumulation_steps(self, n: int) -> None:
         """Split each call's batch into ``n`` micro-batches and take one optimizer step."""
