@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from .capture import (BuildRoot, autocast_forward, capture_forward, check_devices,
-                      checkpointed_paths, pinned_paths)
+                      check_not_fsdp, checkpointed_paths, pinned_paths)
 from .errors import ConfigError
 from .fxutil import copy_graph_module
 from .inputs import FlatInputs
@@ -56,6 +56,7 @@ def _build(spec: GraphSpec, inputs: FlatInputs, state: SharedState,
                           "micro-batches, but the graph has no optimizer")
     timings: dict[str, float] = {}
     root = BuildRoot(spec.modules, spec.build)
+    check_not_fsdp(spec.name, root)
     device = check_devices(spec.name, root, inputs)
     traced = inputs.micro_batch(config.grad_acc_steps, spec.name) \
         if config.grad_acc_steps > 1 else inputs

@@ -14,6 +14,8 @@ import warnings
 import pytest
 import torch
 
+import graphamp
+
 from dist_worker import POISON_STEP, STEPS, global_batches, make_model
 from test_distributed import _free_port
 from zero_worker import WIDTH, make_training, state_bytes
@@ -93,3 +95,26 @@ def test_a_checkpoint_from_two_ranks_resumes_with_four_and_in_one_process(tmp_pa
             g(x, y)
     for k, v in params.items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_model_wrapped_with_fully_shard_gets_an_error_pointing_to_enable_zero(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={_free_port()}", os.path.join(HERE, "fsdp_worker.py"), str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for r in range(2):
+        error = torch.load(tmp_path / f"rank{r}.pt", weights_only=True).get("error", "")
+        assert error.startswith("ConfigError") and "enable_zero" in error, error
+        assert "fully_shard" in error
+
+
+def test_enable_zero_needs_a_process_group():
+    from helpers import make_graph
+
+    g = make_graph(make_model(0), torch.nn.CrossEntropyLoss(), None)
+    with pytest.raises(graphamp.ConfigError, match="init_process_group"):
+        g.config.enable_zero(stage=1)
+    with pytest.raises(graphamp.ConfigError, match="choose one of 1, 2"):
+        g.config.enable_zero(stage=3)

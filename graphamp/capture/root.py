@@ -30,6 +30,25 @@ class BuildRoot(nn.Module):
         return out, [self.get_buffer(n) for n in buffer_names]
 
 
+def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
+    """Refuse models wrapped with FSDP2's ``fully_shard``: their parameters are DTensors whose
+    all-gathers run in forward hooks outside any graph, which make_fx cannot trace through
+    (measured on torch 2.14, gloo: "'FunctionalTensor' object has no attribute
+    '_local_tensor'"). graphamp's own sharding is config.enable_zero."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return
+    for name, p in root.named_parameters():
+        if isinstance(p, DTensor):
+            raise ConfigError(
+                f"{graph_name}: parameter {name!r} is a DTensor (the model is wrapped with "
+                "torch.distributed.fsdp.fully_shard or another DTensor API), which graphamp "
+                "cannot capture. Register the plain model and call "
+                "self.config.enable_zero(stage=1 or 2) in the Graph's __init__: it shards the "
+                "optimizer state (and gradients) over the ranks inside the compiled step")
+
+
 def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch.device:
     """The one device the registered modules and the batch share; InputError otherwise."""
     devices = {t.device for t in root.parameters()} | {t.device for t in root.buffers()}
