@@ -58,7 +58,9 @@ def local_rows(params: list[torch.Tensor], rank: torch.Tensor, group) -> list[to
         return []
     world = dist.get_world_size(group)
     row = _rows(params, world).index_select(0, rank.reshape(1)).squeeze(0)
-    return _split_row(row, params, world)
+    # separate tensors, not views of one row: the optimizer writes each in place, and writes
+    # into views of a shared base make functionalization regenerate the whole row every time
+    return [piece.clone() for piece in _split_row(row, params, world)]
 
 
 def gather_parameters(rows: list[torch.Tensor], params: list[torch.Tensor], group) -> list:
