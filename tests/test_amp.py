@@ -233,7 +233,7 @@ def test_precision_report_rows_and_autocast_counts():
     assert report.autocast is not None and report.autocast["casts"] > 0
     text = report.summary()
     assert "casts" in text and "torch.autocast on the same forward" in text
-    assert report.to_csv().splitlines()[0] == "node,op,module,source,list,colour,dtype,why"
+    assert report.to_csv().splitlines()[0] == "node,op,module,source,list,colour,dtype,why,recomputed"
 
 
 # -- bad input ----------------------------------------------------------------------------------
