@@ -1,7 +1,7 @@
 """Data parallel with ZeRO-sharded optimizer state and activation checkpointing.
 
     torchrun --nproc-per-node 2 examples/zero_data_parallel.py --tiny [--zero 0|1|2]
-        [--checkpointing] [--steps N]
+        [--checkpointing] [--accumulate N] [--steps N]
 
 Every rank trains the same model on its slice of the global batch; with --zero, each rank
 keeps only its shard of AdamW's state (reduce-scatter, update, all-gather inside the compiled
@@ -40,6 +40,7 @@ def main():
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2))
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     args = p.parse_args()
     distributed = "RANK" in os.environ
     cuda = torch.cuda.is_available() and not args.tiny
@@ -66,6 +67,8 @@ def main():
                 self.config.enable_zero(stage=args.zero)
             elif distributed:
                 self.config.enable_data_parallel()
+            if args.accumulate > 1:
+                self.config.set_gradient_accumulation_steps(args.accumulate)
             if args.checkpointing:
                 self.config.enable_activation_checkpointing(Block)
 
@@ -89,7 +92,7 @@ def main():
     held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
     mem = step_memory(g.compiled_steps[-1].step_graph)
     print(f"rank {rank}/{world} zero={args.zero if distributed else 0} "
-          f"checkpointing={args.checkpointing}: optimizer state held {held} bytes; step graph "
+          f"checkpointing={args.checkpointing} accumulate={args.accumulate}: optimizer state held {held} bytes; step graph "
           f"{mem}; {statistics.median(times) * 1e3:.1f} ms/step; loss {loss.item():.4f}",
           flush=True)
     full = opt.state_dict()  # torch's format on every rank (a collective under ZeRO)
