@@ -5,6 +5,8 @@ the same bits in fp32 and under AMP; the saved memory is counted on the step gra
 """
 
 import copy
+import csv
+import os
 
 import pytest
 import torch
@@ -56,7 +58,7 @@ def test_checkpointed_blocks_train_bitwise_like_no_checkpointing_with_less_memor
     assert after.peak_intermediate_bytes < before.peak_intermediate_bytes, (before, after)
 
 
-def test_recomputed_regions_keep_their_precision_and_are_reported():
+def test_recomputed_regions_keep_their_precision_and_are_reported(tmp_path):
     base = _gpt()
     # the eager backend runs the same graph without compiling it (the test reads the graph)
     _, g = _train(base, ckpt=("model.blocks.1",), amp=torch.float16, steps=1, backend="eager")
@@ -73,6 +75,9 @@ def test_recomputed_regions_keep_their_precision_and_are_reported():
     marked = [r for r in report.rows if r["recomputed"] == "yes"]
     assert marked and all(r["module"].startswith("model.blocks.1") for r in marked)
     assert "recomputed in the backward" in report.summary()
+    out = g.dump(str(tmp_path / "dump"))
+    rows = list(csv.DictReader(open(os.path.join(out, "precision.csv"))))
+    assert {r["node"] for r in rows if r["recomputed"] == "yes"} == {r["node"] for r in marked}
     plain = _train(base, amp=torch.float16, steps=1, backend="eager")[1].precision_report(with_autocast=False)
     assert report.casts == plain.casts and report.parameter_copies == plain.parameter_copies
 
