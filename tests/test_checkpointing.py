@@ -47,7 +47,7 @@ def _assert_equal_states(a, b):
         assert torch.equal(x, y), k
 
 
-@pytest.mark.parametrize("amp", [None, torch.float16])
+@pytest.mark.parametrize("amp", [None, pytest.param(torch.float16, marks=pytest.mark.slow)])
 def test_checkpointed_blocks_train_bitwise_like_no_checkpointing_with_less_memory(amp):
     base = _gpt()
     plain, g_plain = _train(base, amp=amp)
