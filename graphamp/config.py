@@ -50,6 +50,13 @@ class ConfigSnapshot:
     inductor_options: tuple[tuple[str, Any], ...]
     data_parallel: bool
     process_group: Any
+    checkpoint_module_types: tuple[type, ...] = ()
+    checkpoint_module_names: tuple[str, ...] = ()
+    zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded (enable_zero)
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return bool(self.checkpoint_module_types or self.checkpoint_module_names)
 
     @property
     def amp_active(self) -> bool:
@@ -149,6 +156,24 @@ class GraphConfig:
                 )
         self._set(fp32_module_types=types, fp32_module_names=names)
 
+    # -- memory --------------------------------------------------------------------------------
+    def enable_activation_checkpointing(self, *modules: type | str) -> None:
+        """Recompute these modules' activations in the backward instead of keeping them from
+        the forward: module classes (every instance, e.g. ``GPT2Block``) or qualified names
+        (``"model.blocks.0"``). Each instance is one region: only its inputs stay alive between
+        forward and backward. Called with no argument, turns checkpointing off."""
+        types, names = (), ()
+        for m in modules:
+            if isinstance(m, type) and issubclass(m, torch.nn.Module):
+                types += (m,)
+            elif isinstance(m, str) and m:
+                names += (m,)
+            else:
+                raise ConfigError(
+                    "enable_activation_checkpointing takes nn.Module classes or qualified "
+                    f"module names (e.g. 'model.blocks.0'), got {m!r}")
+        self._set(checkpoint_module_types=types, checkpoint_module_names=names)
+
     # -- compile -------------------------------------------------------------------------------
     def set_backend(self, backend: str) -> None:
         """torch.compile backend for the step: "inductor" (default), "aot_eager" or "eager"."""
@@ -183,6 +208,23 @@ class GraphConfig:
                 "torchrun and call torch.distributed.init_process_group(backend) before building "
                 "the graph")
         self._set(data_parallel=mode, process_group=process_group)
+
+    def enable_zero(self, mode: bool = True, *, stage: int = 1) -> None:
+        """ZeRO data parallel (OneFlow's ``config.enable_zero``): each rank keeps and updates
+        only its shard of the optimizer state and of the fp32 parameters' update; gradients are
+        reduce-scattered and the updated parameters all-gathered inside the compiled step.
+        Stage 2 also reduce-scatters each micro-batch of gradient accumulation at once, so a
+        rank only holds its gradient shard between micro-batches. Implies data parallel over
+        the world (or the group given to ``enable_data_parallel``). ``optimizer.state_dict()``
+        gathers torch's format on every rank (call it on every rank); loading one shards it."""
+        mode = check_bool("enable_zero(mode)", mode)
+        stage = check_choice("enable_zero(stage)", stage, (1, 2))
+        if not mode:
+            self._set(zero_stage=0)
+            return
+        if not self.data_parallel:
+            self.enable_data_parallel(True)
+        self._set(zero_stage=stage)
 
     def set_gradient_accumulation_steps(self, n: int) -> None:
         """Split each call's batch into ``n`` micro-batches and take one optimizer step."""

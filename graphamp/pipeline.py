@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .capture import BuildRoot, autocast_forward, capture_forward, check_devices, pinned_paths
+from .capture import (BuildRoot, autocast_forward, capture_forward, check_devices,
+                      check_not_fsdp, checkpointed_paths, pinned_paths)
 from .errors import ConfigError
 from .fxutil import copy_graph_module
 from .inputs import FlatInputs
@@ -27,7 +28,7 @@ from .runtime import CudaGraphStep, Runner, compile_step
 from .runtime import distributed
 from .spec import AutocastTrace, CapturedForward, GraphSpec, PassRecord, Program, StepPlan
 from .state import SharedState
-from .step import assemble_step, build_plan
+from .step import assemble_step, build_plan, recompute_checkpointed
 
 log = logging.getLogger("graphamp")
 
@@ -55,6 +56,7 @@ def _build(spec: GraphSpec, inputs: FlatInputs, state: SharedState,
                           "micro-batches, but the graph has no optimizer")
     timings: dict[str, float] = {}
     root = BuildRoot(spec.modules, spec.build)
+    check_not_fsdp(spec.name, root)
     device = check_devices(spec.name, root, inputs)
     traced = inputs.micro_batch(config.grad_acc_steps, spec.name) \
         if config.grad_acc_steps > 1 else inputs
@@ -65,6 +67,12 @@ def _build(spec: GraphSpec, inputs: FlatInputs, state: SharedState,
     runner = Runner(plan, root, state, device)
     example = runner.example_inputs(inputs.tensors)
     step_gm = _timed(timings, "assemble", assemble_step, plan, forward, example, spec.name)
+    regions = checkpointed_paths(root, config.checkpoint_module_types,
+                                 config.checkpoint_module_names)
+    if regions and spec.training:
+        recomputed = _timed(timings, "recompute", recompute_checkpointed, step_gm, regions)
+        log.info("%s: activation checkpointing recomputes %d ops in %d regions", spec.name,
+                 recomputed.copies, len(recomputed.regions))
     runner.compiled = _timed(timings, "compile", compile_step, step_gm, example, config.backend,
                              dict(config.inductor_options))
     if device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False:

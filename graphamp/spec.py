@@ -137,7 +137,7 @@ TENSOR = object()  # marks where build()'s return value held a tensor
 # The compiled step's inputs, group by group, in this order; the batch comes last so the runtime
 # can tell state (kept at fixed addresses, e.g. for CUDA graphs) from per-call inputs.
 STEP_INPUT_GROUPS = ("params", "buffers", "opt_state", "hyper", "counters", "scaler", "history",
-                     "constants", "inputs")
+                     "shard", "constants", "inputs")
 
 
 class StepLayout:
@@ -198,6 +198,7 @@ class StepPlan:
     direct_use: set[int] = field(default_factory=set)
     acc_steps: int = 1  # gradient accumulation: micro-batches per step (>= 1)
     process_group: Any = None  # data parallel: gradients averaged over this group
+    zero_stage: int = 0  # ZeRO (step/zero.py): 0 off; 1, 2 optimizer state sharded per rank
 
 
 # -- what a build leaves for running and inspection -------------------------------------------------

@@ -227,13 +227,13 @@ def test_precision_report_rows_and_autocast_counts():
     g = _small_gpt_graph()
     report = g.precision_report()
     assert set(report.rows[0]) == {"node", "op", "module", "source", "list", "colour", "dtype",
-                                   "why"}
+                                   "why", "recomputed"}
     addmm = next(r for r in report.rows if r["op"] == "aten.addmm")
     assert addmm["dtype"] == "float16" and addmm["source"].startswith("models.py:")
     assert report.autocast is not None and report.autocast["casts"] > 0
     text = report.summary()
     assert "casts" in text and "torch.autocast on the same forward" in text
-    assert report.to_csv().splitlines()[0] == "node,op,module,source,list,colour,dtype,why"
+    assert report.to_csv().splitlines()[0] == "node,op,module,source,list,colour,dtype,why,recomputed"
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def test_dump_writes_every_file(which, mlp_graph, cnn_graph, tmp_path):
     assert "_amp_foreach_non_finite_check_and_unscale" in step
     rows = list(csv.DictReader(open(os.path.join(out, "precision.csv"))))
     assert rows and set(rows[0]) == {"node", "op", "module", "source", "list", "colour", "dtype",
-                                     "why"}
+                                     "why", "recomputed"}
     assert {"allow", "deny", "cast"} <= {r["colour"] for r in rows}
     dot = open(os.path.join(out, "graph.dot")).read()
     assert 'fillcolor="#8fd18f"' in dot and "subgraph cluster_" in dot

@@ -30,6 +30,25 @@ class BuildRoot(nn.Module):
         return out, [self.get_buffer(n) for n in buffer_names]
 
 
+def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
+    """Refuse models wrapped with FSDP2's ``fully_shard``: their parameters are DTensors whose
+    all-gathers run in forward hooks outside any graph, which make_fx cannot trace through
+    (measured on torch 2.14, gloo: "'FunctionalTensor' object has no attribute
+    '_local_tensor'"). graphamp's own sharding is config.enable_zero."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return
+    for name, p in root.named_parameters():
+        if isinstance(p, DTensor):
+            raise ConfigError(
+                f"{graph_name}: parameter {name!r} is a DTensor (the model is wrapped with "
+                "torch.distributed.fsdp.fully_shard or another DTensor API), which graphamp "
+                "cannot capture. Register the plain model and call "
+                "self.config.enable_zero(stage=1 or 2) in the Graph's __init__: it shards the "
+                "optimizer state (and gradients) over the ranks inside the compiled step")
+
+
 def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch.device:
     """The one device the registered modules and the batch share; InputError otherwise."""
     devices = {t.device for t in root.parameters()} | {t.device for t in root.buffers()}
@@ -51,20 +70,39 @@ def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch
 def pinned_paths(root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...]) -> frozenset[str]:
     """Module paths whose ops stay fp32 (config.pin_fp32): every module of the pinned types,
     and every module at or below a pinned name. A name that matches no module is an error."""
-    modules = dict(root.named_modules())
-    for wanted in names:
-        if wanted not in modules:
-            close = [n for n in modules if n and n.split(".")[-1] == wanted.split(".")[-1]]
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"pin_fp32({wanted!r}): no registered module has that path{hint} (paths "
-                "start at the Graph's attributes, e.g. 'model.head')")
+    modules = _named_modules_checked(root, names, "pin_fp32")
     paths = set()
     for path, module in modules.items():
         if path and (isinstance(module, types) or any(
                 path == w or path.startswith(w + ".") for w in names)):
             paths.add(path)
     return frozenset(paths)
+
+
+def checkpointed_paths(root: BuildRoot, types: tuple[type, ...],
+                       names: tuple[str, ...]) -> frozenset[str]:
+    """The recompute regions of config.enable_activation_checkpointing: every module of the
+    given types and every named module, outermost only (a marked module inside a marked
+    module belongs to its parent's region). A name that matches no module is an error."""
+    if not types and not names:
+        return frozenset()
+    modules = _named_modules_checked(root, names, "enable_activation_checkpointing")
+    marked = [p for p, m in modules.items() if p and (isinstance(m, types) or p in names)]
+    return frozenset(p for p in marked
+                     if not any(p.startswith(q + ".") for q in marked if q != p))
+
+
+def _named_modules_checked(root: BuildRoot, names: tuple[str, ...],
+                           setter: str) -> dict[str, nn.Module]:
+    modules = dict(root.named_modules())
+    for wanted in names:
+        if wanted not in modules:
+            close = [n for n in modules if n and n.split(".")[-1] == wanted.split(".")[-1]]
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{setter}({wanted!r}): no registered module has that path{hint} (paths "
+                "start at the Graph's attributes, e.g. 'model.head')")
+    return modules
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from ..validate import dtype_name
 from .compare import compare
 
 log = logging.getLogger("graphamp")
-COLUMNS = ("node", "op", "module", "source", "list", "colour", "dtype", "why")
+COLUMNS = ("node", "op", "module", "source", "list", "colour", "dtype", "why", "recomputed")
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.INFO, 3: logging.DEBUG}
 
 
@@ -55,6 +55,7 @@ class PrecisionReport:
     unknown_ops: dict[str, int]
     autocast: dict[str, int] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    recomputed_regions: tuple[str, ...] = ()  # activation checkpointing's regions
 
     def summary(self) -> str:
         text = (f"converted {self.ops_low}/{self.ops_total} ops to {self.dtype} with "
@@ -66,6 +67,10 @@ class PrecisionReport:
             names = ", ".join(sorted(self.unknown_ops))
             n = sum(self.unknown_ops.values())
             text += f"; {n} unknown op{'s' if n != 1 else ''} kept fp32: {names}"
+        recomputed = sum(r["recomputed"] == "yes" for r in self.rows)
+        if recomputed:
+            text += (f"; {recomputed} ops recomputed in the backward "
+                     f"(activation checkpointing: {', '.join(self.recomputed_regions)})")
         if self.autocast is not None:
             text += (f" (torch.autocast on the same forward: {self.autocast['ops_low']} ops "
                      f"low precision, {self.autocast['casts']} casts)")
@@ -92,7 +97,9 @@ class PrecisionReport:
         return f"PrecisionReport({self.summary()})"
 
 
-def report_rows(gm: fx.GraphModule) -> list[dict[str, str]]:
+def report_rows(gm: fx.GraphModule,
+                recomputed: frozenset[str] = frozenset()) -> list[dict[str, str]]:
+    """One row per compute op; ``recomputed`` names the forward nodes the step recomputes."""
     rows = []
     for node in gm.graph.nodes:
         if not is_compute_node(node):
@@ -109,6 +116,7 @@ def report_rows(gm: fx.GraphModule) -> list[dict[str, str]]:
             "colour": str(colour or "n/a"),
             "dtype": _short_dtype(dtype_after_amp(node)),
             "why": str(node.meta.get("amp_reason", "AMP off")),
+            "recomputed": "yes" if node.name in recomputed else "",
         })
     return rows
 
@@ -124,7 +132,10 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
     """The report for ``program``'s forward; with ``trace`` (the autocast oracle's run on the
     same forward), autocast's counts beside graphamp's."""
     amp = program.amp
-    rows = report_rows(program.forward)
+    copies = [n for n in program.step_gm.graph.nodes
+              if n.meta.get("graphamp_subgraph") == "recompute"]
+    rows = report_rows(program.forward, frozenset(n.meta.get("fwd_node") for n in copies))
+    regions = {n.meta.get("recompute_region", "") for n in copies}
     return PrecisionReport(
         rows=rows, dtype=_short_dtype(amp.dtype) if amp is not None else "fp32",
         casts=amp.stats.get("casts", 0) if amp else 0,
@@ -133,7 +144,9 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
         ops_total=sum(r["colour"] in ("allow", "deny", "fp32") for r in rows),
         unknown_ops=dict(amp.unknown_ops) if amp else {},
         autocast=autocast_counts(program, trace) if trace is not None else None,
-        timings=dict(program.timings))
+        timings=dict(program.timings),
+        recomputed_regions=tuple(sorted(r for r in regions if r)))
+
 
 
 def log_program_summary(program: Program) -> None:

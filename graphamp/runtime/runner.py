@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import increment_version
 
 from ..errors import CaptureError
 from ..optimizers import OptimizerPlan, init_state
+from ..sharding import chunk_of
+from . import zero_state
 from ..spec import StepPlan
 from ..state import SharedState
 
@@ -71,6 +74,12 @@ class Runner:
             plan.scaler._materialize(device)
             self.scaler_state = plan.scaler.state_tensors()
         self.history = state.history.materialize(device) if plan.training else []
+        self.shard: list[torch.Tensor] = []  # ZeRO: this rank's index, a graph input
+        if plan.zero_stage:
+            rank = dist.get_rank(plan.process_group)
+            self.shard = [torch.tensor(rank, dtype=torch.int64, device=device)]
+            for opt in plan.optimizers:
+                zero_state.track(opt, plan.process_group)
         self.opt_state: list[torch.Tensor] | None = None
         self._to_install: list[tuple] = []  # optimizer state made at gather, installed at commit
         self.compiled: Callable[..., Sequence[torch.Tensor]] | None = None
@@ -106,6 +115,7 @@ class Runner:
             "counters": self.counters,
             "scaler": self.scaler_state,
             "history": self.history,
+            "shard": self.shard,
             "constants": self.plan.captured.constants,
             "inputs": inputs,
         }
@@ -194,7 +204,9 @@ def materialize_optimizer_state(plan: StepPlan):
         for p, key in opt.state_slots():
             existing = opt.optimizer.state.get(p, {}).get(key)
             t = existing
-            if t is None:
+            if plan.zero_stage and key != "step":
+                t = _zero_row(opt, key, p, existing, plan.process_group)
+            elif t is None:
                 t = init_state(opt.kind, key, p)
             elif key == "step":
                 t = torch.as_tensor(t).to(device=p.device, dtype=torch.float32)
@@ -209,13 +221,25 @@ def materialize_optimizer_state(plan: StepPlan):
     return flat, install
 
 
+def _zero_row(opt: OptimizerPlan, key: str, p: torch.Tensor, existing, group) -> torch.Tensor:
+    try:
+        return zero_state.local_state(opt.optimizer, key, p, existing, group)
+    except ValueError as e:
+        raise CaptureError(f"optimizer {opt.index}: {e}: the loaded optimizer state does not "
+                           "belong to these parameters") from None
+
+
 def _example_optimizer_state(plan: StepPlan) -> list[Any]:
     """Tensors shaped like the optimizer state, for tracing and compiling; nothing installed."""
     out = []
     for opt in plan.optimizers:
         for p, key in opt.state_slots():
             existing = opt.optimizer.state.get(p, {}).get(key)
-            if isinstance(existing, torch.Tensor) and key != "step":
+            if plan.zero_stage and key != "step":
+                world = dist.get_world_size(plan.process_group)
+                out.append(torch.zeros(chunk_of(p.numel(), world), dtype=p.dtype,
+                                       device=p.device))
+            elif isinstance(existing, torch.Tensor) and key != "step":
                 out.append(existing)
             else:
                 out.append(init_state(opt.kind, key, p))

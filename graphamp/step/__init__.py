@@ -7,5 +7,6 @@ one module per subgraph (gradients, scaling, optimizer_update, history, collecti
 
 from .assemble import assemble_step
 from .plan import build_plan
+from .recompute import RecomputeResult, recompute_checkpointed
 
-__all__ = ["assemble_step", "build_plan"]
+__all__ = ["RecomputeResult", "assemble_step", "build_plan", "recompute_checkpointed"]

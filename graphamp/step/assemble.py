@@ -1,14 +1,16 @@
 """Stage 4, assemble: the AMP-rewritten forward traced again inside one functional training step.
 
-    parameter casts → forward → loss × scale → grads (autograd) → [all-reduce]
+    parameter casts → forward → loss × scale → grads (autograd) → [all-reduce | ZeRO
+    reduce-scatter]
     → unscale + found_inf → clip → optimizer update masked by found_inf → history row
-    → scale update → BatchNorm statistics masked
+    → [ZeRO all-gather of the updated parameters] → scale update → BatchNorm statistics masked
 
 The whole step becomes one FX graph (make_fx over Python functionalization, fake tensors). Its
 inputs are the state tensors and the batch (``plan.layout``); it writes every state tensor in
 place (``copy_`` into its inputs, which the compiler keeps in place) and returns build()'s
 tensors. Nodes carry ``meta["graphamp_subgraph"]``: parameter_casts, forward, backward,
-grad_scaler, clip_grad, data_parallel, optimizer, history.
+grad_scaler, clip_grad, data_parallel, zero, optimizer, history (and recompute, added after
+tracing by ``recompute.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .gradients import forward_and_gradients, parameter_casts, run_forward
 from .history import record_history
 from .optimizer_update import densify_sparse_grads, masked, update_optimizer
 from .scaling import clip_grad_norm, count_nonfinite_norm, unscale_and_check, write_scale_update
+from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
 
 def assemble_step(plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Tensor],
@@ -58,9 +61,13 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
         if not plan.training:
             return _eval_step(plan, fwd_gm, s)
         scale = s["scaler"][0] if plan.scaler is not None else None
-        fwd = forward_and_gradients(plan, fwd_gm, s, scale)
+        reduce_each = (lambda grads: _scatter_per_optimizer(plan, grads)) \
+            if plan.zero_stage == 2 and plan.acc_steps > 1 else None
+        fwd = forward_and_gradients(plan, fwd_gm, s, scale, reduce_each)
         grads = fwd.grads
-        if plan.process_group is not None:
+        if plan.zero_stage and reduce_each is None:
+            grads = _scatter_per_optimizer(plan, grads)
+        elif plan.process_group is not None and not plan.zero_stage:
             with NodeTagger({"graphamp_subgraph": "data_parallel"}):
                 grads = average_over_ranks(grads, plan.process_group)
         updates, norms = _unscale_and_clip(plan, grads, scale)
@@ -95,6 +102,20 @@ def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list]) -> tu
     return tuple(user)
 
 
+def _scatter_per_optimizer(plan: StepPlan, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """ZeRO: this rank's rows of the averaged gradients, one reduce-scatter per optimizer
+    (``grads`` and the result in ``plan.trainable`` order)."""
+    position = {p: j for j, p in enumerate(plan.trainable)}
+    out = list(grads)
+    with NodeTagger({"graphamp_subgraph": "zero"}):
+        for opt in plan.optimizers:
+            js = [position[i] for i in opt.forward_positions]
+            dense = [g.to_dense() if g.is_sparse else g for g in (grads[j] for j in js)]
+            for j, shard in zip(js, scatter_gradients(dense, plan.process_group)):
+                out[j] = shard
+    return out
+
+
 @dataclass
 class _OptimizerUpdate:
     opt: OptimizerPlan
@@ -114,8 +135,10 @@ def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Te
                 opt_grads, found = unscale_and_check(opt_grads, scale)
         if opt.clip_max_norm is not None:
             with NodeTagger({"graphamp_subgraph": "clip_grad"}):
+                norm_of = (lambda g, p: global_norm(g, p, plan.process_group)) \
+                    if plan.zero_stage else None
                 opt_grads, total_norm = clip_grad_norm(opt_grads, opt.clip_max_norm,
-                                                       opt.clip_norm_type)
+                                                       opt.clip_norm_type, norm_of)
                 if total_norm is not None:
                     norms.append(total_norm)
                     found = count_nonfinite_norm(found, total_norm)
@@ -130,14 +153,22 @@ def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Te
 
 
 def _update_optimizers(plan: StepPlan, s: dict[str, list], updates: list[_OptimizerUpdate]):
-    """Each optimizer's masked update."""
+    """Each optimizer's masked update (ZeRO: of this rank's rows, then all-gathered)."""
     states, hypers = iter(s["opt_state"]), iter(s["hyper"])
     params = s["params"]
-    with NodeTagger({"graphamp_subgraph": "optimizer"}):
-        for u, counter in zip(updates, s["counters"]):
-            skip = u.found > 0 if u.found is not None else None
-            update_optimizer(u.opt, [params[i] for i in u.opt.forward_positions], u.grads,
-                             states, hypers, counter, skip)
+    for u, counter in zip(updates, s["counters"]):
+        skip = u.found > 0 if u.found is not None else None
+        mine = [params[i] for i in u.opt.forward_positions]
+        if plan.zero_stage:
+            with NodeTagger({"graphamp_subgraph": "zero"}):
+                mine = local_rows(mine, s["shard"][0], plan.process_group)
+        with NodeTagger({"graphamp_subgraph": "optimizer"}):
+            update_optimizer(u.opt, mine, u.grads, states, hypers, counter, skip)
+        if plan.zero_stage:
+            with NodeTagger({"graphamp_subgraph": "zero"}):
+                full = [params[i] for i in u.opt.forward_positions]
+                for p, new in zip(full, gather_parameters(mine, full, plan.process_group)):
+                    p.copy_(new)
 
 
 def _total(updates: list[_OptimizerUpdate]) -> torch.Tensor:

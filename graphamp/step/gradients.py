@@ -8,7 +8,7 @@ micro-batch at a time under gradient accumulation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -86,13 +86,18 @@ def parameter_casts(plan: StepPlan, params: list[torch.Tensor]) -> list[torch.Te
 
 
 def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list],
-                          scale: torch.Tensor | None) -> ForwardResult:
+                          scale: torch.Tensor | None,
+                          reduce_each: Callable[[list], list] | None = None) -> ForwardResult:
     """Run the forward on each micro-batch, seed each loss with ``scale`` (None: 1) and add the
     parameter gradients up; BatchNorm statistics carry from one micro-batch to the next.
 
     Plain autograd differentiates the traced forward (``torch.autograd.grad``): the forward's
     ops record their backward as in eager mode, custom autograd Functions included. Gradients
-    with respect to a parameter's low-precision copy are cast back, as a cast's backward does."""
+    with respect to a parameter's low-precision copy are cast back, as a cast's backward does.
+
+    ``reduce_each`` (ZeRO stage 2) maps each micro-batch's gradients, in ``plan.trainable``
+    order, to what is summed over micro-batches (the rank's shards): full gradients then live
+    for one micro-batch only."""
     cap = plan.captured
     params = s["params"]
     trainable = set(plan.trainable)
@@ -115,16 +120,26 @@ def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, l
                 run_forward(fwd_gm, [*ps, *current, *micro, _loss_scale(scale, params),
                                      *s["constants"], *cs]))
         seeds = _seeds(plan, losses, loss_grads, scale)
+        micro_grads: dict[int, torch.Tensor] = total if reduce_each is None else {}
         with NodeTagger({"graphamp_subgraph": "backward"}):
             _accumulate_grads(plan, losses, seeds, [(i, ps[i]) for i in direct], cast_leaves,
-                              params, total)
+                              params, micro_grads)
+        if reduce_each is not None:
+            reduced = reduce_each(_in_trainable_order(plan, micro_grads, params))
+            for i, g in zip(plan.trainable, reduced):
+                total[i] = total[i] + g if i in total else g
         users.append([u.detach() for u in user])
         micro_losses.append([loss.detach() for loss in losses])
         for i, value in zip(cap.mutated_buffers, new_buffers):
             current[i] = value.detach()
-    grads = [total[i] if i in total else torch.zeros_like(params[i]) for i in plan.trainable]
+    grads = _in_trainable_order(plan, total, params)
     return ForwardResult(_combine_micro_outputs(users), _mean_losses(micro_losses), grads,
                          [current[i] for i in cap.mutated_buffers])
+
+
+def _in_trainable_order(plan: StepPlan, grads: dict, params: list) -> list[torch.Tensor]:
+    """One gradient per trainable parameter (zeros for those no loss reached)."""
+    return [grads[i] if i in grads else torch.zeros_like(params[i]) for i in plan.trainable]
 
 
 def _loss_scale(scale: torch.Tensor | None, like: list[torch.Tensor]) -> torch.Tensor:

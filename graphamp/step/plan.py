@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from ..errors import CaptureError
+from ..errors import CaptureError, ConfigError
 from ..optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
 from ..spec import CapturedForward, GraphSpec, StepLayout, StepPlan
 
@@ -29,11 +29,25 @@ def build_plan(spec: GraphSpec, captured: CapturedForward, param_ids: list[int],
                            "reaches a loss; there is nothing to train")
     scaler = spec.scaler if spec.training else None
     _warn_about_scaler_dtype(spec, scaler)
+    zero = spec.config.zero_stage if spec.training and process_group is not None else 0
+    if zero:
+        _check_zero_buckets(spec, plans)
     return StepPlan(captured, spec.training, trainable, plans, scaler,
-                    layout=_layout(captured, plans, scaler, spec.training),
+                    layout=_layout(captured, plans, scaler, spec.training, zero),
                     param_casts=param_casts, direct_use=direct_use,
                     acc_steps=spec.config.grad_acc_steps,
-                    process_group=process_group if spec.training else None)
+                    process_group=process_group if spec.training else None, zero_stage=zero)
+
+
+def _check_zero_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
+    """ZeRO flattens each optimizer's parameters into one bucket: one dtype per optimizer."""
+    for opt in plans:
+        dtypes = {p.dtype for p in opt.params}
+        if len(dtypes) > 1:
+            raise ConfigError(
+                f"{spec.name}: enable_zero shards each optimizer's parameters as one flat "
+                f"bucket, but optimizer {opt.index} holds {sorted(map(str, dtypes))}: give "
+                "parameters of each dtype their own optimizer (add_optimizer twice)")
 
 
 def _check_losses(spec: GraphSpec, captured: CapturedForward) -> None:
@@ -88,7 +102,7 @@ def _forward_position(spec, captured, position, owner, k, opt, p) -> int:
 
 
 def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler,
-            training: bool) -> StepLayout:
+            training: bool, zero_stage: int = 0) -> StepLayout:
     """Placeholder names of the step's inputs, group by group (spec.STEP_INPUT_GROUPS)."""
     state, hyper = [], []
     for opt in plans:
@@ -105,6 +119,7 @@ def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler,
         "scaler": (["scaler_scale", "scaler_growth_tracker", "scaler_hysteresis_tracker",
                     "scaler_found_inf"] if scaler is not None else []),
         "history": ["history_step", "history_table"] if training else [],
+        "shard": ["zero_rank"] if zero_stage else [],
         "constants": [f"c_{n}" for n in cap.constant_names],
         "inputs": [f"in_{n}" for n in cap.input_names],
     })

@@ -26,12 +26,17 @@ def unscale_and_check(grads: list[torch.Tensor], scale: torch.Tensor):
     return grads, found_inf
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float):
-    """torch.nn.utils.clip_grad_norm_ on values: (clipped grads, total norm)."""
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,
+                   norm_of=None):
+    """torch.nn.utils.clip_grad_norm_ on values: (clipped grads, total norm). ``norm_of(grads,
+    norm_type)`` computes the total norm where the grads are shards (ZeRO)."""
     if not grads:
         return grads, None
-    norms = torch._foreach_norm(grads, norm_type)
-    total = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
+    if norm_of is not None:
+        total = norm_of(grads, norm_type)
+    else:
+        norms = torch._foreach_norm(grads, norm_type)
+        total = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return [g * coef for g in grads], total
 

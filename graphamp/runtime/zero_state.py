@@ -1,0 +1,94 @@
+"""ZeRO's optimizer state on the host: each rank's rows in ``optimizer.state``, torch's format
+in ``optimizer.state_dict()``.
+
+A rank keeps, for every parameter ``p`` and state key (``exp_avg``, ``momentum_buffer``, ...),
+the 1-D row ``step/zero.py`` assigns it (``chunk_of(p.numel(), W)`` elements); ``step`` stays
+a scalar on every rank. ``optimizer.state_dict()`` gathers the rows into tensors of ``p``'s
+shape (a collective: every rank must call it, as with FSDP's state dicts), so a checkpoint is
+torch's own format and loads with any number of ranks, or in a single process. A state tensor
+of ``p``'s shape found at a call (a loaded state dict, eager steps before) is cut to this
+rank's row.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..optimizers import OptimizerPlan
+from ..sharding import chunk_of
+
+_REGISTRY: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _ShardedOptimizer]" = \
+    weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _ShardedOptimizer:
+    group: object
+    # the rows this module made, by id (tensors compare by value, so no WeakSet)
+    shards: dict[int, weakref.ref] = field(default_factory=dict)
+
+    def add(self, t: torch.Tensor) -> None:
+        self.shards[id(t)] = weakref.ref(t)
+
+    def holds(self, t: object) -> bool:
+        ref = self.shards.get(id(t))
+        return ref is not None and ref() is t
+
+
+def track(plan: OptimizerPlan, group) -> None:
+    """Make ``plan.optimizer.state_dict()`` gather the rows of this rank (once per optimizer)."""
+    opt = plan.optimizer
+    if opt in _REGISTRY:
+        _REGISTRY[opt].group = group
+        return
+    _REGISTRY[opt] = _ShardedOptimizer(group)
+    opt.register_state_dict_post_hook(_gather_state_dict)
+
+
+def is_shard(opt: torch.optim.Optimizer, t: torch.Tensor) -> bool:
+    entry = _REGISTRY.get(opt)
+    return entry is not None and entry.holds(t)
+
+
+def local_state(opt: torch.optim.Optimizer, key: str, p: torch.Tensor,
+                existing: torch.Tensor | None, group) -> torch.Tensor:
+    """This rank's state tensor for (``p``, ``key``): ``existing`` if it is already a row, its
+    row if it has ``p``'s shape, a zero row if missing."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = chunk_of(p.numel(), world)
+    if existing is not None and is_shard(opt, existing):
+        return existing
+    if existing is None:
+        row = torch.zeros(chunk, dtype=p.dtype, device=p.device)
+    else:
+        if existing.shape != p.shape:
+            raise ValueError(f"state {key!r} has shape {tuple(existing.shape)}, its parameter "
+                             f"{tuple(p.shape)}")
+        flat = existing.detach().reshape(-1).to(device=p.device)
+        padded = torch.zeros(chunk * world, dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()] = flat
+        row = padded[rank * chunk:(rank + 1) * chunk].clone()
+    _REGISTRY[opt].add(row)
+    return row
+
+
+def _gather_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """torch's format: every row gathered into a tensor of its parameter's shape."""
+    entry = _REGISTRY[opt]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    world = dist.get_world_size(entry.group)
+    state = {}
+    for index, values in state_dict["state"].items():
+        p = params[index]
+        state[index] = {key: _gather(t, p, world, entry.group) if entry.holds(t) else t for key, t in values.items()}
+    return {**state_dict, "state": state}  # new dicts: the optimizer keeps its rows
+
+
+def _gather(row: torch.Tensor, p: torch.Tensor, world: int, group) -> torch.Tensor:
+    out = torch.empty(row.numel() * world, dtype=row.dtype, device=row.device)
+    dist.all_gather_into_tensor(out, row.contiguous(), group=group)
+    return out[: p.numel()].view(p.shape).clone()

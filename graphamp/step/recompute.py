@@ -1,0 +1,111 @@
+"""Activation checkpointing in a one-graph step: recompute marked regions for the backward.
+
+The step is one FX graph (forward, backward, optimizer), compiled as an inference graph: no
+min-cut partitioner ever sees it, so torch's recompute tags would change nothing. Memory is
+held by values that the backward reads long after the forward made them. This pass gives the
+backward its own copies of the values computed inside a checkpointed module instance (one
+*region*): the region's nodes are duplicated right before the first backward node that reads
+any of them, and every backward read is moved to the copies. The forward originals then die at
+the end of the region's forward; only the region's inputs stay alive until the recompute.
+
+Copies are made of the AMP-rewritten nodes, so a recomputed region keeps its precision
+decisions (the same casts, no new ones). Ops that draw random numbers (dropout) are not
+recomputed: the backward keeps reading the forward's mask, as torch.utils.checkpoint's RNG
+replay guarantees by other means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+RECOMPUTE = "recompute"  # meta["graphamp_subgraph"] of the copies
+
+
+@dataclass
+class RecomputeResult:
+    regions: dict[str, list[str]] = field(default_factory=dict)  # region -> forward node names
+
+    @property
+    def copies(self) -> int:
+        return sum(len(v) for v in self.regions.values())
+
+
+def recompute_checkpointed(gm: fx.GraphModule, regions: frozenset[str]) -> RecomputeResult:
+    """Duplicate each region's forward nodes that the backward reads; rewires in place."""
+    result = RecomputeResult()
+    if not regions:
+        return result
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    marked = {n: r for n in gm.graph.nodes if (r := _region(n, regions)) and _recomputable(n)}
+    by_region: dict[str, list[fx.Node]] = {}
+    for n, r in marked.items():
+        if _late_users(n):
+            by_region.setdefault(r, []).append(n)
+    for region, needed in by_region.items():
+        members = _with_marked_inputs(needed, marked, region)
+        first_use = min((u for n in needed for u in _late_users(n)), key=order.__getitem__)
+        copies = _copy_before(gm.graph, sorted(members, key=order.__getitem__), first_use,
+                              region)
+        for n in needed:
+            for user in _late_users(n):
+                user.replace_input_with(n, copies[n])
+        result.regions[region] = [n.meta.get("fwd_node", n.name)
+                                  for n in sorted(members, key=order.__getitem__)]
+    gm.graph.lint()
+    gm.recompile()
+    return result
+
+
+def _region(node: fx.Node, regions: frozenset[str]) -> str | None:
+    """The outermost checkpointed module this forward node was computed in."""
+    if node.op != "call_function" or node.meta.get("graphamp_subgraph") != "forward":
+        return None
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if path in regions:
+            return path
+    return None
+
+
+def _recomputable(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+        schema = target._schema  # noqa: SLF001
+        if schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+            return False
+    return True
+
+
+def _late_users(node: fx.Node) -> list[fx.Node]:
+    """Users after the forward (backward, scaler, optimizer): they read saved activations.
+    The step's outputs keep the forward's value (recomputing it would only add work)."""
+    return [u for u in node.users
+            if u.op == "call_function" and u.meta.get("graphamp_subgraph") not in ("forward",
+                                                                                  RECOMPUTE)]
+
+
+def _with_marked_inputs(needed: list[fx.Node], marked: dict, region: str) -> set[fx.Node]:
+    """``needed`` and every node of the same region they are computed from."""
+    members, todo = set(), list(needed)
+    while todo:
+        n = todo.pop()
+        if n in members:
+            continue
+        members.add(n)
+        todo.extend(a for a in n.all_input_nodes if marked.get(a) == region)
+    return members
+
+
+def _copy_before(graph: fx.Graph, members: list[fx.Node], anchor: fx.Node,
+                 region: str) -> dict:
+    copies: dict[fx.Node, fx.Node] = {}
+    with graph.inserting_before(anchor):
+        for n in members:
+            new = graph.node_copy(n, lambda a: copies.get(a, a))
+            new.meta["graphamp_subgraph"] = RECOMPUTE
+            new.meta["recomputed_from"] = n.name
+            new.meta["recompute_region"] = region
+            copies[n] = new
+    return copies

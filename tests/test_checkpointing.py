@@ -1,0 +1,105 @@
+"""Activation checkpointing (config.enable_activation_checkpointing): recompute in the backward.
+
+Oracle: the same Graph without checkpointing. Recomputing the same ops in the same order gives
+the same bits in fp32 and under AMP; the saved memory is counted on the step graph.
+"""
+
+import copy
+import csv
+import os
+
+import pytest
+import torch
+
+import graphamp
+from graphamp.inspect.memory import step_memory
+
+from helpers import make_graph
+from models import Block, TinyGPT, lm_loss
+
+
+def _train(base, *, ckpt=None, amp=None, steps=2, dropout_seed=None, backend="aot_eager"):
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    configure = (lambda g: g.config.enable_activation_checkpointing(*ckpt)) if ckpt else None
+    g = make_graph(model, lm_loss, opt, amp=amp, configure=configure, backend=backend,
+                   scaler=graphamp.GradScaler(init_scale=2.0**8) if amp else None)
+    gen = torch.Generator().manual_seed(1)
+    if dropout_seed is not None:
+        torch.manual_seed(dropout_seed)
+    for _ in range(steps):
+        idx = torch.randint(0, 64, (16, 32), generator=gen)
+        g(idx, torch.roll(idx, 1, 1))
+    return model, g
+
+
+def _gpt(dropout=0.0):
+    torch.manual_seed(0)
+    return TinyGPT(vocab=64, dim=32, heads=4, layers=2, seq=32, dropout=dropout)
+
+
+def _step_gm(g):
+    return next(iter(g._programs.values())).step_gm
+
+
+def _assert_equal_states(a, b):
+    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), k
+
+
+@pytest.mark.parametrize("amp", [None, pytest.param(torch.float16, marks=pytest.mark.slow)])
+def test_checkpointed_blocks_train_bitwise_like_no_checkpointing_with_less_memory(amp):
+    base = _gpt()
+    plain, g_plain = _train(base, amp=amp)
+    ckpt, g_ckpt = _train(base, ckpt=(Block,), amp=amp)
+    _assert_equal_states(plain, ckpt)
+    before, after = step_memory(_step_gm(g_plain)), step_memory(_step_gm(g_ckpt))
+    assert after.resident_bytes == before.resident_bytes
+    assert after.peak_intermediate_bytes < before.peak_intermediate_bytes, (before, after)
+
+
+def test_recomputed_regions_keep_their_precision_and_are_reported(tmp_path):
+    base = _gpt()
+    # the eager backend runs the same graph without compiling it (the test reads the graph)
+    _, g = _train(base, ckpt=("model.blocks.1",), amp=torch.float16, steps=1, backend="eager")
+    gm = _step_gm(g)
+    copies = [n for n in gm.graph.nodes if n.meta.get("graphamp_subgraph") == "recompute"]
+    assert copies and {n.meta["recompute_region"] for n in copies} == {"model.blocks.1"}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for c in copies:  # same op, same dtype as the forward node it recomputes: no new casts
+        orig = by_name[c.meta["recomputed_from"]]
+        assert c.target is orig.target
+        if isinstance(orig.meta.get("val"), torch.Tensor):
+            assert c.meta["val"].dtype == orig.meta["val"].dtype
+    report = g.precision_report(with_autocast=False)
+    marked = [r for r in report.rows if r["recomputed"] == "yes"]
+    assert marked and all(r["module"].startswith("model.blocks.1") for r in marked)
+    assert "recomputed in the backward" in report.summary()
+    out = g.dump(str(tmp_path / "dump"))
+    rows = list(csv.DictReader(open(os.path.join(out, "precision.csv"))))
+    assert {r["node"] for r in rows if r["recomputed"] == "yes"} == {r["node"] for r in marked}
+    plain = _train(base, amp=torch.float16, steps=1, backend="eager")[1].precision_report(with_autocast=False)
+    assert report.casts == plain.casts and report.parameter_copies == plain.parameter_copies
+
+
+def test_random_ops_are_not_recomputed_so_dropout_masks_match():
+    base = _gpt(dropout=0.2)
+    plain, _ = _train(base, dropout_seed=5, backend="eager")
+    ckpt, g = _train(base, ckpt=(Block,), dropout_seed=5, backend="eager")
+    _assert_equal_states(plain, ckpt)
+    copies = [n for n in _step_gm(g).graph.nodes
+              if n.meta.get("graphamp_subgraph") == "recompute"]
+    assert copies and not any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+                              for n in copies)
+
+
+def test_unknown_module_name_is_a_config_error_naming_the_fix():
+    model = _gpt()
+    g = make_graph(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                   configure=lambda g: g.config
+                   .enable_activation_checkpointing("model.block.0"))
+    idx = torch.randint(0, 64, (2, 32))
+    with pytest.raises(graphamp.errors.ConfigError, match="did you mean 'model.blocks.0'"):
+        g(idx, idx)
+    with pytest.raises(graphamp.errors.ConfigError, match="nn.Module classes"):
+        g.config.enable_activation_checkpointing(3)

@@ -1,0 +1,120 @@
+"""Issue 17: ZeRO stages 1 and 2 on torch.distributed (gloo, CPU processes under torchrun).
+
+Oracle: the same training in one process on the global batch (graphamp without ZeRO, which
+tests/test_scaler.py holds to torch.amp.GradScaler and torch.optim.AdamW).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import graphamp
+
+from dist_worker import POISON_STEP, STEPS, global_batches, make_model
+from test_distributed import _free_port
+from zero_worker import WIDTH, make_training, state_bytes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_zero(nproc: int, stage: int, out, *, acc=1, first=0, last=STEPS, resume=None):
+    out.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={_free_port()}", os.path.join(HERE, "zero_worker.py"), str(stage),
+           str(acc), str(first), str(last), str(out)] + ([str(resume)] if resume else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    (out / "stderr.txt").write_text(done.stderr)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
+
+
+def single_process(steps=STEPS):
+    model = make_model(seed=0, width=WIDTH)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g, opt = make_training(0, 1, model)
+        for x, y in global_batches()[:steps]:
+            g(x, y)
+    return model.state_dict(), opt.state_dict(), g.history.fetch()["skipped"], state_bytes(opt)
+
+
+def _assert_like_one_process(ranks, reference):
+    params, opt_sd, skipped, _ = reference
+    for r in ranks:  # every rank: the same parameters, bitwise, and the same skipped steps
+        for k, v in r["params"].items():
+            assert torch.equal(v, ranks[0]["params"][k]), k
+        assert r["skipped"] == skipped
+    assert skipped[POISON_STEP] == 1.0 and sum(skipped) == 1.0
+    for k, v in params.items():
+        torch.testing.assert_close(ranks[0]["params"][k], v, rtol=1e-5, atol=1e-6)
+    for index, state in opt_sd["state"].items():  # torch's format, gathered from the rows
+        for key, value in state.items():
+            got = ranks[0]["opt"]["state"][index][key]
+            assert got.shape == value.shape, (index, key)
+            torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nproc,stage,acc", [
+    (2, 1, 1), pytest.param(4, 2, 2, marks=pytest.mark.slow)])
+def test_zero_trains_like_one_process_with_an_overflow_on_one_rank(nproc, stage, acc, tmp_path):
+    reference = single_process()
+    ranks = run_zero(nproc, stage, tmp_path / "run", acc=acc)
+    _assert_like_one_process(ranks, reference)
+    # each rank holds its rows of exp_avg and exp_avg_sq (+ the step scalars)
+    full_bytes = reference[3]
+    steps_bytes = 4 * 4  # four 0-dim fp32 step tensors, replicated
+    for r in ranks:
+        assert r["state_bytes"] - steps_bytes <= (full_bytes - steps_bytes) / nproc + 2 * 4 * 4 * nproc
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_two_ranks_resumes_with_four_and_in_one_process(tmp_path):
+    reference = single_process()
+    run_zero(2, 1, tmp_path / "first", last=3)
+    resumed = run_zero(4, 2, tmp_path / "second", first=3, resume=tmp_path / "first")
+    params = reference[0]
+    for k, v in params.items():
+        torch.testing.assert_close(resumed[0]["params"][k], v, rtol=1e-5, atol=1e-6)
+    # the same checkpoint in one process, without ZeRO
+    ckpt = torch.load(tmp_path / "first" / "ckpt.pt", weights_only=True)
+    model = make_model(seed=0, width=WIDTH)
+    g, opt = make_training(0, 1, model)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    g.load_state_dict(ckpt["graph"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x, y in global_batches()[3:]:
+            g(x, y)
+    for k, v in params.items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_model_wrapped_with_fully_shard_gets_an_error_pointing_to_enable_zero(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={_free_port()}", os.path.join(HERE, "fsdp_worker.py"), str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for r in range(2):
+        error = torch.load(tmp_path / f"rank{r}.pt", weights_only=True).get("error", "")
+        assert error.startswith("ConfigError") and "enable_zero" in error, error
+        assert "fully_shard" in error
+
+
+def test_enable_zero_needs_a_process_group():
+    from helpers import make_graph
+
+    g = make_graph(make_model(0), torch.nn.CrossEntropyLoss(), None)
+    with pytest.raises(graphamp.ConfigError, match="init_process_group"):
+        g.config.enable_zero(stage=1)
+    with pytest.raises(graphamp.ConfigError, match="choose one of 1, 2"):
+        g.config.enable_zero(stage=3)

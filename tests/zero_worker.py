@@ -1,0 +1,86 @@
+"""Run by tests/test_zero.py under torchrun (gloo, CPU): ZeRO-1/2 training and checkpoints.
+
+    python -m torch.distributed.run --nproc_per_node=N tests/zero_worker.py STAGE ACC FIRST \
+        LAST OUT_DIR [RESUME_FROM]
+
+Trains steps FIRST..LAST-1 of the global batches of dist_worker (an inf in the last rank's
+shard at POISON_STEP) with AdamW, clipping and a grad scaler, each rank on its slice of the
+global batch; RESUME_FROM: a checkpoint directory written by an earlier run (any rank count).
+Writes rank{r}.pt (parameters, optimizer state dict, skips, bytes of optimizer state held) and,
+from rank 0, a checkpoint (model, optimizer.state_dict(), graph state) into OUT_DIR.
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import graphamp  # noqa: E402
+from dist_worker import global_batches, make_model  # noqa: E402
+
+WIDTH, CLIP = 63, 1.0  # 63: parameters whose sizes do not divide by the rank count
+
+
+def make_training(stage: int, acc: int, model: nn.Module):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+    class Zero(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt, clip_grad_max_norm=CLIP)
+            self.config.set_backend("aot_eager")
+            if stage:
+                self.config.enable_zero(stage=stage)
+            if acc > 1:
+                self.config.set_gradient_accumulation_steps(acc)
+            self.set_grad_scaler(graphamp.GradScaler(init_scale=256.0))
+
+        def build(self, x, y):
+            loss = nn.functional.cross_entropy(self.model(x), y)
+            loss.backward()
+            return loss
+
+    return Zero(), opt
+
+
+def state_bytes(opt) -> int:
+    """Bytes of optimizer state tensors this process holds (counted)."""
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+               if isinstance(t, torch.Tensor))
+
+
+def main():
+    stage, acc, first, last, out_dir = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
+                                        int(sys.argv[4]), sys.argv[5])
+    resume = sys.argv[6] if len(sys.argv) > 6 else None
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    warnings.simplefilter("ignore")
+    model = make_model(seed=rank, width=WIDTH)
+    g, opt = make_training(stage, acc, model)
+    if resume:
+        ckpt = torch.load(os.path.join(resume, "ckpt.pt"), weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        g.load_state_dict(ckpt["graph"])
+    shard = 16 // world
+    for x, y in global_batches()[first:last]:
+        g(x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
+    held = state_bytes(opt)
+    full_opt = opt.state_dict()  # a collective: every rank calls it
+    result = {"params": {k: v.clone() for k, v in model.state_dict().items()},
+              "opt": full_opt, "skipped": g.history.fetch()["skipped"], "state_bytes": held}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "opt": full_opt, "graph": g.state_dict()},
+                   os.path.join(out_dir, "ckpt.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
