@@ -36,7 +36,10 @@ module_hooks.register_module_module_registration_hook(_bump)
 module_hooks.register_module_parameter_registration_hook(_bump)
 module_hooks.register_module_buffer_registration_hook(_bump)
 
-PARTS = ("modules", "module modes", "optimizers", "config", "grad scaler")
+PARTS = ("modules", "module modes", "optimizers", "config", "grad scaler", "torch modes",
+         "hooks")
+_global_hooks = (module_hooks._global_forward_hooks, module_hooks._global_forward_pre_hooks,
+                 module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks)
 
 
 class StructureKey:
@@ -49,15 +52,20 @@ class StructureKey:
         self._fingerprint: tuple = ()
 
     def __call__(self, registered: dict[str, nn.Module], optimizers: Iterable[Any],
-                 config: Any, scaler: Any) -> tuple:
+                 config: Any, scaler: Any, modes: tuple = ()) -> tuple:
         roots = tuple(registered.items())
         if self._epoch != _current[0] or roots != self._roots:
             self._refresh(roots)
         sizes_and_modes = tuple((m.training, len(m._modules), len(m._parameters), len(m._buffers))
                                 for m in self._modules)
+        # a hook registered after the first call would never run in the compiled step: its
+        # arrival captures again, and capture refuses it by name (capture/side_effects.py)
+        hooks = tuple(m for m in self._modules if m._forward_hooks or m._forward_pre_hooks
+                      or m._backward_hooks or m._backward_pre_hooks)
         return (self._fingerprint, sizes_and_modes,
                 tuple(slot.structure() for slot in optimizers), config,
-                (id(scaler), scaler.settings()) if scaler is not None else None)
+                (id(scaler), scaler.settings()) if scaler is not None else None, modes,
+                (len(hooks), *map(len, _global_hooks)))
 
     def _refresh(self, roots: tuple) -> None:
         self._epoch, self._roots = _current[0], roots
@@ -78,5 +86,7 @@ def describe_change(old: tuple, new: tuple) -> str:
              "optimizers": "an optimizer's param groups changed (parameters, requires_grad or "
                            "options such as momentum)",
              "config": "the graph's config changed",
-             "grad scaler": "the grad scaler's settings changed"}
+             "grad scaler": "the grad scaler's settings changed",
+             "torch modes": "the default dtype or torch.use_deterministic_algorithms changed",
+             "hooks": "a forward or backward hook was registered or removed"}
     return "; ".join(words[c] for c in changed) or "nothing the key records"
