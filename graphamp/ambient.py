@@ -26,19 +26,25 @@ from typing import ContextManager
 import torch
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+_inference_mode_on = torch.is_inference_mode_enabled
+_default_dtype = torch.get_default_dtype
+_deterministic = getattr(torch._C, "_get_deterministic_algorithms",
+                         torch.are_deterministic_algorithms_enabled)
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia")
 
 
 def _autocast_on() -> bool:
-    if _any_autocast is not None:
-        return _any_autocast()
     return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+if _any_autocast is not None:  # one C call where torch has it
+    _autocast_on = _any_autocast  # noqa: F811
 
 
 def neutral_modes() -> ContextManager | None:
     """A context that switches off the ambient autocast and inference mode for one call, or
     None when neither is on (the common case)."""
-    autocast, inference = _autocast_on(), torch.is_inference_mode_enabled()
+    autocast, inference = _autocast_on(), _inference_mode_on()
     if not (autocast or inference):
         return None
     stack = contextlib.ExitStack()
@@ -71,7 +77,7 @@ def capture_modes() -> ContextManager:
 
 def mode_key() -> tuple:
     """The modes that change the captured program: part of the cache key."""
-    return torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled()
+    return _default_dtype(), _deterministic()
 
 
 def describe_mode_key(key: tuple) -> str:

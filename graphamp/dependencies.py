@@ -50,6 +50,7 @@ class StructureKey:
         self._roots: tuple = ()
         self._modules: list[nn.Module] = []
         self._fingerprint: tuple = ()
+        self._hook_dicts: list[dict] = list(_global_hooks)
 
     def __call__(self, registered: dict[str, nn.Module], optimizers: Iterable[Any],
                  config: Any, scaler: Any, modes: tuple = ()) -> tuple:
@@ -59,17 +60,19 @@ class StructureKey:
         sizes_and_modes = tuple((m.training, len(m._modules), len(m._parameters), len(m._buffers))
                                 for m in self._modules)
         # a hook registered after the first call would never run in the compiled step: its
-        # arrival captures again, and capture refuses it by name (capture/side_effects.py)
-        hooks = tuple(m for m in self._modules if m._forward_hooks or m._forward_pre_hooks
-                      or m._backward_hooks or m._backward_pre_hooks)
+        # arrival captures again, and capture refuses it by name (capture/side_effects.py).
+        # Programs exist only for hook-free models, so "any hook" is all the key needs.
         return (self._fingerprint, sizes_and_modes,
                 tuple(slot.structure() for slot in optimizers), config,
                 (id(scaler), scaler.settings()) if scaler is not None else None, modes,
-                (len(hooks), *map(len, _global_hooks)))
+                any(self._hook_dicts))
 
     def _refresh(self, roots: tuple) -> None:
         self._epoch, self._roots = _current[0], roots
         self._modules = [m for _, top in roots for m in top.modules()]
+        # the hook dicts are created with each module and changed in place: kept once here
+        self._hook_dicts = [*_global_hooks, *(d for m in self._modules for d in (
+            m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks))]
         self._fingerprint = tuple(
             (name, id(top), tuple((path, id(m), tuple(map(id, m._parameters.values())),
                                    tuple(map(id, m._buffers.values())))
