@@ -36,7 +36,10 @@ module_hooks.register_module_module_registration_hook(_bump)
 module_hooks.register_module_parameter_registration_hook(_bump)
 module_hooks.register_module_buffer_registration_hook(_bump)
 
-PARTS = ("modules", "module modes", "optimizers", "config", "grad scaler")
+PARTS = ("modules", "module modes", "optimizers", "config", "grad scaler", "torch modes",
+         "hooks")
+_global_hooks = (module_hooks._global_forward_hooks, module_hooks._global_forward_pre_hooks,
+                 module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks)
 
 
 class StructureKey:
@@ -47,21 +50,29 @@ class StructureKey:
         self._roots: tuple = ()
         self._modules: list[nn.Module] = []
         self._fingerprint: tuple = ()
+        self._hook_dicts: list[dict] = list(_global_hooks)
 
     def __call__(self, registered: dict[str, nn.Module], optimizers: Iterable[Any],
-                 config: Any, scaler: Any) -> tuple:
+                 config: Any, scaler: Any, modes: tuple = ()) -> tuple:
         roots = tuple(registered.items())
         if self._epoch != _current[0] or roots != self._roots:
             self._refresh(roots)
         sizes_and_modes = tuple((m.training, len(m._modules), len(m._parameters), len(m._buffers))
                                 for m in self._modules)
+        # a hook registered after the first call would never run in the compiled step: its
+        # arrival captures again, and capture refuses it by name (capture/side_effects.py).
+        # Programs exist only for hook-free models, so "any hook" is all the key needs.
         return (self._fingerprint, sizes_and_modes,
                 tuple(slot.structure() for slot in optimizers), config,
-                (id(scaler), scaler.settings()) if scaler is not None else None)
+                (id(scaler), scaler.settings()) if scaler is not None else None, modes,
+                any(self._hook_dicts))
 
     def _refresh(self, roots: tuple) -> None:
         self._epoch, self._roots = _current[0], roots
         self._modules = [m for _, top in roots for m in top.modules()]
+        # the hook dicts are created with each module and changed in place: kept once here
+        self._hook_dicts = [*_global_hooks, *(d for m in self._modules for d in (
+            m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks))]
         self._fingerprint = tuple(
             (name, id(top), tuple((path, id(m), tuple(map(id, m._parameters.values())),
                                    tuple(map(id, m._buffers.values())))
@@ -78,5 +89,7 @@ def describe_change(old: tuple, new: tuple) -> str:
              "optimizers": "an optimizer's param groups changed (parameters, requires_grad or "
                            "options such as momentum)",
              "config": "the graph's config changed",
-             "grad scaler": "the grad scaler's settings changed"}
+             "grad scaler": "the grad scaler's settings changed",
+             "torch modes": "the default dtype or torch.use_deterministic_algorithms changed",
+             "hooks": "a forward or backward hook was registered or removed"}
     return "; ".join(words[c] for c in changed) or "nothing the key records"

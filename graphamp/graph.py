@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import pipeline
+from . import ambient, pipeline
 from .config import GraphConfig
 from .dependencies import StructureKey, describe_change
 from .errors import ConfigError, GraphDefinitionError
@@ -38,6 +38,7 @@ from .validate import check_choice, check_int
 log = logging.getLogger("graphamp")
 _READY = "_graphamp_ready"
 _RECOMPILES_BEFORE_WARNING = 4
+_building = threading.local()  # .name: the Graph whose build() is being captured in this thread
 
 
 class Graph:
@@ -92,6 +93,7 @@ class Graph:
                      type(self).__name__, name)
             self.__dict__["config"].enable_data_parallel(process_group=value.process_group)
             value = value.module
+        value = _unwrapped(type(self).__name__, name, value)
         if isinstance(value, nn.Module):
             modules[name] = value
         elif name in modules:
@@ -99,12 +101,32 @@ class Graph:
         object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
-        # Only reached when normal lookup fails.
+        # Only reached when normal lookup fails. copy and pickle look up dunders on an instance
+        # whose __init__ never ran: those are plain missing attributes, not a user's mistake.
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
         if _READY not in self.__dict__:
             raise GraphDefinitionError(
                 f"{type(self).__name__} was used before Graph.__init__ ran: call "
                 "super().__init__() at the start of __init__")
         raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise GraphDefinitionError(
+            f"a {type(self).__name__} cannot be pickled or saved with torch.save: it holds "
+            "compiled programs and your live model and optimizer. Save g.state_dict() beside "
+            "model.state_dict() and optimizer.state_dict(), and load them into a new "
+            f"{type(self).__name__}() with g.load_state_dict(...)")
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise GraphDefinitionError(
+            f"copy.deepcopy of a {type(self).__name__} is not supported: it holds compiled "
+            "programs bound to your model's tensors. Copy the model and optimizer, build a new "
+            f"{type(self).__name__}() over the copies, and copy the graph's own state with "
+            "new_graph.load_state_dict(g.state_dict())")
+
+    def __copy__(self) -> Any:
+        return self.__deepcopy__({})
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, *, lr_sch: Any = None,
                       clip_grad_max_norm: float | None = None,
@@ -121,6 +143,12 @@ class Graph:
         optimizer_kind(optimizer)  # raises for unsupported optimizers, here and now
         if any(s.optimizer is optimizer for s in self._optimizer_slots):
             raise ConfigError("this optimizer is already added to the graph")
+        if isinstance(lr_sch, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError(
+                "ReduceLROnPlateau cannot be passed as lr_sch: its step() needs the metric, "
+                "which graphamp does not have. Leave lr_sch out and call sch.step(metric) "
+                "yourself after g(...), outside the Graph; the lr it sets is a graph input, so "
+                "the next call uses it without recompiling")
         if lr_sch is not None and getattr(lr_sch, "optimizer", None) is not optimizer:
             raise ConfigError("lr_sch must be a learning-rate scheduler of this optimizer")
         max_norm, norm_type = validate_clip(clip_grad_max_norm, clip_grad_norm_type)
@@ -157,13 +185,25 @@ class Graph:
     # -- running --------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check_ready()
+        outer = getattr(_building, "name", None)
+        if outer is not None:
+            raise GraphDefinitionError(
+                f"{type(self).__name__} was called inside {outer}.build(): a Graph is a whole "
+                "training step and cannot be part of another one's capture. Call the modules "
+                f"directly in {outer}.build() (register them on {outer}), or call "
+                f"{type(self).__name__} outside it")
         with self._lock:
-            return self._call(args, kwargs)
+            neutral = ambient.neutral_modes()  # an ambient autocast or inference mode
+            if neutral is None:
+                return self._call(args, kwargs)
+            with neutral:
+                return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         inputs = flatten_inputs(args, kwargs)
         key = (inputs.signature, self._structure(self._registered_modules, self._optimizer_slots,
-                                                 self.config.snapshot(), self._grad_scaler))
+                                                 self.config.snapshot(), self._grad_scaler,
+                                                 ambient.mode_key()))
         program = self._programs.get(key)
         if program is None:
             program = self._compile(inputs, key, args, kwargs)
@@ -209,7 +249,12 @@ class Graph:
         check_arity(self.build, args, kwargs, name)
         self._log_why_rebuilt(key)
         self._warn_about_changing_numbers(inputs)
-        program = pipeline.build_program(self._spec(), inputs, self._state)
+        _building.name = name
+        try:
+            with ambient.capture_modes():
+                program = pipeline.build_program(self._spec(), inputs, self._state)
+        finally:
+            _building.name = None
         self._programs[key] = program
         while len(self._programs) > self.config.max_cached_graphs:
             self._programs.popitem(last=False)
@@ -355,6 +400,22 @@ class Graph:
     def __repr__(self) -> str:
         program = next(reversed(self._programs.values())) if self._programs else None
         return graph_repr(self._spec(), repr(self.config), program)
+
+
+def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
+    """The module a wrapper stands for: a torch.compile'd module trains as its original
+    (graphamp compiles the whole step itself); FSDP is refused by name."""
+    if isinstance(value, nn.Module) and isinstance(getattr(value, "_orig_mod", None), nn.Module):
+        log.info("%s.%s is a torch.compile'd module: graphamp captures and compiles its "
+                 "original module (._orig_mod) as part of the whole step", graph_name, name)
+        return value._orig_mod
+    if isinstance(value, nn.Module) and any(c.__module__.startswith("torch.distributed.fsdp")
+                                            for c in type(value).__mro__):
+        raise GraphDefinitionError(
+            f"{graph_name}.{name} = {type(value).__name__}(...): FSDP-sharded modules are not "
+            "supported by graphamp (docs/distributed.md); register the unwrapped module with "
+            "config.enable_data_parallel(), or a DistributedDataParallel wrapper")
+    return value
 
 
 def _silence_scheduler_order_warning(optimizer: torch.optim.Optimizer) -> None:

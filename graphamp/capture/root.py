@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..errors import ConfigError, InputError
+from ..errors import CaptureError, ConfigError, InputError
 from ..inputs import FlatInputs
 
 
@@ -65,6 +65,18 @@ def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch
                 f"{graph_name}(...): input tensor {i} is on {t.device} but the graph runs on "
                 f"{device}; move the batch there (x.to({str(device)!r}))")
     return device or torch.device("cpu")
+
+
+def refuse_compiled_submodules(graph_name: str, root: BuildRoot) -> None:
+    """A torch.compile'd module inside a registered one would run Dynamo inside graphamp's
+    trace (registered at the top, the Graph unwraps it itself): refused by name."""
+    for path, module in root.named_modules():
+        if path and isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            raise CaptureError(
+                f"{graph_name}: {path!r} is a torch.compile'd module inside a registered module. "
+                "graphamp compiles the whole step itself: put the original module there "
+                f"({path} = {path}._orig_mod), or register the compiled module on the Graph "
+                "directly, where graphamp uses its original")
 
 
 def pinned_paths(root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...]) -> frozenset[str]:

@@ -29,7 +29,8 @@ from .cleanup import (check_input_mutations, detach_no_grad_values, drop_autogra
                       params_without_path_to_losses)
 from .functions import capturing_autograd_functions
 from .intercept import CaptureMode, parameter_positions
-from .root import BuildRoot, fake_copy, quiet_fake_data_pointers
+from .root import BuildRoot, fake_copy, quiet_fake_data_pointers, refuse_compiled_submodules
+from .side_effects import refuse_hooks, refusing_attribute_writes
 from .swap import state_slots, swapped
 
 log = logging.getLogger("graphamp")
@@ -92,6 +93,12 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
     """make_fx over the functionalized forward; returns the graph and what build() reported
     (losses, return structure), with torch's errors turned into CaptureErrors."""
     module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    user_modules = [(n, m) for n, m in root.named_modules() if m is not root]
+    refuse_hooks(graph_name, user_modules)
+    refuse_compiled_submodules(graph_name, root)
+    watched = [(f"self.{n}", m) for n, m in user_modules]
+    owner = getattr(root._build, "__self__", None)  # the Graph (build is its bound method)
+    watched += [("self", owner)] if owner is not None and hasattr(owner, "__dict__") else []
     params, buffers = list(root.parameters()), list(root.buffers())
     slots = state_slots(root)
     n_state = len(params) + len(buffers)
@@ -101,7 +108,8 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
         replacement = {id(t): v for t, v in zip([*params, *buffers], flat[:n_state])}
         args, kwargs = inputs.rebuild(list(flat[n_state:-1]))
         mode = CaptureMode(module_names, loss_scale=flat[-1])
-        with torch.enable_grad(), swapped(slots, replacement), mode.tracking_modules(), mode, \
+        with refusing_attribute_writes(graph_name, watched), torch.enable_grad(), \
+                swapped(slots, replacement), mode.tracking_modules(), mode, \
                 capturing_autograd_functions(traced["function_calls"]):
             out = root._build(*args, **kwargs)
             new_buffers = [root.get_buffer(n) for n in buffer_names]  # the updated values

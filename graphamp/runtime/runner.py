@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import increment_version
 
-from ..errors import CaptureError
+from ..errors import CaptureError, ConfigError
 from ..optimizers import OptimizerPlan, init_state
 from ..sharding import chunk_of
 from . import zero_state
@@ -82,6 +82,12 @@ class Runner:
                 zero_state.track(opt, plan.process_group)
         self.opt_state: list[torch.Tensor] | None = None
         self._to_install: list[tuple] = []  # optimizer state made at gather, installed at commit
+        self._restart: list[torch.Tensor] = []  # counters to zero at commit (state was cleared)
+        # (optimizer.state, parameter, key, tensor) for every state tensor in use: a user's
+        # edit of optimizer.state (clear, a replaced tensor, a deleted entry) is seen at the
+        # next call by identity, without reading any tensor
+        self._state_refs: list[tuple] = []
+        self._state_dicts: list[tuple] = []  # (optimizer, its state dict): a replaced .state
         self.compiled: Callable[..., Sequence[torch.Tensor]] | None = None
         self.uses_cuda_graph = False
         self.calls = 0
@@ -98,11 +104,30 @@ class Runner:
     def gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's flat inputs for this call, with every refresh applied. Changes nothing
         the user can see: optimizer state graphamp creates is installed by ``commit``."""
-        if self.opt_state is None:
-            self.opt_state, self._to_install = materialize_optimizer_state(self.plan)
+        if self.opt_state is None or (not self._to_install and self._optimizer_state_edited()):
+            self._materialize()
         for slot in self.hyper:
             slot.sync()
         return self.plan.layout.flatten(self._groups(self.opt_state, inputs))
+
+    def _optimizer_state_edited(self) -> bool:
+        for optimizer, state in self._state_dicts:
+            if optimizer.state is not state:
+                return True
+        for state, p, key, t in self._state_refs:
+            per_param = state.get(p)
+            if per_param is None or per_param.get(key) is not t:
+                return True
+        return False
+
+    def _materialize(self) -> None:
+        """Look the optimizer state up again (first call, a load, or the user's edit)."""
+        flat, install = materialize_optimizer_state(self.plan)
+        self._restart = _counters_to_restart(self.plan, self.counters, install)
+        self.opt_state, self._to_install = flat, install
+        self._state_dicts = [(o.optimizer, o.optimizer.state) for o in self.plan.optimizers]
+        self._state_refs = [(o.optimizer.state, p, key, t)
+                            for (o, (p, key)), t in zip(_all_state_slots(self.plan), flat)]
 
     def _groups(self, opt_state: list[torch.Tensor], inputs: list[torch.Tensor],
                 detach: bool = False) -> dict[str, list[torch.Tensor]]:
@@ -136,6 +161,10 @@ class Runner:
             optimizer.state[p][key] = t
             installed.append((optimizer, p, key, previous))
         pending, self._to_install = self._to_install, []
+        restarted = [(c, c.clone()) for c in self._restart]
+        for counter in self._restart:
+            counter.zero_()  # SGD's first-step rule again, as eager after optimizer.state.clear()
+        self._restart = []
         self.calls += 1
         if self.plan.training:
             _increment_versions(self.updated_params)
@@ -149,6 +178,9 @@ class Runner:
                 else:
                     optimizer.state[p][key] = previous
             self._to_install = pending
+            for counter, old in restarted:
+                counter.copy_(old)
+            self._restart = [c for c, _ in restarted]
             self.calls -= 1
 
         return undo
@@ -177,6 +209,36 @@ def _slots(root: nn.Module, names: list[str], kind: str) -> list[Slot]:
         module = root.get_submodule(prefix) if prefix else root
         slots.append((getattr(module, kind), attr))
     return slots
+
+
+def _all_state_slots(plan: StepPlan) -> list[tuple]:
+    """(optimizer plan, (parameter, key)) in the layout order of the state tensors."""
+    return [(opt, slot) for opt in plan.optimizers for slot in opt.state_slots()]
+
+
+def _counters_to_restart(plan: StepPlan, counters: list[torch.Tensor],
+                         install: list[tuple]) -> list[torch.Tensor]:
+    """SGD momentum starts a buffer with the gradient itself on an optimizer's first step (the
+    counter is 0). After the user cleared the optimizer's state, eager SGD starts again: so does
+    the step. A buffer deleted for some parameters only cannot restart alone (one counter per
+    optimizer): equal to eager when dampening is 0, refused otherwise."""
+    fresh = {(id(o), id(p)) for o, p, _, _ in install}
+    restart = []
+    for opt, counter in zip(plan.optimizers, counters):
+        slots = opt.state_slots()
+        if opt.kind != "sgd" or not slots:
+            continue
+        missing = [(p, k) for p, k in slots if (id(opt.optimizer), id(p)) in fresh]
+        if len(missing) == len(slots):
+            restart.append(counter)
+        elif missing and any(g["dampening"] != 0 for g in opt.optimizer.param_groups):
+            raise ConfigError(
+                f"optimizer {opt.index} (SGD, dampening != 0) lost the momentum_buffer of "
+                f"{len(missing)} of its {len(slots)} parameters (optimizer.state edited): eager "
+                "SGD would restart those buffers alone, which the compiled step cannot do. Clear "
+                "the whole state (optimizer.state.clear()), or set a zero momentum_buffer "
+                "instead of deleting it")
+    return restart
 
 
 def _has_state(opt: OptimizerPlan) -> bool:
