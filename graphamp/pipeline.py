@@ -88,11 +88,12 @@ def _amp_passes(spec: GraphSpec, root: BuildRoot, captured: CapturedForward,
         return captured.gm, None
     n_params = len(captured.param_names)
     placeholders = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    pins = pinned_paths(root, config.fp32_module_types, config.fp32_module_names,
+                        config.amp_dtype)
     amp = AmpContext(dtype=config.amp_dtype,
                      lists=DEFAULT_LISTS.with_overrides(config.list_overrides),
                      opt_level=config.amp_opt_level,
-                     pinned_paths=pinned_paths(root, config.fp32_module_types,
-                                               config.fp32_module_names),
+                     pinned_paths=frozenset(pins), pin_reasons=pins,
                      parameters=frozenset(placeholders[:n_params]))
 
     def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
