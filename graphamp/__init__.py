@@ -35,6 +35,7 @@ from . import config  # noqa: E402
 from .config import GraphConfig  # noqa: E402
 from .errors import (  # noqa: E402
     CaptureError,
+    CompileError,
     ConfigError,
     GraphampError,
     GraphDefinitionError,
@@ -49,6 +50,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "CompileError",
     "ConfigError",
     "GradScaler",
     "Graph",

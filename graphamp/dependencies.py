@@ -2,10 +2,10 @@
 
 A compiled step bakes in the module tree it was captured from (which modules, parameters and
 buffers exist and which are in training mode), each optimizer's param groups (which parameters,
-``requires_grad``, structural options such as momentum on/off), the config and the scaler's
-settings. ``StructureKey`` turns all of that into one hashable key per call; the Graph's cache of
-compiled steps is keyed on it, so any change rebuilds the step, and ``describe_change`` names
-what changed for the log.
+``requires_grad``, structural options such as momentum on/off), the config, the scaler's
+settings and the fp32 parts a transformers model declares (``model_pins.py``). ``StructureKey``
+turns all of that into one hashable key per call; the Graph's cache of compiled steps is keyed
+on it, so any change rebuilds the step, and ``describe_change`` names what changed for the log.
 
 Walking every module's children at every call would cost tens of microseconds on a large
 model, so the tree's identity fingerprint is recomputed only when torch registered a module,
@@ -20,6 +20,8 @@ from typing import Any, Iterable
 
 import torch.nn as nn
 from torch.nn.modules import module as module_hooks
+
+from .model_pins import declared_patterns, declaring_models
 
 _epoch = itertools.count()
 _current = [next(_epoch)]
@@ -51,6 +53,7 @@ class StructureKey:
         self._modules: list[nn.Module] = []
         self._fingerprint: tuple = ()
         self._hook_dicts: list[dict] = list(_global_hooks)
+        self._declaring: list[nn.Module] = []  # models that declare fp32 parts (model_pins.py)
 
     def __call__(self, registered: dict[str, nn.Module], optimizers: Iterable[Any],
                  config: Any, scaler: Any, modes: tuple = ()) -> tuple:
@@ -62,7 +65,8 @@ class StructureKey:
         # a hook registered after the first call would never run in the compiled step: its
         # arrival captures again, and capture refuses it by name (capture/side_effects.py).
         # Programs exist only for hook-free models, so "any hook" is all the key needs.
-        return (self._fingerprint, sizes_and_modes,
+        declared = tuple(declared_patterns(m) for m in self._declaring)
+        return (self._fingerprint, (sizes_and_modes, declared),
                 tuple(slot.structure() for slot in optimizers), config,
                 (id(scaler), scaler.settings()) if scaler is not None else None, modes,
                 any(self._hook_dicts))
@@ -73,6 +77,7 @@ class StructureKey:
         # the hook dicts are created with each module and changed in place: kept once here
         self._hook_dicts = [*_global_hooks, *(d for m in self._modules for d in (
             m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks))]
+        self._declaring = [m for _, top in roots for _, m in declaring_models(top)]
         self._fingerprint = tuple(
             (name, id(top), tuple((path, id(m), tuple(map(id, m._parameters.values())),
                                    tuple(map(id, m._buffers.values())))
@@ -85,7 +90,8 @@ def describe_change(old: tuple, new: tuple) -> str:
     changed = [part for part, a, b in zip(PARTS, old, new) if a != b]
     words = {"modules": "the registered modules changed (a layer, parameter or buffer was "
                         "added, removed or replaced)",
-             "module modes": "a module switched between train() and eval(), or lost a child",
+             "module modes": "a module switched between train() and eval(), lost a child, or "
+                             "changed the parts it declares fp32 (_keep_in_fp32_modules)",
              "optimizers": "an optimizer's param groups changed (parameters, requires_grad or "
                            "options such as momentum)",
              "config": "the graph's config changed",

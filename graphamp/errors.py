@@ -25,3 +25,7 @@ class ConfigError(GraphampError, ValueError):
 
 class InputError(GraphampError, TypeError):
     """g(...) was called with arguments that do not fit build()."""
+
+
+class CompileError(GraphampError, RuntimeError):
+    """The torch.compile backend failed on the assembled step."""

@@ -27,6 +27,7 @@ from .passes import DEFAULT_LISTS, AmpContext, run_amp_passes
 from .runtime import CudaGraphStep, Runner, compile_step
 from .runtime import distributed
 from .spec import AutocastTrace, CapturedForward, GraphSpec, PassRecord, Program, StepPlan
+from .stage_errors import PASS_THROUGH as _PASS_THROUGH, stage_error
 from .state import SharedState
 from .step import assemble_step, build_plan, recompute_checkpointed
 
@@ -36,71 +37,95 @@ STAGES = ("capture", "amp_passes", "plan", "assemble", "compile")
 
 
 def build_program(spec: GraphSpec, inputs: FlatInputs, state: SharedState) -> Program:
-    """Every stage, in STAGES order, for one input signature."""
+    """Every stage, in STAGES order, for one input signature.
+
+    Whatever a stage raises reaches the user as a graphamp error naming the stage, the user's
+    line where the failure has one, and what to try; torch's exception is its ``__cause__``.
+    graphamp's own errors, Ctrl-C and out-of-memory errors pass through as they are."""
+    stages = _Stages(spec.name)
+    try:
+        return _build_program(spec, inputs, state, stages)
+    except _PASS_THROUGH:
+        raise
+    except Exception as e:  # noqa: BLE001 - every other failure becomes graphamp's
+        raise stage_error(spec, stages.current, e) from e
+
+
+def _build_program(spec: GraphSpec, inputs: FlatInputs, state: SharedState,
+                   stages: "_Stages") -> Program:
     if not spec.config.data_parallel:
-        return _build(spec, inputs, state)
+        return _build(spec, inputs, state, stages)
     group = distributed.process_group(spec.name, spec.config)
     if not state.broadcast_done:
         distributed.broadcast_state(spec.name, BuildRoot(spec.modules, spec.build), group)
         state.broadcast_done = True
     return distributed.build_on_every_rank(
-        spec.name, group, lambda: _build(spec, inputs, state, group),
+        spec.name, group, lambda: _build(spec, inputs, state, stages, group),
         lambda p: distributed.fingerprint(p.step_gm, p.plan.layout.names))
 
 
-def _build(spec: GraphSpec, inputs: FlatInputs, state: SharedState,
+def _build(spec: GraphSpec, inputs: FlatInputs, state: SharedState, stages: "_Stages",
            process_group: Any = None) -> Program:
     config = spec.config
     if config.grad_acc_steps > 1 and not spec.training:
         raise ConfigError(f"{spec.name}: gradient accumulation splits a training step into "
                           "micro-batches, but the graph has no optimizer")
-    timings: dict[str, float] = {}
     root = BuildRoot(spec.modules, spec.build)
     check_not_fsdp(spec.name, root)
     device = check_devices(spec.name, root, inputs)
     traced = inputs.micro_batch(config.grad_acc_steps, spec.name) \
         if config.grad_acc_steps > 1 else inputs
-    captured = _timed(timings, "capture", capture_forward, root, traced, spec.name)
-    records = [PassRecord("captured", captured.gm.code, timings["capture"], True)]
-    forward, amp = _amp_passes(spec, root, captured, records, timings)
-    plan = _plan(spec, captured, root, forward, amp, process_group)
+    captured = stages.run("capture", capture_forward, root, traced, spec.name)
+    records = [PassRecord("captured", captured.gm.code, stages.timings["capture"], True)]
+    forward, amp = stages.run("amp_passes", _amp_passes, spec, root, captured, records)
+    plan = stages.run("plan", _plan, spec, captured, root, forward, amp, process_group)
     runner = Runner(plan, root, state, device)
     example = runner.example_inputs(inputs.tensors)
-    step_gm = _timed(timings, "assemble", assemble_step, plan, forward, example, spec.name)
+    step_gm = stages.run("assemble", assemble_step, plan, forward, example, spec.name)
     regions = checkpointed_paths(root, config.checkpoint_module_types,
                                  config.checkpoint_module_names)
     if regions and spec.training:
-        recomputed = _timed(timings, "recompute", recompute_checkpointed, step_gm, regions)
+        recomputed = stages.run("recompute", recompute_checkpointed, step_gm, regions)
         log.info("%s: activation checkpointing recomputes %d ops in %d regions", spec.name,
                  recomputed.copies, len(recomputed.regions))
-    runner.compiled = _timed(timings, "compile", compile_step, step_gm, example, config.backend,
-                             dict(config.inductor_options))
+    runner.compiled = stages.run("compile", compile_step, step_gm, example, config.backend,
+                                 dict(config.inductor_options))
     if device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False:
         _replay_as_cuda_graph(spec.name, runner, plan, inputs.tensors)
     return Program(spec, inputs.signature, captured, forward, amp, plan, step_gm, runner, device,
-                   timings, records, example_inputs=inputs.as_meta())
+                   dict(stages.timings), records, example_inputs=inputs.as_meta())
 
 
-def _timed(timings: dict[str, float], stage: str, fn: Callable, *args: Any) -> Any:
-    start = time.perf_counter()
-    out = fn(*args)
-    timings[stage] = time.perf_counter() - start
-    return out
+class _Stages:
+    """Runs the stages, timing each and remembering which one is running (for errors)."""
+
+    def __init__(self, graph_name: str) -> None:
+        self.graph_name = graph_name
+        self.current = "capture"
+        self.timings: dict[str, float] = {}
+
+    def run(self, stage: str, fn: Callable, *args: Any) -> Any:
+        self.current = stage
+        start = time.perf_counter()
+        out = fn(*args)
+        self.timings[stage] = time.perf_counter() - start
+        return out
 
 
 def _amp_passes(spec: GraphSpec, root: BuildRoot, captured: CapturedForward,
-                records: list[PassRecord], timings: dict[str, float]):
+                records: list[PassRecord]):
     """The AMP passes on a copy of the captured forward: (forward, AmpContext | None)."""
     config = spec.config
     if not config.amp_active:
         return captured.gm, None
     n_params = len(captured.param_names)
     placeholders = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    pins = pinned_paths(root, config.fp32_module_types, config.fp32_module_names,
+                        config.amp_dtype)
     amp = AmpContext(dtype=config.amp_dtype,
                      lists=DEFAULT_LISTS.with_overrides(config.list_overrides),
                      opt_level=config.amp_opt_level,
-                     pinned_paths=pinned_paths(root, config.fp32_module_types,
-                                               config.fp32_module_names),
+                     pinned_paths=frozenset(pins), pin_reasons=pins,
                      parameters=frozenset(placeholders[:n_params]))
 
     def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
@@ -110,9 +135,7 @@ def _amp_passes(spec: GraphSpec, root: BuildRoot, captured: CapturedForward,
                 "%s: pass %s %.1f ms%s", spec.name, pass_name, seconds * 1e3,
                 "" if modified else " (no change)")
 
-    start = time.perf_counter()
     forward = run_amp_passes(copy_graph_module(captured.gm), amp, after_pass=record)
-    timings["amp_passes"] = time.perf_counter() - start
     return forward, amp
 
 
@@ -142,4 +165,9 @@ def _replay_as_cuda_graph(name: str, runner: Runner, plan: StepPlan,
 def trace_autocast(program: Program) -> AutocastTrace:
     """What torch.autocast does on the program's forward (the precision report's oracle)."""
     root = BuildRoot(program.spec.modules, program.spec.build)
-    return autocast_forward(root, program.example_inputs, program.amp.dtype, program.device)
+    try:
+        return autocast_forward(root, program.example_inputs, program.amp.dtype, program.device)
+    except _PASS_THROUGH:
+        raise
+    except Exception as e:  # noqa: BLE001 - as in build_program
+        raise stage_error(program.spec, "capture", e) from e

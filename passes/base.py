@@ -26,6 +26,7 @@ class AmpContext:
     lists: PrecisionLists = DEFAULT_LISTS
     opt_level: str = "O1"
     pinned_paths: frozenset[str] = frozenset()  # module paths whose ops stay fp32
+    pin_reasons: dict[str, str] = field(default_factory=dict)  # path -> who pinned it, if known
     # placeholder names of parameters (hoist_parameter_casts may give them shadows)
     parameters: frozenset[str] = frozenset()
     # filled by the passes
@@ -112,6 +113,7 @@ class Classifier:
             stack = node.meta.get("nn_module_stack") or {}
             pinned = next((p for p in stack if p in self.ctx.pinned_paths), None)
             if pinned is not None:
-                return "deny", f"inside fp32-pinned module {pinned}"
+                return "deny", f"inside fp32-pinned module {pinned}" + (
+                    f": {self.ctx.pin_reasons[pinned]}" if pinned in self.ctx.pin_reasons else "")
         return category, why
 

@@ -471,3 +471,38 @@ def test_an_eval_graph_with_fp16_amp_does_not_warn_about_a_scaler():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Eval()(_batches(1)[0][0])
+
+
+class DeclaresFp32(nn.Module):
+    """A model that declares fp32 parts the way transformers models do."""
+
+    _keep_in_fp32_modules_strict = ["head"]  # matched as a pattern, as transformers does
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x).relu())
+
+
+def _head_mm_dtypes(g):
+    return [r["dtype"] for r in g.precision_report(with_autocast=False).rows
+            if r["module"] == "model.head" and r["op"] in ("aten.mm", "aten.addmm")]
+
+
+def test_a_models_declared_fp32_parts_are_pinned_and_unpinning_is_seen():
+    model = DeclaresFp32()
+    g = make_graph(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                   amp=torch.bfloat16)
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    g(x, y)
+    assert _head_mm_dtypes(g) == ["float32"]
+    why = {r["why"] for r in g.precision_report(with_autocast=False).rows
+           if r["module"] == "model.head" and r["op"] != "aten._to_copy"}
+    assert "inside fp32-pinned module model.head: pinned fp32 by the model's " \
+        "_keep_in_fp32_modules_strict ('head')" in why
+    model._keep_in_fp32_modules_strict = None  # the user's opt-out, after the first call
+    g(x, y)
+    assert _head_mm_dtypes(g) == ["bfloat16"]
+    assert len(g.compiled_steps) == 2

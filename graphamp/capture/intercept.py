@@ -31,6 +31,7 @@ from ..errors import CaptureError
 from ..fxutil import (UserFrame, current_user_frame, is_library_file, last_node, nodes_after,
                       tracing_graph)
 from ..ops import CAPTURE_REWRITES, capture_sdpa
+from .dtype_checks import mixed_dtypes
 
 aten = torch.ops.aten
 
@@ -131,6 +132,21 @@ class CaptureMode(TorchFunctionMode):
             if culprit is not None and culprit[1] in _SAFE_ANSWERS:
                 return _SAFE_ANSWERS[culprit[1]]
             raise _host_read_error(func, culprit)
+        mixed = mixed_dtypes(func, args, kwargs)
+        if mixed is not None:
+            raise CaptureError(
+                f"build() calls {getattr(func, '__name__', func)} on tensors of different dtypes "
+                f"({' and '.join(mixed)}){_where(current_user_frame())}; eager PyTorch refuses "
+                "this too. Cast them to one dtype (e.g. x.to(layer.weight.dtype)); leave mixed "
+                "precision to graphamp's AMP")
+        if func is torch.Tensor.register_hook:
+            raise CaptureError(
+                f"build() registers a gradient hook (Tensor.register_hook)"
+                f"{_where(current_user_frame())}. The gradients are computed inside the "
+                "compiled step from the captured graph, where the hook would never run. Fix: "
+                "change the gradient in a custom torch.autograd.Function's backward (graphamp "
+                "captures it with its backward), or register the hook outside build() on an "
+                "eager run")
         if func is torch.Tensor.backward:
             return self._record_backward(*args, **kwargs)
         if func is torch.autograd.backward:

@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import CaptureError, ConfigError, InputError
 from ..inputs import FlatInputs
+from ..model_pins import model_fp32_pins
 
 
 class BuildRoot(nn.Module):
@@ -79,16 +80,22 @@ def refuse_compiled_submodules(graph_name: str, root: BuildRoot) -> None:
                 "directly, where graphamp uses its original")
 
 
-def pinned_paths(root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...]) -> frozenset[str]:
-    """Module paths whose ops stay fp32 (config.pin_fp32): every module of the pinned types,
-    and every module at or below a pinned name. A name that matches no module is an error."""
+def pinned_paths(root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...],
+                 dtype: torch.dtype) -> dict[str, str]:
+    """Module path -> why its ops stay fp32: every module of the types and every module at or
+    below the names given to config.pin_fp32 (a name that matches no module is an error), and
+    the parts the model itself declares fp32 (model_pins.py). The user's reason wins."""
     modules = _named_modules_checked(root, names, "pin_fp32")
-    paths = set()
+    paths = model_fp32_pins(root, dtype)
     for path, module in modules.items():
-        if path and (isinstance(module, types) or any(
-                path == w or path.startswith(w + ".") for w in names)):
-            paths.add(path)
-    return frozenset(paths)
+        if not path:
+            continue
+        by_type = next((t for t in types if isinstance(module, t)), None)
+        by_name = next((w for w in names if path == w or path.startswith(w + ".")), None)
+        if by_type is not None or by_name is not None:
+            what = by_type.__name__ if by_type is not None else repr(by_name)
+            paths[path] = f"pinned fp32 by config.pin_fp32({what})"
+    return paths
 
 
 def checkpointed_paths(root: BuildRoot, types: tuple[type, ...],

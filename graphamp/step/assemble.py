@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..errors import CaptureError, GraphampError
 from ..fxutil import NodeTagger, rename_placeholders, trace_functional
 from ..optimizers import OptimizerPlan
 from ..spec import StepPlan
@@ -36,16 +35,9 @@ def assemble_step(plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Te
                   graph_name: str) -> fx.GraphModule:
     """Trace the step into one FX graph over fake copies of ``example`` (nothing runs)."""
     step = make_step_function(plan, fwd_gm)
-    try:
-        gm = trace_functional(step, example, propagate_input_mutations=True)
-    except GraphampError:
-        raise
-    except Exception as e:
-        raise CaptureError(
-            f"assembling the training step of {graph_name} failed: {type(e).__name__}: {e}. "
-            "This is a graphamp bug if build() runs eagerly; please report it with the graph "
-            "dump (g.dump(path))"
-        ) from e
+    # a failure here (a custom Function's backward, a bug) becomes a graphamp error, naming the
+    # user's line, in pipeline.build_program
+    gm = trace_functional(step, example, propagate_input_mutations=True)
     rename_placeholders(gm, plan.layout.names)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()

@@ -1,0 +1,252 @@
+"""Issue 21, point 5: every error is graphamp's.
+
+A catalogue of build() bodies and model patterns that fail somewhere in the pipeline (capture,
+assembly, compilation). For each: the exception is a GraphampError, it names the line of this
+file where the failure is (marked ``# fails: <case>``) when there is one, torch's exception is
+kept as ``__cause__`` where torch raised, and the user's model, optimizer and scaler are exactly
+as before (the same Python objects, the same values).
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import re
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphamp
+from helpers import make_graph
+
+THIS_FILE = pathlib.Path(__file__)
+
+
+def _line_of(case: str) -> int:
+    """The line of this file marked ``# fails: case``."""
+    for number, text in enumerate(THIS_FILE.read_text().splitlines(), start=1):
+        if text.rstrip().endswith(f"# fails: {case}"):
+            return number
+    raise LookupError(case)
+
+
+def _ce(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+class RaisingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("this backward is broken")  # fails: function backward
+
+
+class RaisingForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.reshape(3, -1, 7)  # fails: function forward
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _unsupported_numpy(m, x, y):
+    return _ce(m, torch.from_numpy(x.numpy()), y)  # fails: numpy
+
+
+def _shape_mismatch(m, x, y):
+    return F.cross_entropy(m(x[:, :5]), y)  # fails: shape
+
+
+def _dtype_mismatch(m, x, y):
+    return F.cross_entropy(m(x.double()), y)  # fails: dtype
+
+
+def _inplace_on_leaf(m, x, y):
+    w = torch.zeros(4, requires_grad=True)
+    w.add_(1)  # fails: in-place leaf
+    return _ce(m, x, y) + w.sum()
+
+
+def _item(m, x, y):
+    loss = _ce(m, x, y)
+    return loss * loss.item()  # fails: item
+
+
+def _control_flow(m, x, y):
+    loss = _ce(m, x, y)
+    if loss > 1:  # fails: control flow
+        loss = loss * 2
+    return loss
+
+
+def _backward_raises(m, x, y):
+    return F.cross_entropy(RaisingBackward.apply(m(x)), y)
+
+
+def _forward_raises(m, x, y):
+    return F.cross_entropy(RaisingForward.apply(m(x)), y)
+
+
+def _index_out_of_range(m, x, y):
+    return _ce(m, x, y) + x[:, 40].sum()  # fails: index
+
+
+def _bad_view(m, x, y):
+    return _ce(m, x.view(-1, 5), y)  # fails: view
+
+
+def _bad_target(m, x, y):
+    return F.cross_entropy(m(x), y[:3])  # fails: target
+
+
+def _grad_of_a_constant(m, x, y):
+    loss = _ce(m, x, y)
+    (g,) = torch.autograd.grad(x.sum(), x)  # fails: grad of constant
+    return loss + g.sum()
+
+
+def _raise_in_forward_hook(module, args, out):
+    raise RuntimeError("a forward hook refused")  # fails: forward hook
+
+
+def _raise_in_tensor_hook(grad):
+    raise RuntimeError("a gradient hook refused")
+
+
+def _tensor_hook(m, x, y):
+    h = m(x)
+    h.register_hook(_raise_in_tensor_hook)  # fails: tensor hook
+    return F.cross_entropy(h, y)
+
+
+def _no_fake_kernel_op(m, x, y):
+    return _ce(m, x, y) + torch.ops.graphamp_catalogue.opaque(x).sum()  # fails: custom op
+
+
+@torch.library.custom_op("graphamp_catalogue::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def _opaque_fake_refuses(x):
+    raise NotImplementedError("no shape rule for this op")  # fails: custom op fake
+
+
+_opaque.register_fake(_opaque_fake_refuses)
+
+
+def _broken_backend_compiler(gm, example):
+    raise RuntimeError("this backend cannot compile anything")  # fails: backend
+
+
+# case -> (build body, install on the model, needs a line, torch's exception kept as cause)
+CASES = {
+    # graphamp's own refusals: found before torch raises anything
+    "numpy": (_unsupported_numpy, None, True, False),
+    "item": (_item, None, True, False),
+    "control flow": (_control_flow, None, True, False),
+    "tensor hook": (_tensor_hook, None, True, False),
+    "dtype": (_dtype_mismatch, None, True, False),  # fake tensors would let it through
+    # torch raised: kept as the cause
+    "shape": (_shape_mismatch, None, True, True),
+    "in-place leaf": (_inplace_on_leaf, None, True, True),
+    "function backward": (_backward_raises, None, True, True),
+    "function forward": (_forward_raises, None, True, True),
+    "index": (_index_out_of_range, None, True, True),
+    "view": (_bad_view, None, True, True),
+    "target": (_bad_target, None, True, True),
+    "grad of constant": (_grad_of_a_constant, None, True, True),
+    "forward hook": (_ce, lambda m: m[0].register_forward_hook(_raise_in_forward_hook), True,
+                     True),
+    "custom op fake": (_no_fake_kernel_op, None, True, True),
+    "backend": (_ce, None, True, True),
+}
+
+
+def _model_and_optimizer():
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    F.cross_entropy(model(x), y).backward()  # optimizer state exists: "unchanged" means something
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _snapshot(model, opt, scaler):
+    tensors = {n: (t, t.detach().clone()) for n, t in
+               [*model.named_parameters(), *model.named_buffers()]}
+    return tensors, copy.deepcopy(opt.state_dict()), dict(scaler.state_dict())
+
+
+def _assert_unchanged(before, model, opt, scaler):
+    tensors, opt_state, scaler_state = before
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    assert now.keys() == tensors.keys()
+    for name, (obj, value) in tensors.items():
+        assert now[name] is obj, f"{name} was replaced"
+        assert torch.equal(obj.detach(), value), f"{name} changed"
+    after = opt.state_dict()
+    assert after["param_groups"] == opt_state["param_groups"]
+    for i, state in opt_state["state"].items():
+        for k, v in state.items():
+            assert torch.equal(torch.as_tensor(after["state"][i][k]), torch.as_tensor(v)), (i, k)
+    assert scaler.state_dict() == scaler_state
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_failure_is_a_graphamp_error_naming_the_line(case, monkeypatch):
+    body, install, names_line, has_cause = CASES[case]
+    model, opt = _model_and_optimizer()
+    if install is not None:
+        install(model)
+    if case == "backend":
+        monkeypatch.setattr(torch._dynamo, "lookup_backend", lambda name: _broken_backend_compiler)
+    scaler = graphamp.GradScaler(init_scale=1024.0)
+
+    def build(self, x, y):
+        loss = body(self.model, x, y)
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, opt, build=build, amp=torch.float16, scaler=scaler)
+    before = _snapshot(model, opt, scaler)
+    with pytest.raises(Exception) as info:
+        g(torch.randn(6, 8), torch.randint(0, 4, (6,)))
+    err = info.value
+    assert isinstance(err, graphamp.GraphampError), (type(err), err)
+    if names_line:
+        where = f"{THIS_FILE.name}:{_line_of(case)}"
+        assert where in str(err), (where, str(err))
+    if has_cause:
+        assert err.__cause__ is not None and not isinstance(err.__cause__, graphamp.GraphampError)
+    _assert_unchanged(before, model, opt, scaler)
+    assert g.step_count == 0
+
+
+def test_the_compile_stage_failure_is_a_compile_error(monkeypatch):
+    monkeypatch.setattr(torch._dynamo, "lookup_backend", lambda name: _broken_backend_compiler)
+    model, opt = _model_and_optimizer()
+    g = make_graph(model, F.cross_entropy, opt)
+    with pytest.raises(graphamp.CompileError, match=r"aot_eager.*set_backend") as info:
+        g(torch.randn(6, 8), torch.randint(0, 4, (6,)))
+    assert re.search("cannot compile anything", str(info.value.__cause__))
+
+
+def test_ctrl_c_during_the_build_is_not_wrapped():
+    model, opt = _model_and_optimizer()
+
+    def build(self, x, y):
+        raise KeyboardInterrupt
+
+    g = make_graph(model, None, opt, build=build)
+    with pytest.raises(KeyboardInterrupt):
+        g(torch.randn(6, 8), torch.randint(0, 4, (6,)))
