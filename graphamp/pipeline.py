@@ -75,7 +75,8 @@ def _build(spec: GraphSpec, inputs: FlatInputs, state: SharedState, stages: "_St
     device = check_devices(spec.name, root, inputs)
     traced = inputs.micro_batch(config.grad_acc_steps, spec.name) \
         if config.grad_acc_steps > 1 else inputs
-    captured = stages.run("capture", capture_forward, root, traced, spec.name)
+    captured = stages.run("capture", capture_forward, root, traced, spec.name, None,
+                          config.amp_active)
     records = [PassRecord("captured", captured.gm.code, stages.timings["capture"], True)]
     forward, amp = stages.run("amp_passes", _amp_passes, spec, root, captured, records)
     plan = stages.run("plan", _plan, spec, captured, root, forward, amp, process_group)

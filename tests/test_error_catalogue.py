@@ -164,8 +164,10 @@ CASES = {
     "view": (_bad_view, None, True, True),
     "target": (_bad_target, None, True, True),
     "grad of constant": (_grad_of_a_constant, None, True, True),
-    "forward hook": (_ce, lambda m: m[0].register_forward_hook(_raise_in_forward_hook), True,
-                     True),
+    # module hooks are refused by name before they run (tests/test_context.py checks the name
+    # and where the hook is defined), so neither a line of the hook's body nor a cause
+    "forward hook": (_ce, lambda m: m[0].register_forward_hook(_raise_in_forward_hook), False,
+                     False),
     "custom op fake": (_no_fake_kernel_op, None, True, True),
     "backend": (_ce, None, True, True),
 }

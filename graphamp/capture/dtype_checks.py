@@ -22,13 +22,18 @@ SAME_DTYPE_OPS = frozenset({
 })
 
 
-def mixed_dtypes(func: Any, args: tuple, kwargs: dict) -> tuple[str, ...] | None:
-    """The distinct floating dtypes ``func`` was given, when eager PyTorch would refuse them."""
+def mixed_dtypes(func: Any, args: tuple, kwargs: dict,
+                 amp: bool = False) -> tuple[str, ...] | None:
+    """The distinct floating dtypes ``func`` was given, when eager PyTorch would refuse them.
+
+    With ``amp`` (graphamp's AMP will decide the dtypes), a mix of fp16, bf16 and fp32 is
+    reconciled by its casts, as autocast reconciles it; float64 is left alone by both, so a mix
+    with float64 is still refused."""
     if func not in SAME_DTYPE_OPS or _autocast_on():
         return None
     dtypes = {a.dtype for a in (*args, *kwargs.values())
               if isinstance(a, torch.Tensor) and a.dtype.is_floating_point}
-    if len(dtypes) < 2:
+    if len(dtypes) < 2 or (amp and torch.float64 not in dtypes):
         return None
     return tuple(sorted(str(d).replace("torch.", "") for d in dtypes))
 

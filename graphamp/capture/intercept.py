@@ -53,9 +53,11 @@ class CaptureMode(TorchFunctionMode):
     """Active while build() is traced; see the module docstring."""
 
     def __init__(self, module_names: dict[int, str], sdpa_policy: torch.dtype | None = None,
-                 loss_scale: torch.Tensor | None = None):
+                 loss_scale: torch.Tensor | None = None, mixed_dtypes_ok: bool = False):
         super().__init__()
         self.module_names = module_names
+        # with graphamp's AMP on, its casts reconcile fp16/bf16/fp32 inputs (promote, widening)
+        self.mixed_dtypes_ok = mixed_dtypes_ok
         self._modules_by_id: dict[int, tuple[nn.Module, str]] = {}  # filled as modules run
         # The step's loss scale (a traced 0-dim input): gradients build() takes itself are
         # computed scaled and unscaled before use, torch's recipe for gradient penalties.
@@ -132,7 +134,7 @@ class CaptureMode(TorchFunctionMode):
             if culprit is not None and culprit[1] in _SAFE_ANSWERS:
                 return _SAFE_ANSWERS[culprit[1]]
             raise _host_read_error(func, culprit)
-        mixed = mixed_dtypes(func, args, kwargs)
+        mixed = mixed_dtypes(func, args, kwargs, amp=self.mixed_dtypes_ok)
         if mixed is not None:
             raise CaptureError(
                 f"build() calls {getattr(func, '__name__', func)} on tensors of different dtypes "

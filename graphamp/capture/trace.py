@@ -47,15 +47,18 @@ _DATA_DEPENDENT = tuple(
 
 
 def capture_forward(root: BuildRoot, inputs: FlatInputs, graph_name: str,
-                    device: torch.device | None = None) -> CapturedForward:
+                    device: torch.device | None = None, amp: bool = False) -> CapturedForward:
     """Trace ``root``'s build() on fake copies of its state and ``inputs``.
+
+    ``amp``: graphamp's AMP will decide the dtypes, so ops given tensors of several floating
+    dtypes (which eager PyTorch refuses without autocast) are left for its casts to reconcile.
 
     ``device`` traces as if everything lived there (fake tensors): the CUDA graph of a model can
     be captured and inspected on a machine without a GPU.
     """
     param_names = [n for n, _ in root.named_parameters()]
     buffer_names = [n for n, _ in root.named_buffers()]
-    gm, traced = _trace(root, inputs, param_names, buffer_names, graph_name, device)
+    gm, traced = _trace(root, inputs, param_names, buffer_names, graph_name, device, amp)
     input_names = inputs.names(root._build)
     n_losses, n_grads = len(traced["losses"]), sum(r.gradient is not None for r in traced["losses"])
     n_outputs = sum(1 for x in traced["template"] if x is TENSOR)
@@ -88,8 +91,8 @@ def capture_forward(root: BuildRoot, inputs: FlatInputs, graph_name: str,
 
 
 def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
-           buffer_names: list[str], graph_name: str,
-           device: torch.device | None) -> tuple[fx.GraphModule, dict[str, Any]]:
+           buffer_names: list[str], graph_name: str, device: torch.device | None,
+           amp: bool) -> tuple[fx.GraphModule, dict[str, Any]]:
     """make_fx over the functionalized forward; returns the graph and what build() reported
     (losses, return structure), with torch's errors turned into CaptureErrors."""
     module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
@@ -107,7 +110,7 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
     def forward(*flat: torch.Tensor):
         replacement = {id(t): v for t, v in zip([*params, *buffers], flat[:n_state])}
         args, kwargs = inputs.rebuild(list(flat[n_state:-1]))
-        mode = CaptureMode(module_names, loss_scale=flat[-1])
+        mode = CaptureMode(module_names, loss_scale=flat[-1], mixed_dtypes_ok=amp)
         with refusing_attribute_writes(graph_name, watched), torch.enable_grad(), \
                 swapped(slots, replacement), mode.tracking_modules(), mode, \
                 capturing_autograd_functions(traced["function_calls"]):
