@@ -64,12 +64,13 @@ class StructureKey:
                                 for m in self._modules)
         # a hook registered after the first call would never run in the compiled step: its
         # arrival captures again, and capture refuses it by name (capture/side_effects.py).
-        # Programs exist only for hook-free models, so "any hook" is all the key needs.
+        # Programs exist only for models whose hooks are all traceable (side_effects.py), so
+        # the number of hooks is all the key needs.
         declared = tuple(declared_patterns(m) for m in self._declaring)
         return (self._fingerprint, (sizes_and_modes, declared),
                 tuple(slot.structure() for slot in optimizers), config,
                 (id(scaler), scaler.settings()) if scaler is not None else None, modes,
-                any(self._hook_dicts))
+                sum(map(len, self._hook_dicts)))
 
     def _refresh(self, roots: tuple) -> None:
         self._epoch, self._roots = _current[0], roots

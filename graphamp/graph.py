@@ -412,9 +412,11 @@ def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
     if isinstance(value, nn.Module) and any(c.__module__.startswith("torch.distributed.fsdp")
                                             for c in type(value).__mro__):
         raise GraphDefinitionError(
-            f"{graph_name}.{name} = {type(value).__name__}(...): FSDP-sharded modules are not "
-            "supported by graphamp (docs/distributed.md); register the unwrapped module with "
-            "config.enable_data_parallel(), or a DistributedDataParallel wrapper")
+            f"{graph_name}.{name} = {type(value).__name__}(...): FSDP-sharded modules "
+            "(fully_shard, FullyShardedDataParallel) are not supported by graphamp "
+            "(docs/distributed.md). Register the unwrapped module and call "
+            "config.enable_zero(stage=1 or 2) for sharded optimizer state, or "
+            "config.enable_data_parallel() (a DistributedDataParallel wrapper works too)")
     return value
 
 

@@ -31,15 +31,35 @@ _GLOBAL_HOOKS = (("_global_forward_pre_hooks", "global forward pre-hook"),
                  ("_global_backward_hooks", "global backward hook"))
 
 
+# Hooks known to act only on the tensors they are given, with no Python side effect: tracing
+# them records exactly what they mean. (module, qualified name) of the hook function.
+_TRACEABLE_HOOKS = frozenset({
+    # transformers' enable_input_require_grads (gradient_checkpointing_enable, PEFT/LoRA): sets
+    # requires_grad on the embedding output
+    ("transformers.modeling_utils",
+     "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"),
+})
+
+
 def refuse_hooks(graph_name: str, modules: list[tuple[str, nn.Module]]) -> None:
-    """CaptureError for the first module hook (or global module hook) found; changes nothing."""
+    """CaptureError for the first module hook (or global module hook) found that is not known
+    to be traceable; changes nothing."""
     for attr, kind in _GLOBAL_HOOKS:
         for hook in getattr(module_globals, attr, {}).values():
-            raise _hook_error(graph_name, kind, "every module", hook)
+            if not _traceable(hook):
+                raise _hook_error(graph_name, kind, "every module", hook)
     for path, module in modules:
         for attr, kind in _HOOK_KINDS:
             for hook in getattr(module, attr).values():
-                raise _hook_error(graph_name, kind, repr(path) if path else "the root", hook)
+                if not _traceable(hook):
+                    raise _hook_error(graph_name, kind, repr(path) if path else "the root",
+                                      hook)
+
+
+def _traceable(hook: Any) -> bool:
+    target = getattr(hook, "func", hook)  # functools.partial
+    return (getattr(target, "__module__", None),
+            getattr(target, "__qualname__", None)) in _TRACEABLE_HOOKS
 
 
 def _hook_error(graph_name: str, kind: str, where: str, hook: Any) -> CaptureError:
