@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .errors import ConfigError
 from .validate import check_int
 
 HISTORY_COLUMNS = ("step", "loss", "scale", "skipped", "grad_norm")
@@ -57,10 +58,25 @@ class TrainingHistory:
         return {"step": int(self.step.item()), "table": self.table.detach().cpu().clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        step, rows = self.check_state_dict(state)
         if self.table is None:
-            self._pending = {"step": int(state["step"]), "table": state["table"]}
+            self._pending = {"step": step, "table": rows}
             return
-        self.step.fill_(int(state["step"]))
-        rows = torch.as_tensor(state["table"], dtype=torch.float32)
+        self.step.fill_(step)
         self.table.fill_(float("nan"))
         self.table[: rows.shape[0]].copy_(rows[: self.capacity])
+
+    @staticmethod
+    def check_state_dict(state: Any) -> tuple[int, torch.Tensor]:
+        """(step, rows) a state dict would load; ConfigError if it is not a history's."""
+        if not isinstance(state, dict) or set(state) != {"step", "table"}:
+            raise ConfigError("a history state dict has exactly the keys 'step' and 'table', got "
+                              f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+        step = check_int("the history's step", state["step"], at_least=0)
+        table = state["table"]
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 \
+                or table.shape[1] != len(HISTORY_COLUMNS) or not table.dtype.is_floating_point:
+            raise ConfigError(f"the history's table must be a float tensor of shape (rows, "
+                              f"{len(HISTORY_COLUMNS)}) (columns {', '.join(HISTORY_COLUMNS)}), got "
+                              f"{tuple(table.shape) if isinstance(table, torch.Tensor) else table!r}")
+        return step, table.detach().to(torch.float32)

@@ -1,8 +1,8 @@
 """Stage 3, plan: what the training step does, decided on the host before it is traced.
 
 Which parameters each optimizer updates (and which get no gradient), which optimizer state and
-hyperparameters the step reads, which low-precision parameter copies the AMP forward wants, and
-the layout of the step's inputs (spec.StepLayout).
+hyperparameters the step reads, which parameters the AMP forward reads in low precision, and the
+layout of the step's inputs (spec.StepLayout).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import torch
 from ..errors import CaptureError
 from ..optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
 from ..spec import CapturedForward, GraphSpec, StepLayout, StepPlan
-from ..validate import dtype_name
 
 
 def build_plan(spec: GraphSpec, captured: CapturedForward, param_ids: list[int],
-               shadows: list[tuple[int, torch.dtype]], direct_use: set[int],
+               param_casts: list[tuple[int, torch.dtype]], direct_use: set[int],
                process_group=None) -> StepPlan:
     """The StepPlan for ``captured``; ``param_ids`` are ``id()`` of the forward's parameters in
     placeholder order (to find each optimizer's parameters among them)."""
@@ -31,8 +30,9 @@ def build_plan(spec: GraphSpec, captured: CapturedForward, param_ids: list[int],
     scaler = spec.scaler if spec.training else None
     _warn_about_scaler_dtype(spec, scaler)
     return StepPlan(captured, spec.training, trainable, plans, scaler,
-                    layout=_layout(captured, plans, scaler, spec.training, shadows),
-                    shadows=shadows, direct_use=direct_use, acc_steps=spec.config.grad_acc_steps,
+                    layout=_layout(captured, plans, scaler, spec.training),
+                    param_casts=param_casts, direct_use=direct_use,
+                    acc_steps=spec.config.grad_acc_steps,
                     process_group=process_group if spec.training else None)
 
 
@@ -87,8 +87,8 @@ def _forward_position(spec, captured, position, owner, k, opt, p) -> int:
     return i
 
 
-def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler, training: bool,
-            shadows: list[tuple[int, torch.dtype]]) -> StepLayout:
+def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler,
+            training: bool) -> StepLayout:
     """Placeholder names of the step's inputs, group by group (spec.STEP_INPUT_GROUPS)."""
     state, hyper = [], []
     for opt in plans:
@@ -105,7 +105,6 @@ def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler, training: 
         "scaler": (["scaler_scale", "scaler_growth_tracker", "scaler_hysteresis_tracker",
                     "scaler_found_inf"] if scaler is not None else []),
         "history": ["history_step", "history_table"] if training else [],
-        "shadows": [f"p_{cap.param_names[i]}_{dtype_name(dt)}" for i, dt in shadows],
         "constants": [f"c_{n}" for n in cap.constant_names],
         "inputs": [f"in_{n}" for n in cap.input_names],
     })
