@@ -2,9 +2,9 @@
 
 The math follows torch's single-tensor implementations (``torch/optim/sgd.py``, ``adam.py``) in
 their capturable form, op for op, written as multi-tensor ``torch._foreach_*`` ops over each
-param group: each op is one node for the whole group, and inductor fuses the chain, the masks
-and the low-precision copy refresh into a few horizontally fused (combo) kernels on the GPU
-instead of one kernel per parameter. Element by element the arithmetic is the single-tensor
+param group: each op is one node for the whole group, so the graph's size no longer grows with
+the parameter count and inductor can fuse the chain and the masks horizontally (combo kernels on
+the GPU) instead of emitting one kernel per parameter. Element by element the arithmetic is the single-tensor
 one, so results are bitwise those of the per-parameter form. As there, the learning rate and the
 other float hyperparameters are graph inputs (0-dim fp32 tensors), so a scheduler changing them
 never recompiles, and the bias corrections use the step tensor on the device, so nothing syncs
