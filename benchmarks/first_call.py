@@ -159,7 +159,7 @@ def first_call(variant: str, workload: str, device: str = "cpu", dtype_name: str
     names, values = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
     out["compile_times"] = {n: float(v) for n, v in zip(names, values) if float(v) >= 0.5}
     counters = torch._dynamo.utils.counters
-    out["cache"] = {k: v for k, v in {**counters["inductor"], **counters["aot_autograd"]}.items()
+    out["cache_counters"] = {k: v for k, v in {**counters["inductor"], **counters["aot_autograd"]}.items()
                     if "cache" in k}
     return out
 
