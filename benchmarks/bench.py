@@ -1,6 +1,7 @@
 """graphamp against what PyTorch users run today, side by side in one process on the same data.
 
-For each workload (seed MLP, GPT-2 124M, ResNet-50) and each variant:
+For each workload (seed MLP, GPT-2 124M, a 6-layer GPT-2, ResNet-50, a 1.1B Llama-style decoder)
+and each variant, all variants of a workload one after the other in one process (same-run ratios):
 
     eager_fp32        eager fp32
     eager_amp_fp16    eager torch.autocast(fp16) + torch.amp.GradScaler
@@ -17,6 +18,7 @@ synchronises with the host (``torch.cuda.set_sync_debug_mode("error")``), and gr
 to the best peer of its dtype.
 
     python benchmarks/bench.py --workload mlp gpt2 resnet50          # on a GPU
+    python benchmarks/bench.py --workload llama1b --variant graphamp_bf16 compile_bf16
     python benchmarks/bench.py --smoke                               # tiny, CPU, aot_eager
 
 Results: benchmarks/results/bench_<device>.jsonl (one JSON object per variant) and
@@ -47,6 +49,12 @@ from workloads import WORKLOADS  # noqa: E402
 VARIANTS = ("eager_fp32", "eager_amp_fp16", "eager_bf16", "compile_amp_fp16", "compile_bf16",
             "graphamp_fp16", "graphamp_bf16")
 FP16, BF16 = torch.float16, torch.bfloat16
+# dense bf16/fp16 tensor-core peak (TFLOP/s) by device name, for MFU
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
 
 
 def make_step(variant: str, workload, model, device, backend: str, inductor_options=None):
@@ -171,6 +179,7 @@ def run_variant(variant, workload, base_model, device, args) -> dict:
         "ms_mean_wall": wall, "ms_p10": sorted(times)[len(times) // 10],
         "ms_p90": sorted(times)[len(times) * 9 // 10],
         "tflops": workload.flops_per_step / (ms * 1e-3) / 1e12 if workload.flops_per_step else None,
+        "tokens_per_s": workload.tokens_per_step / (ms * 1e-3) if workload.tokens_per_step else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30
         if device.type == "cuda" else None,
@@ -234,26 +243,30 @@ def profile_steps(step, batches, device, args) -> dict:
 
 
 def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
+    peak = peak_tflops(meta["device"])
     lines = ["# graphamp benchmark", "",
              f"Device: **{meta['device']}**, torch {meta['torch']}, graphamp {meta['graphamp']}. "
              f"Command: `{meta['command']}`", "",
              "ms/step: median of per-step CUDA-event times over the measured steps, launched back "
              "to back with one sync at the end. Ratio: graphamp over the best peer of the same "
-             "dtype in the same run (lower is better).", ""]
+             "dtype in the same run (lower is better). MFU: TFLOP/s over the device's dense "
+             f"bf16/fp16 peak ({peak or 'unknown'} TFLOP/s).", ""]
     for workload in dict.fromkeys(r["workload"] for r in rows):
         rs = [r for r in rows if r["workload"] == workload]
         lines += [f"## {workload}", "",
-                  "| variant | ms/step | TFLOP/s | peak GiB (reserved) | first call s | host sync | loss first → last (finite) | ratio |",
-                  "|---|---:|---:|---:|---:|---|---|---:|"]
+                  "| variant | ms/step | TFLOP/s | MFU | tokens/s | peak GiB (reserved) | first call s | host sync | loss first → last (finite) | ratio |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
         for r in rs:
             tf = f"{r['tflops']:.1f}" if r.get("tflops") else "-"
+            mfu = f"{r['tflops'] / peak:.1%}" if r.get("tflops") and peak else "-"
+            tokens = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
             mem = (f"{r['peak_mem_gib']:.2f} ({r['peak_reserved_gib']:.2f})"
                    if r.get("peak_mem_gib") is not None else "-")
             ratio = r.get("ratio_vs_best_peer")
             name = r["variant"] + (" " + ",".join(f"{k}={v}" for k, v in r["inductor_options"].items())
                                    if r.get("inductor_options") else "")
             lines.append(
-                f"| {name} | {r['ms_per_step']:.3f} | {tf} | {mem} | "
+                f"| {name} | {r['ms_per_step']:.3f} | {tf} | {mfu} | {tokens} | {mem} | "
                 f"{r['first_call_s']:.1f} | {r['host_sync'].split(':')[0]} | "
                 f"{r['loss_first']:.3f} → {r['loss_last']:.3f} ({'yes' if r['loss_finite'] else 'NO'}) | "
                 f"{f'{ratio:.2f}' if ratio else ''} |")

@@ -1,4 +1,5 @@
-"""The benchmark workloads: the seed MLP, GPT-2 124M (a compact local definition), ResNet-50.
+"""The benchmark workloads: the seed MLP, GPT-2 124M (a compact local definition), ResNet-50,
+and a 1.1B-parameter Llama-style decoder (transformers' LlamaForCausalLM from a config).
 
 Each workload gives a model factory, an optimizer factory, a loss, a fixed set of batches on the
 device, and the FLOPs of one training step where they are known.
@@ -24,6 +25,7 @@ class Workload:
     batches: list
     flops_per_step: float | None
     description: str
+    tokens_per_step: int | None = None  # language models: tokens trained on per step
 
 
 # -- GPT-2 (nanoGPT's layout: fused qkv projection, tanh GELU, tied embedding) ------------------
@@ -113,7 +115,29 @@ def gpt2(device, smoke=False, n_batches=4) -> Workload:
                                            betas=(0.9, 0.95), **({"fused": True} if fused else {})),
         lm_loss, batches, flops,
         f"GPT-2 {'tiny' if smoke else '124M'} (12 layers, 768 wide) batch {batch}, sequence {seq}, "
-        "AdamW, SDPA attention" if not smoke else "tiny GPT smoke workload")
+        "AdamW, SDPA attention" if not smoke else "tiny GPT smoke workload", batch * seq)
+
+
+def gpt2_6l(device, smoke=False, n_batches=4) -> Workload:
+    """Issue 15's small GPT for CPU measurements (first call, kernels per step): GPT-2's layout
+    and vocabulary, 6 layers, n_embd 128, 4 heads, B8 T64, AdamW (the smoke size is gpt2's)."""
+    if smoke:
+        return gpt2(device, smoke=True, n_batches=n_batches)
+    cfg = dict(vocab=50304, seq=64, layers=6, heads=4, dim=128)
+    batch, seq = 8, 64
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(n_batches):
+        idx = torch.randint(0, cfg["vocab"], (batch, seq + 1), generator=gen).to(device)
+        batches.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
+    n_params = sum(p.numel() for n, p in GPT(**cfg).named_parameters() if n != "wpe.weight")
+    flops = (6 * n_params + 12 * cfg["layers"] * cfg["dim"] * seq) * batch * seq
+    return Workload(
+        "gpt2-6l", lambda: GPT(**cfg),
+        lambda m, fused: torch.optim.AdamW(m.parameters(), lr=6e-4, weight_decay=0.1,
+                                           betas=(0.9, 0.95), **({"fused": True} if fused else {})),
+        lm_loss, batches, flops, "GPT-2 layout, 6 layers, n_embd 128, 4 heads, vocab 50304, "
+        "B8 T64, AdamW", batch * seq)
 
 
 def seed_mlp(device, smoke=False, n_batches=16) -> Workload:
@@ -154,4 +178,51 @@ def resnet50(device, smoke=False, n_batches=4) -> Workload:
         if not smoke else "torchvision ResNet-18 at 32x32 smoke workload")
 
 
-WORKLOADS = {"mlp": seed_mlp, "gpt2": gpt2, "resnet50": resnet50}
+class LlamaLM(nn.Module):
+    """transformers' LlamaForCausalLM returning its logits (the loss is the workload's)."""
+
+    def __init__(self, config):
+        super().__init__()
+        import transformers
+
+        self.lm = transformers.LlamaForCausalLM(config)
+
+    def forward(self, idx):
+        return self.lm(input_ids=idx, use_cache=False).logits
+
+
+def llama_1b(device, smoke=False, n_batches=4) -> Workload:
+    """TinyLlama-1.1B's shape (22 layers, width 2048, 32 heads, 4 KV heads, SwiGLU 5632, vocab
+    32000) from a config, random weights; B4 T2048, AdamW. FLOPs: nanoGPT's estimate, as for
+    GPT-2 (6N per token plus 12 * layers * width * sequence)."""
+    import transformers
+
+    dims = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512) if smoke else
+            dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4, vocab_size=32000))
+    batch, seq = (2, 64) if smoke else (4, 2048)
+    config = transformers.LlamaConfig(**dims, max_position_embeddings=seq,
+                                      tie_word_embeddings=False, attn_implementation="sdpa",
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(n_batches):
+        idx = torch.randint(0, dims["vocab_size"], (batch, seq + 1), generator=gen).to(device)
+        batches.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in LlamaLM(config).parameters())
+    layers, width = dims["num_hidden_layers"], dims["hidden_size"]
+    flops = (6 * n_params + 12 * layers * width * seq) * batch * seq
+    return Workload(
+        "llama-1b" if not smoke else "llama-tiny",
+        lambda: LlamaLM(config),
+        lambda m, fused: torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1,
+                                           betas=(0.9, 0.95), **({"fused": True} if fused else {})),
+        lm_loss, batches, flops,
+        f"Llama-style decoder {n_params / 1e9:.2f}B (TinyLlama-1.1B shape), B{batch} T{seq}, AdamW"
+        if not smoke else "tiny Llama smoke workload", batch * seq)
+
+
+WORKLOADS = {"mlp": seed_mlp, "gpt2": gpt2, "gpt2-6l": gpt2_6l, "resnet50": resnet50,
+             "llama1b": llama_1b}

@@ -24,3 +24,14 @@ def test_benchmark_smoke_mode(tmp_path):
     assert len(lines) == len(rows) and json.loads(lines[0])["meta"]["torch"]
     table = open(tmp_path / "bench_smoke.md").read()
     assert "| graphamp_fp16 |" in table and "## gpt-tiny" in table
+
+
+def test_benchmark_smoke_llama_workload(tmp_path):
+    """Issue 15: the Llama-style workload (transformers' LlamaForCausalLM from a config) at smoke
+    size trains under graphamp and its peer in one run, with tokens/s reported."""
+    rows = bench.main(["--smoke", "--workload", "llama1b", "--variant", "graphamp_bf16",
+                       "eager_bf16", "--out", str(tmp_path)])
+    assert [r["variant"] for r in rows] == ["graphamp_bf16", "eager_bf16"]
+    assert all(r["workload"] == "llama-tiny" and r["loss_finite"] and r["tokens_per_s"] > 0
+               for r in rows), rows
+    assert rows[0]["ratio_vs_best_peer"] > 0

@@ -1,9 +1,14 @@
 """The optimizer update, traced into the step: torch's SGD and Adam/AdamW on values.
 
 The math follows torch's single-tensor implementations (``torch/optim/sgd.py``, ``adam.py``) in
-their capturable form: the learning rate and the other float hyperparameters are graph inputs
-(0-dim fp32 tensors), so a scheduler changing them never recompiles, and the bias corrections use
-the step tensor on the device, so nothing syncs with the host. Every write is masked by the
+their capturable form, op for op, written as multi-tensor ``torch._foreach_*`` ops over each
+param group: each op is one node for the whole group, so the graph's size no longer grows with
+the parameter count and inductor can fuse the chain and the masks horizontally (combo kernels on
+the GPU) instead of emitting one kernel per parameter. Element by element the arithmetic is the single-tensor
+one, so results are bitwise those of the per-parameter form. As there, the learning rate and the
+other float hyperparameters are graph inputs (0-dim fp32 tensors), so a scheduler changing them
+never recompiles, and the bias corrections use the step tensor on the device, so nothing syncs
+with the host. Every write is masked by the
 overflow flag: a skipped step leaves parameters and state bitwise unchanged.
 """
 
@@ -27,60 +32,67 @@ class GroupTensors:
 
 
 def sgd_update(t: GroupTensors, flags: dict, first_step: torch.Tensor | None):
-    """torch.optim.SGD's update. Returns (new params, new state)."""
-    lr = t.hyper["lr"]
-    new_params, new_bufs = [], []
-    for i, (p, g) in enumerate(zip(t.params, t.grads)):
-        if flags["maximize"]:
-            g = -g
-        if flags["weight_decay"]:
-            g = g + t.hyper["weight_decay"] * p
-        if flags["momentum"]:
-            buf = t.state["momentum_buffer"][i]
-            momentum = t.hyper["momentum"]
-            new_buf = momentum * buf + (1 - t.hyper["dampening"]) * g
-            if flags["dampening"] and first_step is not None:
-                # torch starts the buffer as a copy of the first gradient (no dampening)
-                new_buf = torch.where(first_step, g, new_buf)
-            new_bufs.append(new_buf)
-            g = g + momentum * new_buf if flags["nesterov"] else new_buf
-        new_params.append(p - lr * g)
-    state = {"momentum_buffer": new_bufs} if flags["momentum"] else {}
-    return new_params, state
+    """torch.optim.SGD's update on the whole group. Returns (new params, new state)."""
+    lr, grads = t.hyper["lr"], t.grads
+    if flags["maximize"]:
+        grads = torch._foreach_neg(grads)
+    if flags["weight_decay"]:
+        grads = torch._foreach_add(grads, torch._foreach_mul(t.params, t.hyper["weight_decay"]))
+    state = {}
+    if flags["momentum"]:
+        momentum = t.hyper["momentum"]
+        new_bufs = torch._foreach_add(
+            torch._foreach_mul(t.state["momentum_buffer"], momentum),
+            torch._foreach_mul(grads, 1 - t.hyper["dampening"]))
+        if flags["dampening"] and first_step is not None:
+            # torch starts the buffer as a copy of the first gradient (no dampening)
+            new_bufs = [torch.where(first_step, g, b) for g, b in zip(grads, new_bufs)]
+        state["momentum_buffer"] = new_bufs
+        grads = (torch._foreach_add(grads, torch._foreach_mul(new_bufs, momentum))
+                 if flags["nesterov"] else new_bufs)
+    return torch._foreach_sub(t.params, torch._foreach_mul(grads, lr)), state
 
 
 def adam_update(t: GroupTensors, flags: dict):
-    """torch.optim.Adam / AdamW's update (capturable form). Returns (new params, new state)."""
+    """torch.optim.Adam / AdamW's update on the whole group (capturable form). Returns (new
+    params, new state). Bias corrections stay per parameter, from each one's own step."""
     lr, beta1, beta2 = t.hyper["lr"], t.hyper["beta1"], t.hyper["beta2"]
     eps, wd = t.hyper["eps"], t.hyper["weight_decay"]
-    out = {k: [] for k in t.state}
-    new_params = []
-    for i, (p, g) in enumerate(zip(t.params, t.grads)):
-        if flags["maximize"]:
-            g = -g
-        step = t.state["step"][i] + 1
-        if flags["weight_decay"]:
-            if flags["decoupled"]:
-                p = p * (1 - lr * wd)
-            else:
-                g = g + wd * p
-        exp_avg = t.state["exp_avg"][i].lerp(g, 1 - beta1)
-        exp_avg_sq = t.state["exp_avg_sq"][i] * beta2 + (1 - beta2) * g * g
-        bias_correction1 = 1 - torch.pow(beta1, step)
-        bias_correction2 = 1 - torch.pow(beta2, step)
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2.sqrt()
-        if flags["amsgrad"]:
-            max_sq = torch.maximum(t.state["max_exp_avg_sq"][i], exp_avg_sq)
-            out["max_exp_avg_sq"].append(max_sq)
-            denom = max_sq.sqrt() / bias_correction2_sqrt + eps
+    params, grads, n = t.params, t.grads, len(t.params)
+    if flags["maximize"]:
+        grads = torch._foreach_neg(grads)
+    steps = torch._foreach_add(t.state["step"], 1)
+    if flags["weight_decay"]:
+        if flags["decoupled"]:
+            params = torch._foreach_mul(params, 1 - lr * wd)
         else:
-            denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-        new_params.append(p - step_size * exp_avg / denom)
-        out["step"].append(step)
-        out["exp_avg"].append(exp_avg)
-        out["exp_avg_sq"].append(exp_avg_sq)
+            grads = torch._foreach_add(grads, torch._foreach_mul(params, wd))
+    # lerp per tensor: inductor has no lowering for _foreach_lerp with tensor weights (an ATen
+    # fallback outside the fused kernels); it decomposes torch.lerp into them
+    weight = 1 - beta1
+    exp_avg = [m.lerp(g, weight) for m, g in zip(t.state["exp_avg"], grads)]
+    exp_avg_sq = torch._foreach_add(
+        torch._foreach_mul(t.state["exp_avg_sq"], beta2),
+        torch._foreach_mul(torch._foreach_mul(grads, 1 - beta2), grads))
+    step_size = torch._foreach_div([lr] * n, _one_minus(torch._foreach_pow([beta1] * n, steps)))
+    bias_correction2_sqrt = torch._foreach_sqrt(
+        _one_minus(torch._foreach_pow([beta2] * n, steps)))
+    out = {"step": steps, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    second = exp_avg_sq
+    if flags["amsgrad"]:
+        second = out["max_exp_avg_sq"] = torch._foreach_maximum(t.state["max_exp_avg_sq"],
+                                                                exp_avg_sq)
+    # a list of eps: _foreach_add with one tensor reads its value on the host (.item())
+    denom = torch._foreach_add(
+        torch._foreach_div(torch._foreach_sqrt(second), bias_correction2_sqrt), [eps] * n)
+    new_params = torch._foreach_sub(
+        params, torch._foreach_div(torch._foreach_mul(exp_avg, step_size), denom))
     return new_params, out
+
+
+def _one_minus(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``1 - v`` for each value: ``-v + 1``, the same IEEE result (a - b is a + (-b))."""
+    return torch._foreach_add(torch._foreach_neg(values), 1)
 
 
 def apply_update(plan: OptimizerPlan, group: GroupPlan, tensors: GroupTensors,

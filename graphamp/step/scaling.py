@@ -38,7 +38,7 @@ def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,
         norms = torch._foreach_norm(grads, norm_type)
         total = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    return [g * coef for g in grads], total
+    return list(torch._foreach_mul(grads, coef)), total
 
 
 def count_nonfinite_norm(found: torch.Tensor | None, norm: torch.Tensor) -> torch.Tensor | None:

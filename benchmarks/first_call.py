@@ -1,0 +1,275 @@
+"""First call on the CPU: graphamp against torch.compile(model) + autocast, same run.
+
+The first call is the first training step including everything compilation costs: for
+graphamp, capture, AMP passes, assembly and inductor compiling the whole step; for the peer,
+``torch.compile(model)`` (inductor) under ``torch.autocast``, backward, and an eager optimizer
+step (AdamW, torch's default implementation). Both use bf16 autocast / AMP (``--dtype fp16``:
+fp16 with graphamp's GradScaler and torch.amp.GradScaler), on the CPU unless ``--device cuda``.
+``--smoke``: tiny models and the aot_eager backend (checks the script runs; no figures).
+
+Every measurement runs in a fresh Python process:
+
+    cold  a new, empty inductor cache directory (nothing compiled before)
+    warm  a second process on the cache directory its cold run filled (inductor's FX graph
+          cache, AOTAutograd cache; graphamp still captures and assembles the step)
+
+Variants alternate in order from one repetition to the next; the table gives medians.
+
+    python benchmarks/first_call.py                          # gpt2-6l and vit-tiny, 3 repetitions
+    python benchmarks/first_call.py --workload gpt2-6l --repeat 1 --no-warm
+
+Results: benchmarks/results/first_call_cpu.{jsonl,md} (``--out`` to change the folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+VARIANTS = ("graphamp", "compile")
+TARGETS = {"gpt2-6l": 1.0, "vit-tiny": 1.5}  # issue 15: graphamp / torch.compile, cold
+
+
+def make_workload(name: str, smoke: bool = False):
+    """(model, batch, loss function, description) of a first-call workload."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, HERE)
+    from workloads import GPT, lm_loss
+
+    gen = torch.Generator().manual_seed(0)
+    if name == "gpt2-6l" and smoke:
+        idx = torch.randint(0, 512, (2, 65), generator=gen)
+        return (GPT(vocab=512, seq=64, layers=2, heads=4, dim=64),
+                (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()), lm_loss, "tiny GPT (smoke)")
+    if name == "vit-tiny" and smoke:
+        from torchvision.models import VisionTransformer
+
+        return (VisionTransformer(32, 16, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64),
+                (torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 1000, (2,), generator=gen)),
+                F.cross_entropy, "tiny ViT (smoke)")
+    if name == "gpt2-6l":
+        model = GPT(vocab=50304, seq=64, layers=6, heads=4, dim=128)
+        idx = torch.randint(0, 50304, (8, 65), generator=gen)
+        return (model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()), lm_loss,
+                "nanoGPT-style GPT-2, 6 layers, n_embd 128, 4 heads, vocab 50304, B8 T64, AdamW")
+    if name == "vit-tiny":
+        model, what = _vit_tiny()
+        batch = (torch.randn(8, 3, 224, 224, generator=gen),
+                 torch.randint(0, 1000, (8,), generator=gen))
+        return model, batch, F.cross_entropy, f"{what}, B8 224x224, AdamW"
+    raise ValueError(name)
+
+
+def _vit_tiny():
+    """timm's vit_tiny_patch16_224 when timm is installed, else torchvision's ViT with the
+    same dimensions (12 layers, 3 heads, width 192, MLP 768, patch 16)."""
+    try:
+        import timm
+    except ImportError:
+        from torchvision.models import VisionTransformer
+
+        return (VisionTransformer(224, 16, num_layers=12, num_heads=3, hidden_dim=192,
+                                  mlp_dim=768),
+                "torchvision VisionTransformer with ViT-Ti/16 dimensions")
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False), \
+        f"timm {timm.__version__} vit_tiny_patch16_224"
+
+
+def first_call(variant: str, workload: str, device: str = "cpu", dtype_name: str = "bf16",
+               smoke: bool = False) -> dict:
+    """One first call in this process: seconds, and graphamp's per-stage timings."""
+    import torch
+    import torch._dynamo.utils
+
+    import graphamp
+
+    torch.manual_seed(0)
+    model, (x, y), loss_fn, what = make_workload(workload, smoke)
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    backend = "aot_eager" if smoke else "inductor"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    out: dict = {"workload": workload, "variant": variant, "description": what,
+                 "device_type": device, "dtype": dtype_name, "backend": backend}
+    if variant == "graphamp":
+        class TrainGraph(graphamp.Graph):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+                self.add_optimizer(opt)
+                self.config.enable_amp(True, dtype=dtype)
+                self.config.set_backend(backend)
+                if dtype == torch.float16:
+                    self.set_grad_scaler(graphamp.GradScaler())
+
+            def build(self, x, y):
+                loss = loss_fn(self.model(x), y)
+                loss.backward()
+                return loss
+
+        step = TrainGraph()
+    else:
+        net = torch.compile(model, backend=backend)
+        scaler = torch.amp.GradScaler(device) if dtype == torch.float16 else None
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device, dtype=dtype):
+                loss = loss_fn(net(x), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            return loss.detach()
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    sync()
+    start = time.perf_counter()
+    loss = step(x, y)
+    sync()
+    out["first_call_s"] = time.perf_counter() - start
+    out["loss"] = float(loss)
+    start = time.perf_counter()
+    step(x, y)
+    sync()
+    out["second_call_s"] = time.perf_counter() - start
+    if variant == "graphamp":
+        compiled = step.compiled_steps[-1]
+        out["timings"] = {k: round(v, 3) for k, v in compiled.timings.items()}
+        out["step_nodes"] = len(compiled.step_graph.graph.nodes)
+    # where compilation went: torch's own timers (seconds, summed over calls)
+    names, values = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    out["compile_times"] = {n: float(v) for n, v in zip(names, values) if float(v) >= 0.5}
+    counters = torch._dynamo.utils.counters
+    out["cache_counters"] = {k: v for k, v in {**counters["inductor"], **counters["aot_autograd"]}.items()
+                    if "cache" in k}
+    return out
+
+
+def run_child(variant: str, workload: str, cache_dir: str, extra: list[str]) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+           "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), ROOT])}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([sys.executable, __file__, "--child", variant, workload, *extra],
+                          env=env, capture_output=True, text=True, check=False)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{variant} {workload} failed:\n{proc.stderr[-3000:]}")
+    row = json.loads(lines[-1])
+    # CPU seconds of the whole child process tree (the first call and the second, and the
+    # import): on a shared machine this varies less than the wall-clock time
+    row["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return row
+
+
+def write_table(path: str, rows: list[dict], meta: dict) -> None:
+    lines = ["# First call on the CPU: graphamp vs torch.compile + autocast", "",
+             f"Device: **{meta['device']}**, torch {meta['torch']}. Command: "
+             f"`{meta['command']}`", "",
+             "First call = first training step including compilation, each in a fresh process; "
+             "cold: empty inductor cache directory, warm: a second process on that directory. "
+             "Medians over the repetitions (each value listed). AdamW; AMP dtype and backend: "
+             f"{meta.get('setting', 'bf16, inductor')}.", ""]
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        rs = [r for r in rows if r["workload"] == workload]
+        lines += [f"## {workload}", "", rs[0]["description"], "",
+                  "| variant | cache | first call s (median) | runs | child process CPU s | graphamp stages (median run) |",
+                  "|---|---|---:|---|---:|---|"]
+        med = {}
+        for variant in VARIANTS:
+            for cache in ("cold", "warm"):
+                runs = [r for r in rs if r["variant"] == variant and r["cache"] == cache]
+                if not runs:
+                    continue
+                values = sorted(r["first_call_s"] for r in runs)
+                med[variant, cache] = statistics.median(values)
+                mid = min(runs, key=lambda r: abs(r["first_call_s"] - med[variant, cache]))
+                stages = ", ".join(f"{k} {v:.1f}" for k, v in mid.get("timings", {}).items())
+                lines.append(f"| {variant} | {cache} | {med[variant, cache]:.1f} | "
+                             f"{', '.join(f'{v:.1f}' for v in values)} | "
+                             f"{mid.get('cpu_s', float('nan')):.1f} | {stages} |")
+        lines.append("")
+        for cache in ("cold", "warm"):
+            if ("graphamp", cache) in med and ("compile", cache) in med:
+                ratio = med["graphamp", cache] / med["compile", cache]
+                target = f" (target ≤ {TARGETS[workload]})" if cache == "cold" else ""
+                lines.append(f"- {cache}: graphamp / torch.compile = **{ratio:.2f}**{target}")
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", nargs="*", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-warm", action="store_true", help="cold first calls only")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--tag", default="cpu")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--smoke", action="store_true", help="tiny models, aot_eager")
+    parser.add_argument("--child", nargs=2, metavar=("VARIANT", "WORKLOAD"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(first_call(*args.child, device=args.device, dtype_name=args.dtype,
+                                    smoke=args.smoke)), flush=True)
+        return []
+    import torch
+
+    extra = ["--device", args.device, "--dtype", args.dtype] + (["--smoke"] if args.smoke else [])
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda"
+            else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+            "torch": torch.__version__,
+            "setting": f"{args.dtype}, {'aot_eager' if args.smoke else 'inductor'}",
+            "command": "python benchmarks/first_call.py " + " ".join(
+                argv if argv is not None else sys.argv[1:])}
+    os.makedirs(args.out, exist_ok=True)
+    jsonl = os.path.join(args.out, f"first_call_{args.tag}.jsonl")
+    rows = []
+    for rep in range(args.repeat):
+        for workload in args.workload:
+            order = args.variant if rep % 2 == 0 else args.variant[::-1]
+            # one cache directory per variant; every variant's cold call before any warm one
+            dirs = {v: tempfile.TemporaryDirectory(prefix="inductor-cache-") for v in order}
+            try:
+                for cache in ("cold",) if args.no_warm else ("cold", "warm"):
+                    for variant in order:
+                        row = {**run_child(variant, workload, dirs[variant].name, extra),
+                               "cache": cache, "repeat": rep, **meta}
+                        rows.append(row)
+                        print(f"[first_call] {workload} {variant} {cache}: "
+                              f"{row['first_call_s']:.1f}s wall, {row['cpu_s']:.1f}s CPU "
+                              f"{row.get('timings', '')}", flush=True)
+                        with open(jsonl, "a") as f:
+                            f.write(json.dumps(row) + "\n")
+            finally:
+                for d in dirs.values():
+                    d.cleanup()
+    write_table(os.path.join(args.out, f"first_call_{args.tag}.md"), rows, meta)
+    print(open(os.path.join(args.out, f"first_call_{args.tag}.md")).read())
+    return rows
+
+
+if __name__ == "__main__":
+    main()
