@@ -16,8 +16,10 @@ import torch
 import torch.nn as nn
 
 from . import pipeline
+from .autofix import Autofix
 from .config import GraphConfig
 from .errors import ConfigError, GraphDefinitionError
+from .forensics import OverflowEvent, OverflowReport, RangeReport
 from .history import TrainingHistory
 from .inputs import FlatInputs, check_arity, flatten_inputs
 from .inspect.dump import dump_program
@@ -25,6 +27,7 @@ from .inspect.printing import graph_repr
 from .inspect.report import PrecisionReport, configure_logging, log_program_summary, \
     precision_report
 from .optimizers import optimizer_kind, validate_clip
+from .pins import AmpPin
 from .scaler import GradScaler, as_graphamp_scaler
 from .spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .state import SharedState
@@ -65,6 +68,7 @@ class Graph:
         d["_debug_level"] = 0
         d["_step_count"] = 0
         d["_module_list"] = None
+        d["_autofix"] = Autofix()
         d[_READY] = True
 
     # -- registration ---------------------------------------------------------------------------
@@ -159,18 +163,25 @@ class Graph:
         for slot in self._optimizer_slots:
             if slot.lr_sch is not None:
                 slot.lr_sch.step()
+        if program.runner.forensics is not None:
+            self._watch_overflows(program)
         return program.captured.unflatten_outputs(outputs)
 
     def _compile(self, inputs: FlatInputs, key: tuple, args: tuple, kwargs: dict) -> Program:
         name = type(self).__name__
         check_arity(self.build, args, kwargs, name)
-        if self._programs:
+        if any(cached[0] == inputs.signature for cached in self._programs):
+            log.info("%s: settings, pins or module modes changed: capturing and compiling again",
+                     name)
+        elif self._programs:
             log.info("%s: new input signature (%s): capturing and compiling again", name,
                      inputs.signature.describe())
         program = pipeline.build_program(self._spec(), inputs, self._state)
         self._programs[key] = program
         while len(self._programs) > self.config.max_cached_graphs:
-            self._programs.popitem(last=False)
+            _, dropped = self._programs.popitem(last=False)
+            if dropped.runner.forensics is not None:
+                self._read_overflows(dropped)  # its device record goes with it
             log.info("%s: dropped the least recently used compiled step (cache holds %d)", name,
                      self.config.max_cached_graphs)
         log_program_summary(program)
@@ -213,11 +224,17 @@ class Graph:
         ``torch.load(..., weights_only=True)``.
         """
         scaler = self._grad_scaler
+        self._read_all_overflows()
+        last = next(reversed(self._programs.values())) if self._programs else None
+        ranges = last.runner.forensics.range_rows() \
+            if last is not None and last.runner.forensics is not None else []
         return {
             "step": self._step_count,
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
             "optimizer_steps": {k: int(v.item()) for k, v in self._state.counters.items()},
-            "history": self._state.history.state_dict(),
+            "history": self._state.history.state_dict(),  # with the overflow events
+            "amp_pins": [pin.to_dict() for pin in self.config.amp_pins],
+            "ranges": [row.to_dict() for row in ranges],  # for `python -m graphamp plot`
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -239,6 +256,61 @@ class Graph:
                 device = _first_param_device(self._optimizer_slots, k)
                 counters[k] = torch.full((), int(v), dtype=torch.int64, device=device)
         self._state.history.load_state_dict(state["history"])
+        # states saved before pins existed have no "amp_pins"; "ranges" are not loaded (they
+        # belong to the compiled step that measured them)
+        pins = [AmpPin.from_dict(d) for d in state.get("amp_pins", ())]
+        if pins:
+            self.config.pin_fp32(*pins)
+
+    # -- overflow forensics ---------------------------------------------------------------------
+    def overflow_report(self) -> OverflowReport:
+        """Which node first produced a non-finite value on each overflowing step: its op, dtype,
+        module, source line and the largest finite magnitude at its inputs (one device sync).
+        Needs ``config.enable_overflow_tracing()``."""
+        if not self.config.overflow_tracing:
+            raise ConfigError(
+                f"{type(self).__name__}: overflow tracing is off; call "
+                "g.config.enable_overflow_tracing() (the next call rebuilds the step with it)")
+        self._read_all_overflows()
+        history = self._state.history
+        return OverflowReport(type(self).__name__, len(history.overflows) + history.overflows_lost,
+                              list(history.overflows), history.overflows_lost)
+
+    def range_report(self) -> RangeReport:
+        """The largest magnitude each low-precision value and its gradient reached so far, and
+        the headroom left to the dtype's largest number (the last compiled step; one sync)."""
+        program = self._require_program()
+        if program.runner.forensics is None:
+            raise ConfigError(
+                f"{type(self).__name__}: ranges are measured with overflow tracing; call "
+                "g.config.enable_overflow_tracing() (the next call rebuilds the step with it)")
+        return RangeReport(type(self).__name__, program.runner.forensics.range_rows())
+
+    def _watch_overflows(self, program: Program) -> None:
+        """Autofix and debug logging act on each overflow soon after it happens: poll the
+        device's overflow count without waiting, and read the record (one sync) only when it
+        moved. Without either, nothing is read until the user asks."""
+        if self.config.autofix is None and self._debug_level < 1:
+            return
+        forensics = program.runner.forensics
+        count = forensics.poll()
+        if count is None or count <= forensics.analysed:
+            return
+        events = self._read_overflows(program)
+        if program.spec.config.amp_pins == self.config.amp_pins:  # not a step built before a pin
+            self._autofix.consider(type(self).__name__, events, self.config)
+
+    def _read_overflows(self, program: Program) -> list[OverflowEvent]:
+        events, lost = program.runner.forensics.read_new()
+        self._state.history.add_overflows(events, lost)
+        for event in events:
+            log.info("%s: overflow at %s", type(self).__name__, event.describe())
+        return events
+
+    def _read_all_overflows(self) -> None:
+        for program in self._programs.values():
+            if program.runner.forensics is not None:
+                self._read_overflows(program)
 
     @property
     def step_count(self) -> int:
@@ -273,7 +345,9 @@ class Graph:
             log.warning("%s: autocast comparison skipped in the dump: %s: %s",
                         type(self).__name__, type(e).__name__, e)
             report = self.precision_report(with_autocast=False)
-        return dump_program(program, report, path)
+        if program.runner.forensics is None:
+            return dump_program(program, report, path)
+        return dump_program(program, report, path, self.overflow_report(), self.range_report())
 
     def _require_program(self) -> Program:
         if not self._programs:

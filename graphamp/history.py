@@ -3,6 +3,10 @@
 Columns: step, loss (sum of scalar losses), scale (the loss scale used), skipped (1.0 when the
 step overflowed and was skipped), grad_norm (the clipped optimizers' total norm; NaN without
 clipping). Nothing is copied to the host until ``fetch()`` is called.
+
+With overflow tracing on, ``overflows`` holds what went non-finite first on each overflowing
+step (``forensics.OverflowEvent``, oldest first), filled when the Graph reads the device record
+(``g.overflow_report()``, ``g.state_dict()``, and after every step with autofix or debug >= 1).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from typing import Any
 
 import torch
 
+from .forensics import OverflowEvent
 from .validate import check_int
 
 HISTORY_COLUMNS = ("step", "loss", "scale", "skipped", "grad_norm")
+MAX_OVERFLOW_EVENTS = 1000  # the oldest are dropped (and counted) beyond this
 
 
 class TrainingHistory:
@@ -22,6 +28,16 @@ class TrainingHistory:
         self.step: torch.Tensor | None = None
         self.table: torch.Tensor | None = None
         self._pending: dict[str, Any] | None = None
+        self.overflows: list[OverflowEvent] = []
+        self.overflows_lost = 0  # overflowing steps recorded but not analysed (or dropped)
+
+    def add_overflows(self, events: list[OverflowEvent], lost: int = 0) -> None:
+        self.overflows.extend(events)
+        self.overflows_lost += lost
+        extra = len(self.overflows) - MAX_OVERFLOW_EVENTS
+        if extra > 0:
+            del self.overflows[:extra]
+            self.overflows_lost += extra
 
     def materialize(self, device: torch.device) -> list[torch.Tensor]:
         if self.table is None or self.table.device != device:
@@ -52,11 +68,18 @@ class TrainingHistory:
         return {c: rows[:, i].tolist() for i, c in enumerate(HISTORY_COLUMNS)}
 
     def state_dict(self) -> dict[str, Any]:
+        overflows = {"overflows": [e.to_dict() for e in self.overflows],
+                     "overflows_lost": self.overflows_lost}
         if self.table is None:
-            return self._pending or {"step": 0, "table": torch.zeros(0, len(HISTORY_COLUMNS))}
-        return {"step": int(self.step.item()), "table": self.table.detach().cpu().clone()}
+            rows = self._pending or {"step": 0, "table": torch.zeros(0, len(HISTORY_COLUMNS))}
+            return {"step": rows["step"], "table": rows["table"], **overflows}
+        return {"step": int(self.step.item()), "table": self.table.detach().cpu().clone(),
+                **overflows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # states saved before overflow tracing existed have no overflow keys
+        self.overflows = [OverflowEvent.from_dict(d) for d in state.get("overflows", ())]
+        self.overflows_lost = int(state.get("overflows_lost", 0))
         if self.table is None:
             self._pending = {"step": int(state["step"]), "table": state["table"]}
             return

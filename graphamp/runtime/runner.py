@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.autograd.graph import increment_version
 
 from ..errors import CaptureError
+from ..forensics import ForensicsState
 from ..optimizers import OptimizerPlan, init_state
 from ..spec import StepPlan
 from ..state import SharedState, ShadowEntry
@@ -63,6 +64,8 @@ class Runner:
             plan.scaler._materialize(device)
             self.scaler_state = plan.scaler.state_tensors()
         self.history = state.history.materialize(device) if plan.training else []
+        # overflow tracing: this step's own record (its probes are its own)
+        self.forensics = ForensicsState(plan.probes, device) if plan.probes is not None else None
         self.shadow_slots: list[tuple[Slot, ShadowEntry]] = [
             (self.param_slots[i], state.shadow(_get(self.param_slots[i]), dtype))
             for i, dtype in plan.shadows]
@@ -100,6 +103,7 @@ class Runner:
             "counters": self.counters,
             "scaler": self.scaler_state,
             "history": self.history,
+            "forensics": self.forensics.tensors() if self.forensics is not None else [],
             "shadows": [entry.tensor for _, entry in self.shadow_slots],
             "constants": self.plan.captured.constants,
             "inputs": inputs,

@@ -1,14 +1,14 @@
 """Stage 4, assemble: the AMP-rewritten forward traced again inside one functional training step.
 
     forward → loss × scale → grads (autograd) → [all-reduce] → unscale + found_inf → clip
-    → optimizer update masked by found_inf → low-precision copies → history row
-    → scale update → BatchNorm statistics masked
+    → optimizer update masked by found_inf → low-precision copies → [overflow record]
+    → history row → scale update → BatchNorm statistics masked
 
 The whole step becomes one FX graph (make_fx over Python functionalization, fake tensors). Its
 inputs are the state tensors and the batch (``plan.layout``); it writes every state tensor in
 place (``copy_`` into its inputs, which the compiler keeps in place) and returns build()'s
 tensors. Nodes carry ``meta["graphamp_subgraph"]``: forward, backward, grad_scaler, clip_grad,
-data_parallel, optimizer, history.
+data_parallel, optimizer, forensics (overflow tracing only), history.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..fxutil import NodeTagger, rename_placeholders, trace_functional
 from ..optimizers import OptimizerPlan
 from ..spec import StepPlan
 from .collectives import agree_on_overflow, average_over_ranks
+from .forensics import ProbeRecorder, record_overflow
 from .gradients import forward_and_gradients, run_forward
 from .history import record_history
 from .optimizer_update import densify_sparse_grads, masked, update_optimizer
@@ -58,8 +59,11 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
         if not plan.training:
             return _eval_step(plan, fwd_gm, s)
         scale = s["scaler"][0] if plan.scaler is not None else None
-        fwd = forward_and_gradients(plan, fwd_gm, s, scale)
+        recorder = ProbeRecorder(plan.probes) if plan.probes is not None else None
+        fwd = forward_and_gradients(plan, fwd_gm, s, scale, recorder)
         grads = fwd.grads
+        if recorder is not None:
+            recorder.observe_param_grads(grads)
         if plan.process_group is not None:
             with NodeTagger({"graphamp_subgraph": "data_parallel"}):
                 grads = average_over_ranks(grads, plan.process_group)
@@ -70,6 +74,8 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
             with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
                 found_total = _total(updates)
                 any_skip = found_total > 0
+        if recorder is not None:  # reads the step counter and scale before they are written
+            record_overflow(s["forensics"], recorder, s["history"][0], scale, any_skip)
         with NodeTagger({"graphamp_subgraph": "history"}):
             # before the scaler state is written: a read after copy_ sees the new value
             record_history(s["history"], fwd.losses, scale, any_skip, norms)

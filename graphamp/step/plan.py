@@ -10,18 +10,22 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.fx as fx
 
 from ..errors import CaptureError
+from ..forensics import ProbeTable
 from ..optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
 from ..spec import CapturedForward, GraphSpec, StepLayout, StepPlan
 from ..validate import dtype_name
+from .forensics import plan_probes
 
 
-def build_plan(spec: GraphSpec, captured: CapturedForward, param_ids: list[int],
-               shadows: list[tuple[int, torch.dtype]], direct_use: set[int],
+def build_plan(spec: GraphSpec, captured: CapturedForward, forward: fx.GraphModule,
+               param_ids: list[int], shadows: list[tuple[int, torch.dtype]], direct_use: set[int],
                process_group=None) -> StepPlan:
-    """The StepPlan for ``captured``; ``param_ids`` are ``id()`` of the forward's parameters in
-    placeholder order (to find each optimizer's parameters among them)."""
+    """The StepPlan for ``captured`` (``forward``: the graph after the AMP passes);
+    ``param_ids`` are ``id()`` of the forward's parameters in placeholder order (to find each
+    optimizer's parameters among them)."""
     _check_losses(spec, captured)
     plans = _optimizer_plans(spec, captured, {pid: i for i, pid in enumerate(param_ids)})
     trainable = [i for opt in plans for i in opt.forward_positions]
@@ -30,10 +34,12 @@ def build_plan(spec: GraphSpec, captured: CapturedForward, param_ids: list[int],
                            "reaches a loss; there is nothing to train")
     scaler = spec.scaler if spec.training else None
     _warn_about_scaler_dtype(spec, scaler)
+    probes = plan_probes(forward, captured, trainable, shadows) \
+        if spec.training and spec.config.overflow_tracing else None
     return StepPlan(captured, spec.training, trainable, plans, scaler,
-                    layout=_layout(captured, plans, scaler, spec.training, shadows),
+                    layout=_layout(captured, plans, scaler, spec.training, shadows, probes),
                     shadows=shadows, direct_use=direct_use, acc_steps=spec.config.grad_acc_steps,
-                    process_group=process_group if spec.training else None)
+                    process_group=process_group if spec.training else None, probes=probes)
 
 
 def _check_losses(spec: GraphSpec, captured: CapturedForward) -> None:
@@ -88,7 +94,7 @@ def _forward_position(spec, captured, position, owner, k, opt, p) -> int:
 
 
 def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler, training: bool,
-            shadows: list[tuple[int, torch.dtype]]) -> StepLayout:
+            shadows: list[tuple[int, torch.dtype]], probes: ProbeTable | None) -> StepLayout:
     """Placeholder names of the step's inputs, group by group (spec.STEP_INPUT_GROUPS)."""
     state, hyper = [], []
     for opt in plans:
@@ -105,6 +111,8 @@ def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler, training: 
         "scaler": (["scaler_scale", "scaler_growth_tracker", "scaler_hysteresis_tracker",
                     "scaler_found_inf"] if scaler is not None else []),
         "history": ["history_step", "history_table"] if training else [],
+        "forensics": (["forensics_count", "forensics_ring", "forensics_ranges"]
+                      if probes is not None else []),
         "shadows": [f"p_{cap.param_names[i]}_{dtype_name(dt)}" for i, dt in shadows],
         "constants": [f"c_{n}" for n in cap.constant_names],
         "inputs": [f"in_{n}" for n in cap.input_names],
