@@ -162,43 +162,75 @@ def _largest_magnitude(t: torch.Tensor) -> torch.Tensor:
     return t.abs().amax().float()
 
 
+def _largest_magnitudes(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``_largest_magnitude`` of many tensors of one dtype in one multi-tensor op (CUDA: one
+    kernel launch for all the parameters, no temporaries)."""
+    if ts[0].is_cuda:
+        out = torch._foreach_norm(ts, float("inf"))
+    else:
+        out = torch._foreach_max(torch._foreach_abs(ts))
+    return [m.float() for m in out]
+
+
 class ProbeRecorder:
-    """Collects the largest magnitude of every probe while the step is traced."""
+    """Collects the largest magnitude of every probe while the step is traced.
+
+    Activations and the gradients arriving at them are reduced where they are made (keeping
+    them for later would keep them alive). Placeholders (parameters, their low-precision copies,
+    the batch) and parameter gradients live through the whole step anyway: they are reduced
+    together at the end, in a few multi-tensor ops instead of one reduction each."""
 
     def __init__(self, table: ProbeTable):
         self.table = table
         self.index = {p.node: i for i, p in enumerate(table.forward)}
         self.values: list[torch.Tensor | None] = [None] * table.size
+        self._deferred: list[tuple[int, torch.Tensor]] = []
 
     def observe(self, node: fx.Node, value: object) -> None:
         """A forward node ran (once per micro-batch); hook its gradient if it will get one."""
         i = self.index.get(node.name)
         if i is None or not isinstance(value, torch.Tensor):
             return
+        if node.op == "placeholder":
+            # parameters come once per micro-batch, the same values: measured once
+            if self.table.forward[i].kind == "input" or all(j != i for j, _ in self._deferred):
+                self._deferred.append((i, value.detach() if value.requires_grad else value))
+            return
         self._put(i, value)
-        if node.op != "placeholder" and value.requires_grad:
+        if value.requires_grad:
             value.register_hook(functools.partial(self._gradient, self.table.backward_slot(i)))
 
     def observe_param_grads(self, grads: list[torch.Tensor]) -> None:
         """The parameters' gradients (plan.trainable order), as the optimizers get them."""
         for k, grad in enumerate(grads):
-            self._gradient(self.table.param_slot(k), grad)
+            if grad.layout == torch.strided and grad.numel():
+                self._deferred.append((self.table.param_slot(k), grad))
 
     def _gradient(self, slot: int, grad: torch.Tensor | None) -> None:
         # a tensor hook: returning None leaves the gradient as it is
         if isinstance(grad, torch.Tensor) and grad.layout == torch.strided and grad.numel():
             self._put(slot, grad)
 
-    def _put(self, slot: int, t: torch.Tensor) -> None:
+    def _put(self, slot: int, t: torch.Tensor, amax: torch.Tensor | None = None) -> None:
         with NodeTagger(_TAG):
-            amax = _largest_magnitude(t.detach())
+            if amax is None:  # (a gradient needs no detach, unless build() differentiates twice)
+                amax = _largest_magnitude(t.detach() if t.requires_grad else t)
             old = self.values[slot]
             # maximum propagates NaN, so micro-batches and repeated backwards combine safely
             self.values[slot] = amax if old is None else torch.maximum(old, amax)
 
     def vector(self, device: torch.device) -> torch.Tensor:
-        zero = torch.zeros((), device=device)
-        return torch.stack([v if v is not None else zero for v in self.values])
+        """The step's probe vector (fp32); reduces the deferred probes first."""
+        by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+        for slot, t in self._deferred:
+            by_dtype.setdefault(t.dtype, []).append((slot, t))
+        self._deferred = []
+        with NodeTagger(_TAG):
+            for group in by_dtype.values():
+                for (slot, t), amax in zip(group, _largest_magnitudes([t for _, t in group])):
+                    self._put(slot, t, amax)
+            zero = torch.zeros((), device=device)
+            return torch.stack([v if v is not None else zero for v in self.values])
 
 
 def record_overflow(state: list[torch.Tensor], recorder: ProbeRecorder, step: torch.Tensor,
