@@ -9,6 +9,8 @@ the cached step. ``docs/architecture.md`` describes the stages.
 from __future__ import annotations
 
 import logging
+import threading
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch.nn as nn
 from . import pipeline
 from .autofix import Autofix
 from .config import GraphConfig
+from .dependencies import StructureKey, describe_change
 from .errors import ConfigError, GraphDefinitionError
 from .forensics import OverflowEvent, OverflowReport, RangeReport
 from .history import TrainingHistory
@@ -27,14 +30,16 @@ from .inspect.printing import graph_repr
 from .inspect.report import PrecisionReport, configure_logging, log_program_summary, \
     precision_report
 from .optimizers import optimizer_kind, validate_clip
+from .interrupts import hold_interrupts, release_interrupts
 from .pins import AmpPin
 from .scaler import GradScaler, as_graphamp_scaler
 from .spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .state import SharedState
-from .validate import check_choice
+from .validate import check_choice, check_int
 
 log = logging.getLogger("graphamp")
 _READY = "_graphamp_ready"
+_RECOMPILES_BEFORE_WARNING = 4
 
 
 class Graph:
@@ -67,8 +72,11 @@ class Graph:
         d["_state"] = SharedState(TrainingHistory())
         d["_debug_level"] = 0
         d["_step_count"] = 0
-        d["_module_list"] = None
         d["_autofix"] = Autofix()
+        d["_structure"] = StructureKey()
+        d["_last_key"] = None
+        d["_lock"] = threading.RLock()  # one call at a time: a Graph is one training loop
+        d["_warned_numbers"] = False
         d[_READY] = True
 
     # -- registration ---------------------------------------------------------------------------
@@ -91,7 +99,6 @@ class Graph:
             modules[name] = value
         elif name in modules:
             del modules[name]
-        self.__dict__["_module_list"] = None
         object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
@@ -128,10 +135,11 @@ class Graph:
 
     def set_grad_scaler(self, scaler: Any) -> None:
         """Scale the loss inside the step: a graphamp.GradScaler / StaticGradScaler, or a
-        torch.amp.GradScaler whose settings and state graphamp takes over."""
+        torch.amp.GradScaler whose settings and state graphamp takes over. A disabled scaler
+        (``enabled=False``) or None means no loss scaling, as in torch."""
         self._check_ready()
-        self.__dict__["_grad_scaler"] = as_graphamp_scaler(scaler)
-        self._programs.clear()
+        self.__dict__["_grad_scaler"] = None if scaler is None else as_graphamp_scaler(scaler)
+        self._programs.clear()  # their steps read the previous scaler's state tensors
 
     @property
     def grad_scaler(self) -> GradScaler | None:
@@ -151,31 +159,66 @@ class Graph:
     # -- running --------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check_ready()
+        with self._lock:
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         inputs = flatten_inputs(args, kwargs)
-        key = (inputs.signature, self._structure_key())
+        key = (inputs.signature, self._structure(self._registered_modules, self._optimizer_slots,
+                                                 self.config.snapshot(), self._grad_scaler))
         program = self._programs.get(key)
         if program is None:
             program = self._compile(inputs, key, args, kwargs)
         else:
             self._programs.move_to_end(key)
-        outputs = program.runner.run(inputs.tensors)
-        self.__dict__["_step_count"] += 1
-        for slot in self._optimizer_slots:
-            if slot.lr_sch is not None:
-                slot.lr_sch.step()
-        if program.runner.forensics is not None:
-            self._watch_overflows(program)
-        return program.captured.unflatten_outputs(outputs)
+        self.__dict__["_last_key"] = key
+        return program.captured.unflatten_outputs(self._step(program, inputs))
+
+    def _step(self, program: Program, inputs: FlatInputs) -> list[torch.Tensor]:
+        """One step as a transaction: whatever raises, parameters, optimizer state, scaler,
+        counters, history and schedulers are all from before the step or all from after it.
+
+        The step's inputs (this step's learning rates included) are gathered first. Then,
+        with Ctrl-C held back (interrupts.py): the schedulers step (snapshotted first), the
+        bookkeeping is recorded, and the compiled step runs, last, as the one thing that cannot
+        be undone. If anything before it fails, the rest is undone. With overflow tracing the
+        compiled step writes its overflow record on the device with the rest of the state;
+        what the host then reads of it (``_watch_overflows``) happens after the step is
+        committed, still with Ctrl-C held, so the host's list of overflows and the device
+        count it has read up to move together."""
+        runner = program.runner
+        flat = runner.gather(inputs.tensors)
+        schedulers = [s.lr_sch for s in self._optimizer_slots if s.lr_sch is not None]
+        saved = [_scheduler_snapshot(sch) for sch in schedulers]
+        undo = None
+        held = hold_interrupts()
+        try:
+            try:
+                for sch in schedulers:
+                    sch.step()  # sets the next step's lr; this step's is already gathered
+                undo = runner.record_step()
+                self.__dict__["_step_count"] += 1
+                outputs = runner.execute(flat)
+            except BaseException:
+                if undo is not None:
+                    undo()
+                    self.__dict__["_step_count"] -= 1
+                for snapshot in saved:
+                    _restore_scheduler(*snapshot)
+                raise
+            # committed: from here on nothing undoes the step
+            if runner.forensics is not None:
+                self._watch_overflows(program)
+        finally:
+            if held:
+                release_interrupts()  # a Ctrl-C that arrived meanwhile is raised here
+        return outputs
 
     def _compile(self, inputs: FlatInputs, key: tuple, args: tuple, kwargs: dict) -> Program:
         name = type(self).__name__
         check_arity(self.build, args, kwargs, name)
-        if any(cached[0] == inputs.signature for cached in self._programs):
-            log.info("%s: settings, pins or module modes changed: capturing and compiling again",
-                     name)
-        elif self._programs:
-            log.info("%s: new input signature (%s): capturing and compiling again", name,
-                     inputs.signature.describe())
+        self._log_why_rebuilt(key)
+        self._warn_about_changing_numbers(inputs)
         program = pipeline.build_program(self._spec(), inputs, self._state)
         self._programs[key] = program
         while len(self._programs) > self.config.max_cached_graphs:
@@ -189,23 +232,43 @@ class Graph:
 
     def _spec(self) -> GraphSpec:
         """What the pipeline may read of this Graph, as of now."""
+        scaler = self._grad_scaler
         return GraphSpec(type(self).__name__, tuple(self._registered_modules.items()),
-                         self.build, tuple(self._optimizer_slots), self._grad_scaler,
+                         self.build, tuple(self._optimizer_slots),
+                         scaler if scaler is not None and scaler.enabled else None,
                          self.config.snapshot(), self._state.history.capacity,
                          self._debug_level)
 
-    def _structure_key(self) -> tuple:
-        modules = self._module_list
-        if modules is None:
-            modules = [m for top in self._registered_modules.values() for m in top.modules()]
-            self.__dict__["_module_list"] = modules
-        scaler = self._grad_scaler
-        return (
-            tuple(m.training for m in modules),
-            tuple(slot.structure() for slot in self._optimizer_slots),
-            self.config.snapshot(),
-            scaler.settings() if scaler is not None else None,
-        )
+    def _warn_about_changing_numbers(self, inputs: FlatInputs) -> None:
+        """A Python number among g(...)'s arguments is baked into the compiled step: one that
+        changes every call compiles every call. Say so once, naming it, as torch.compile's
+        recompile limit does."""
+        sig = inputs.signature
+        same_tensors = [s for s, _ in self._programs if s.structure == sig.structure
+                        and s.tensors == sig.tensors and s.constants != sig.constants]
+        if len(same_tensors) + 1 < _RECOMPILES_BEFORE_WARNING or self._warned_numbers:
+            return
+        names = inputs.leaf_names(self.build)
+        changing = sorted({names[i][0] for s in same_tensors
+                           for i, (a, b) in enumerate(zip(s.constants, sig.constants)) if a != b})
+        self.__dict__["_warned_numbers"] = True
+        warnings.warn(
+            f"{type(self).__name__}: the Python number argument(s) {', '.join(changing)} of "
+            f"g(...) took {len(same_tensors) + 1} different values, each compiling a new step "
+            "(numbers are baked into the graph). Pass them as tensors (torch.tensor(value)) so "
+            "one compiled step serves every value", stacklevel=4)
+
+    def _log_why_rebuilt(self, key: tuple) -> None:
+        last = self._last_key
+        if last is None:
+            return
+        signature, structure = key
+        if structure == last[1]:
+            log.info("%s: new input signature (%s): capturing and compiling again",
+                     type(self).__name__, signature.describe())
+        else:
+            log.info("%s: %s: capturing and compiling again", type(self).__name__,
+                     describe_change(last[1], structure))
 
     def _check_ready(self) -> None:
         if _READY not in self.__dict__:
@@ -238,27 +301,36 @@ class Graph:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``state_dict`` saved. Every part is checked before anything changes: a bad
+        state raises ConfigError and leaves the graph exactly as it was."""
+        if not isinstance(state, dict):
+            raise ConfigError(f"a Graph state dict is a dict, got {type(state).__name__}")
         missing = {"step", "grad_scaler", "optimizer_steps", "history"} - set(state)
         if missing:
             raise ConfigError(f"not a graphamp Graph state dict: it lacks {sorted(missing)}")
-        if state["grad_scaler"] is not None:
-            if self._grad_scaler is None:
-                raise ConfigError("the saved state has grad-scaler state but this graph has no "
-                                  "scaler: call set_grad_scaler(...) before load_state_dict")
-            self._grad_scaler.load_state_dict(state["grad_scaler"])
-        self.__dict__["_step_count"] = int(state["step"])
-        counters = self._state.counters
-        for k, v in state["optimizer_steps"].items():
-            k = int(k)
-            if k in counters:
-                counters[k].fill_(int(v))
-            else:
-                device = _first_param_device(self._optimizer_slots, k)
-                counters[k] = torch.full((), int(v), dtype=torch.int64, device=device)
-        self._state.history.load_state_dict(state["history"])
+        step = check_int("the saved step", state["step"], at_least=0)
+        scaler = self._grad_scaler
+        if state["grad_scaler"] is not None and scaler is None:
+            raise ConfigError("the saved state has grad-scaler state but this graph has no "
+                              "scaler: call set_grad_scaler(...) before load_state_dict")
+        if state["grad_scaler"] is not None and scaler.enabled:
+            scaler.check_state_dict(state["grad_scaler"])
+        counters = _checked_counters(state["optimizer_steps"], len(self._optimizer_slots))
+        self._state.history.check_state_dict(state["history"])
         # states saved before pins existed have no "amp_pins"; "ranges" are not loaded (they
         # belong to the compiled step that measured them)
-        pins = [AmpPin.from_dict(d) for d in state.get("amp_pins", ())]
+        pins = _checked_pins(state.get("amp_pins", ()))
+        # everything checked: now apply
+        if state["grad_scaler"] is not None:
+            scaler.load_state_dict(state["grad_scaler"])
+        self.__dict__["_step_count"] = step
+        for k, v in counters.items():
+            if k in self._state.counters:
+                self._state.counters[k].fill_(v)
+            else:
+                device = _first_param_device(self._optimizer_slots, k)
+                self._state.counters[k] = torch.full((), v, dtype=torch.int64, device=device)
+        self._state.history.load_state_dict(state["history"])
         if pins:
             self.config.pin_fp32(*pins)
 
@@ -293,7 +365,8 @@ class Graph:
         if self.config.autofix is None and self._debug_level < 1:
             return
         forensics = program.runner.forensics
-        count = forensics.poll()
+        count = forensics.poll()  # CUDA: as of the step before, whose copy has landed
+        forensics.start_poll()  # queue this step's count behind it (CUDA; no wait)
         if count is None or count <= forensics.analysed:
             return
         events = self._read_overflows(program)
@@ -360,10 +433,57 @@ class Graph:
         return graph_repr(self._spec(), repr(self.config), program)
 
 
+def _checked_pins(saved: Any) -> list[AmpPin]:
+    """The AMP pins of a saved graph state; ConfigError if they do not load."""
+    if not isinstance(saved, (list, tuple)):
+        raise ConfigError(f"the saved amp_pins must be a list, got {type(saved).__name__}")
+    try:
+        return [AmpPin.from_dict(d) for d in saved]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"the saved amp_pins do not load: {type(e).__name__}: {e}") from e
+
+
 def _silence_scheduler_order_warning(optimizer: torch.optim.Optimizer) -> None:
     """LR schedulers warn when step() runs before optimizer.step(); graphamp steps the optimizer
     inside the compiled program, so mark it as stepped for them."""
     optimizer._opt_called = True  # noqa: SLF001 - the flag torch's schedulers check
+
+
+def _scheduler_snapshot(sch: Any) -> tuple:
+    """What a scheduler's step() changes: its attributes (and those of the schedulers it chains)
+    and its optimizer's hyperparameters. Attributes are copied one level deep, enough for torch's
+    schedulers, which replace or extend their lists and numbers; cheaper than ``state_dict()``,
+    which is paid on every call."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in sch.optimizer.param_groups]
+    return _attributes(sch), groups
+
+
+def _attributes(sch: Any) -> list[tuple[Any, dict]]:
+    saved = {k: (list(v) if type(v) is list else v) for k, v in vars(sch).items()}
+    nested = [a for s in vars(sch).get("_schedulers", ()) for a in _attributes(s)]
+    return [(sch, saved), *nested]
+
+
+def _restore_scheduler(attributes: list[tuple[Any, dict]], groups: list[dict]) -> None:
+    for sch, saved in attributes:
+        vars(sch).clear()
+        vars(sch).update(saved)
+    for group, values in zip(attributes[0][0].optimizer.param_groups, groups):
+        group.update(values)
+
+
+def _checked_counters(saved: Any, n_optimizers: int) -> dict[int, int]:
+    if not isinstance(saved, dict):
+        raise ConfigError(f"optimizer_steps must be a dict, got {type(saved).__name__}")
+    out = {}
+    for k, v in saved.items():
+        index = check_int("an optimizer_steps key", int(k) if isinstance(k, str) and k.isdigit()
+                          else k, at_least=0)
+        if index >= n_optimizers:
+            raise ConfigError(f"the saved state has a step counter for optimizer {index}, but this "
+                              f"graph has {n_optimizers} optimizer(s): add them before loading")
+        out[index] = check_int(f"optimizer {index}'s saved step count", v, at_least=0)
+    return out
 
 
 def _first_param_device(slots: list[OptimizerSlot], k: int) -> torch.device:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .errors import ConfigError
 from .forensics import OverflowEvent
 from .validate import check_int
 
@@ -77,13 +78,36 @@ class TrainingHistory:
                 **overflows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # states saved before overflow tracing existed have no overflow keys
-        self.overflows = [OverflowEvent.from_dict(d) for d in state.get("overflows", ())]
-        self.overflows_lost = int(state.get("overflows_lost", 0))
+        step, rows, overflows, lost = self.check_state_dict(state)
+        self.overflows, self.overflows_lost = overflows, lost
         if self.table is None:
-            self._pending = {"step": int(state["step"]), "table": state["table"]}
+            self._pending = {"step": step, "table": rows}
             return
-        self.step.fill_(int(state["step"]))
-        rows = torch.as_tensor(state["table"], dtype=torch.float32)
+        self.step.fill_(step)
         self.table.fill_(float("nan"))
         self.table[: rows.shape[0]].copy_(rows[: self.capacity])
+
+    @staticmethod
+    def check_state_dict(state: Any) -> tuple[int, torch.Tensor, list[OverflowEvent], int]:
+        """(step, rows, overflow events, overflows lost) a state dict would load; ConfigError if
+        it is not a history's. States saved before overflow tracing existed have only 'step' and
+        'table'."""
+        required, optional = {"step", "table"}, {"overflows", "overflows_lost"}
+        if not isinstance(state, dict) or not required <= set(state) <= required | optional:
+            raise ConfigError("a history state dict has the keys 'step' and 'table' (and, with "
+                              "overflow tracing, 'overflows' and 'overflows_lost'), got "
+                              f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+        step = check_int("the history's step", state["step"], at_least=0)
+        table = state["table"]
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 \
+                or table.shape[1] != len(HISTORY_COLUMNS) or not table.dtype.is_floating_point:
+            raise ConfigError(f"the history's table must be a float tensor of shape (rows, "
+                              f"{len(HISTORY_COLUMNS)}) (columns {', '.join(HISTORY_COLUMNS)}), got "
+                              f"{tuple(table.shape) if isinstance(table, torch.Tensor) else table!r}")
+        lost = check_int("the history's overflows_lost", state.get("overflows_lost", 0), at_least=0)
+        try:
+            overflows = [OverflowEvent.from_dict(d) for d in state.get("overflows", ())]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"the history's overflow records do not load: {type(e).__name__}: "
+                              f"{e}") from e
+        return step, table.detach().to(torch.float32), overflows, lost

@@ -76,6 +76,11 @@ class FlatInputs:
 
     def names(self, build: Callable) -> list[str]:
         """Readable names for the tensor leaves, from build()'s parameter names."""
+        leaves = self.leaf_names(build)
+        return [name for name, is_tensor in leaves if is_tensor]
+
+    def leaf_names(self, build: Callable) -> list[tuple[str, bool]]:
+        """(readable name, is a tensor) for every leaf of g(...)'s arguments, in order."""
         try:
             params = [p for p in inspect.signature(build).parameters.values()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
@@ -84,8 +89,6 @@ class FlatInputs:
         names = []
         leaves, _ = pytree.tree_flatten_with_path((self.args, self.kwargs))
         for path, leaf in leaves:
-            if not isinstance(leaf, torch.Tensor):
-                continue
             keys = [getattr(k, "idx", getattr(k, "key", None)) for k in path]
             if keys and keys[0] == 0 and len(keys) > 1 and isinstance(keys[1], int):
                 i = keys[1]
@@ -93,7 +96,7 @@ class FlatInputs:
                 rest = keys[2:]
             else:
                 base, rest = "kw", keys[1:]
-            names.append("_".join([base, *map(str, rest)]))
+            names.append(("_".join([base, *map(str, rest)]), isinstance(leaf, torch.Tensor)))
         return names
 
 

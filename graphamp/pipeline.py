@@ -128,9 +128,9 @@ def _plan(spec: GraphSpec, captured: CapturedForward, root: BuildRoot, forward: 
     n_params = len(captured.param_names)
     placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
     index = {node.name: i for i, node in enumerate(placeholders[:n_params])}
-    shadows = [(index[name], dtype) for name, dtype in (amp.hoisted if amp else [])]
+    param_casts = [(index[name], dtype) for name, dtype in (amp.hoisted if amp else [])]
     direct_use = {i for i in range(n_params) if placeholders[i].users}
-    return build_plan(spec, captured, forward, [id(p) for p in root.parameters()], shadows,
+    return build_plan(spec, captured, forward, [id(p) for p in root.parameters()], param_casts,
                       direct_use, process_group)
 
 

@@ -129,7 +129,7 @@ class GradScaler:
         if not self.enabled:
             return {}
         values = self._host_values()
-        return {
+        state = {
             "scale": float(values["scale"]),
             "growth_factor": self.growth_factor,
             "backoff_factor": self.backoff_factor,
@@ -140,34 +140,63 @@ class GradScaler:
             "hysteresis": self.hysteresis,
             "_hysteresis_tracker": int(values["hysteresis_tracker"]),
         }
+        return state if self.dynamic else {**state, "static": True}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by a graphamp or torch scaler; everything is checked before
+        anything changes. The schedule (growth and backoff settings, bounds) comes with a
+        dynamic scaler's state; a static scaler's state carries only its scale, and a static
+        scaler loads only the scale of any state."""
         if not self.enabled:
             return
-        if len(state_dict) == 0:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved "
-                               "from a disabled instance of GradScaler.")
-        missing = [k for k in _TORCH_KEYS if k not in state_dict]
-        if missing:
-            raise ConfigError(f"grad scaler state dict lacks {missing}; it holds "
-                              f"{sorted(state_dict)}")
-        self.growth_factor = float(state_dict["growth_factor"])
-        self.backoff_factor = float(state_dict["backoff_factor"])
-        self.growth_interval = int(state_dict["growth_interval"])
-        self.max_scale = float(state_dict.get("max_scale", self.max_scale))
-        self.min_scale = float(state_dict.get("min_scale", self.min_scale))
-        self.hysteresis = int(state_dict.get("hysteresis", self.hysteresis))
-        values = {
-            "scale": float(state_dict["scale"]),
-            "growth_tracker": int(state_dict["_growth_tracker"]),
-            "hysteresis_tracker": int(state_dict.get("_hysteresis_tracker", self.hysteresis)),
-        }
+        settings, values = self.check_state_dict(state_dict)
+        for name, value in settings.items():
+            setattr(self, name, value)
         if self._scale is None:
             self._pending = values
         else:
             self._scale.fill_(values["scale"])
             self._growth_tracker.fill_(values["growth_tracker"])
             self._hysteresis_tracker.fill_(values["hysteresis_tracker"])
+
+    def check_state_dict(self, state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(settings, values) a state dict would load; ConfigError if anything is invalid."""
+        if isinstance(state, dict) and len(state) == 0:
+            raise ConfigError("the grad scaler state dict is empty, possibly because it was "
+                              "saved from a disabled GradScaler")
+        if not isinstance(state, dict):
+            raise ConfigError(f"a grad scaler state dict is a dict, got {type(state).__name__}")
+        missing = [k for k in _TORCH_KEYS if k not in state]
+        if missing:
+            raise ConfigError(f"grad scaler state dict lacks {missing}; it holds {sorted(state)}")
+        values = {
+            "scale": check_number("the loaded scale", state["scale"], above=0),
+            "growth_tracker": check_int("the loaded _growth_tracker", state["_growth_tracker"],
+                                        at_least=0),
+            "hysteresis_tracker": check_int("the loaded _hysteresis_tracker",
+                                            state.get("_hysteresis_tracker", self.hysteresis),
+                                            at_least=0),
+        }
+        if state.get("static") or not self.dynamic:
+            return {}, values
+        settings = {
+            "growth_factor": check_number("the loaded growth_factor", state["growth_factor"],
+                                          above=1),
+            "backoff_factor": check_number("the loaded backoff_factor", state["backoff_factor"],
+                                           above=0, below=1),
+            "growth_interval": check_int("the loaded growth_interval", state["growth_interval"],
+                                         at_least=1),
+            "max_scale": check_number("the loaded max_scale", state.get("max_scale", self.max_scale),
+                                      above=0, allow_inf=True),
+            "min_scale": check_number("the loaded min_scale", state.get("min_scale", self.min_scale),
+                                      at_least=0),
+            "hysteresis": check_int("the loaded hysteresis", state.get("hysteresis", self.hysteresis),
+                                    at_least=1),
+        }
+        if settings["min_scale"] > settings["max_scale"]:
+            raise ConfigError(f"the loaded min_scale ({settings['min_scale']}) is greater than "
+                              f"its max_scale ({settings['max_scale']})")
+        return settings, values
 
     def settings(self) -> tuple:
         """What the traced update depends on (part of the compiled step's cache key)."""
@@ -176,19 +205,23 @@ class GradScaler:
 
     @classmethod
     def from_torch(cls, scaler: "torch.amp.GradScaler") -> "GradScaler":
-        """Take over a torch.amp.GradScaler's settings and state, with torch's exact semantics."""
+        """Take over a torch.amp.GradScaler's settings and state, with torch's exact semantics
+        (a disabled one, ``GradScaler(enabled=use_amp)``, becomes a disabled graphamp scaler)."""
+        if not scaler.is_enabled():
+            return cls(enabled=False)
         ours = cls(
             init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
             backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
-            max_scale=math.inf, min_scale=0.0, hysteresis=1, enabled=scaler.is_enabled(),
-        )
-        if scaler.is_enabled():  # its state_dict holds the current state, lazy or not
-            ours.load_state_dict({**scaler.state_dict(), "max_scale": math.inf, "min_scale": 0.0})
+            max_scale=math.inf, min_scale=0.0, hysteresis=1)
+        # its state_dict holds the current state, lazy or not
+        ours.load_state_dict({**scaler.state_dict(), "max_scale": math.inf, "min_scale": 0.0})
         return ours
 
     def __repr__(self) -> str:
-        scale = self._pending["scale"] if self._scale is None else "<device tensor>"
-        return (f"{type(self).__name__}(scale={scale}, growth_factor={self.growth_factor}, "
+        if not self.enabled:
+            return f"{type(self).__name__}(enabled=False)"
+        return (f"{type(self).__name__}(scale={self.get_scale()}, "
+                f"growth_factor={self.growth_factor}, "
                 f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
                 f"min_scale={self.min_scale}, max_scale={self.max_scale}, "
                 f"hysteresis={self.hysteresis})")
@@ -237,7 +270,7 @@ class StaticGradScaler(GradScaler):
         return scale, growth_tracker, hysteresis_tracker
 
     def __repr__(self) -> str:
-        return f"StaticGradScaler(scale={self._init_scale})"
+        return f"StaticGradScaler(scale={self.get_scale()})"
 
 
 def as_graphamp_scaler(scaler: Any) -> GradScaler:

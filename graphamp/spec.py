@@ -48,7 +48,7 @@ class OptimizerSlot:
         """What the traced update depends on besides values (part of the cache key)."""
         groups = []
         for g in self.optimizer.param_groups:
-            groups.append((len(g["params"]), tuple(p.requires_grad for p in g["params"]),
+            groups.append((tuple((id(p), p.requires_grad) for p in g["params"]),
                            g.get("momentum", 0) != 0, g.get("dampening", 0) != 0,
                            bool(g.get("nesterov")), g.get("weight_decay", 0) != 0,
                            bool(g.get("amsgrad")), bool(g.get("maximize"))))
@@ -138,7 +138,7 @@ TENSOR = object()  # marks where build()'s return value held a tensor
 # The compiled step's inputs, group by group, in this order; the batch comes last so the runtime
 # can tell state (kept at fixed addresses, e.g. for CUDA graphs) from per-call inputs.
 STEP_INPUT_GROUPS = ("params", "buffers", "opt_state", "hyper", "counters", "scaler", "history",
-                     "forensics", "shadows", "constants", "inputs")
+                     "forensics", "constants", "inputs")
 
 
 class StepLayout:
@@ -191,8 +191,10 @@ class StepPlan:
     optimizers: list[OptimizerPlan]  # one per add_optimizer, same order
     scaler: GradScaler | None  # None for eval graphs and graphs without a scaler
     layout: StepLayout
-    # low-precision parameter copies the forward reads (hoist_parameter_casts): (position, dtype)
-    shadows: list[tuple[int, torch.dtype]] = field(default_factory=list)
+    # parameters the forward reads in low precision (hoist_parameter_casts): (position, dtype),
+    # cast once at the start of every step, so edits made outside the step (p.data, init,
+    # load_state_dict) are always seen
+    param_casts: list[tuple[int, torch.dtype]] = field(default_factory=list)
     # parameters the forward also reads directly (in their own dtype)
     direct_use: set[int] = field(default_factory=set)
     acc_steps: int = 1  # gradient accumulation: micro-batches per step (>= 1)

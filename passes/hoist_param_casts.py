@@ -1,17 +1,19 @@
-"""hoist_parameter_casts: parameters come in already cast; the optimizer keeps the copies.
+"""hoist_parameter_casts: parameters come in already cast, once per step.
 
-OneFlow fuses the cast of each model weight into the model-update op, which writes a
-low-precision copy of the weight next to the fp32 master. The same here: where a coloured op
-wants a parameter in low precision, it reads a new placeholder instead (a *shadow*), fed by a
-persistent low-precision copy that step assembly refreshes inside the optimizer update (fused
-there, so the forward never re-reads the fp32 weight and no cast node is made for it).
-Numerically nothing changes: the shadow always equals ``parameter.to(low)``.
+Where a coloured op wants a parameter in low precision, it reads a new placeholder instead (a
+*shadow*). Step assembly feeds it ``parameter.to(low)``, made once at the start of the step: one
+cast per parameter per step however many ops and micro-batches read it (a cast inside the
+forward would be repeated per micro-batch), from the values the user's tensor holds at that
+moment, so edits made outside the step (``p.data``, ``nn.init``, ``load_state_dict``) are always
+seen. (An earlier design kept persistent copies refreshed inside the optimizer update, as
+OneFlow's fused model-update cast does; an edit through ``p.data`` bumps no version counter,
+so nothing could tell those copies were stale.)
 
 Runs after colour_by_lists and before insert_casts. The forward graph's inputs become
-``(*params, *buffers, *inputs, *shadows)``; each shadow placeholder carries
-``meta["shadow_of"]`` (the parameter placeholder's name) and ``meta["amp_dtype"]``. Only
-placeholders named in ``ctx.parameters`` are hoisted (buffers and inputs change every step or
-are not the optimizer's to refresh).
+``(*params, *buffers, *inputs, loss_scale, *constants, *shadows)``; each shadow placeholder
+carries ``meta["shadow_of"]`` (the parameter placeholder's name) and ``meta["amp_dtype"]``.
+Only placeholders named in ``ctx.parameters`` are hoisted (buffers and inputs are different
+every step).
 """
 
 from __future__ import annotations

@@ -3,11 +3,15 @@
     python -m torch.distributed.run --nproc_per_node=2 tests/dist_worker.py MODE OUT_DIR
 
 MODE: train (config.enable_data_parallel), ddp (the model registered wrapped in DDP), bf16,
-mismatch (rank 1 builds a different model: every rank must raise, none may hang).
+mismatch (rank 1 builds a different model: every rank must raise, none may hang),
+interrupt (rank 1 is interrupted before a step and stays alive: rank 0 must get an error within
+the process group's timeout, with its state from before that step).
 """
 
+import datetime
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -18,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import graphamp  # noqa: E402
 
 STEPS, GLOBAL_BATCH, POISON_STEP = 6, 16, 2
+INTERRUPTED_STEP, TIMEOUT_S = 4, 5
 
 
 def global_batches(poison=True):
@@ -38,7 +43,7 @@ def make_model(seed, width=64):
 
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     warnings.simplefilter("ignore")
     # different initial weights per rank: graphamp must broadcast rank 0's
@@ -67,6 +72,8 @@ def main():
     g = DP()
     shard = GLOBAL_BATCH // world
     result = {}
+    if mode == "interrupt":
+        return interrupted_rank(g, model, rank, shard, out_dir)
     try:
         # without a scaler (bf16) nothing would skip the poisoned step
         for x, y in global_batches(poison=mode != "bf16"):
@@ -78,6 +85,31 @@ def main():
         result["error"] = f"{type(e).__name__}: {e}"
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
+
+
+def interrupted_rank(g, model, rank, shard, out_dir):
+    """Rank 1 stops calling at INTERRUPTED_STEP (as after a Ctrl-C in a notebook) and stays
+    alive; rank 0 calls that step and must get an error, not wait for ever."""
+    result = {}
+    for step, (x, y) in enumerate(global_batches(poison=False)):
+        if step == INTERRUPTED_STEP:
+            if rank == 1:
+                time.sleep(3 * TIMEOUT_S)  # alive, but not in the collective
+                break
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            start = time.perf_counter()
+            try:
+                g(x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
+            except Exception as e:  # noqa: BLE001 - recorded for the test
+                result["error"] = f"{type(e).__name__}: {e}"[:500]
+            result["waited_s"] = time.perf_counter() - start
+            result["unchanged"] = all(torch.equal(before[k], v)
+                                      for k, v in model.state_dict().items())
+            result["step_count"] = g.step_count
+            break
+        g(x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # the process group is broken: do not wait in its teardown
 
 
 if __name__ == "__main__":

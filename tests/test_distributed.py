@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import graphamp
-from dist_worker import POISON_STEP, global_batches, make_model
+from dist_worker import INTERRUPTED_STEP, POISON_STEP, TIMEOUT_S, global_batches, make_model
 from helpers import make_graph
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -76,6 +76,16 @@ def test_ranks_with_different_graphs_all_raise_and_none_hangs(tmp_path):
     for r in ranks:
         assert "the ranks hold different models" in r["error"], r["error"]
         assert "0.weight" in r["error"]
+
+
+def test_an_interrupted_rank_makes_the_others_raise_within_the_timeout(tmp_path):
+    """Issue 20: rank 1 stops at a step (a Ctrl-C in a notebook) and stays alive. Rank 0's call
+    of that step raises once the process group's timeout has passed, and leaves rank 0's state
+    from before the step: it can be saved, and training resumed from it by every rank."""
+    rank0 = run_ranks("interrupt", tmp_path)[0]
+    assert "error" in rank0, rank0
+    assert rank0["waited_s"] < TIMEOUT_S + 20, rank0
+    assert rank0["unchanged"] and rank0["step_count"] == INTERRUPTED_STEP, rank0
 
 
 def test_data_parallel_without_a_process_group_is_a_clear_error():

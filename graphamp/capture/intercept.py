@@ -23,6 +23,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.overrides import TorchFunctionMode
 
 from ..errors import CaptureError
@@ -53,6 +55,7 @@ class CaptureMode(TorchFunctionMode):
                  loss_scale: torch.Tensor | None = None):
         super().__init__()
         self.module_names = module_names
+        self._modules_by_id: dict[int, tuple[nn.Module, str]] = {}  # filled as modules run
         # The step's loss scale (a traced 0-dim input): gradients build() takes itself are
         # computed scaled and unscaled before use, torch's recipe for gradient penalties.
         self.loss_scale = loss_scale
@@ -81,7 +84,9 @@ class CaptureMode(TorchFunctionMode):
 
     def _enter_module(self, module: nn.Module, args: Any) -> None:
         path = self.module_names.get(id(module))
+        self._modules_by_id[id(module)] = (module, path or "")
         if path is None:  # a module built inside build() or not registered: name it by type
+            _refuse_unregistered_state(module)
             path = f"<{type(module).__name__}>"
         if path == "":
             return
@@ -96,9 +101,31 @@ class CaptureMode(TorchFunctionMode):
             self._stack.pop()
             self._stack_meta = {p: (p, t) for p, t in self._stack}
 
+    def _real_tensor_write_error(self, func, args, kwargs) -> CaptureError:
+        target = kwargs.get("out", args[0] if args else None)
+        owner = next((f"{path}.{k}" if path else k for m, path in self._modules_by_id.values()
+                      for k, v in vars(m).items() if v is target), None)
+        what = f"the tensor {owner!r} (a plain attribute, not a buffer)" if owner else \
+            "a tensor that is neither a parameter, a buffer nor an argument"
+        return CaptureError(
+            f"build() changes {what} in place with {getattr(func, '__name__', func)}"
+            f"{_where(current_user_frame())}. It is read as a constant of the compiled step, so "
+            "the change would happen once, at capture. Make it a buffer "
+            "(module.register_buffer(name, tensor)) to have the step update it, or change it "
+            "outside build()")
+
     # -- torch functions --------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _GRAD_ACCESS:
+            raise _grad_access_error(_GRAD_ACCESS[func])
+        if _writes_real_tensor(func, args, kwargs):
+            raise self._real_tensor_write_error(func, args, kwargs)
+        if _called_from_torch_grad_scaler():  # scale(), step(), update() of torch's own scaler
+            raise CaptureError(
+                f"build() uses a torch.amp.GradScaler{_where(current_user_frame())}: its scale "
+                "would be baked into the graph and never unscaled. Fix: "
+                + _GRAD_FIXES["torch.amp"] + "; call loss.backward() on the unscaled loss")
         if func in _HOST_READS:
             culprit = _torch_function_reading()
             if culprit is not None and culprit[1] in _SAFE_ANSWERS:
@@ -196,6 +223,40 @@ class CaptureMode(TorchFunctionMode):
             self._record_backward(t, g, retain_graph, create_graph, inputs)
 
 
+def _writes_real_tensor(func, args, kwargs) -> bool:
+    """An in-place op or an ``out=`` on a real tensor (a constant of the step, not a traced
+    value): run at capture, it would change the user's tensor once, with no effect later."""
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor) and _is_real(out):
+        return True
+    name = getattr(func, "__name__", "")
+    in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+    return in_place and bool(args) and isinstance(args[0], torch.Tensor) and _is_real(args[0])
+
+
+_IN_PLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__",
+                               "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
+                               "__ixor__", "__ilshift__", "__irshift__", "__imatmul__",
+                               "__setitem__"})
+
+
+def _is_real(t: torch.Tensor) -> bool:
+    return not isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+def _refuse_unregistered_state(module: nn.Module) -> None:
+    """A module with real parameters or buffers that is not registered on the Graph: its
+    parameters would be traced as constants (no gradient, no update) and its buffers' updates
+    (BatchNorm statistics) would be lost, silently. Registered modules hold traced values here."""
+    state = [t for t in (*module.parameters(), *module.buffers()) if _is_real(t)]
+    if state:
+        raise CaptureError(
+            f"build() calls a {type(module).__name__} that is not registered on the Graph"
+            f"{_where(current_user_frame())}: its parameters would be constants (no gradient, no "
+            "update) and its buffer updates would be lost. Register it in __init__ "
+            f"(self.<name> = module), or create it inside a registered module")
+
+
 def parameter_positions(record: RecordedLoss, position: dict[int, int]) -> frozenset[int] | None:
     """The forward-parameter positions backward(inputs=...) named (None: all parameters)."""
     if not record.inputs:
@@ -267,8 +328,58 @@ def _host_read_error(func, culprit: tuple[str, str] | None) -> CaptureError:
 
 
 # Plumbing between a conversion and the code that asked for it (tensor subclasses, dispatch).
-_PLUMBING = tuple(os.path.join(os.path.dirname(torch.__file__), d) for d in (
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_PLUMBING = tuple(os.path.join(_TORCH_DIR, d) for d in (
     "_subclasses", "overrides.py", "_tensor.py", "utils" + os.sep + "_", "fx", "_ops.py"))
+# .grad inside build(): gradients live inside the compiled step, and parameters have none while
+# it is captured. Reading or writing .grad there is optimizer or clipping code that would do
+# nothing (clip_grad_norm_ clips no gradient) or worse (a stale .grad stepped into the model).
+_GRAD_ACCESS = {torch.Tensor.grad.__get__: "reads", torch.Tensor.grad.__set__: "writes"}
+_GRAD_FIXES = {
+    "clip_grad": "clip with add_optimizer(optimizer, clip_grad_max_norm=..., "
+                 "clip_grad_norm_type=...): graphamp clips after unscaling, inside the step",
+    "torch.optim": "remove optimizer.step() / zero_grad() from build(): the optimizers added "
+                   "with add_optimizer are stepped inside the compiled step, on fresh gradients",
+    "torch.amp": "remove scaler.step() / unscale_() / update() from build(): call "
+                 "set_grad_scaler(scaler) in __init__ and graphamp scales, unscales, skips and "
+                 "updates inside the step",
+}
+
+
+def _called_from_torch_grad_scaler() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        if frame.f_code.co_filename.endswith(_GRAD_SCALER_FILES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_GRAD_SCALER_FILES = (os.path.join("amp", "grad_scaler.py"),)
+
+
+def _grad_access_error(how: str) -> CaptureError:
+    modules = _torch_modules_on_stack()
+    key = next((k for k in _GRAD_FIXES for m in modules if k in m), None)
+    who = next((f"torch's {m}" for m in modules if key and key in m), "build()")
+    fix = _GRAD_FIXES[key] if key else (
+        "use the gradients inside build() with torch.autograd.grad, or return what you need "
+        "from build() and act on it outside")
+    return CaptureError(
+        f"{who} {how} a tensor's .grad inside build(){_where(current_user_frame())}. graphamp "
+        f"computes gradients inside the compiled step; .grad is never filled in there. Fix: {fix}")
+
+
+def _torch_modules_on_stack() -> list[str]:
+    """Modules of the torch code between the user's frame and here, innermost first."""
+    frame, out = sys._getframe(1), []
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        if frame.f_code.co_filename.startswith(_TORCH_DIR):
+            out.append(frame.f_globals.get("__name__", "torch"))
+        frame = frame.f_back
+    return out
+
+
 # torch helpers whose value reads only choose a faster path: the answer that keeps the general
 # path is always right. nn.Transformer* compare the mask with a causal one to set is_causal;
 # "not causal" applies the mask as given.
@@ -286,10 +397,10 @@ def _torch_function_reading() -> tuple[str, str] | None:
     value, or None when the user's own code did."""
     frame = sys._getframe(1)
     while frame is not None and is_library_file(frame.f_code.co_filename):
-        filename = frame.f_code.co_filename
-        if filename.startswith(os.path.dirname(torch.__file__)) and \
-                not filename.startswith(_PLUMBING):
-            return frame.f_globals.get("__name__", "torch"), frame.f_code.co_name
+        filename, name = frame.f_code.co_filename, frame.f_code.co_name
+        if filename.startswith(_TORCH_DIR) and not filename.startswith(_PLUMBING) \
+                and not name.startswith("<"):
+            return frame.f_globals.get("__name__", "torch"), name
         frame = frame.f_back
     return None
 

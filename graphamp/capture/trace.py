@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import threading
 from typing import Any
 
 import torch
@@ -117,7 +119,7 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
     # parameters require grad as the user's do: build() may differentiate (torch.autograd.grad)
     example = [p.detach().requires_grad_(p.requires_grad) for p in params] + buffers
     example += list(inputs.tensors)
-    example.append(torch.ones((), device=_device_of(example)))  # the loss scale
+    example.append(torch.ones((), dtype=torch.float32, device=_device_of(example)))  # the loss scale
     if device is not None:
         mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         example = [fake_copy(mode, t, device) for t in example]
@@ -135,9 +137,26 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
             "or return the tensor from build() and decide outside the graph"
         ) from e
     except Exception as e:
+        if _raised_in(e, _TORCH_GRAD_SCALER):
+            raise CaptureError(
+                f"{graph_name}.build() uses a torch.amp.GradScaler{_at(e)}: graphamp scales, "
+                "unscales, skips and updates inside the step. Call set_grad_scaler(scaler) in "
+                "__init__ and remove scaler.scale/step/update from build()") from e
         raise CaptureError(
             f"capturing {graph_name}.build() failed{_at(e)}: {type(e).__name__}: {e}") from e
     return gm, traced
+
+
+_TORCH_GRAD_SCALER = os.path.join("torch", "amp", "grad_scaler.py")
+
+
+def _raised_in(e: BaseException, filename_end: str) -> bool:
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(filename_end):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _tensor_attributes(root: BuildRoot) -> dict[int, str]:
@@ -156,18 +175,30 @@ def _at(e: BaseException) -> str:
     return f" at {frame}" if frame else ""
 
 
+_flag_lock = threading.Lock()
+_flag_users = [0, False]  # captures running in any thread; the flag's value before the first
+
+
 @contextlib.contextmanager
 def _compiling_flag():
     """``torch.compiler.is_compiling()`` is True while build() is captured, as under
     torch.compile and torch.export: libraries then skip host-side checks that read tensor values
-    (transformers' padding warning, for one), which a compiled step cannot run anyway."""
+    (transformers' padding warning, for one), which a compiled step cannot run anyway. The flag
+    is process-wide: it is set when the first capture (in any thread) starts and put back when
+    the last one ends, on every path."""
     compiler = torch.compiler
     if not hasattr(compiler, "_is_compiling_flag"):
         yield
         return
-    saved = compiler._is_compiling_flag
-    compiler._is_compiling_flag = True
+    with _flag_lock:
+        if _flag_users[0] == 0:
+            _flag_users[1] = compiler._is_compiling_flag
+        _flag_users[0] += 1
+        compiler._is_compiling_flag = True
     try:
         yield
     finally:
-        compiler._is_compiling_flag = saved
+        with _flag_lock:
+            _flag_users[0] -= 1
+            if _flag_users[0] == 0:
+                compiler._is_compiling_flag = _flag_users[1]

@@ -49,7 +49,7 @@ class PrecisionReport:
     rows: list[dict[str, str]]
     dtype: str
     casts: int
-    parameter_copies: int  # parameter casts hoisted into the optimizer update
+    parameter_copies: int  # parameters cast once at the start of the step (hoisted casts)
     ops_low: int
     ops_total: int
     unknown_ops: dict[str, int]
@@ -60,8 +60,8 @@ class PrecisionReport:
         text = (f"converted {self.ops_low}/{self.ops_total} ops to {self.dtype} with "
                 f"{self.casts} casts")
         if self.parameter_copies:
-            text += (f" (+{self.parameter_copies} low-precision parameter copies refreshed by the "
-                     "optimizer update)")
+            text += (f" (+{self.parameter_copies} low-precision parameter copies made at the "
+                     "start of the step)")
         if self.unknown_ops:
             names = ", ".join(sorted(self.unknown_ops))
             n = sum(self.unknown_ops.values())

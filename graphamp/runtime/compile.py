@@ -65,7 +65,8 @@ def default_inductor_options(gm: fx.GraphModule, example: list[torch.Tensor]) ->
     nodes per convolution, which a whole step passes. Measured on an H100 with torch 2.11
     (benchmarks/results/README.md): this option alone left ResNet-50 at 40.1 ms/step, cuDNN still
     transposing NCHW<->NHWC around every convolution; together with channels-last copies of the
-    convolution weights (state.SharedState.shadow) the step took 23.2 ms. Whether this option is still
+    convolution weights (then persistent; now step/gradients.parameter_casts) the step took
+    23.2 ms. Whether this option is still
     needed beside those copies was not measured separately. Grouped convolutions, where
     channels-last can be slower, keep inductor's own decision.
     """

@@ -2,9 +2,8 @@
 
 The user's parameters, buffers and optimizer state stay the truth: each call looks them up
 again through the dicts that hold them (so reassignment and ``.to()`` are followed), refreshes
-the hyperparameter tensors whose values changed (a device copy, no recompile) and the
-low-precision copies of parameters changed outside the step, and passes everything to the
-compiled step in the order of the plan's StepLayout.
+the hyperparameter tensors whose values changed (a device copy, no recompile), and passes
+everything to the compiled step in the order of the plan's StepLayout.
 """
 
 from __future__ import annotations
@@ -20,30 +19,36 @@ from ..errors import CaptureError
 from ..forensics import ForensicsState
 from ..optimizers import OptimizerPlan, init_state
 from ..spec import StepPlan
-from ..state import SharedState, ShadowEntry
+from ..state import SharedState
 
 Slot = tuple[dict, str]  # (the dict holding a tensor, its key): a live lookup
+_MISSING = object()
 
 
 @dataclass
 class HyperSlot:
-    """One param group's hyperparameters as device tensors, refreshed when the group changes."""
+    """One param group's hyperparameters as device tensors, refreshed when the group changes.
+
+    The group is looked up by index at every call: ``optimizer.load_state_dict`` replaces the
+    group dicts. A tensor hyperparameter (a tensor lr, as compiled optimizers recommend) is
+    copied when it is another tensor or was changed in place (its version counter moved)."""
 
     plan: OptimizerPlan
-    group: dict
+    index: int  # the param group's position in plan.optimizer.param_groups
     tensors: list[torch.Tensor]
-    values: tuple
+    seen: tuple = ()
 
     def sync(self) -> None:
-        values = self.plan.hyper_values(self.group)
-        if values == self.values:
+        values = self.plan.hyper_values(self.plan.optimizer.param_groups[self.index])
+        seen = tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v for v in values)
+        if seen == self.seen:
             return
-        for t, v, old in zip(self.tensors, values, self.values):
+        for t, v in zip(self.tensors, values):
             if isinstance(v, torch.Tensor):
-                t.copy_(v)  # a tensor lr: device copy, no sync
-            elif v != old:
+                t.copy_(v.reshape(()))  # a device copy, no sync
+            else:
                 t.fill_(v)  # a kernel argument, no sync
-        self.values = values
+        self.seen = seen
 
 
 class Runner:
@@ -55,8 +60,11 @@ class Runner:
         self.plan = plan
         self.param_slots = _slots(root, cap.param_names, "_parameters")
         self.buffer_slots = _slots(root, cap.buffer_names, "_buffers")
-        self.hyper = [_hyper_slot(opt, group, device) for opt in plan.optimizers
-                      for group in opt.optimizer.param_groups]
+        self.hyper = [HyperSlot(opt, k, [torch.zeros((), dtype=torch.float32, device=device)
+                                         for _ in opt.hyper_names])
+                      for opt in plan.optimizers for k in range(len(opt.optimizer.param_groups))]
+        for slot in self.hyper:
+            slot.sync()
         self.counters = [state.counter(opt.index, device, _has_state(opt))
                          for opt in plan.optimizers]
         self.scaler_state: list[torch.Tensor] = []
@@ -66,10 +74,8 @@ class Runner:
         self.history = state.history.materialize(device) if plan.training else []
         # overflow tracing: this step's own record (its probes are its own)
         self.forensics = ForensicsState(plan.probes, device) if plan.probes is not None else None
-        self.shadow_slots: list[tuple[Slot, ShadowEntry]] = [
-            (self.param_slots[i], state.shadow(_get(self.param_slots[i]), dtype))
-            for i, dtype in plan.shadows]
         self.opt_state: list[torch.Tensor] | None = None
+        self._to_install: list[tuple] = []  # optimizer state made at gather, installed at commit
         self.compiled: Callable[..., Sequence[torch.Tensor]] | None = None
         self.uses_cuda_graph = False
         self.calls = 0
@@ -78,18 +84,18 @@ class Runner:
 
     def example_inputs(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Tensors shaped like the step's inputs, for tracing and compiling; nothing installed
-        in the user's optimizer."""
+        in the user's optimizer. Detached: the step runs under no_grad, and a backend that saw
+        an input requiring grad would compile it for autograd."""
         return self.plan.layout.flatten(self._groups(_example_optimizer_state(self.plan),
-                                                     inputs, detach=True))
+                                                     [t.detach() for t in inputs], detach=True))
 
     def gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The step's flat inputs for this call, with every refresh applied."""
+        """The step's flat inputs for this call, with every refresh applied. Changes nothing
+        the user can see: optimizer state graphamp creates is installed by ``commit``."""
         if self.opt_state is None:
-            self.opt_state = materialize_optimizer_state(self.plan)
+            self.opt_state, self._to_install = materialize_optimizer_state(self.plan)
         for slot in self.hyper:
             slot.sync()
-        for (d, k), entry in self.shadow_slots:
-            entry.sync(d[k])
         return self.plan.layout.flatten(self._groups(self.opt_state, inputs))
 
     def _groups(self, opt_state: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -104,32 +110,57 @@ class Runner:
             "scaler": self.scaler_state,
             "history": self.history,
             "forensics": self.forensics.tensors() if self.forensics is not None else [],
-            "shadows": [entry.tensor for _, entry in self.shadow_slots],
             "constants": self.plan.captured.constants,
             "inputs": inputs,
         }
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        flat = self.gather(inputs)
+    def execute(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run the compiled step on ``gather``'s inputs (it writes the state in place)."""
         with torch.no_grad():
-            outputs = self.compiled(*flat)
+            return list(self.compiled(*flat))
+
+    def record_step(self) -> Callable[[], None]:
+        """The bookkeeping of a step, done before it runs so that the step itself is the last
+        thing that happens: installs the optimizer state gather created, counts the call, bumps
+        the updated parameters' version counters (as eager optimizer steps do, so autograd sees
+        the change). Returns the function that undoes it if the step then fails."""
+        installed = []
+        for optimizer, p, key, t in self._to_install:
+            previous = optimizer.state.get(p, {}).get(key, _MISSING)
+            optimizer.state[p][key] = t
+            installed.append((optimizer, p, key, previous))
+        pending, self._to_install = self._to_install, []
         self.calls += 1
         if self.plan.training:
-            # In-place updates bump version counters, as eager optimizer steps do: autograd and
-            # other graphs sharing these parameters (their shadows) see the change.
             _increment_versions(self.updated_params)
-            for (d, k), entry in self.shadow_slots:
-                entry.version = d[k]._version
-        return list(outputs)
+
+        def undo() -> None:
+            for optimizer, p, key, previous in reversed(installed):
+                if previous is _MISSING:
+                    del optimizer.state[p][key]
+                    if not optimizer.state[p]:
+                        del optimizer.state[p]
+                else:
+                    optimizer.state[p][key] = previous
+            self._to_install = pending
+            self.calls -= 1
+
+        return undo
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """gather, record, execute: one whole step (the Graph adds its own bookkeeping)."""
+        flat = self.gather(inputs)
+        undo = self.record_step()
+        try:
+            return self.execute(flat)
+        except BaseException:
+            undo()
+            raise
 
     def invalidate_optimizer_state(self) -> None:
         """The user loaded an optimizer state dict: gather its tensors again at the next call
         (a CUDA graph notices the new addresses and is captured again)."""
         self.opt_state = None
-
-
-def _get(slot: Slot) -> torch.Tensor:
-    return slot[0][slot[1]]
 
 
 def _slots(root: nn.Module, names: list[str], kind: str) -> list[Slot]:
@@ -140,13 +171,6 @@ def _slots(root: nn.Module, names: list[str], kind: str) -> list[Slot]:
         module = root.get_submodule(prefix) if prefix else root
         slots.append((getattr(module, kind), attr))
     return slots
-
-
-def _hyper_slot(opt: OptimizerPlan, group: dict, device: torch.device) -> HyperSlot:
-    values = opt.hyper_values(group)
-    tensors = [torch.as_tensor(v, dtype=torch.float32).to(device).clone().reshape(())
-               for v in values]
-    return HyperSlot(opt, group, tensors, values)
 
 
 def _has_state(opt: OptimizerPlan) -> bool:
@@ -161,17 +185,19 @@ def _increment_versions(tensors: list[torch.Tensor]) -> None:
             increment_version(t)
 
 
-def materialize_optimizer_state(plan: StepPlan) -> list[torch.Tensor]:
-    """The optimizer state tensors in layout order, created in torch's format where missing.
+def materialize_optimizer_state(plan: StepPlan):
+    """(the optimizer state tensors in layout order, [(optimizer, parameter, key, tensor)] still
+    to be installed): created in torch's format where missing; nothing is written into the
+    optimizer here (``Runner.commit`` installs them once a step has run).
 
     Existing state (from a checkpoint or earlier eager steps) is kept; a ``step`` on the CPU is
-    moved to the parameters' device, where the compiled step can update it without a sync.
+    copied to the parameters' device, where the compiled step can update it without a sync.
     """
-    flat = []
+    flat, install = [], []
     for opt in plan.optimizers:
         for p, key in opt.state_slots():
-            state = opt.optimizer.state[p]
-            t = state.get(key)
+            existing = opt.optimizer.state.get(p, {}).get(key)
+            t = existing
             if t is None:
                 t = init_state(opt.kind, key, p)
             elif key == "step":
@@ -181,9 +207,10 @@ def materialize_optimizer_state(plan: StepPlan) -> list[torch.Tensor]:
                     f"optimizer {opt.index} state {key!r} has shape {tuple(t.shape)} on "
                     f"{t.device}, its parameter {tuple(p.shape)} on {p.device}: the loaded "
                     "optimizer state does not belong to these parameters")
-            state[key] = t
+            if t is not existing:
+                install.append((opt.optimizer, p, key, t))
             flat.append(t)
-    return flat
+    return flat, install
 
 
 def _example_optimizer_state(plan: StepPlan) -> list[Any]:

@@ -1,14 +1,14 @@
 """Stage 4, assemble: the AMP-rewritten forward traced again inside one functional training step.
 
-    forward → loss × scale → grads (autograd) → [all-reduce] → unscale + found_inf → clip
-    → optimizer update masked by found_inf → low-precision copies → [overflow record]
+    parameter casts → forward → loss × scale → grads (autograd) → [all-reduce]
+    → unscale + found_inf → clip → optimizer update masked by found_inf → [overflow record]
     → history row → scale update → BatchNorm statistics masked
 
 The whole step becomes one FX graph (make_fx over Python functionalization, fake tensors). Its
 inputs are the state tensors and the batch (``plan.layout``); it writes every state tensor in
 place (``copy_`` into its inputs, which the compiler keeps in place) and returns build()'s
-tensors. Nodes carry ``meta["graphamp_subgraph"]``: forward, backward, grad_scaler, clip_grad,
-data_parallel, optimizer, forensics (overflow tracing only), history.
+tensors. Nodes carry ``meta["graphamp_subgraph"]``: parameter_casts, forward, backward,
+grad_scaler, clip_grad, data_parallel, optimizer, forensics (overflow tracing only), history.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ..optimizers import OptimizerPlan
 from ..spec import StepPlan
 from .collectives import agree_on_overflow, average_over_ranks
 from .forensics import ProbeRecorder, record_overflow
-from .gradients import forward_and_gradients, run_forward
+from .gradients import forward_and_gradients, parameter_casts, run_forward
 from .history import record_history
 from .optimizer_update import densify_sparse_grads, masked, update_optimizer
 from .scaling import clip_grad_norm, count_nonfinite_norm, unscale_and_check, write_scale_update
@@ -91,10 +91,11 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
 
 def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list]) -> tuple:
     cap = plan.captured
-    one = torch.ones((), device=s["params"][0].device if s["params"] else None)
+    one = torch.ones((), dtype=torch.float32,
+                     device=s["params"][0].device if s["params"] else None)
     user, _, _, new_buffers = cap.split_outputs(
         run_forward(fwd_gm, [*s["params"], *s["buffers"], *s["inputs"], one, *s["constants"],
-                             *s["shadows"]]))
+                             *parameter_casts(plan, s["params"])]))
     for i, value in zip(cap.mutated_buffers, new_buffers):
         s["buffers"][i].copy_(value)
     return tuple(user)
@@ -135,18 +136,14 @@ def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Te
 
 
 def _update_optimizers(plan: StepPlan, s: dict[str, list], updates: list[_OptimizerUpdate]):
-    """Each optimizer's masked update, then the low-precision copies it feeds."""
+    """Each optimizer's masked update."""
     states, hypers = iter(s["opt_state"]), iter(s["hyper"])
-    params, shadows = s["params"], s["shadows"]
+    params = s["params"]
     with NodeTagger({"graphamp_subgraph": "optimizer"}):
         for u, counter in zip(updates, s["counters"]):
             skip = u.found > 0 if u.found is not None else None
             update_optimizer(u.opt, [params[i] for i in u.opt.forward_positions], u.grads,
                              states, hypers, counter, skip)
-        trainable = set(plan.trainable)
-        for j, (i, dtype) in enumerate(plan.shadows):
-            if i in trainable:  # the optimizer refreshes the low-precision copies it feeds
-                shadows[j].copy_(params[i].to(dtype))
 
 
 def _total(updates: list[_OptimizerUpdate]) -> torch.Tensor:

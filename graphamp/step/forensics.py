@@ -42,9 +42,9 @@ _BOUNDED = frozenset(p for p in (
 
 
 def plan_probes(forward: fx.GraphModule, captured: CapturedForward, trainable: list[int],
-                shadows: list[tuple[int, torch.dtype]]) -> ProbeTable:
+                param_casts: list[tuple[int, torch.dtype]]) -> ProbeTable:
     """The probes of ``forward`` (the graph after the AMP passes)."""
-    kinds, names = _placeholders(captured, shadows)
+    kinds, names = _placeholders(captured, param_casts)
     occurrence = op_occurrences(forward.graph.nodes)
     index: dict[fx.Node, int] = {}
     reads: dict[fx.Node, tuple[int, ...]] = {}  # probes a node's value depends on, via views
@@ -67,19 +67,20 @@ def plan_probes(forward: fx.GraphModule, captured: CapturedForward, trainable: l
     outs = list(output.args[0])
     losses = outs[captured.num_user_outputs:captured.num_user_outputs + captured.num_losses]
     loss_probes = sorted({i for node in losses for i in _probes_of(node, index, reads)})
-    return ProbeTable(tuple(probes), _grad_params(captured, trainable, shadows, placeholders, index),
+    return ProbeTable(tuple(probes),
+                      _grad_params(captured, trainable, param_casts, placeholders, index),
                       tuple(loss_probes))
 
 
-def _placeholders(captured: CapturedForward, shadows: list[tuple[int, torch.dtype]]):
+def _placeholders(captured: CapturedForward, param_casts: list[tuple[int, torch.dtype]]):
     """The kind and readable name of each forward placeholder: (*params, *buffers, *inputs,
     loss_scale, *constants, *low-precision parameter copies); the loss scale is not probed."""
     kinds = (["parameter"] * len(captured.param_names) + ["buffer"] * len(captured.buffer_names)
              + ["input"] * captured.num_inputs + [None]
-             + ["constant"] * len(captured.constant_names) + ["parameter copy"] * len(shadows))
+             + ["constant"] * len(captured.constant_names) + ["parameter copy"] * len(param_casts))
     names = [*captured.param_names, *captured.buffer_names, *captured.input_names, "loss_scale",
              *captured.constant_names,
-             *(f"{captured.param_names[i]} ({dtype_name(dt)} copy)" for i, dt in shadows)]
+             *(f"{captured.param_names[i]} ({dtype_name(dt)} copy)" for i, dt in param_casts)]
     return kinds, names
 
 
@@ -142,13 +143,13 @@ def _op_probe(node: fx.Node, kind: str, inputs: tuple[int, ...], occurrence: dic
 
 
 def _grad_params(captured: CapturedForward, trainable: list[int],
-                 shadows: list[tuple[int, torch.dtype]], placeholders: list[fx.Node],
+                 param_casts: list[tuple[int, torch.dtype]], placeholders: list[fx.Node],
                  index: dict) -> tuple[GradParam, ...]:
-    first_shadow = len(placeholders) - len(shadows)
+    first_cast = len(placeholders) - len(param_casts)
     out = []
     for i in trainable:
-        nodes = [placeholders[i]] + [placeholders[first_shadow + j]
-                                     for j, (pos, _) in enumerate(shadows) if pos == i]
+        nodes = [placeholders[i]] + [placeholders[first_cast + j]
+                                     for j, (pos, _) in enumerate(param_casts) if pos == i]
         out.append(GradParam(captured.param_names[i], tuple(index[n] for n in nodes if n in index)))
     return tuple(out)
 
@@ -194,7 +195,7 @@ class ProbeRecorder:
         if node.op == "placeholder":
             # parameters come once per micro-batch, the same values: measured once
             if self.table.forward[i].kind == "input" or all(j != i for j, _ in self._deferred):
-                self._deferred.append((i, value.detach() if value.requires_grad else value))
+                self._deferred.append((i, value))  # detached in vector(), tagged forensics
             return
         self._put(i, value)
         if value.requires_grad:
@@ -227,7 +228,8 @@ class ProbeRecorder:
         self._deferred = []
         with NodeTagger(_TAG):
             for group in by_dtype.values():
-                for (slot, t), amax in zip(group, _largest_magnitudes([t for _, t in group])):
+                values = [t.detach() if t.requires_grad else t for _, t in group]
+                for (slot, t), amax in zip(group, _largest_magnitudes(values)):
                     self._put(slot, t, amax)
             zero = torch.zeros((), device=device)
             return torch.stack([v if v is not None else zero for v in self.values])

@@ -63,7 +63,8 @@ def _functional_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = 
 def run_forward(fwd_gm: fx.GraphModule, inputs: list,
                 recorder: ProbeRecorder | None = None) -> list:
     """The forward graph's outputs for ``inputs`` = (*params, *buffers, *batch, loss_scale,
-    *constants, *low-precision copies); its nodes are traced into the step tagged ``forward``."""
+    *constants, *low-precision parameter copies); its nodes are traced into the step tagged
+    ``forward``."""
     with NodeTagger({"graphamp_subgraph": "forward"}):
         return list(_ForwardRunner(fwd_gm, recorder).run(*inputs, enable_io_processing=False))
 
@@ -78,6 +79,21 @@ class ForwardResult:
     new_buffers: list[torch.Tensor]  # new values of captured.mutated_buffers
 
 
+def parameter_casts(plan: StepPlan, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The low-precision copies the AMP forward reads (``plan.param_casts``), made from the
+    current parameters at the start of the step: once per step whatever the number of
+    consumers or micro-batches, and always from the values the user's tensors hold now.
+    Convolution weights on CUDA come out channels-last: cuDNN's fast kernels are NHWC, and the
+    copy's layout saves a transpose in every forward and backward convolution."""
+    with NodeTagger({"graphamp_subgraph": "parameter_casts"}):
+        out = []
+        for i, dtype in plan.param_casts:
+            p = params[i]
+            layout = torch.channels_last if p.dim() == 4 and p.is_cuda else torch.preserve_format
+            out.append(p.to(dtype=dtype, memory_format=layout))
+        return out
+
+
 def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list],
                           scale: torch.Tensor | None,
                           recorder: ProbeRecorder | None = None) -> ForwardResult:
@@ -85,31 +101,35 @@ def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, l
     parameter gradients up; BatchNorm statistics carry from one micro-batch to the next.
 
     Plain autograd differentiates the traced forward (``torch.autograd.grad``): the forward's
-    ops record their backward as in eager mode, custom autograd Functions included. With a
-    ``recorder`` (overflow tracing), every probed value and the gradient arriving at it are
-    measured."""
+    ops record their backward as in eager mode, custom autograd Functions included. Gradients
+    with respect to a parameter's low-precision copy are cast back, as a cast's backward does.
+    With a ``recorder`` (overflow tracing), every probed value and the gradient arriving at it
+    are measured."""
     cap = plan.captured
-    params, shadows = s["params"], s["shadows"]
+    params = s["params"]
     trainable = set(plan.trainable)
     direct = [i for i in plan.trainable if i in plan.direct_use]
-    shadowed = [j for j, (i, _) in enumerate(plan.shadows) if i in trainable]
+    copies = parameter_casts(plan, params)
     total: dict[int, torch.Tensor] = {}
     users, micro_losses = [], []
     current = list(s["buffers"])
     for micro in _micro_batches(s["inputs"], plan.acc_steps):
-        ps, sh = list(params), list(shadows)
+        ps, cs = list(params), list(copies)
         for i in direct:  # leaves the gradients are taken with respect to
             ps[i] = params[i].detach().requires_grad_(True)
-        for j in shadowed:
-            sh[j] = shadows[j].detach().requires_grad_(True)
+        cast_leaves = []
+        for j, (i, _) in enumerate(plan.param_casts):
+            if i in trainable:
+                cs[j] = copies[j].detach().requires_grad_(True)
+                cast_leaves.append((i, cs[j]))
         with torch.enable_grad():
             user, losses, loss_grads, new_buffers = cap.split_outputs(
                 run_forward(fwd_gm, [*ps, *current, *micro, _loss_scale(scale, params),
-                                     *s["constants"], *sh], recorder))
+                                     *s["constants"], *cs], recorder))
         seeds = _seeds(plan, losses, loss_grads, scale)
         with NodeTagger({"graphamp_subgraph": "backward"}):
-            _accumulate_grads(plan, losses, seeds, [(i, ps[i]) for i in direct],
-                              [(plan.shadows[j][0], sh[j]) for j in shadowed], params, total)
+            _accumulate_grads(plan, losses, seeds, [(i, ps[i]) for i in direct], cast_leaves,
+                              params, total)
         users.append([u.detach() for u in user])
         micro_losses.append([loss.detach() for loss in losses])
         for i, value in zip(cap.mutated_buffers, new_buffers):
@@ -123,13 +143,13 @@ def _loss_scale(scale: torch.Tensor | None, like: list[torch.Tensor]) -> torch.T
     """The forward's loss_scale input: the scaler's scale, or 1."""
     if scale is not None:
         return scale
-    return torch.ones((), device=like[0].device if like else None)
+    return torch.ones((), dtype=torch.float32, device=like[0].device if like else None)
 
 
 def _seeds(plan: StepPlan, losses, loss_grads, scale) -> list[torch.Tensor]:
     """Each loss's backward seed: ones (or its explicit gradient), averaged over micro-batches,
     times the loss scale (the loss-scaling subgraph)."""
-    with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
+    with NodeTagger({"graphamp_subgraph": "grad_scaler" if scale is not None else "backward"}):
         explicit = iter(loss_grads)
         seeds = []
         for loss, given in zip(losses, plan.captured.loss_grad_given):
@@ -148,12 +168,13 @@ def _micro_batches(inputs: list, n: int) -> list[list]:
             for k in range(n)]
 
 
-def _accumulate_grads(plan: StepPlan, losses: list, seeds: list, direct: list, shadowed: list,
+def _accumulate_grads(plan: StepPlan, losses: list, seeds: list, direct: list, copies: list,
                      params: list, total: dict) -> None:
     """Add this micro-batch's parameter gradients to ``total``.
 
-    ``direct`` and ``shadowed`` are (forward position, leaf) pairs: parameters read in their own
-    dtype, and low-precision copies (whose gradient is cast back, as a cast's backward does).
+    ``direct`` and ``copies`` are (forward position, leaf) pairs: parameters read in their own
+    dtype, and their low-precision copies (whose gradient is cast back, as a cast's backward
+    does).
     Losses that called backward(inputs=...) send gradients only to those parameters: one
     ``autograd.grad`` per distinct restriction, over the parameters it names.
     """
@@ -161,7 +182,7 @@ def _accumulate_grads(plan: StepPlan, losses: list, seeds: list, direct: list, s
     for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(losses)):
         groups.setdefault(restrict, []).append(index)
     for n, (restrict, members) in enumerate(groups.items()):
-        wrt = [(i, leaf) for i, leaf in [*direct, *shadowed] if restrict is None or i in restrict]
+        wrt = [(i, leaf) for i, leaf in [*direct, *copies] if restrict is None or i in restrict]
         grads = torch.autograd.grad([losses[k] for k in members], [leaf for _, leaf in wrt],
                                     [seeds[k] for k in members], allow_unused=True,
                                     retain_graph=n + 1 < len(groups))

@@ -11,7 +11,10 @@ def record_history(history: list[torch.Tensor], losses: list[torch.Tensor],
     """Write row ``step % capacity``: step, summed scalar loss, scale used, skipped, grad norm."""
     step, table = history
     scalar_losses = [l for l in losses if l.numel() == 1]
-    nan = torch.full((), float("nan"), device=step.device)
+    def full(value: float) -> torch.Tensor:
+        return torch.full((), value, dtype=torch.float32, device=step.device)
+
+    nan = full(float("nan"))
     loss = (torch.stack([l.reshape(()).float() for l in scalar_losses]).sum()
             if scalar_losses else nan)
     if norms:
@@ -22,8 +25,8 @@ def record_history(history: list[torch.Tensor], losses: list[torch.Tensor],
     row = torch.stack([
         step.float(),
         loss.detach(),
-        scale.float() if scale is not None else torch.ones((), device=step.device),
-        any_skip.float() if any_skip is not None else torch.zeros((), device=step.device),
+        scale.float() if scale is not None else full(1.0),
+        any_skip.float() if any_skip is not None else full(0.0),
         grad_norm.detach(),
     ])
     index = torch.remainder(step, table.shape[0]).reshape(1)

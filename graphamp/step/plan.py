@@ -1,8 +1,8 @@
 """Stage 3, plan: what the training step does, decided on the host before it is traced.
 
 Which parameters each optimizer updates (and which get no gradient), which optimizer state and
-hyperparameters the step reads, which low-precision parameter copies the AMP forward wants, and
-the layout of the step's inputs (spec.StepLayout).
+hyperparameters the step reads, which parameters the AMP forward reads in low precision, and the
+layout of the step's inputs (spec.StepLayout).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from ..errors import CaptureError
 from ..forensics import ProbeTable
 from ..optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
 from ..spec import CapturedForward, GraphSpec, StepLayout, StepPlan
-from ..validate import dtype_name
 from .forensics import plan_probes
 
 
 def build_plan(spec: GraphSpec, captured: CapturedForward, forward: fx.GraphModule,
-               param_ids: list[int], shadows: list[tuple[int, torch.dtype]], direct_use: set[int],
+               param_ids: list[int], param_casts: list[tuple[int, torch.dtype]],
+               direct_use: set[int],
                process_group=None) -> StepPlan:
     """The StepPlan for ``captured`` (``forward``: the graph after the AMP passes);
     ``param_ids`` are ``id()`` of the forward's parameters in placeholder order (to find each
@@ -34,11 +34,12 @@ def build_plan(spec: GraphSpec, captured: CapturedForward, forward: fx.GraphModu
                            "reaches a loss; there is nothing to train")
     scaler = spec.scaler if spec.training else None
     _warn_about_scaler_dtype(spec, scaler)
-    probes = plan_probes(forward, captured, trainable, shadows) \
+    probes = plan_probes(forward, captured, trainable, param_casts) \
         if spec.training and spec.config.overflow_tracing else None
     return StepPlan(captured, spec.training, trainable, plans, scaler,
-                    layout=_layout(captured, plans, scaler, spec.training, shadows, probes),
-                    shadows=shadows, direct_use=direct_use, acc_steps=spec.config.grad_acc_steps,
+                    layout=_layout(captured, plans, scaler, spec.training, probes),
+                    param_casts=param_casts, direct_use=direct_use,
+                    acc_steps=spec.config.grad_acc_steps,
                     process_group=process_group if spec.training else None, probes=probes)
 
 
@@ -94,7 +95,7 @@ def _forward_position(spec, captured, position, owner, k, opt, p) -> int:
 
 
 def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler, training: bool,
-            shadows: list[tuple[int, torch.dtype]], probes: ProbeTable | None) -> StepLayout:
+            probes: ProbeTable | None) -> StepLayout:
     """Placeholder names of the step's inputs, group by group (spec.STEP_INPUT_GROUPS)."""
     state, hyper = [], []
     for opt in plans:
@@ -113,7 +114,6 @@ def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler, training: 
         "history": ["history_step", "history_table"] if training else [],
         "forensics": (["forensics_count", "forensics_ring", "forensics_ranges"]
                       if probes is not None else []),
-        "shadows": [f"p_{cap.param_names[i]}_{dtype_name(dt)}" for i, dt in shadows],
         "constants": [f"c_{n}" for n in cap.constant_names],
         "inputs": [f"in_{n}" for n in cap.input_names],
     })
