@@ -1,18 +1,23 @@
-"""What overflow tracing costs per step on the CPU: ms/step with it off and on, in the same run.
+"""What overflow tracing costs per step: ms/step with it off and on, in the same run.
 
 Two Graphs per (workload, backend), identical but for ``config.enable_overflow_tracing()``,
 built on copies of one model; after warm-up their steps alternate (off, on, off, on, ...) so
 both see the same machine load, and each side's median is reported.
 
-    python benchmarks/forensics_cost.py                       # TinyGPT and a small ResNet,
+    python benchmarks/forensics_cost.py                       # CPU: TinyGPT and a small ResNet,
                                                               # aot_eager and inductor
     python benchmarks/forensics_cost.py --workload gpt --backend aot_eager --steps 10
+    python benchmarks/forensics_cost.py --device cuda --workload gpt2 resnet50 \
+        --backend inductor                                    # GPU: GPT-2 124M (B8 T1024) and
+                                                              # ResNet-50 (B128 224x224), fp16
 
-AMP runs in bf16: fp16 matrix products on the CPU run ~10x slower than fp32 ones (no native
-kernels), which would hide the probes' cost behind slow GEMMs; the probes themselves do not
-depend on the dtype. Results: benchmarks/results/forensics_cost_cpu.{json,md}. The GPU figures
-(GPT-2 124M, ResNet-50) come from ``benchmarks/bench.py --variant graphamp_fp16
-graphamp_fp16_traced`` (see benchmarks/results/README.md).
+On the CPU AMP runs in bf16: fp16 matrix products on the CPU run ~10x slower than fp32 ones (no
+native kernels), which would hide the probes' cost behind slow GEMMs; the probes themselves do
+not depend on the dtype. On CUDA it runs fp16 with graphamp.GradScaler (the case forensics is
+for), CUDA graphs on (graphamp's default), and each step is timed with CUDA events around it.
+Results: benchmarks/results/forensics_cost_<cpu|cuda>.{json,md}. ``benchmarks/bench.py
+--variant graphamp_fp16 graphamp_fp16_traced`` gives the same comparison beside the other
+variants of bench.py.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import graphamp  # noqa: E402
 from models import TinyGPT, lm_loss  # noqa: E402
+
+sys.path.insert(0, HERE)
+from workloads import WORKLOADS  # noqa: E402
 
 
 class BasicBlock(nn.Module):
@@ -69,9 +77,12 @@ class SmallResNet(nn.Module):
         return self.head(F.adaptive_avg_pool2d(self.stages(self.stem(x)), 1).flatten(1))
 
 
-def workload(name: str):
-    """(model, loss, batch, description)."""
+def workload(name: str, device: torch.device):
+    """(model, loss, batch, description); gpt2 and resnet50 are bench.py's full-size ones."""
     torch.manual_seed(0)
+    if name in ("gpt2", "resnet50"):
+        w = WORKLOADS[name](device, n_batches=1)
+        return w.make_model(), w.loss, w.batches[0], w.description
     if name == "gpt":
         model = TinyGPT(vocab=256, dim=128, heads=4, layers=4, seq=64)
         batch = (torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64)))
@@ -85,14 +96,17 @@ def workload(name: str):
 
 def make_graph(model: nn.Module, loss_fn, backend: str, traced: bool) -> graphamp.Graph:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cuda = next(model.parameters()).is_cuda
 
     class Train(graphamp.Graph):
         def __init__(self):
             super().__init__()
             self.model = model
             self.add_optimizer(opt)
-            self.config.enable_amp(True, dtype=torch.bfloat16)
+            self.config.enable_amp(True, dtype=torch.float16 if cuda else torch.bfloat16)
             self.config.set_backend(backend)
+            if cuda:
+                self.set_grad_scaler(graphamp.GradScaler())
             if traced:
                 self.config.enable_overflow_tracing()
 
@@ -104,22 +118,39 @@ def make_graph(model: nn.Module, loss_fn, backend: str, traced: bool) -> grapham
     return Train()
 
 
-def measure(name: str, backend: str, steps: int, warmup: int) -> dict:
-    model, loss_fn, batch, description = workload(name)
+def _timed(fn, cuda: bool) -> float:
+    """ms of one call of fn (CUDA: events around it, so the GPU time of the step)."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure(name: str, backend: str, steps: int, warmup: int, device: torch.device) -> dict:
+    model, loss_fn, batch, description = workload(name, device)
+    model = model.to(device)
+    batch = tuple(t.to(device) for t in batch)
+    cuda = device.type == "cuda"
     graphs, first_call = {}, {}
     for traced in (False, True):
         graphs[traced] = make_graph(copy.deepcopy(model), loss_fn, backend, traced)
         start = time.perf_counter()
         graphs[traced](*batch)
+        if cuda:
+            torch.cuda.synchronize()
         first_call[traced] = time.perf_counter() - start
         for _ in range(warmup):
             graphs[traced](*batch)
     times: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(steps):
         for traced in (False, True):  # alternate: both sides see the same load
-            start = time.perf_counter()
-            graphs[traced](*batch)
-            times[traced].append((time.perf_counter() - start) * 1e3)
+            times[traced].append(_timed(lambda g=graphs[traced]: g(*batch), cuda))
     off, on = statistics.median(times[False]), statistics.median(times[True])
     step_graphs = {t: g.compiled_steps[-1].step_graph for t, g in graphs.items()}
     probes = sum(n.meta.get("graphamp_subgraph") == "forensics"
@@ -129,18 +160,19 @@ def measure(name: str, backend: str, steps: int, warmup: int) -> dict:
             "first_call_s_off": first_call[False], "first_call_s_on": first_call[True],
             "step_nodes_off": len(step_graphs[False].graph.nodes),
             "step_nodes_on": len(step_graphs[True].graph.nodes), "forensics_nodes": probes,
-            "steps": steps}
+            "steps": steps, "device": str(device)}
 
 
 def write(rows: list[dict], meta: dict, out: str) -> None:
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "forensics_cost_cpu.json"), "w") as f:
+    stem = os.path.join(out, f"forensics_cost_{meta['device_type']}")
+    with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    lines = ["# Overflow tracing: cost per step on the CPU", "",
+    lines = [f"# Overflow tracing: cost per step ({meta['device_type']})", "",
              f"{meta['machine']}, {meta['threads']} thread(s), torch {meta['torch']}, "
              f"graphamp {meta['graphamp']}. Command: `{meta['command']}`", "",
              "Medians over the measured steps; the traced and untraced graphs' steps alternate "
-             "in one process. AMP bf16 (see the script's docstring for why not fp16 on a CPU).", "",
+             f"in one process. AMP {meta['amp']} (the script's docstring says why).", "",
              "| workload | backend | ms/step off | ms/step on | cost | forensics nodes | step nodes off → on | first call s off / on |",
              "|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
@@ -148,25 +180,31 @@ def write(rows: list[dict], meta: dict, out: str) -> None:
                      f"{r['overhead_pct']:+.0f}% | {r['forensics_nodes']} | {r['step_nodes_off']} → "
                      f"{r['step_nodes_on']} | {r['first_call_s_off']:.1f} / "
                      f"{r['first_call_s_on']:.1f} |")
-    lines += [""] + [f"- {r['workload']}: {r['description']}" for r in rows[::2]]
-    with open(os.path.join(out, "forensics_cost_cpu.md"), "w") as f:
+    described = {r["workload"]: r["description"] for r in rows}
+    lines += [""] + [f"- {name}: {text}" for name, text in described.items()]
+    with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", nargs="*", default=["gpt", "resnet"],
-                        choices=["gpt", "resnet"])
+                        choices=["gpt", "resnet", "gpt2", "resnet50"])
     parser.add_argument("--backend", nargs="*", default=["aot_eager", "inductor"],
                         choices=["aot_eager", "inductor"])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: steadier figures on a shared machine)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    meta = {"machine": f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    meta = {"machine": machine, "device_type": device.type,
+            "amp": "fp16 + GradScaler" if device.type == "cuda" else "bf16",
             "threads": args.threads, "torch": torch.__version__, "graphamp": graphamp.__version__,
             "command": "python benchmarks/forensics_cost.py " + " ".join(
                 argv if argv is not None else sys.argv[1:])}
@@ -174,7 +212,7 @@ def main(argv=None) -> list[dict]:
     for name in args.workload:
         for backend in args.backend:
             print(f"[forensics_cost] {name} {backend} ...", flush=True)
-            rows.append(measure(name, backend, args.steps, args.warmup))
+            rows.append(measure(name, backend, args.steps, args.warmup, device))
             print(f"  off {rows[-1]['ms_off']:.1f} ms, on {rows[-1]['ms_on']:.1f} ms "
                   f"({rows[-1]['overhead_pct']:+.0f}%)", flush=True)
             write(rows, meta, args.out)

@@ -465,3 +465,142 @@ def test_tracing_off_adds_nothing():
     assert g.config.overflow_tracing  # autofix turns tracing on
     with pytest.raises(graphamp.ConfigError, match="enable_amp_autofix\\(False\\)"):
         g.config.enable_overflow_tracing(False)
+
+
+def _step_ops(step_graph, *, without_forensics: bool) -> dict:
+    """Multiset of (op, subgraph) of a step graph's nodes; placeholders by name."""
+    from collections import Counter
+    ops = Counter()
+    for n in step_graph.graph.nodes:
+        tag = n.meta.get("graphamp_subgraph")
+        writes_forensics = n.target is torch.ops.aten.copy_.default \
+            and n.args[0].name.startswith("forensics")  # the record's in-place writes
+        if without_forensics and (tag == "forensics" or n.name.startswith("forensics")
+                                  or writes_forensics):
+            continue
+        ops[(n.op, str(n.target) if n.op != "placeholder" else n.name, tag)] += 1
+    return ops
+
+
+def test_tracing_off_compiles_exactly_the_traced_step_minus_its_probes(caplog):
+    # off costs nothing: the untraced step has the traced step's nodes but the forensics ones,
+    # no more; turning tracing on later recaptures and the log names the setting
+    torch.manual_seed(0)
+    model = SmallCNN()
+    graphs = []
+    for traced in (False, True):
+        m = copy.deepcopy(model)
+        graphs.append(make_graph(
+            m, nn.CrossEntropyLoss(), torch.optim.SGD(m.parameters(), lr=0.1),
+            amp=torch.float16, scaler=graphamp.GradScaler(),
+            configure=(lambda g: g.config.enable_overflow_tracing()) if traced else None))
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    losses = [g(x, y).item() for g in graphs]
+    assert losses[0] == losses[1]  # probes read values, never change them
+    off, on = (g.compiled_steps[-1].step_graph for g in graphs)
+    assert _step_ops(off, without_forensics=False) == _step_ops(on, without_forensics=True)
+    assert sum(n.meta.get("graphamp_subgraph") == "forensics" for n in on.graph.nodes) > 10
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        graphs[0].config.enable_overflow_tracing()
+        graphs[0](x, y)
+    assert len(graphs[0].compiled_steps) == 2
+    assert any("overflow_tracing" in r.getMessage() and "compiling again" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_debug_1_logs_each_overflow_as_it_happens(caplog):
+    g, _, _ = _overflowing_graph("matmul")
+    g.debug(1)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        for _ in range(2):
+            g(*_batch())
+    lines = [r.getMessage() for r in caplog.records if "overflow at" in r.getMessage()]
+    assert len(lines) == 2 and all(r.levelno == logging.INFO for r in caplog.records
+                                   if "overflow at" in r.getMessage())
+    location = _line(Overflowing.forward, "overflows: matmul")
+    assert "aten.addmm" in lines[0] and "model.fc" in lines[0] and location in lines[0]
+    assert "step 0" in lines[0] and "step 1" in lines[1]
+    # read once each, not again by the report
+    assert [e.step for e in g.overflow_report().events] == [0, 1]
+
+
+def test_the_overflow_record_is_part_of_the_step_transaction(monkeypatch):
+    import signal
+
+    g, _, _ = _overflowing_graph("matmul")
+    g.debug(1)  # the host reads the record after every step
+    g(*_batch())
+    runner = g._programs[next(iter(g._programs))].runner  # noqa: SLF001 - inject failures
+    forensics = runner.forensics
+    assert int(forensics.count) == 1 and len(g.overflow_report().events) == 1
+    ring = forensics.ring.clone()
+
+    # an error in the compiled step: no record, no event, no step
+    compiled = runner.compiled
+    monkeypatch.setattr(runner, "compiled", lambda *flat: (_ for _ in ()).throw(
+        RuntimeError("injected failure in the compiled step")))
+    with pytest.raises(RuntimeError, match="injected"):
+        g(*_batch())
+    assert g.step_count == 1 and int(forensics.count) == 1
+    torch.testing.assert_close(forensics.ring, ring, rtol=0, atol=0, equal_nan=True)
+    assert len(g.overflow_report().events) == 1
+    monkeypatch.setattr(runner, "compiled", compiled)
+
+    # Ctrl-C while the host reads the record: held until the read is stored, then raised; the
+    # step counts, its event is kept once, and nothing is read twice
+    read_new = forensics.read_new
+
+    def interrupted_read():
+        os.kill(os.getpid(), signal.SIGINT)
+        return read_new()
+
+    monkeypatch.setattr(forensics, "read_new", interrupted_read)
+    with pytest.raises(KeyboardInterrupt):
+        g(*_batch())
+    monkeypatch.setattr(forensics, "read_new", read_new)
+    assert g.step_count == 2 and int(forensics.count) == 2 and forensics.analysed == 2
+    assert [e.step for e in g.overflow_report().events] == [0, 1]
+    assert g.history.fetch()["skipped"] == [1.0, 1.0]
+
+
+def test_autofix_pins_the_op_first_then_its_module_and_respects_max_pins(caplog):
+    # a structure test of the host-side policy on synthetic events: op pin after K steps, the
+    # module when the op pin did not suffice (replacing it), never past max_pins, never a data
+    # fault
+    from graphamp.autofix import Autofix
+    from graphamp.config import GraphConfig
+    from graphamp.forensics import OverflowEvent
+
+    def event(step, pins, kind="op"):
+        return OverflowEvent(step, 1024.0, "forward", kind, "mm", "aten.mm", "float16",
+                             "model.ff", "", "model.py:3", "inf", 7e4, pins=pins)
+
+    config = GraphConfig()
+    config.enable_amp(True)
+    config.enable_amp_autofix(max_pins=2, after=2)
+    fix = Autofix()
+    op = AmpPin("model.ff", "aten.mm", 0)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        assert fix.consider("G", [event(0, (op,))], config) == []  # 1 < after
+        assert fix.consider("G", [event(1, ())], config) == []  # nothing to pin: not counted
+        assert fix.consider("G", [event(2, (), kind="input")], config) == []  # data fault
+        (made,) = fix.consider("G", [event(3, (op,))], config)
+        assert (made.module, made.op, made.index, made.step) == ("model.ff", "aten.mm", 0, 3)
+        assert config.amp_pins == (made,)
+        # the same module overflows again with the op pinned: the module replaces the op pin
+        other = AmpPin("model.ff", "aten.addmm", 1)
+        assert fix.consider("G", [event(4, (other,))], config) == []
+        (module,) = fix.consider("G", [event(5, (other,))], config)
+        assert (module.module, module.op) == ("model.ff", None) and config.amp_pins == (module,)
+        # max_pins=2: one more pin fits, a third does not (a warning, nothing pinned)
+        third, fourth = AmpPin("model.a", "aten.mm", 0), AmpPin("model.b", "aten.mm", 0)
+        fix.consider("G", [event(6, (third,)), event(7, (third,))], config)
+        assert len(config.amp_pins) == 2
+        assert fix.consider("G", [event(8, (fourth,)), event(9, (fourth,))], config) == []
+        assert len(config.amp_pins) == 2
+    pinned = [r for r in caplog.records if "autofix pinned" in r.getMessage()]
+    assert len(pinned) == 3 and "replaces the op pins" in pinned[1].getMessage()
+    assert any("max_pins=2" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
+    config.clear_amp_pins()
+    assert config.amp_pins == ()
