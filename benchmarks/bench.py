@@ -10,6 +10,9 @@ and each variant, all variants of a workload one after the other in one process 
     compile_bf16      torch.compile(model) + autocast bf16, fused optimizer
     graphamp_fp16     graphamp.Graph, AMP fp16 + graphamp.GradScaler (CUDA graph on CUDA)
     graphamp_bf16     graphamp.Graph, AMP bf16
+    graphamp_fp16_traced, graphamp_bf16_traced   the same with config.enable_overflow_tracing()
+                      (not run unless named: the cost of overflow forensics, as a ratio to the
+                      untraced variant of the same run)
 
 it reports ms/step (median of per-step CUDA-event times over the measured steps, launched back
 to back with one sync at the end), achieved TFLOP/s where the FLOPs are known, peak memory,
@@ -20,6 +23,8 @@ to the best peer of its dtype.
     python benchmarks/bench.py --workload mlp gpt2 resnet50          # on a GPU
     python benchmarks/bench.py --workload llama1b --variant graphamp_bf16 compile_bf16
     python benchmarks/bench.py --smoke                               # tiny, CPU, aot_eager
+    python benchmarks/bench.py --workload gpt2 resnet50 --variant graphamp_fp16 \
+        graphamp_fp16_traced --tag forensics                         # overflow tracing's cost
 
 Results: benchmarks/results/bench_<device>.jsonl (one JSON object per variant) and
 bench_<device>.md (a table), stamped with the device name and torch version.
@@ -48,6 +53,7 @@ from workloads import WORKLOADS  # noqa: E402
 
 VARIANTS = ("eager_fp32", "eager_amp_fp16", "eager_bf16", "compile_amp_fp16", "compile_bf16",
             "graphamp_fp16", "graphamp_bf16")
+TRACED_VARIANTS = ("graphamp_fp16_traced", "graphamp_bf16_traced")  # only when named
 FP16, BF16 = torch.float16, torch.bfloat16
 # dense bf16/fp16 tensor-core peak (TFLOP/s) by device name, for MFU
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
@@ -57,9 +63,13 @@ def peak_tflops(device_name: str) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
 
 
+def _dtype_name(variant: str) -> str:
+    return "bf16" if "bf16" in variant else "fp16" if "fp16" in variant else "fp32"
+
+
 def make_step(variant: str, workload, model, device, backend: str, inductor_options=None):
     """A function (x, y) -> loss tensor that runs one training step of ``variant``."""
-    dtype = BF16 if variant.endswith("bf16") else FP16
+    dtype = BF16 if _dtype_name(variant) == "bf16" else FP16
     cuda = device.type == "cuda"
     if variant.startswith("graphamp"):
         opt = workload.make_optimizer(model, False)
@@ -75,6 +85,8 @@ def make_step(variant: str, workload, model, device, backend: str, inductor_opti
                     self.config.set_inductor_options(**inductor_options)
                 if dtype == FP16:
                     self.set_grad_scaler(graphamp.GradScaler())
+                if variant.endswith("_traced"):
+                    self.config.enable_overflow_tracing()
 
             def build(self, x, y):
                 loss = workload.loss(self.model(x), y)
@@ -272,6 +284,10 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
                 f"{f'{ratio:.2f}' if ratio else ''} |")
         lines.append("")
         for r in rs:
+            if r.get("tracing_cost"):
+                lines.append(f"- {r['variant']}: overflow tracing costs "
+                             f"{(r['tracing_cost'] - 1) * 100:+.1f}% ms/step against "
+                             f"{r['variant'].removesuffix('_traced')} in the same run")
             if r.get("precision"):
                 lines.append(f"- {r['variant']}: {r['precision']}; CUDA graph: "
                              f"{r.get('cuda_graph')}; first call "
@@ -285,7 +301,12 @@ def add_ratios(rows: list[dict]) -> None:
     for r in rows:
         if not r["variant"].startswith("graphamp"):
             continue
-        dtype = r["variant"].split("_")[-1]
+        dtype = _dtype_name(r["variant"])
+        if r["variant"].endswith("_traced"):
+            untraced = [p for p in rows if p["workload"] == r["workload"]
+                        and p["variant"] == r["variant"].removesuffix("_traced")]
+            if untraced:
+                r["tracing_cost"] = r["ms_per_step"] / untraced[0]["ms_per_step"]
         peers = [p for p in rows if p["workload"] == r["workload"] and not
                  p["variant"].startswith("graphamp") and p["variant"].endswith(dtype)]
         if peers:
@@ -301,7 +322,8 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", nargs="*", default=["mlp", "gpt2", "resnet50"],
                         choices=sorted(WORKLOADS))
-    parser.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variant", nargs="*", default=list(VARIANTS),
+                        choices=VARIANTS + TRACED_VARIANTS)
     parser.add_argument("--steps", type=int, default=50, help="measured steps (default 50)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--loss-steps", type=int, default=0,
@@ -338,7 +360,7 @@ def main(argv=None) -> list[dict]:
         torch.manual_seed(0)
         base = workload.make_model()
         for variant in args.variant:
-            if device.type == "cpu" and variant.endswith("fp16") and not args.smoke:
+            if device.type == "cpu" and _dtype_name(variant) == "fp16" and not args.smoke:
                 continue
             print(f"[bench] {workload.name} {variant} ...", flush=True)
             with warnings.catch_warnings():

@@ -44,11 +44,13 @@ from .errors import (  # noqa: E402
 )
 from .graph import Graph  # noqa: E402
 from .ops import full_precision, low_precision  # noqa: E402
+from .pins import AmpPin  # noqa: E402
 from .scaler import GradScaler, StaticGradScaler  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AmpPin",
     "CaptureError",
     "CompileError",
     "ConfigError",

@@ -15,12 +15,13 @@ import torch
 
 from .errors import ConfigError
 from .ops import resolve_op
+from .pins import AmpPin
 from .validate import (LOW_PRECISION_DTYPES, OPT_LEVELS, check_bool, check_choice, check_int,
                        check_low_precision_dtype, check_opt_level)
 
 BACKENDS = ("inductor", "aot_eager", "eager")
-__all__ = ["BACKENDS", "ConfigSnapshot", "GraphConfig", "ListOverrides", "LOW_PRECISION_DTYPES",
-           "OPT_LEVELS"]
+__all__ = ["AutofixSettings", "BACKENDS", "ConfigSnapshot", "GraphConfig", "ListOverrides",
+           "LOW_PRECISION_DTYPES", "OPT_LEVELS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,16 @@ class ListOverrides:
     infer: tuple[Any, ...] = ()
     clear: tuple[Any, ...] = ()
     remove: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class AutofixSettings:
+    """enable_amp_autofix: pin an op to fp32 once it was the first non-finite producer on
+    ``after`` skipped steps, at most ``max_pins`` times. Read on the host after each step; not
+    part of the compiled step (changing it rebuilds nothing)."""
+
+    max_pins: int
+    after: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +61,8 @@ class ConfigSnapshot:
     inductor_options: tuple[tuple[str, Any], ...]
     data_parallel: bool
     process_group: Any
+    overflow_tracing: bool = False  # the step records which node first went non-finite
+    amp_pins: tuple[AmpPin, ...] = ()  # single ops or modules kept fp32 (by the user or autofix)
     checkpoint_module_types: tuple[type, ...] = ()
     checkpoint_module_names: tuple[str, ...] = ()
     zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded (enable_zero)
@@ -85,6 +98,7 @@ class GraphConfig:
             backend="inductor", cuda_graph=None, grad_acc_steps=1, inductor_options=(),
             data_parallel=False, process_group=None)
         self.max_cached_graphs = 8
+        self.autofix: AutofixSettings | None = None
 
     def snapshot(self) -> ConfigSnapshot:
         """The current settings, frozen (the same object until a setter changes something)."""
@@ -138,23 +152,64 @@ class GraphConfig:
         kept = {k: tuple(op for op in getattr(old, k) if op not in seen) for k in groups}
         self._set(list_overrides=ListOverrides(**{k: kept[k] + resolved[k] for k in groups}))
 
-    def pin_fp32(self, *modules: type | str) -> None:
-        """Keep every op inside these modules in fp32: module classes or qualified names.
+    def pin_fp32(self, *modules: type | str | AmpPin) -> None:
+        """Keep every op inside these modules in fp32: module classes or qualified names; or
+        single ops, as ``graphamp.AmpPin(module, op, index)`` (what autofix pins and
+        ``amp_pins`` lists, so an automatic pin can be written into the code).
 
         Qualified names are paths from the Graph, e.g. ``"model.head"`` for ``self.model.head``;
         they are checked against the registered modules at the first call.
         """
-        types, names = self.fp32_module_types, self.fp32_module_names
+        types, names, pins = self.fp32_module_types, self.fp32_module_names, self.amp_pins
         for m in modules:
             if isinstance(m, type) and issubclass(m, torch.nn.Module):
                 types += (m,)
             elif isinstance(m, str) and m:
                 names += (m,)
+            elif isinstance(m, AmpPin):
+                pins += (m,) if m not in pins else ()
             else:
                 raise ConfigError(
-                    f"pin_fp32 takes nn.Module classes or qualified module names, got {m!r}"
+                    f"pin_fp32 takes nn.Module classes, qualified module names or "
+                    f"graphamp.AmpPin, got {m!r}"
                 )
-        self._set(fp32_module_types=types, fp32_module_names=names)
+        self._set(fp32_module_types=types, fp32_module_names=names, amp_pins=pins)
+
+    def clear_amp_pins(self, *pins: AmpPin) -> None:
+        """Remove these AmpPins (all of them when none is given); the next call rebuilds the
+        step without them. Module classes and names given to pin_fp32 stay."""
+        for pin in pins:
+            if pin not in self.amp_pins:
+                raise ConfigError(f"{pin} is not pinned; amp_pins holds {list(self.amp_pins)}")
+        kept = tuple(p for p in self.amp_pins if pins and p not in pins)
+        self._set(amp_pins=kept)
+
+    # -- overflow forensics ---------------------------------------------------------------------
+    def enable_overflow_tracing(self, mode: bool = True) -> None:
+        """Record, inside the step and without a host sync, which node first produced a
+        non-finite value when a step overflows (``g.overflow_report()``), and the running
+        largest magnitude of every value and gradient (``g.range_report()``). Off by default:
+        when off, the compiled step has nothing of it."""
+        mode = check_bool("enable_overflow_tracing(mode)", mode)
+        if not mode and self.autofix is not None:
+            raise ConfigError("AMP autofix needs overflow tracing: call "
+                              "enable_amp_autofix(False) before enable_overflow_tracing(False)")
+        self._set(overflow_tracing=mode)
+
+    def enable_amp_autofix(self, mode: bool = True, *, max_pins: int = 4, after: int = 3) -> None:
+        """Self-healing AMP: when the same low-precision op is the first to produce a non-finite
+        value on ``after`` skipped steps, pin it to fp32 (its module, if pinning the op was not
+        enough), log one INFO line per pin and rebuild the step at the next call; at most
+        ``max_pins`` pins. Data faults (a non-finite input batch) and overflows the loss scale
+        explains are never pinned. Turns overflow tracing on. ``amp_pins`` lists the pins and
+        ``clear_amp_pins`` removes them; ``g.state_dict()`` keeps them."""
+        if not check_bool("enable_amp_autofix(mode)", mode):
+            self.autofix = None
+            return
+        self.autofix = AutofixSettings(check_int("enable_amp_autofix(max_pins)", max_pins,
+                                                 at_least=1),
+                                       check_int("enable_amp_autofix(after)", after, at_least=1))
+        self._set(overflow_tracing=True)
 
     # -- memory --------------------------------------------------------------------------------
     def enable_activation_checkpointing(self, *modules: type | str) -> None:
@@ -236,7 +291,12 @@ class GraphConfig:
 
     def __repr__(self) -> str:
         amp = f"{self.amp_dtype} {self.amp_opt_level}" if self.amp_active else "off"
+        extra = ", overflow_tracing=True" if self.overflow_tracing else ""
+        if self.autofix is not None:
+            extra += f", autofix(max_pins={self.autofix.max_pins}, after={self.autofix.after})"
+        if self.amp_pins:
+            extra += f", amp_pins={len(self.amp_pins)}"
         return (
             f"GraphConfig(amp={amp}, backend={self.backend!r}, cuda_graph={self.cuda_graph}, "
-            f"grad_acc_steps={self.grad_acc_steps})"
+            f"grad_acc_steps={self.grad_acc_steps}{extra})"
         )

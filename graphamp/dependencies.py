@@ -15,6 +15,7 @@ when a module lost a child, a parameter or a buffer (the per-call sizes below).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Iterable
 
@@ -95,8 +96,18 @@ def describe_change(old: tuple, new: tuple) -> str:
                              "changed the parts it declares fp32 (_keep_in_fp32_modules)",
              "optimizers": "an optimizer's param groups changed (parameters, requires_grad or "
                            "options such as momentum)",
-             "config": "the graph's config changed",
+             "config": "the graph's config changed" + _config_fields(old[3], new[3]),
              "grad scaler": "the grad scaler's settings changed",
              "torch modes": "the default dtype or torch.use_deterministic_algorithms changed",
              "hooks": "a forward or backward hook was registered or removed"}
     return "; ".join(words[c] for c in changed) or "nothing the key records"
+
+
+def _config_fields(old: Any, new: Any) -> str:
+    """' (field, field)': the settings two config snapshots differ in (AMP pins, overflow
+    tracing, backend, ...), or '' when they are not dataclasses."""
+    if not (dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new)):
+        return ""
+    fields = [f.name for f in dataclasses.fields(old)
+              if getattr(old, f.name) != getattr(new, f.name)]
+    return f" ({', '.join(fields)})" if fields else ""

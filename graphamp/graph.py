@@ -18,9 +18,11 @@ import torch
 import torch.nn as nn
 
 from . import ambient, pipeline
+from .autofix import Autofix
 from .config import GraphConfig
 from .dependencies import StructureKey, describe_change
 from .errors import ConfigError, GraphDefinitionError
+from .forensics import OverflowEvent, OverflowReport, RangeReport
 from .history import TrainingHistory
 from .inputs import FlatInputs, check_arity, flatten_inputs
 from .inspect.dump import dump_program
@@ -29,6 +31,7 @@ from .inspect.report import PrecisionReport, configure_logging, log_program_summ
     precision_report
 from .optimizers import optimizer_kind, validate_clip
 from .interrupts import hold_interrupts, release_interrupts
+from .pins import AmpPin
 from .scaler import GradScaler
 from .torch_scaler import as_graphamp_scaler
 from .spec import CompiledStep, GraphSpec, OptimizerSlot, Program
@@ -71,6 +74,7 @@ class Graph:
         d["_state"] = SharedState(TrainingHistory())
         d["_debug_level"] = 0
         d["_step_count"] = 0
+        d["_autofix"] = Autofix()
         d["_structure"] = StructureKey()
         d["_last_key"] = None
         d["_lock"] = threading.RLock()  # one call at a time: a Graph is one training loop
@@ -219,7 +223,11 @@ class Graph:
         The step's inputs (this step's learning rates included) are gathered first. Then,
         with Ctrl-C held back (interrupts.py): the schedulers step (snapshotted first), the
         bookkeeping is recorded, and the compiled step runs, last, as the one thing that cannot
-        be undone. If anything before it fails, the rest is undone."""
+        be undone. If anything before it fails, the rest is undone. With overflow tracing the
+        compiled step writes its overflow record on the device with the rest of the state;
+        what the host then reads of it (``_watch_overflows``) happens after the step is
+        committed, still with Ctrl-C held, so the host's list of overflows and the device
+        count it has read up to move together."""
         runner = program.runner
         flat = runner.gather(inputs.tensors)
         schedulers = [s.lr_sch for s in self._optimizer_slots if s.lr_sch is not None]
@@ -227,18 +235,22 @@ class Graph:
         undo = None
         held = hold_interrupts()
         try:
-            for sch in schedulers:
-                sch.step()  # sets the next step's lr; this step's is already gathered
-            undo = runner.record_step()
-            self.__dict__["_step_count"] += 1
-            outputs = runner.execute(flat)
-        except BaseException:
-            if undo is not None:
-                undo()
-                self.__dict__["_step_count"] -= 1
-            for snapshot in saved:
-                _restore_scheduler(*snapshot)
-            raise
+            try:
+                for sch in schedulers:
+                    sch.step()  # sets the next step's lr; this step's is already gathered
+                undo = runner.record_step()
+                self.__dict__["_step_count"] += 1
+                outputs = runner.execute(flat)
+            except BaseException:
+                if undo is not None:
+                    undo()
+                    self.__dict__["_step_count"] -= 1
+                for snapshot in saved:
+                    _restore_scheduler(*snapshot)
+                raise
+            # committed: from here on nothing undoes the step
+            if runner.forensics is not None:
+                self._watch_overflows(program)
         finally:
             if held:
                 release_interrupts()  # a Ctrl-C that arrived meanwhile is raised here
@@ -257,7 +269,9 @@ class Graph:
             _building.name = None
         self._programs[key] = program
         while len(self._programs) > self.config.max_cached_graphs:
-            self._programs.popitem(last=False)
+            _, dropped = self._programs.popitem(last=False)
+            if dropped.runner.forensics is not None:
+                self._read_overflows(dropped)  # its device record goes with it
             log.info("%s: dropped the least recently used compiled step (cache holds %d)", name,
                      self.config.max_cached_graphs)
         log_program_summary(program)
@@ -320,11 +334,17 @@ class Graph:
         ``torch.load(..., weights_only=True)``.
         """
         scaler = self._grad_scaler
+        self._read_all_overflows()
+        last = next(reversed(self._programs.values())) if self._programs else None
+        ranges = last.runner.forensics.range_rows() \
+            if last is not None and last.runner.forensics is not None else []
         return {
             "step": self._step_count,
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
             "optimizer_steps": {k: int(v.item()) for k, v in self._state.counters.items()},
-            "history": self._state.history.state_dict(),
+            "history": self._state.history.state_dict(),  # with the overflow events
+            "amp_pins": [pin.to_dict() for pin in self.config.amp_pins],
+            "ranges": [row.to_dict() for row in ranges],  # for `python -m graphamp plot`
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -344,6 +364,9 @@ class Graph:
             scaler.check_state_dict(state["grad_scaler"])
         counters = _checked_counters(state["optimizer_steps"], len(self._optimizer_slots))
         self._state.history.check_state_dict(state["history"])
+        # states saved before pins existed have no "amp_pins"; "ranges" are not loaded (they
+        # belong to the compiled step that measured them)
+        pins = _checked_pins(state.get("amp_pins", ()))
         # everything checked: now apply
         if state["grad_scaler"] is not None:
             scaler.load_state_dict(state["grad_scaler"])
@@ -355,6 +378,59 @@ class Graph:
                 device = _first_param_device(self._optimizer_slots, k)
                 self._state.counters[k] = torch.full((), v, dtype=torch.int64, device=device)
         self._state.history.load_state_dict(state["history"])
+        if pins:
+            self.config.pin_fp32(*pins)
+
+    # -- overflow forensics ---------------------------------------------------------------------
+    def overflow_report(self) -> OverflowReport:
+        """Which node first produced a non-finite value on each overflowing step: its op, dtype,
+        module, source line and the largest finite magnitude at its inputs (one device sync).
+        Needs ``config.enable_overflow_tracing()``."""
+        if not self.config.overflow_tracing:
+            raise ConfigError(
+                f"{type(self).__name__}: overflow tracing is off; call "
+                "g.config.enable_overflow_tracing() (the next call rebuilds the step with it)")
+        self._read_all_overflows()
+        history = self._state.history
+        return OverflowReport(type(self).__name__, len(history.overflows) + history.overflows_lost,
+                              list(history.overflows), history.overflows_lost)
+
+    def range_report(self) -> RangeReport:
+        """The largest magnitude each low-precision value and its gradient reached so far, and
+        the headroom left to the dtype's largest number (the last compiled step; one sync)."""
+        program = self._require_program()
+        if program.runner.forensics is None:
+            raise ConfigError(
+                f"{type(self).__name__}: ranges are measured with overflow tracing; call "
+                "g.config.enable_overflow_tracing() (the next call rebuilds the step with it)")
+        return RangeReport(type(self).__name__, program.runner.forensics.range_rows())
+
+    def _watch_overflows(self, program: Program) -> None:
+        """Autofix and debug logging act on each overflow soon after it happens: poll the
+        device's overflow count without waiting, and read the record (one sync) only when it
+        moved. Without either, nothing is read until the user asks."""
+        if self.config.autofix is None and self._debug_level < 1:
+            return
+        forensics = program.runner.forensics
+        count = forensics.poll()  # CUDA: as of the step before, whose copy has landed
+        forensics.start_poll()  # queue this step's count behind it (CUDA; no wait)
+        if count is None or count <= forensics.analysed:
+            return
+        events = self._read_overflows(program)
+        if program.spec.config.amp_pins == self.config.amp_pins:  # not a step built before a pin
+            self._autofix.consider(type(self).__name__, events, self.config)
+
+    def _read_overflows(self, program: Program) -> list[OverflowEvent]:
+        events, lost = program.runner.forensics.read_new()
+        self._state.history.add_overflows(events, lost)
+        for event in events:
+            log.info("%s: overflow at %s", type(self).__name__, event.describe())
+        return events
+
+    def _read_all_overflows(self) -> None:
+        for program in self._programs.values():
+            if program.runner.forensics is not None:
+                self._read_overflows(program)
 
     @property
     def step_count(self) -> int:
@@ -389,7 +465,9 @@ class Graph:
             log.warning("%s: autocast comparison skipped in the dump: %s: %s",
                         type(self).__name__, type(e).__name__, e)
             report = self.precision_report(with_autocast=False)
-        return dump_program(program, report, path)
+        if program.runner.forensics is None:
+            return dump_program(program, report, path)
+        return dump_program(program, report, path, self.overflow_report(), self.range_report())
 
     def _require_program(self) -> Program:
         if not self._programs:
@@ -418,6 +496,16 @@ def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
             "config.enable_zero(stage=1 or 2) for sharded optimizer state, or "
             "config.enable_data_parallel() (a DistributedDataParallel wrapper works too)")
     return value
+
+
+def _checked_pins(saved: Any) -> list[AmpPin]:
+    """The AMP pins of a saved graph state; ConfigError if they do not load."""
+    if not isinstance(saved, (list, tuple)):
+        raise ConfigError(f"the saved amp_pins must be a list, got {type(saved).__name__}")
+    try:
+        return [AmpPin.from_dict(d) for d in saved]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"the saved amp_pins do not load: {type(e).__name__}: {e}") from e
 
 
 def _silence_scheduler_order_warning(optimizer: torch.optim.Optimizer) -> None:

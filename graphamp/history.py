@@ -3,6 +3,10 @@
 Columns: step, loss (sum of scalar losses), scale (the loss scale used), skipped (1.0 when the
 step overflowed and was skipped), grad_norm (the clipped optimizers' total norm; NaN without
 clipping). Nothing is copied to the host until ``fetch()`` is called.
+
+With overflow tracing on, ``overflows`` holds what went non-finite first on each overflowing
+step (``forensics.OverflowEvent``, oldest first), filled when the Graph reads the device record
+(``g.overflow_report()``, ``g.state_dict()``, and after every step with autofix or debug >= 1).
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .forensics import OverflowEvent
 from .validate import check_int
 
 HISTORY_COLUMNS = ("step", "loss", "scale", "skipped", "grad_norm")
+MAX_OVERFLOW_EVENTS = 1000  # the oldest are dropped (and counted) beyond this
 
 
 class TrainingHistory:
@@ -23,6 +29,16 @@ class TrainingHistory:
         self.step: torch.Tensor | None = None
         self.table: torch.Tensor | None = None
         self._pending: dict[str, Any] | None = None
+        self.overflows: list[OverflowEvent] = []
+        self.overflows_lost = 0  # overflowing steps recorded but not analysed (or dropped)
+
+    def add_overflows(self, events: list[OverflowEvent], lost: int = 0) -> None:
+        self.overflows.extend(events)
+        self.overflows_lost += lost
+        extra = len(self.overflows) - MAX_OVERFLOW_EVENTS
+        if extra > 0:
+            del self.overflows[:extra]
+            self.overflows_lost += extra
 
     def materialize(self, device: torch.device) -> list[torch.Tensor]:
         if self.table is None or self.table.device != device:
@@ -53,12 +69,17 @@ class TrainingHistory:
         return {c: rows[:, i].tolist() for i, c in enumerate(HISTORY_COLUMNS)}
 
     def state_dict(self) -> dict[str, Any]:
+        overflows = {"overflows": [e.to_dict() for e in self.overflows],
+                     "overflows_lost": self.overflows_lost}
         if self.table is None:
-            return self._pending or {"step": 0, "table": torch.zeros(0, len(HISTORY_COLUMNS))}
-        return {"step": int(self.step.item()), "table": self.table.detach().cpu().clone()}
+            rows = self._pending or {"step": 0, "table": torch.zeros(0, len(HISTORY_COLUMNS))}
+            return {"step": rows["step"], "table": rows["table"], **overflows}
+        return {"step": int(self.step.item()), "table": self.table.detach().cpu().clone(),
+                **overflows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        step, rows = self.check_state_dict(state)
+        step, rows, overflows, lost = self.check_state_dict(state)
+        self.overflows, self.overflows_lost = overflows, lost
         if self.table is None:
             self._pending = {"step": step, "table": rows}
             return
@@ -67,10 +88,14 @@ class TrainingHistory:
         self.table[: rows.shape[0]].copy_(rows[: self.capacity])
 
     @staticmethod
-    def check_state_dict(state: Any) -> tuple[int, torch.Tensor]:
-        """(step, rows) a state dict would load; ConfigError if it is not a history's."""
-        if not isinstance(state, dict) or set(state) != {"step", "table"}:
-            raise ConfigError("a history state dict has exactly the keys 'step' and 'table', got "
+    def check_state_dict(state: Any) -> tuple[int, torch.Tensor, list[OverflowEvent], int]:
+        """(step, rows, overflow events, overflows lost) a state dict would load; ConfigError if
+        it is not a history's. States saved before overflow tracing existed have only 'step' and
+        'table'."""
+        required, optional = {"step", "table"}, {"overflows", "overflows_lost"}
+        if not isinstance(state, dict) or not required <= set(state) <= required | optional:
+            raise ConfigError("a history state dict has the keys 'step' and 'table' (and, with "
+                              "overflow tracing, 'overflows' and 'overflows_lost'), got "
                               f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
         step = check_int("the history's step", state["step"], at_least=0)
         table = state["table"]
@@ -79,4 +104,10 @@ class TrainingHistory:
             raise ConfigError(f"the history's table must be a float tensor of shape (rows, "
                               f"{len(HISTORY_COLUMNS)}) (columns {', '.join(HISTORY_COLUMNS)}), got "
                               f"{tuple(table.shape) if isinstance(table, torch.Tensor) else table!r}")
-        return step, table.detach().to(torch.float32)
+        lost = check_int("the history's overflows_lost", state.get("overflows_lost", 0), at_least=0)
+        try:
+            overflows = [OverflowEvent.from_dict(d) for d in state.get("overflows", ())]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"the history's overflow records do not load: {type(e).__name__}: "
+                              f"{e}") from e
+        return step, table.detach().to(torch.float32), overflows, lost

@@ -24,6 +24,7 @@ from .errors import ConfigError
 from .fxutil import copy_graph_module
 from .inputs import FlatInputs
 from .passes import DEFAULT_LISTS, AmpContext, run_amp_passes
+from .pins import PinMatch, resolve_pins
 from .runtime import CudaGraphStep, Runner, compile_step
 from .runtime import distributed
 from .spec import AutocastTrace, CapturedForward, GraphSpec, PassRecord, Program, StepPlan
@@ -121,12 +122,14 @@ def _amp_passes(spec: GraphSpec, root: BuildRoot, captured: CapturedForward,
         return captured.gm, None
     n_params = len(captured.param_names)
     placeholders = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
-    pins = pinned_paths(root, config.fp32_module_types, config.fp32_module_names,
-                        config.amp_dtype)
+    module_pins = pinned_paths(root, config.fp32_module_types, config.fp32_module_names,
+                               config.amp_dtype)
+    pins = _resolve_pins(spec, root, captured)
     amp = AmpContext(dtype=config.amp_dtype,
                      lists=DEFAULT_LISTS.with_overrides(config.list_overrides),
                      opt_level=config.amp_opt_level,
-                     pinned_paths=frozenset(pins), pin_reasons=pins,
+                     pinned_paths=frozenset(module_pins) | pins.modules,
+                     pin_reasons=module_pins, pinned_nodes=pins.nodes,
                      parameters=frozenset(placeholders[:n_params]))
 
     def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
@@ -140,6 +143,18 @@ def _amp_passes(spec: GraphSpec, root: BuildRoot, captured: CapturedForward,
     return forward, amp
 
 
+def _resolve_pins(spec: GraphSpec, root: BuildRoot, captured: CapturedForward) -> PinMatch:
+    """The ops and modules config.amp_pins names in this capture; a pin that names nothing
+    (the model changed since autofix made it, or a state dict from another model) is reported
+    and left out, not an error: pins are fixes, and the step is still correct without one."""
+    pins = resolve_pins(captured.gm, spec.config.amp_pins,
+                        [path for path, _ in root.named_modules() if path])
+    for pin in pins.unmatched:
+        log.warning("%s: fp32 pin %s names no op of this graph; it is ignored (clear it with "
+                    "g.config.clear_amp_pins(pin))", spec.name, pin.describe())
+    return pins
+
+
 def _plan(spec: GraphSpec, captured: CapturedForward, root: BuildRoot, forward: fx.GraphModule,
           amp: AmpContext | None, process_group: Any) -> StepPlan:
     n_params = len(captured.param_names)
@@ -147,7 +162,7 @@ def _plan(spec: GraphSpec, captured: CapturedForward, root: BuildRoot, forward: 
     index = {node.name: i for i, node in enumerate(placeholders[:n_params])}
     param_casts = [(index[name], dtype) for name, dtype in (amp.hoisted if amp else [])]
     direct_use = {i for i in range(n_params) if placeholders[i].users}
-    return build_plan(spec, captured, [id(p) for p in root.parameters()], param_casts,
+    return build_plan(spec, captured, forward, [id(p) for p in root.parameters()], param_casts,
                       direct_use, process_group)
 
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .config import ConfigSnapshot
+from .forensics import ProbeTable
 from .fxutil import UserFrame
 from .inputs import FlatInputs, InputSignature
 from .ops import FunctionCall
@@ -137,7 +138,7 @@ TENSOR = object()  # marks where build()'s return value held a tensor
 # The compiled step's inputs, group by group, in this order; the batch comes last so the runtime
 # can tell state (kept at fixed addresses, e.g. for CUDA graphs) from per-call inputs.
 STEP_INPUT_GROUPS = ("params", "buffers", "opt_state", "hyper", "counters", "scaler", "history",
-                     "shard", "constants", "inputs")
+                     "shard", "forensics", "constants", "inputs")
 
 
 class StepLayout:
@@ -199,6 +200,8 @@ class StepPlan:
     acc_steps: int = 1  # gradient accumulation: micro-batches per step (>= 1)
     process_group: Any = None  # data parallel: gradients averaged over this group
     zero_stage: int = 0  # ZeRO (step/zero.py): 0 off; 1, 2 optimizer state sharded per rank
+    # overflow tracing: the values the step measures (None: tracing off, or an eval graph)
+    probes: ProbeTable | None = None
 
 
 # -- what a build leaves for running and inspection -------------------------------------------------

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
@@ -27,6 +27,7 @@ class AmpContext:
     opt_level: str = "O1"
     pinned_paths: frozenset[str] = frozenset()  # module paths whose ops stay fp32
     pin_reasons: dict[str, str] = field(default_factory=dict)  # path -> who pinned it, if known
+    pinned_nodes: Mapping[str, str] = field(default_factory=dict)  # node name -> why it is fp32
     # placeholder names of parameters (hoist_parameter_casts may give them shadows)
     parameters: frozenset[str] = frozenset()
     # filled by the passes
@@ -109,6 +110,8 @@ class Classifier:
             return "fixed", "output dtype fixed by the op's arguments"
         if not touches_float(node):
             return "n/a", "no floating-point data"
+        if node.name in self.ctx.pinned_nodes and self.ctx.opt_level != "O3":
+            return "deny", self.ctx.pinned_nodes[node.name]
         if self.ctx.pinned_paths and self.ctx.opt_level != "O3":
             stack = node.meta.get("nn_module_stack") or {}
             pinned = next((p for p in stack if p in self.ctx.pinned_paths), None)

@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench  # noqa: E402
+import pytest  # noqa: E402
 
 
 def test_benchmark_smoke_mode(tmp_path):
@@ -35,3 +36,27 @@ def test_benchmark_smoke_llama_workload(tmp_path):
     assert all(r["workload"] == "llama-tiny" and r["loss_finite"] and r["tokens_per_s"] > 0
                for r in rows), rows
     assert rows[0]["ratio_vs_best_peer"] > 0
+
+
+def test_benchmark_measures_overflow_tracing_against_the_untraced_step(tmp_path):
+    rows = bench.main(["--smoke", "--workload", "mlp", "--variant", "graphamp_fp16",
+                       "graphamp_fp16_traced", "--steps", "3", "--warmup", "1",
+                       "--out", str(tmp_path)])
+    assert [r["variant"] for r in rows] == ["graphamp_fp16", "graphamp_fp16_traced"]
+    traced = rows[1]
+    assert traced["loss_finite"]
+    assert traced["tracing_cost"] == traced["ms_per_step"] / rows[0]["ms_per_step"]
+    assert "overflow tracing costs" in open(tmp_path / "bench_smoke.md").read()
+
+
+@pytest.mark.slow
+def test_forensics_cost_script_runs_on_the_cpu(tmp_path):
+    import forensics_cost
+
+    rows = forensics_cost.main(["--workload", "gpt", "--backend", "aot_eager", "--steps", "2",
+                                "--warmup", "0", "--out", str(tmp_path)])
+    (row,) = rows
+    assert row["ms_off"] > 0 and row["ms_on"] > 0
+    assert row["step_nodes_on"] - row["step_nodes_off"] >= row["forensics_nodes"] > 0
+    table = open(tmp_path / "forensics_cost_cpu.md").read()
+    assert "| gpt | aot_eager |" in table and "Command: `python benchmarks/forensics_cost.py" in table

@@ -168,7 +168,7 @@ def test_plot_of_an_untrained_graph_says_why(mlp_graph, tmp_path):
 
 
 EXAMPLES = ["oneflow_mlp", "resnet_autocast_to_graph", "clip_after_unscale", "apex_opt_levels",
-            "bf16_no_scaler"]
+            "bf16_no_scaler", "overflow_forensics"]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

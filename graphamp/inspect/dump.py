@@ -5,20 +5,31 @@
     precision.csv                                 the precision report, one row per compute op
     graph.dot / graph.svg                         the forward graph, coloured, clustered by module
     report.html                                   one self-contained page: summary, table, picture
+                                                  (and, with overflow tracing, the overflows and
+                                                  the tightest headroom)
     summary.json                                  the counts and timings
+    overflows.txt, ranges.csv                     with overflow tracing: g.overflow_report() and
+                                                  g.range_report()
 """
 
 from __future__ import annotations
 
+import csv
 import html
+import io
 import json
 import os
+
+from ..forensics import OverflowReport, RangeReport, RangeRow
 from ..spec import Program
 from .picture import LEGEND, dot_to_svg, layered_svg, to_dot
 from .report import COLUMNS, PrecisionReport
 
+RANGE_COLUMNS = ("node", "op", "module", "dtype", "activation_amax", "gradient_amax", "headroom")
 
-def dump_program(program: Program, report: PrecisionReport, path: str) -> str:
+
+def dump_program(program: Program, report: PrecisionReport, path: str,
+                 overflows: OverflowReport | None = None, ranges: RangeReport | None = None) -> str:
     """Write the files listed above for ``program`` under ``path``; returns its absolute path."""
     os.makedirs(path, exist_ok=True)
     name = program.spec.name
@@ -51,8 +62,44 @@ def dump_program(program: Program, report: PrecisionReport, path: str) -> str:
                    for r in records],
     }
     _write(path, "summary.json", json.dumps(summary, indent=2, default=str))
-    _write(path, "report.html", _html(name, report, svg, drawn_by, summary))
+    forensics = ""
+    if overflows is not None and ranges is not None:
+        _write(path, "overflows.txt", str(overflows) + "\n")
+        _write(path, "ranges.csv", _ranges_csv(ranges.rows))
+        forensics = _forensics_html(overflows, ranges)
+    _write(path, "report.html", _html(name, report, svg, drawn_by, summary, forensics))
     return os.path.abspath(path)
+
+
+def _ranges_csv(rows: list[RangeRow]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(RANGE_COLUMNS)
+    for r in rows:
+        writer.writerow([r.node, r.op, r.module, r.dtype, f"{r.activation_amax:.6g}",
+                         f"{r.gradient_amax:.6g}", f"{r.headroom:.6g}"])
+    return buf.getvalue()
+
+
+def _forensics_html(overflows: OverflowReport, ranges: RangeReport) -> str:
+    """The overflow section: the last overflows as the report words them, and the values with
+    the least headroom against their dtype."""
+    events = "".join(f"<pre class=\"overflow\">{html.escape(e.describe())}</pre>"
+                     for e in overflows.events[-10:]) or "<p>No overflowing step recorded.</p>"
+    head = "".join(f"<th>{c}</th>" for c in RANGE_COLUMNS)
+    body = "\n".join(
+        "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in (
+            r.node, r.op, r.module, r.dtype, f"{r.activation_amax:.4g}",
+            f"{r.gradient_amax:.4g}", f"{r.headroom:.3g}")) + "</tr>"
+        for r in ranges.tightest(30))
+    return f"""<h2>Overflow forensics</h2>
+<div class="summary"><b>{html.escape(str(overflows).splitlines()[0])}</b></div>
+{events}
+<h2>Headroom (tightest {min(30, len(ranges.rows))} of {len(ranges.rows)} low-precision values)</h2>
+<table><thead><tr>{head}</tr></thead><tbody>
+{body}
+</tbody></table>
+"""
 
 
 def _write(path: str, filename: str, text: str) -> None:
@@ -60,7 +107,7 @@ def _write(path: str, filename: str, text: str) -> None:
         f.write(text)
 
 
-def _html(name: str, report, svg: str, drawn_by: str, summary: dict) -> str:
+def _html(name: str, report, svg: str, drawn_by: str, summary: dict, forensics: str) -> str:
     head = "".join(f"<th onclick=\"sortBy({i})\">{c}</th>" for i, c in enumerate(COLUMNS))
     body = "\n".join(
         f"<tr class=\"{html.escape(r['colour'])}\">"
@@ -85,10 +132,12 @@ tr.cast td:nth-child(6) {{ background: #f7d46b; }}
         border: 1px solid #999; font-size: 12px; }}
 .picture {{ overflow: auto; max-height: 900px; border: 1px solid #ccc; }}
 input {{ margin: 8px 0; padding: 4px; width: 320px; }}
+pre.overflow {{ background: #fdecea; padding: 8px 12px; border-radius: 6px; white-space: pre-wrap; }}
 </style></head><body>
 <h1>graphamp precision report: {html.escape(name)}</h1>
 <div class="summary"><b>{html.escape(report.summary())}</b><br>
 Passes: {html.escape(passes)}<br>First call: {html.escape(timings)}</div>
+{forensics}
 <h2>Operators ({len(report.rows)})</h2>
 <input id="filter" placeholder="filter: op, module, colour, reason ..." oninput="filterRows()">
 <table id="ops"><thead><tr>{head}</tr></thead><tbody>

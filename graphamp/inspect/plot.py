@@ -1,8 +1,11 @@
-"""Training plots from the history graphamp keeps on the device: loss, loss scale, skipped steps.
+"""Training plots from the history graphamp keeps on the device: loss, loss scale, skipped steps;
+and, with overflow tracing, the headroom of each low-precision value against its dtype's range.
 
     g.history.fetch()                        -> the rows
     graphamp.inspect.plot.plot_history(g, "run.png") -> a PNG (needs the optional extra: pip install graphamp[plot])
     python -m graphamp plot state.pt --out run.png   (state.pt: torch.save(g.state_dict(), ...))
+    graphamp.inspect.plot.plot_headroom(g, "headroom.png"), or
+    python -m graphamp plot state.pt --headroom --out headroom.png
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..forensics import RangeReport, RangeRow
 from ..history import TrainingHistory
 
 
@@ -33,8 +37,7 @@ def _rows(source: Any) -> dict[str, list[float]]:
     raise ConfigError("plot_history takes a Graph, its history, its state_dict() or fetched rows")
 
 
-def plot_history(source: Any, path: str, title: str = "graphamp training") -> str:
-    """Draw loss, loss scale (log axis) and skipped steps over training; save a PNG at ``path``."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -42,6 +45,12 @@ def plot_history(source: Any, path: str, title: str = "graphamp training") -> st
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ImportError("plotting needs matplotlib: pip install 'graphamp[plot]'") from e
+    return plt
+
+
+def plot_history(source: Any, path: str, title: str = "graphamp training") -> str:
+    """Draw loss, loss scale (log axis) and skipped steps over training; save a PNG at ``path``."""
+    plt = _pyplot()
     rows = _rows(source)
     if not rows["step"]:
         raise ConfigError("the history is empty: train the graph for a step first")
@@ -70,10 +79,51 @@ def plot_history(source: Any, path: str, title: str = "graphamp training") -> st
     return path
 
 
-def plot_state_file(state_path: str, out: str) -> str:
+def _range_rows(source: Any) -> list[RangeRow]:
+    if hasattr(source, "range_report"):
+        source = source.range_report()  # a Graph
+    if isinstance(source, RangeReport):
+        return source.rows
+    if isinstance(source, dict) and "ranges" in source:  # a Graph state dict
+        return [RangeRow(**row) for row in source["ranges"]]
+    raise ConfigError("plot_headroom takes a Graph, its range_report() or its state_dict()")
+
+
+def plot_headroom(source: Any, path: str, title: str = "graphamp headroom", top: int = 40) -> str:
+    """Bars of headroom (dtype max / largest magnitude so far, log axis) for the ``top``
+    low-precision values with the least of it: values and gradients; 1 is an overflow."""
+    plt = _pyplot()
+    rows = sorted(_range_rows(source), key=lambda r: r.headroom)[:top]
+    if not rows:
+        raise ConfigError("no ranges recorded: train a graph with "
+                          "config.enable_overflow_tracing() for a step first")
+    labels = [f"{r.node} ({r.op.replace('aten.', '')}) {r.module}"[:70] for r in rows]
+    fig, ax = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
+    y = range(len(rows))
+    for offset, values, colour, name in (
+            (-0.2, [r.activation_amax for r in rows], "#1f77b4", "value"),
+            (0.2, [r.gradient_amax for r in rows], "#ff7f0e", "gradient (scaled)")):
+        headroom = [r.dtype_max / v if v > 0 else math.nan for r, v in zip(rows, values)]
+        ax.barh([i + offset for i in y], headroom, height=0.4, color=colour, label=name)
+    ax.axvline(1.0, color="#d62728", lw=1.5, label="overflow")
+    ax.set_xscale("log")
+    ax.set_yticks(list(y), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("headroom: dtype max / largest magnitude so far")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_state_file(state_path: str, out: str, headroom: bool = False) -> str:
     """The CLI's plot command: a file saved with torch.save(g.state_dict()) (or a dict with it
-    under 'graph')."""
+    under 'graph'): the training history, or with ``headroom`` the ranges."""
     state = torch.load(state_path, weights_only=True)
     if "graph" in state and isinstance(state["graph"], dict):
         state = state["graph"]
+    if headroom:
+        return plot_headroom(state, out, title=f"graphamp headroom: {state_path}")
     return plot_history(state, out, title=f"graphamp training: {state_path}")

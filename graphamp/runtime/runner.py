@@ -17,6 +17,7 @@ import torch.nn as nn
 from torch.autograd.graph import increment_version
 
 from ..errors import CaptureError, ConfigError
+from ..forensics import ForensicsState
 from ..optimizers import OptimizerPlan, init_state
 from ..sharding import chunk_of
 from . import zero_state
@@ -80,6 +81,8 @@ class Runner:
             self.shard = [torch.tensor(rank, dtype=torch.int64, device=device)]
             for opt in plan.optimizers:
                 zero_state.track(opt, plan.process_group)
+        # overflow tracing: this step's own record (its probes are its own)
+        self.forensics = ForensicsState(plan.probes, device) if plan.probes is not None else None
         self.opt_state: list[torch.Tensor] | None = None
         self._to_install: list[tuple] = []  # optimizer state made at gather, installed at commit
         self._restart: list[torch.Tensor] = []  # counters to zero at commit (state was cleared)
@@ -141,6 +144,7 @@ class Runner:
             "scaler": self.scaler_state,
             "history": self.history,
             "shard": self.shard,
+            "forensics": self.forensics.tensors() if self.forensics is not None else [],
             "constants": self.plan.captured.constants,
             "inputs": inputs,
         }

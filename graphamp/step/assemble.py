@@ -2,15 +2,16 @@
 
     parameter casts → forward → loss × scale → grads (autograd) → [all-reduce | ZeRO
     reduce-scatter]
-    → unscale + found_inf → clip → optimizer update masked by found_inf → history row
-    → [ZeRO all-gather of the updated parameters] → scale update → BatchNorm statistics masked
+    → unscale + found_inf → clip → optimizer update masked by found_inf → [overflow record]
+    → history row → [ZeRO all-gather of the updated parameters] → scale update → BatchNorm
+    statistics masked
 
 The whole step becomes one FX graph (make_fx over Python functionalization, fake tensors). Its
 inputs are the state tensors and the batch (``plan.layout``); it writes every state tensor in
 place (``copy_`` into its inputs, which the compiler keeps in place) and returns build()'s
 tensors. Nodes carry ``meta["graphamp_subgraph"]``: parameter_casts, forward, backward,
-grad_scaler, clip_grad, data_parallel, zero, optimizer, history (and recompute, added after
-tracing by ``recompute.py``).
+grad_scaler, clip_grad, data_parallel, zero, optimizer, forensics (overflow tracing only),
+history (and recompute, added after tracing by ``recompute.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..fxutil import NodeTagger, rename_placeholders, trace_functional
 from ..optimizers import OptimizerPlan
 from ..spec import StepPlan
 from .collectives import agree_on_overflow, average_over_ranks
+from .forensics import ProbeRecorder, record_overflow
 from .gradients import forward_and_gradients, parameter_casts, run_forward
 from .history import record_history
 from .optimizer_update import densify_sparse_grads, masked, update_optimizer
@@ -55,8 +57,11 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
         scale = s["scaler"][0] if plan.scaler is not None else None
         reduce_each = (lambda grads: _scatter_per_optimizer(plan, grads)) \
             if plan.zero_stage == 2 and plan.acc_steps > 1 else None
-        fwd = forward_and_gradients(plan, fwd_gm, s, scale, reduce_each)
+        recorder = ProbeRecorder(plan.probes) if plan.probes is not None else None
+        fwd = forward_and_gradients(plan, fwd_gm, s, scale, reduce_each, recorder)
         grads = fwd.grads
+        if recorder is not None and reduce_each is None:  # whole gradients, before any scatter
+            recorder.observe_param_grads(grads)
         if plan.zero_stage and reduce_each is None:
             grads = _scatter_per_optimizer(plan, grads)
         elif plan.process_group is not None and not plan.zero_stage:
@@ -69,6 +74,8 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
             with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
                 found_total = _total(updates)
                 any_skip = found_total > 0
+        if recorder is not None:  # reads the step counter and scale before they are written
+            record_overflow(s["forensics"], recorder, s["history"][0], scale, any_skip)
         with NodeTagger({"graphamp_subgraph": "history"}):
             # before the scaler state is written: a read after copy_ sees the new value
             record_history(s["history"], fwd.losses, scale, any_skip, norms)

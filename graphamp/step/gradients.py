@@ -16,13 +16,19 @@ import torch.fx as fx
 from ..fxutil import NodeTagger, last_node, nodes_after, tracing_graph
 from ..ops import EXPANSIONS
 from ..spec import StepPlan
+from .forensics import ProbeRecorder
 
 # forward-node metadata the step's nodes inherit (dumps and reports read it)
 _COPY_META = ("amp_colour", "amp_list", "amp_reason", "nn_module_stack", "user_frame", "amp_cast")
 
 
 class _ForwardRunner(fx.Interpreter):
-    """Runs the AMP forward graph while make_fx records; tags the nodes it produces."""
+    """Runs the AMP forward graph while make_fx records; tags the nodes it produces and shows
+    each value to the overflow probes, if any."""
+
+    def __init__(self, gm: fx.GraphModule, recorder: ProbeRecorder | None):
+        super().__init__(gm)
+        self.recorder = recorder
 
     def run_node(self, n: fx.Node) -> Any:
         graph = tracing_graph()
@@ -34,6 +40,8 @@ class _ForwardRunner(fx.Interpreter):
                 for key in _COPY_META:
                     if key in n.meta and key not in new.meta:
                         new.meta[key] = n.meta[key]
+        if self.recorder is not None:
+            self.recorder.observe(n, out)
         return out
 
     def call_function(self, target, args, kwargs):
@@ -52,12 +60,13 @@ def _functional_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = 
     return out if out.shape == dst.shape else out.expand(dst.shape)
 
 
-def run_forward(fwd_gm: fx.GraphModule, inputs: list) -> list:
+def run_forward(fwd_gm: fx.GraphModule, inputs: list,
+                recorder: ProbeRecorder | None = None) -> list:
     """The forward graph's outputs for ``inputs`` = (*params, *buffers, *batch, loss_scale,
     *constants, *low-precision parameter copies); its nodes are traced into the step tagged
     ``forward``."""
     with NodeTagger({"graphamp_subgraph": "forward"}):
-        return list(_ForwardRunner(fwd_gm).run(*inputs, enable_io_processing=False))
+        return list(_ForwardRunner(fwd_gm, recorder).run(*inputs, enable_io_processing=False))
 
 
 @dataclass
@@ -87,7 +96,8 @@ def parameter_casts(plan: StepPlan, params: list[torch.Tensor]) -> list[torch.Te
 
 def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list],
                           scale: torch.Tensor | None,
-                          reduce_each: Callable[[list], list] | None = None) -> ForwardResult:
+                          reduce_each: Callable[[list], list] | None = None,
+                          recorder: ProbeRecorder | None = None) -> ForwardResult:
     """Run the forward on each micro-batch, seed each loss with ``scale`` (None: 1) and add the
     parameter gradients up; BatchNorm statistics carry from one micro-batch to the next.
 
@@ -97,7 +107,9 @@ def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, l
 
     ``reduce_each`` (ZeRO stage 2) maps each micro-batch's gradients, in ``plan.trainable``
     order, to what is summed over micro-batches (the rank's shards): full gradients then live
-    for one micro-batch only."""
+    for one micro-batch only.
+    With a ``recorder`` (overflow tracing), every probed value and the gradient arriving at it
+    are measured."""
     cap = plan.captured
     params = s["params"]
     trainable = set(plan.trainable)
@@ -118,7 +130,7 @@ def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, l
         with torch.enable_grad():
             user, losses, loss_grads, new_buffers = cap.split_outputs(
                 run_forward(fwd_gm, [*ps, *current, *micro, _loss_scale(scale, params),
-                                     *s["constants"], *cs]))
+                                     *s["constants"], *cs], recorder))
         seeds = _seeds(plan, losses, loss_grads, scale)
         micro_grads: dict[int, torch.Tensor] = total if reduce_each is None else {}
         with NodeTagger({"graphamp_subgraph": "backward"}):

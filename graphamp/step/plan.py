@@ -10,17 +10,22 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.fx as fx
 
 from ..errors import CaptureError, ConfigError
+from ..forensics import ProbeTable
 from ..optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
 from ..spec import CapturedForward, GraphSpec, StepLayout, StepPlan
+from .forensics import plan_probes
 
 
-def build_plan(spec: GraphSpec, captured: CapturedForward, param_ids: list[int],
-               param_casts: list[tuple[int, torch.dtype]], direct_use: set[int],
+def build_plan(spec: GraphSpec, captured: CapturedForward, forward: fx.GraphModule,
+               param_ids: list[int], param_casts: list[tuple[int, torch.dtype]],
+               direct_use: set[int],
                process_group=None) -> StepPlan:
-    """The StepPlan for ``captured``; ``param_ids`` are ``id()`` of the forward's parameters in
-    placeholder order (to find each optimizer's parameters among them)."""
+    """The StepPlan for ``captured`` (``forward``: the graph after the AMP passes);
+    ``param_ids`` are ``id()`` of the forward's parameters in placeholder order (to find each
+    optimizer's parameters among them)."""
     _check_losses(spec, captured)
     plans = _optimizer_plans(spec, captured, {pid: i for i, pid in enumerate(param_ids)})
     trainable = [i for opt in plans for i in opt.forward_positions]
@@ -32,11 +37,14 @@ def build_plan(spec: GraphSpec, captured: CapturedForward, param_ids: list[int],
     zero = spec.config.zero_stage if spec.training and process_group is not None else 0
     if zero:
         _check_zero_buckets(spec, plans)
+    probes = plan_probes(forward, captured, trainable, param_casts) \
+        if spec.training and spec.config.overflow_tracing else None
     return StepPlan(captured, spec.training, trainable, plans, scaler,
-                    layout=_layout(captured, plans, scaler, spec.training, zero),
+                    layout=_layout(captured, plans, scaler, spec.training, zero, probes),
                     param_casts=param_casts, direct_use=direct_use,
                     acc_steps=spec.config.grad_acc_steps,
-                    process_group=process_group if spec.training else None, zero_stage=zero)
+                    process_group=process_group if spec.training else None, zero_stage=zero,
+                    probes=probes)
 
 
 def _check_zero_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
@@ -101,8 +109,8 @@ def _forward_position(spec, captured, position, owner, k, opt, p) -> int:
     return i
 
 
-def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler,
-            training: bool, zero_stage: int = 0) -> StepLayout:
+def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler, training: bool,
+            zero_stage: int = 0, probes: ProbeTable | None = None) -> StepLayout:
     """Placeholder names of the step's inputs, group by group (spec.STEP_INPUT_GROUPS)."""
     state, hyper = [], []
     for opt in plans:
@@ -120,6 +128,8 @@ def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler,
                     "scaler_found_inf"] if scaler is not None else []),
         "history": ["history_step", "history_table"] if training else [],
         "shard": ["zero_rank"] if zero_stage else [],
+        "forensics": (["forensics_count", "forensics_ring", "forensics_ranges"]
+                      if probes is not None else []),
         "constants": [f"c_{n}" for n in cap.constant_names],
         "inputs": [f"in_{n}" for n in cap.input_names],
     })

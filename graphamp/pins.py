@@ -1,0 +1,119 @@
+"""fp32 pins of single ops or modules: what ``config.pin_fp32(AmpPin(...))`` and autofix add.
+
+A pin names a place in the user's model, not a node of one traced graph, so that it survives a
+recapture, a new input signature and a resumed run: the module path from the Graph (``''`` for
+code outside any module), the op (``aten.mm``) and which of that module's ops of that name it is,
+counted in graph order. ``op=None`` pins the whole module, as ``config.pin_fp32("path")`` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch.fx as fx
+
+from .errors import ConfigError
+from .fxutil import module_path, op_name
+
+__all__ = ["AmpPin", "PinMatch", "resolve_pins"]
+
+
+@dataclass(frozen=True)
+class AmpPin:
+    """One op (``op`` set) or one whole module (``op=None``) kept in fp32.
+
+    Two pins are equal when they name the same place; ``reason`` and ``step`` only say why and
+    when it was made (autofix fills them; they are shown, saved and never compared).
+    """
+
+    module: str  # module path from the Graph, e.g. "model.encoder.block.0.layer.1.wo"; "" = none
+    op: str | None = None  # "aten.mm"; None pins every op inside ``module``
+    index: int = 0  # the index-th op named ``op`` inside ``module`` (graph order), from 0
+    reason: str = field(default="", compare=False)
+    step: int | None = field(default=None, compare=False)  # the step autofix pinned it after
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.module, str):
+            raise ConfigError(f"AmpPin(module=...) takes a module path string, got {self.module!r}")
+        if self.op is None and not self.module:
+            raise ConfigError("AmpPin without an op pins a whole module: name the module (pinning "
+                              "'' would keep the whole model in fp32; disable AMP instead)")
+        if self.op is not None and not (isinstance(self.op, str) and self.op):
+            raise ConfigError(f"AmpPin(op=...) takes an op name like 'aten.mm', got {self.op!r}")
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
+            raise ConfigError(f"AmpPin(index=...) must be an int >= 0, got {self.index!r}")
+
+    def describe(self) -> str:
+        where = self.module or "code outside any module"
+        if self.op is None:
+            return f"module {where}"
+        nth = f" #{self.index}" if self.index else ""
+        return f"{self.op}{nth} in {where}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only, so a state dict holding it loads with ``weights_only=True``."""
+        return {"module": self.module, "op": self.op, "index": self.index,
+                "reason": self.reason, "step": self.step}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AmpPin":
+        return cls(d["module"], d.get("op"), int(d.get("index", 0)), d.get("reason", ""),
+                   d.get("step"))
+
+
+def pin_identity(node: fx.Node, occurrence: int) -> AmpPin:
+    """The pin that names ``node`` (the ``occurrence``-th op of its name in its module)."""
+    return AmpPin(module_path(node), op_name(node), occurrence)
+
+
+def op_occurrences(nodes: Iterable[fx.Node]) -> dict[str, int]:
+    """node name -> its index among the nodes with the same module path and op, in order.
+
+    Casts the AMP passes inserted are left out: the count then matches the captured graph, so a
+    pin made on one build names the same op in the next."""
+    seen: dict[tuple[str, str], int] = {}
+    out = {}
+    for node in nodes:
+        if node.op != "call_function" or node.meta.get("amp_cast"):
+            continue
+        key = (module_path(node), op_name(node))
+        out[node.name] = seen.get(key, 0)
+        seen[key] = out[node.name] + 1
+    return out
+
+
+@dataclass
+class PinMatch:
+    """What the pins name in one captured forward graph."""
+
+    nodes: dict[str, str]  # node name -> why it is pinned
+    modules: set[str]  # module paths pinned whole
+    unmatched: list[AmpPin]  # pins naming nothing in this graph (model code changed?)
+
+
+def resolve_pins(gm: fx.GraphModule, pins: Iterable[AmpPin], module_paths: Iterable[str]) -> PinMatch:
+    """The nodes and modules of ``gm`` that ``pins`` name; ``module_paths`` are the registered
+    modules' paths (a module pin must name one of them)."""
+    pins = list(pins)
+    known_modules = set(module_paths)
+    occurrence = op_occurrences(gm.graph.nodes)
+    by_identity = {}
+    for node in gm.graph.nodes:
+        if node.name in occurrence:
+            by_identity[(module_path(node), op_name(node), occurrence[node.name])] = node.name
+    match = PinMatch({}, set(), [])
+    for pin in pins:
+        why = "pinned to fp32" + (f" ({pin.reason})" if pin.reason else "")
+        if pin.op is None:
+            if pin.module in known_modules:
+                match.modules.add(pin.module)
+            else:
+                match.unmatched.append(pin)
+            continue
+        name = by_identity.get((pin.module, pin.op, pin.index))
+        if name is None:
+            match.unmatched.append(pin)
+        else:
+            match.nodes[name] = why
+    return match

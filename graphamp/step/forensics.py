@@ -1,0 +1,259 @@
+"""The overflow-forensics subgraph (``config.enable_overflow_tracing()``): probes and the record.
+
+``plan_probes`` decides, before tracing, which values the step measures (``forensics.ProbeTable``:
+floating placeholders, then every op result that is not a view, in topological order; the
+gradient arriving at each; each parameter's gradient). While the step is traced,
+``ProbeRecorder`` reduces each of them to its largest magnitude (one reduction: NaN and inf
+survive it) - forward values as the forward runs, gradients through tensor
+hooks as autograd runs the backward. ``record_overflow`` then writes the step's vector into the
+ring of overflowing steps and the running ranges, on the device: no host sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..forensics import GradParam, Probe, ProbeTable
+from ..fxutil import NodeTagger, dtype_after_amp, module_path, op_name
+from ..pins import op_occurrences, pin_identity
+from ..spec import CapturedForward
+from ..validate import dtype_name
+
+_TAG = {"graphamp_subgraph": "forensics"}
+aten = torch.ops.aten
+# ops whose result is another view of their input's memory (OpOverload.is_view says so for the
+# others): their values are their input's, already probed
+_VIEW_LIKE = frozenset({aten._unsafe_view.default, aten.alias.default})
+# ops whose every value is bounded by their floating inputs' largest magnitude (or by 1), given
+# finite scalar arguments: a non-finite value there came from an input, and their headroom is
+# their inputs'. Not probed: fewer reductions per step, nothing lost. (Widening casts, and
+# where/masked_fill/pad with a finite scalar, are checked in _bounded_by_inputs.)
+_BOUNDED = frozenset(p for p in (
+    aten.relu, aten.gelu, aten.silu, aten.tanh, aten.sigmoid, aten.hardtanh, aten.clone,
+    aten.cat, aten.stack, aten.embedding, aten.index_select, aten.gather, aten.abs, aten.neg,
+    aten.max_pool2d_with_indices, aten.max_pool1d_with_indices, aten.amax, aten.amin, aten.max,
+    aten.min, aten._softmax, aten.mean, aten.where, aten.masked_fill, aten.constant_pad_nd,
+    aten._to_copy, aten.lift_fresh_copy, aten.copy, aten.detach))
+
+
+def plan_probes(forward: fx.GraphModule, captured: CapturedForward, trainable: list[int],
+                param_casts: list[tuple[int, torch.dtype]]) -> ProbeTable:
+    """The probes of ``forward`` (the graph after the AMP passes)."""
+    kinds, names = _placeholders(captured, param_casts)
+    occurrence = op_occurrences(forward.graph.nodes)
+    index: dict[fx.Node, int] = {}
+    reads: dict[fx.Node, tuple[int, ...]] = {}  # probes a node's value depends on, via views
+    probes: list[Probe] = []
+    placeholders = []
+    for node in forward.graph.nodes:
+        if node.op == "placeholder":
+            placeholders.append(node)
+        kind = _kind(node, kinds, len(placeholders) - 1)
+        inputs = tuple(sorted({i for a in node.all_input_nodes for i in _probes_of(a, index, reads)}))
+        if kind is None:
+            reads[node] = inputs
+            continue
+        index[node] = len(probes)
+        # a placeholder's "op" is its kind: a data fault reads "input", not an op
+        probes.append(Probe(node.name, names[len(placeholders) - 1], kind, kind,
+                            dtype_after_amp(node), "", None, (), None) if node.op == "placeholder"
+                      else _op_probe(node, kind, inputs, occurrence))
+    output = next(n for n in forward.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    losses = outs[captured.num_user_outputs:captured.num_user_outputs + captured.num_losses]
+    loss_probes = sorted({i for node in losses for i in _probes_of(node, index, reads)})
+    return ProbeTable(tuple(probes),
+                      _grad_params(captured, trainable, param_casts, placeholders, index),
+                      tuple(loss_probes))
+
+
+def _placeholders(captured: CapturedForward, param_casts: list[tuple[int, torch.dtype]]):
+    """The kind and readable name of each forward placeholder: (*params, *buffers, *inputs,
+    loss_scale, *constants, *low-precision parameter copies); the loss scale is not probed."""
+    kinds = (["parameter"] * len(captured.param_names) + ["buffer"] * len(captured.buffer_names)
+             + ["input"] * captured.num_inputs + [None]
+             + ["constant"] * len(captured.constant_names) + ["parameter copy"] * len(param_casts))
+    names = [*captured.param_names, *captured.buffer_names, *captured.input_names, "loss_scale",
+             *captured.constant_names,
+             *(f"{captured.param_names[i]} ({dtype_name(dt)} copy)" for i, dt in param_casts)]
+    return kinds, names
+
+
+def _kind(node: fx.Node, kinds: list[str | None], placeholder_index: int) -> str | None:
+    """The probe kind of ``node``, or None when it is not probed: not a floating tensor with a
+    static, non-zero size (the inf norm of an empty tensor is undefined), or a view (its values
+    are its base's, already probed)."""
+    val = node.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+            and val.layout == torch.strided and isinstance(val.numel(), int) and val.numel() > 0):
+        return None
+    if node.op == "placeholder":
+        return kinds[placeholder_index] if placeholder_index < len(kinds) else None
+    if node.op != "call_function":
+        return None
+    if node.target in _VIEW_LIKE or (isinstance(node.target, torch._ops.OpOverload)  # noqa: SLF001
+                                     and node.target.is_view):
+        return None
+    if _bounded_by_inputs(node):
+        return None
+    return "cast" if node.meta.get("amp_cast") else "op"
+
+
+def _bounded_by_inputs(node: fx.Node) -> bool:
+    """Is ``node`` in _BOUNDED, with finite scalar arguments (``masked_fill(-inf)`` creates an
+    infinity), and, for a cast, a result dtype whose range holds its input's (fp32 -> fp16 is
+    where activations overflow most often)?"""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in _BOUNDED:
+        return False
+    for arg in (*node.args, *node.kwargs.values()):
+        if isinstance(arg, float) and not math.isfinite(arg):
+            return False
+    if packet in (aten._to_copy, aten.copy):
+        src = node.args[1] if packet is aten.copy else node.args[0]
+        before = dtype_after_amp(src) if isinstance(src, fx.Node) else None
+        after = dtype_after_amp(node)
+        return isinstance(before, torch.dtype) and before.is_floating_point \
+            and isinstance(after, torch.dtype) and torch.finfo(after).max >= torch.finfo(before).max
+    return True
+
+
+def _probes_of(node: fx.Node, index: dict, reads: dict) -> tuple[int, ...]:
+    """The probe of a value, or, for a value that is not probed, the probes it was made from."""
+    if node in index:
+        return (index[node],)
+    return reads.get(node, ())
+
+
+def _op_probe(node: fx.Node, kind: str, inputs: tuple[int, ...], occurrence: dict) -> Probe:
+    described = node
+    op = op_name(node)
+    if node.target is operator.getitem:  # one result of a tuple-producing op: name that op
+        described = node.args[0]
+        op = f"{op_name(described)}[{node.args[1]}]"
+    pin = pin_identity(described, occurrence[described.name]) \
+        if described.name in occurrence and kind == "op" else None
+    return Probe(node.name, node.name, kind, op, dtype_after_amp(node), module_path(described),
+                 described.meta.get("user_frame"), inputs, pin)
+
+
+def _grad_params(captured: CapturedForward, trainable: list[int],
+                 param_casts: list[tuple[int, torch.dtype]], placeholders: list[fx.Node],
+                 index: dict) -> tuple[GradParam, ...]:
+    first_cast = len(placeholders) - len(param_casts)
+    out = []
+    for i in trainable:
+        nodes = [placeholders[i]] + [placeholders[first_cast + j]
+                                     for j, (pos, _) in enumerate(param_casts) if pos == i]
+        out.append(GradParam(captured.param_names[i], tuple(index[n] for n in nodes if n in index)))
+    return tuple(out)
+
+
+def _largest_magnitude(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as a 0-dim fp32 tensor; NaN if t holds a NaN, inf if an inf. On CUDA the inf norm
+    is one reduction kernel; on the CPU its kernel is ten times slower than abs + amax (measured
+    on 512x512 fp32/bf16/fp16), and a compiler fuses the abs into the reduction anyway."""
+    if t.is_cuda:
+        return torch.linalg.vector_norm(t, float("inf")).float()
+    return t.abs().amax().float()
+
+
+def _largest_magnitudes(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``_largest_magnitude`` of many tensors of one dtype in one multi-tensor op (CUDA: one
+    kernel launch for all the parameters, no temporaries)."""
+    if ts[0].is_cuda:
+        out = torch._foreach_norm(ts, float("inf"))
+    else:
+        out = torch._foreach_max(torch._foreach_abs(ts))
+    return [m.float() for m in out]
+
+
+class ProbeRecorder:
+    """Collects the largest magnitude of every probe while the step is traced.
+
+    Activations and the gradients arriving at them are reduced where they are made (keeping
+    them for later would keep them alive). Placeholders (parameters, their low-precision copies,
+    the batch) and parameter gradients live through the whole step anyway: they are reduced
+    together at the end, in a few multi-tensor ops instead of one reduction each."""
+
+    def __init__(self, table: ProbeTable):
+        self.table = table
+        self.index = {p.node: i for i, p in enumerate(table.forward)}
+        self.values: list[torch.Tensor | None] = [None] * table.size
+        self._deferred: list[tuple[int, torch.Tensor]] = []
+
+    def observe(self, node: fx.Node, value: object) -> None:
+        """A forward node ran (once per micro-batch); hook its gradient if it will get one."""
+        i = self.index.get(node.name)
+        if i is None or not isinstance(value, torch.Tensor):
+            return
+        if node.op == "placeholder":
+            # parameters come once per micro-batch, the same values: measured once
+            if self.table.forward[i].kind == "input" or all(j != i for j, _ in self._deferred):
+                self._deferred.append((i, value))  # detached in vector(), tagged forensics
+            return
+        self._put(i, value)
+        if value.requires_grad:
+            value.register_hook(functools.partial(self._gradient, self.table.backward_slot(i)))
+
+    def observe_param_grads(self, grads: list[torch.Tensor]) -> None:
+        """The parameters' gradients (plan.trainable order), as the optimizers get them."""
+        for k, grad in enumerate(grads):
+            if grad.layout == torch.strided and grad.numel():
+                self._deferred.append((self.table.param_slot(k), grad))
+
+    def _gradient(self, slot: int, grad: torch.Tensor | None) -> None:
+        # a tensor hook: returning None leaves the gradient as it is
+        if isinstance(grad, torch.Tensor) and grad.layout == torch.strided and grad.numel():
+            self._put(slot, grad)
+
+    def _put(self, slot: int, t: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+        with NodeTagger(_TAG):
+            if amax is None:  # (a gradient needs no detach, unless build() differentiates twice)
+                amax = _largest_magnitude(t.detach() if t.requires_grad else t)
+            old = self.values[slot]
+            # maximum propagates NaN, so micro-batches and repeated backwards combine safely
+            self.values[slot] = amax if old is None else torch.maximum(old, amax)
+
+    def vector(self, device: torch.device) -> torch.Tensor:
+        """The step's probe vector (fp32); reduces the deferred probes first."""
+        by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+        for slot, t in self._deferred:
+            by_dtype.setdefault(t.dtype, []).append((slot, t))
+        self._deferred = []
+        with NodeTagger(_TAG):
+            for group in by_dtype.values():
+                values = [t.detach() if t.requires_grad else t for _, t in group]
+                for (slot, t), amax in zip(group, _largest_magnitudes(values)):
+                    self._put(slot, t, amax)
+            zero = torch.zeros((), device=device)
+            return torch.stack([v if v is not None else zero for v in self.values])
+
+
+def record_overflow(state: list[torch.Tensor], recorder: ProbeRecorder, step: torch.Tensor,
+                    scale: torch.Tensor | None, any_skip: torch.Tensor | None) -> None:
+    """Write this step's probe vector into the ring if the step overflowed (a loss or a parameter
+    gradient is non-finite, or the scaler skips it), and fold it into the running ranges."""
+    count, ring, ranges = state
+    table = recorder.table
+    with NodeTagger(_TAG):
+        vector = recorder.vector(count.device)
+        sinks = [recorder.values[s] for s in (*table.losses, *(
+            table.param_slot(k) for k in range(len(table.params))))]
+        sinks = [v for v in sinks if v is not None]
+        overflowed = ~torch.isfinite(torch.stack(sinks)).all() if sinks \
+            else torch.zeros((), dtype=torch.bool, device=count.device)
+        if any_skip is not None:
+            overflowed = overflowed | any_skip
+        used = scale.float() if scale is not None else torch.ones((), device=count.device)
+        row = torch.cat([torch.stack([step.float(), used]), vector]).unsqueeze(0)
+        slot = torch.remainder(count, ring.shape[0]).reshape(1)
+        ring.index_copy_(0, slot, torch.where(overflowed, row, ring.index_select(0, slot)))
+        count.copy_(count + overflowed.to(count.dtype))
+        finite = torch.where(torch.isfinite(vector), vector, torch.zeros_like(vector))
+        ranges.copy_(torch.maximum(ranges, finite))
