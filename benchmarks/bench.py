@@ -48,11 +48,19 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import graphamp  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
-VARIANTS = ("eager_fp32", "eager_amp_fp16", "eager_bf16", "compile_amp_fp16", "compile_bf16",
-            "graphamp_fp16", "graphamp_bf16")
+import graphamp  # noqa: E402
+
+VARIANTS = (
+    "eager_fp32",
+    "eager_amp_fp16",
+    "eager_bf16",
+    "compile_amp_fp16",
+    "compile_bf16",
+    "graphamp_fp16",
+    "graphamp_bf16",
+)
 TRACED_VARIANTS = ("graphamp_fp16_traced", "graphamp_bf16_traced")  # only when named
 FP16, BF16 = torch.float16, torch.bfloat16
 # dense bf16/fp16 tensor-core peak (TFLOP/s) by device name, for MFU
@@ -99,12 +107,14 @@ def make_step(variant: str, workload, model, device, backend: str, inductor_opti
     opt = workload.make_optimizer(model, fused)
     net = torch.compile(model, backend=backend) if variant.startswith("compile") else model
     if variant == "eager_fp32":
+
         def step(x, y):
             opt.zero_grad(set_to_none=True)
             loss = workload.loss(net(x), y)
             loss.backward()
             opt.step()
             return loss.detach()
+
         return step
     scaler = torch.amp.GradScaler(device.type) if dtype == FP16 else None
 
@@ -120,6 +130,7 @@ def make_step(variant: str, workload, model, device, backend: str, inductor_opti
             scaler.step(opt)
             scaler.update()
         return loss.detach()
+
     return step
 
 
@@ -161,8 +172,10 @@ def run_variant(variant, workload, base_model, device, args) -> dict:
         losses.append(step(*batches[(i + 1) % len(batches)]))
     _sync(device)
     if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(args.steps)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(args.steps)
+        ]
     times = []
     wall = time.perf_counter()
     for i in range(args.steps):
@@ -182,22 +195,33 @@ def run_variant(variant, workload, base_model, device, args) -> dict:
     extra = max(0, args.loss_steps - len(losses))
     for i in range(extra):
         losses.append(step(*batches[i % len(batches)]))
-    trajectory = torch.stack([l.float().reshape(()) for l in losses]).cpu().tolist()
+    trajectory = torch.stack([ln.float().reshape(()) for ln in losses]).cpu().tolist()
     # last: an eager GradScaler interrupted by the sync error is left in a broken state
     sync_state = syncs_with_host(step, batches[0], device)
     ms = statistics.median(times)
     result = {
-        "workload": workload.name, "variant": variant, "ms_per_step": ms,
-        "ms_mean_wall": wall, "ms_p10": sorted(times)[len(times) // 10],
+        "workload": workload.name,
+        "variant": variant,
+        "ms_per_step": ms,
+        "ms_mean_wall": wall,
+        "ms_p10": sorted(times)[len(times) // 10],
         "ms_p90": sorted(times)[len(times) * 9 // 10],
         "tflops": workload.flops_per_step / (ms * 1e-3) / 1e12 if workload.flops_per_step else None,
-        "tokens_per_s": workload.tokens_per_step / (ms * 1e-3) if workload.tokens_per_step else None,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "tokens_per_s": workload.tokens_per_step / (ms * 1e-3)
+        if workload.tokens_per_step
+        else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30
+        if device.type == "cuda"
+        else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30
-        if device.type == "cuda" else None,
-        "first_call_s": first_call, "host_sync": sync_state,
-        "loss_first": trajectory[0], "loss_last": trajectory[-1],
-        "loss_min": min(trajectory), "loss_finite": all(map(_finite, trajectory)),
+        if device.type == "cuda"
+        else None,
+        "first_call_s": first_call,
+        "host_sync": sync_state,
+        "loss_first": trajectory[0],
+        "loss_last": trajectory[-1],
+        "loss_min": min(trajectory),
+        "loss_finite": all(map(_finite, trajectory)),
         "steps_total": len(trajectory),
         "loss_every_20": trajectory[::20],
     }
@@ -229,8 +253,11 @@ def profile_steps(step, batches, device, args) -> dict:
         for i in range(5):
             step(*batches[i % len(batches)])
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"
-              or getattr(e, "self_device_time_total", 0) > 0]
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0
+    ]
     rows = []
     total = 0.0
     for e in prof.key_averages():
@@ -241,8 +268,10 @@ def profile_steps(step, batches, device, args) -> dict:
             rows.append((e.key, t / 5 / 1e3, e.count // 5))
             total += t / 5 / 1e3
     rows.sort(key=lambda r: -r[1])
+
     def share(pred):
         return sum(t for k, t, _ in rows if pred(k.lower()))
+
     del events
     return {
         "gpu_ms_per_step": total,
@@ -256,42 +285,61 @@ def profile_steps(step, batches, device, args) -> dict:
 
 def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
     peak = peak_tflops(meta["device"])
-    lines = ["# graphamp benchmark", "",
-             f"Device: **{meta['device']}**, torch {meta['torch']}, graphamp {meta['graphamp']}. "
-             f"Command: `{meta['command']}`", "",
-             "ms/step: median of per-step CUDA-event times over the measured steps, launched back "
-             "to back with one sync at the end. Ratio: graphamp over the best peer of the same "
-             "dtype in the same run (lower is better). MFU: TFLOP/s over the device's dense "
-             f"bf16/fp16 peak ({peak or 'unknown'} TFLOP/s).", ""]
+    lines = [
+        "# graphamp benchmark",
+        "",
+        f"Device: **{meta['device']}**, torch {meta['torch']}, graphamp {meta['graphamp']}. "
+        f"Command: `{meta['command']}`",
+        "",
+        "ms/step: median of per-step CUDA-event times over the measured steps, launched back "
+        "to back with one sync at the end. Ratio: graphamp over the best peer of the same "
+        "dtype in the same run (lower is better). MFU: TFLOP/s over the device's dense "
+        f"bf16/fp16 peak ({peak or 'unknown'} TFLOP/s).",
+        "",
+    ]
     for workload in dict.fromkeys(r["workload"] for r in rows):
         rs = [r for r in rows if r["workload"] == workload]
-        lines += [f"## {workload}", "",
-                  "| variant | ms/step | TFLOP/s | MFU | tokens/s | peak GiB (reserved) | first call s | host sync | loss first → last (finite) | ratio |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+        lines += [
+            f"## {workload}",
+            "",
+            "| variant | ms/step | TFLOP/s | MFU | tokens/s | peak GiB (reserved) | first call s | host sync | loss first → last (finite) | ratio |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
+        ]
         for r in rs:
             tf = f"{r['tflops']:.1f}" if r.get("tflops") else "-"
             mfu = f"{r['tflops'] / peak:.1%}" if r.get("tflops") and peak else "-"
             tokens = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
-            mem = (f"{r['peak_mem_gib']:.2f} ({r['peak_reserved_gib']:.2f})"
-                   if r.get("peak_mem_gib") is not None else "-")
+            mem = (
+                f"{r['peak_mem_gib']:.2f} ({r['peak_reserved_gib']:.2f})"
+                if r.get("peak_mem_gib") is not None
+                else "-"
+            )
             ratio = r.get("ratio_vs_best_peer")
-            name = r["variant"] + (" " + ",".join(f"{k}={v}" for k, v in r["inductor_options"].items())
-                                   if r.get("inductor_options") else "")
+            name = r["variant"] + (
+                " " + ",".join(f"{k}={v}" for k, v in r["inductor_options"].items())
+                if r.get("inductor_options")
+                else ""
+            )
             lines.append(
                 f"| {name} | {r['ms_per_step']:.3f} | {tf} | {mfu} | {tokens} | {mem} | "
                 f"{r['first_call_s']:.1f} | {r['host_sync'].split(':')[0]} | "
                 f"{r['loss_first']:.3f} → {r['loss_last']:.3f} ({'yes' if r['loss_finite'] else 'NO'}) | "
-                f"{f'{ratio:.2f}' if ratio else ''} |")
+                f"{f'{ratio:.2f}' if ratio else ''} |"
+            )
         lines.append("")
         for r in rs:
             if r.get("tracing_cost"):
-                lines.append(f"- {r['variant']}: overflow tracing costs "
-                             f"{(r['tracing_cost'] - 1) * 100:+.1f}% ms/step against "
-                             f"{r['variant'].removesuffix('_traced')} in the same run")
+                lines.append(
+                    f"- {r['variant']}: overflow tracing costs "
+                    f"{(r['tracing_cost'] - 1) * 100:+.1f}% ms/step against "
+                    f"{r['variant'].removesuffix('_traced')} in the same run"
+                )
             if r.get("precision"):
-                lines.append(f"- {r['variant']}: {r['precision']}; CUDA graph: "
-                             f"{r.get('cuda_graph')}; first call "
-                             + ", ".join(f"{k} {v:.1f}s" for k, v in r["timings"].items()))
+                lines.append(
+                    f"- {r['variant']}: {r['precision']}; CUDA graph: "
+                    f"{r.get('cuda_graph')}; first call "
+                    + ", ".join(f"{k} {v:.1f}s" for k, v in r["timings"].items())
+                )
         lines.append("")
     with open(path_md, "w") as f:
         f.write("\n".join(lines))
@@ -303,12 +351,21 @@ def add_ratios(rows: list[dict]) -> None:
             continue
         dtype = _dtype_name(r["variant"])
         if r["variant"].endswith("_traced"):
-            untraced = [p for p in rows if p["workload"] == r["workload"]
-                        and p["variant"] == r["variant"].removesuffix("_traced")]
+            untraced = [
+                p
+                for p in rows
+                if p["workload"] == r["workload"]
+                and p["variant"] == r["variant"].removesuffix("_traced")
+            ]
             if untraced:
                 r["tracing_cost"] = r["ms_per_step"] / untraced[0]["ms_per_step"]
-        peers = [p for p in rows if p["workload"] == r["workload"] and not
-                 p["variant"].startswith("graphamp") and p["variant"].endswith(dtype)]
+        peers = [
+            p
+            for p in rows
+            if p["workload"] == r["workload"]
+            and not p["variant"].startswith("graphamp")
+            and p["variant"].endswith(dtype)
+        ]
         if peers:
             best = min(peers, key=lambda p: p["ms_per_step"])
             r["best_peer"] = best["variant"]
@@ -320,37 +377,56 @@ def add_ratios(rows: list[dict]) -> None:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", nargs="*", default=["mlp", "gpt2", "resnet50"],
-                        choices=sorted(WORKLOADS))
-    parser.add_argument("--variant", nargs="*", default=list(VARIANTS),
-                        choices=VARIANTS + TRACED_VARIANTS)
+    parser.add_argument(
+        "--workload", nargs="*", default=["mlp", "gpt2", "resnet50"], choices=sorted(WORKLOADS)
+    )
+    parser.add_argument(
+        "--variant", nargs="*", default=list(VARIANTS), choices=VARIANTS + TRACED_VARIANTS
+    )
     parser.add_argument("--steps", type=int, default=50, help="measured steps (default 50)")
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--loss-steps", type=int, default=0,
-                        help="train at least this many steps in all (loss trajectory)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny models on the CPU with the aot_eager backend (for tests)")
+    parser.add_argument(
+        "--loss-steps",
+        type=int,
+        default=0,
+        help="train at least this many steps in all (loss trajectory)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny models on the CPU with the aot_eager backend (for tests)",
+    )
     parser.add_argument("--profile", action="store_true", help="profile graphamp's steps")
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--tag", default="", help="suffix for the result files")
-    parser.add_argument("--inductor-option", action="append", default=[],
-                        help="NAME=VALUE for graphamp's inductor compile (e.g. combo_kernels=True)")
+    parser.add_argument(
+        "--inductor-option",
+        action="append",
+        default=[],
+        help="NAME=VALUE for graphamp's inductor compile (e.g. combo_kernels=True)",
+    )
     args = parser.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke
-                                          else "cpu"))
+    device = torch.device(
+        args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    )
     if args.smoke:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
-    args.inductor_options = {k: json.loads(v.lower()) if v.lower() in ("true", "false")
-                             else json.loads(v) for k, v in
-                             (o.split("=", 1) for o in args.inductor_option)}
+    args.inductor_options = {
+        k: json.loads(v.lower()) if v.lower() in ("true", "false") else json.loads(v)
+        for k, v in (o.split("=", 1) for o in args.inductor_option)
+    }
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    meta = {"device": torch.cuda.get_device_name() if device.type == "cuda"
-            else f"CPU ({platform.machine()})", "torch": torch.__version__,
-            "graphamp": graphamp.__version__,
-            "command": "python benchmarks/bench.py " + " ".join(argv if argv is not None
-                                                                 else sys.argv[1:])}
+    meta = {
+        "device": torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else f"CPU ({platform.machine()})",
+        "torch": torch.__version__,
+        "graphamp": graphamp.__version__,
+        "command": "python benchmarks/bench.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     rows = []
     os.makedirs(args.out, exist_ok=True)
     tag = ("smoke" if args.smoke else device.type) + (f"_{args.tag}" if args.tag else "")
@@ -370,9 +446,12 @@ def main(argv=None) -> list[dict]:
             if args.inductor_options and variant.startswith("graphamp"):
                 row["inductor_options"] = args.inductor_options
             rows.append(row)
-            print(f"[bench]   {row['ms_per_step']:.3f} ms/step, first call "
-                  f"{row['first_call_s']:.1f}s, sync {row['host_sync'].split(':')[0]}, "
-                  f"loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}", flush=True)
+            print(
+                f"[bench]   {row['ms_per_step']:.3f} ms/step, first call "
+                f"{row['first_call_s']:.1f}s, sync {row['host_sync'].split(':')[0]}, "
+                f"loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}",
+                flush=True,
+            )
             with open(jsonl, "a") as f:  # as each variant finishes: a timeout loses nothing
                 f.write(json.dumps({**row, "meta": meta}) + "\n")
         del base, workload

@@ -68,9 +68,13 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.calls):
             g(x, y)
         per_call.append((time.perf_counter() - start) / args.calls * 1e6)
-    result = {"us_per_call_best": round(min(per_call), 2),
-              "us_per_call_median": round(statistics.median(per_call), 2),
-              "runs": args.runs, "calls": args.calls, "torch": torch.__version__}
+    result = {
+        "us_per_call_best": round(min(per_call), 2),
+        "us_per_call_median": round(statistics.median(per_call), 2),
+        "runs": args.runs,
+        "calls": args.calls,
+        "torch": torch.__version__,
+    }
     print(json.dumps(result))
     return result
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from models import Block, TinyGPT, lm_loss  # noqa: E402
+
 import graphamp  # noqa: E402
 from graphamp.inspect.memory import step_memory  # noqa: E402
-from models import Block, TinyGPT, lm_loss  # noqa: E402
 
 
 def measure(base, args, ckpt: bool, amp):
@@ -63,15 +64,20 @@ def main():
     args = p.parse_args()
     torch.manual_seed(0)
     base = TinyGPT(vocab=64, dim=args.dim, heads=4, layers=args.layers, seq=args.seq)
-    print("| precision | checkpointing | peak intermediates (MiB, counted) | resident (MiB) "
-          "| ms/step (CPU, aot_eager) |")
+    print(
+        "| precision | checkpointing | peak intermediates (MiB, counted) | resident (MiB) "
+        "| ms/step (CPU, aot_eager) |"
+    )
     print("|---|---|---:|---:|---:|")
     for amp in (None, torch.bfloat16):
         for ckpt in (False, True):
             mem, ms = measure(base, args, ckpt, amp)
-            print(f"| {'fp32' if amp is None else 'bf16'} | {'Block' if ckpt else 'off'} | "
-                  f"{mem.peak_intermediate_bytes / 2**20:.2f} | {mem.resident_bytes / 2**20:.2f} "
-                  f"| {ms:.1f} |", flush=True)
+            print(
+                f"| {'fp32' if amp is None else 'bf16'} | {'Block' if ckpt else 'off'} | "
+                f"{mem.peak_intermediate_bytes / 2**20:.2f} | {mem.resident_bytes / 2**20:.2f} "
+                f"| {ms:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

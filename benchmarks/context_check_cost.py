@@ -12,8 +12,8 @@ from __future__ import annotations
 import timeit
 
 import torch
-
 from call_overhead import make_graph, replace_compiled_step_with_noop
+
 from graphamp import ambient
 
 
@@ -23,14 +23,19 @@ def main() -> float:
     replace_compiled_step_with_noop(g, x, y)
     runner = next(iter(g._programs.values())).runner  # noqa: SLF001 - a benchmark of internals
     key = g._structure  # noqa: SLF001
-    real = (ambient.neutral_modes, ambient.mode_key, runner._optimizer_state_edited,
-            key._hook_dicts)
+    real = (
+        ambient.neutral_modes,
+        ambient.mode_key,
+        runner._optimizer_state_edited,
+        key._hook_dicts,
+    )
     modes = ambient.mode_key()
     no_ops = (lambda: None, lambda: modes, lambda: False, [])
 
     def use(checks):
-        ambient.neutral_modes, ambient.mode_key, runner._optimizer_state_edited, \
-            key._hook_dicts = checks
+        ambient.neutral_modes, ambient.mode_key, runner._optimizer_state_edited, key._hook_dicts = (
+            checks
+        )
 
     best = {"with checks": 1e9, "no-ops": 1e9}
     for _ in range(30):
@@ -40,8 +45,10 @@ def main() -> float:
             best[name] = min(best[name], timeit.timeit(lambda: g(x, y), number=2000) / 2000 * 1e6)
     use(real)
     diff = best["with checks"] - best["no-ops"]
-    print(f"with checks {best['with checks']:.2f} us/call, checks as no-ops "
-          f"{best['no-ops']:.2f} us/call, difference {diff:.2f} us (best of 30 x 2000 calls)")
+    print(
+        f"with checks {best['with checks']:.2f} us/call, checks as no-ops "
+        f"{best['no-ops']:.2f} us/call, difference {diff:.2f} us (best of 30 x 2000 calls)"
+    )
     return diff
 
 

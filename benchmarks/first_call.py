@@ -51,23 +51,36 @@ def make_workload(name: str, smoke: bool = False):
     gen = torch.Generator().manual_seed(0)
     if name == "gpt2-6l" and smoke:
         idx = torch.randint(0, 512, (2, 65), generator=gen)
-        return (GPT(vocab=512, seq=64, layers=2, heads=4, dim=64),
-                (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()), lm_loss, "tiny GPT (smoke)")
+        return (
+            GPT(vocab=512, seq=64, layers=2, heads=4, dim=64),
+            (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()),
+            lm_loss,
+            "tiny GPT (smoke)",
+        )
     if name == "vit-tiny" and smoke:
         from torchvision.models import VisionTransformer
 
-        return (VisionTransformer(32, 16, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64),
-                (torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 1000, (2,), generator=gen)),
-                F.cross_entropy, "tiny ViT (smoke)")
+        return (
+            VisionTransformer(32, 16, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64),
+            (torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 1000, (2,), generator=gen)),
+            F.cross_entropy,
+            "tiny ViT (smoke)",
+        )
     if name == "gpt2-6l":
         model = GPT(vocab=50304, seq=64, layers=6, heads=4, dim=128)
         idx = torch.randint(0, 50304, (8, 65), generator=gen)
-        return (model, (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()), lm_loss,
-                "nanoGPT-style GPT-2, 6 layers, n_embd 128, 4 heads, vocab 50304, B8 T64, AdamW")
+        return (
+            model,
+            (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()),
+            lm_loss,
+            "nanoGPT-style GPT-2, 6 layers, n_embd 128, 4 heads, vocab 50304, B8 T64, AdamW",
+        )
     if name == "vit-tiny":
         model, what = _vit_tiny()
-        batch = (torch.randn(8, 3, 224, 224, generator=gen),
-                 torch.randint(0, 1000, (8,), generator=gen))
+        batch = (
+            torch.randn(8, 3, 224, 224, generator=gen),
+            torch.randint(0, 1000, (8,), generator=gen),
+        )
         return model, batch, F.cross_entropy, f"{what}, B8 224x224, AdamW"
     raise ValueError(name)
 
@@ -80,15 +93,18 @@ def _vit_tiny():
     except ImportError:
         from torchvision.models import VisionTransformer
 
-        return (VisionTransformer(224, 16, num_layers=12, num_heads=3, hidden_dim=192,
-                                  mlp_dim=768),
-                "torchvision VisionTransformer with ViT-Ti/16 dimensions")
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False), \
-        f"timm {timm.__version__} vit_tiny_patch16_224"
+        return (
+            VisionTransformer(224, 16, num_layers=12, num_heads=3, hidden_dim=192, mlp_dim=768),
+            "torchvision VisionTransformer with ViT-Ti/16 dimensions",
+        )
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False
+    ), f"timm {timm.__version__} vit_tiny_patch16_224"
 
 
-def first_call(variant: str, workload: str, device: str = "cpu", dtype_name: str = "bf16",
-               smoke: bool = False) -> dict:
+def first_call(
+    variant: str, workload: str, device: str = "cpu", dtype_name: str = "bf16", smoke: bool = False
+) -> dict:
     """One first call in this process: seconds, and graphamp's per-stage timings."""
     import torch
     import torch._dynamo.utils
@@ -101,9 +117,16 @@ def first_call(variant: str, workload: str, device: str = "cpu", dtype_name: str
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     backend = "aot_eager" if smoke else "inductor"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    out: dict = {"workload": workload, "variant": variant, "description": what,
-                 "device_type": device, "dtype": dtype_name, "backend": backend}
+    out: dict = {
+        "workload": workload,
+        "variant": variant,
+        "description": what,
+        "device_type": device,
+        "dtype": dtype_name,
+        "backend": backend,
+    }
     if variant == "graphamp":
+
         class TrainGraph(graphamp.Graph):
             def __init__(self):
                 super().__init__()
@@ -159,17 +182,28 @@ def first_call(variant: str, workload: str, device: str = "cpu", dtype_name: str
     names, values = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
     out["compile_times"] = {n: float(v) for n, v in zip(names, values) if float(v) >= 0.5}
     counters = torch._dynamo.utils.counters
-    out["cache_counters"] = {k: v for k, v in {**counters["inductor"], **counters["aot_autograd"]}.items()
-                    if "cache" in k}
+    out["cache_counters"] = {
+        k: v
+        for k, v in {**counters["inductor"], **counters["aot_autograd"]}.items()
+        if "cache" in k
+    }
     return out
 
 
 def run_child(variant: str, workload: str, cache_dir: str, extra: list[str]) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
-           "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), ROOT])}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+        "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), ROOT]),
+    }
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([sys.executable, __file__, "--child", variant, workload, *extra],
-                          env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", variant, workload, *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -182,18 +216,27 @@ def run_child(variant: str, workload: str, cache_dir: str, extra: list[str]) -> 
 
 
 def write_table(path: str, rows: list[dict], meta: dict) -> None:
-    lines = ["# First call on the CPU: graphamp vs torch.compile + autocast", "",
-             f"Device: **{meta['device']}**, torch {meta['torch']}. Command: "
-             f"`{meta['command']}`", "",
-             "First call = first training step including compilation, each in a fresh process; "
-             "cold: empty inductor cache directory, warm: a second process on that directory. "
-             "Medians over the repetitions (each value listed). AdamW; AMP dtype and backend: "
-             f"{meta.get('setting', 'bf16, inductor')}.", ""]
+    lines = [
+        "# First call on the CPU: graphamp vs torch.compile + autocast",
+        "",
+        f"Device: **{meta['device']}**, torch {meta['torch']}. Command: `{meta['command']}`",
+        "",
+        "First call = first training step including compilation, each in a fresh process; "
+        "cold: empty inductor cache directory, warm: a second process on that directory. "
+        "Medians over the repetitions (each value listed). AdamW; AMP dtype and backend: "
+        f"{meta.get('setting', 'bf16, inductor')}.",
+        "",
+    ]
     for workload in dict.fromkeys(r["workload"] for r in rows):
         rs = [r for r in rows if r["workload"] == workload]
-        lines += [f"## {workload}", "", rs[0]["description"], "",
-                  "| variant | cache | first call s (median) | runs | child process CPU s | graphamp stages (median run) |",
-                  "|---|---|---:|---|---:|---|"]
+        lines += [
+            f"## {workload}",
+            "",
+            rs[0]["description"],
+            "",
+            "| variant | cache | first call s (median) | runs | child process CPU s | graphamp stages (median run) |",
+            "|---|---|---:|---|---:|---|",
+        ]
         med = {}
         for variant in VARIANTS:
             for cache in ("cold", "warm"):
@@ -204,9 +247,11 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
                 med[variant, cache] = statistics.median(values)
                 mid = min(runs, key=lambda r: abs(r["first_call_s"] - med[variant, cache]))
                 stages = ", ".join(f"{k} {v:.1f}" for k, v in mid.get("timings", {}).items())
-                lines.append(f"| {variant} | {cache} | {med[variant, cache]:.1f} | "
-                             f"{', '.join(f'{v:.1f}' for v in values)} | "
-                             f"{mid.get('cpu_s', float('nan')):.1f} | {stages} |")
+                lines.append(
+                    f"| {variant} | {cache} | {med[variant, cache]:.1f} | "
+                    f"{', '.join(f'{v:.1f}' for v in values)} | "
+                    f"{mid.get('cpu_s', float('nan')):.1f} | {stages} |"
+                )
         lines.append("")
         for cache in ("cold", "warm"):
             if ("graphamp", cache) in med and ("compile", cache) in med:
@@ -232,18 +277,25 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(first_call(*args.child, device=args.device, dtype_name=args.dtype,
-                                    smoke=args.smoke)), flush=True)
+        print(
+            json.dumps(
+                first_call(*args.child, device=args.device, dtype_name=args.dtype, smoke=args.smoke)
+            ),
+            flush=True,
+        )
         return []
     import torch
 
     extra = ["--device", args.device, "--dtype", args.dtype] + (["--smoke"] if args.smoke else [])
-    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda"
-            else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
-            "torch": torch.__version__,
-            "setting": f"{args.dtype}, {'aot_eager' if args.smoke else 'inductor'}",
-            "command": "python benchmarks/first_call.py " + " ".join(
-                argv if argv is not None else sys.argv[1:])}
+    meta = {
+        "device": torch.cuda.get_device_name()
+        if args.device == "cuda"
+        else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "setting": f"{args.dtype}, {'aot_eager' if args.smoke else 'inductor'}",
+        "command": "python benchmarks/first_call.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     os.makedirs(args.out, exist_ok=True)
     jsonl = os.path.join(args.out, f"first_call_{args.tag}.jsonl")
     rows = []
@@ -255,12 +307,19 @@ def main(argv=None) -> list[dict]:
             try:
                 for cache in ("cold",) if args.no_warm else ("cold", "warm"):
                     for variant in order:
-                        row = {**run_child(variant, workload, dirs[variant].name, extra),
-                               "cache": cache, "repeat": rep, **meta}
+                        row = {
+                            **run_child(variant, workload, dirs[variant].name, extra),
+                            "cache": cache,
+                            "repeat": rep,
+                            **meta,
+                        }
                         rows.append(row)
-                        print(f"[first_call] {workload} {variant} {cache}: "
-                              f"{row['first_call_s']:.1f}s wall, {row['cpu_s']:.1f}s CPU "
-                              f"{row.get('timings', '')}", flush=True)
+                        print(
+                            f"[first_call] {workload} {variant} {cache}: "
+                            f"{row['first_call_s']:.1f}s wall, {row['cpu_s']:.1f}s CPU "
+                            f"{row.get('timings', '')}",
+                            flush=True,
+                        )
                         with open(jsonl, "a") as f:
                             f.write(json.dumps(row) + "\n")
             finally:

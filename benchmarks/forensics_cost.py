@@ -38,8 +38,9 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-import graphamp  # noqa: E402
 from models import TinyGPT, lm_loss  # noqa: E402
+
+import graphamp  # noqa: E402
 
 sys.path.insert(0, HERE)
 from workloads import WORKLOADS  # noqa: E402
@@ -52,8 +53,11 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.down = (
+            None
+            if stride == 1 and cin == cout
+            else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        )
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -66,11 +70,16 @@ class SmallResNet(nn.Module):
 
     def __init__(self, classes: int = 10, width: int = 16):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width),
-                                  nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
         widths = [width, 2 * width, 4 * width, 8 * width]
-        self.stages = nn.Sequential(*(BasicBlock(widths[max(i - 1, 0)], w, 1 if i == 0 else 2)
-                                      for i, w in enumerate(widths)))
+        self.stages = nn.Sequential(
+            *(
+                BasicBlock(widths[max(i - 1, 0)], w, 1 if i == 0 else 2)
+                for i, w in enumerate(widths)
+            )
+        )
         self.head = nn.Linear(widths[-1], classes)
 
     def forward(self, x):
@@ -86,12 +95,21 @@ def workload(name: str, device: torch.device):
     if name == "gpt":
         model = TinyGPT(vocab=256, dim=128, heads=4, layers=4, seq=64)
         batch = (torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64)))
-        return model, lm_loss, batch, "TinyGPT (tests/models.py): 4 layers, dim 128, 4 heads, " \
-                                      "vocab 256; batch 8 x 64 tokens; AdamW"
+        return (
+            model,
+            lm_loss,
+            batch,
+            "TinyGPT (tests/models.py): 4 layers, dim 128, 4 heads, "
+            "vocab 256; batch 8 x 64 tokens; AdamW",
+        )
     model = SmallResNet()
     batch = (torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,)))
-    return model, F.cross_entropy, batch, "SmallResNet (4 BasicBlocks, widths 16-128, BatchNorm); " \
-                                          "batch 16 x 3 x 32 x 32; AdamW"
+    return (
+        model,
+        F.cross_entropy,
+        batch,
+        "SmallResNet (4 BasicBlocks, widths 16-128, BatchNorm); batch 16 x 3 x 32 x 32; AdamW",
+    )
 
 
 def make_graph(model: nn.Module, loss_fn, backend: str, traced: bool) -> graphamp.Graph:
@@ -153,14 +171,24 @@ def measure(name: str, backend: str, steps: int, warmup: int, device: torch.devi
             times[traced].append(_timed(lambda g=graphs[traced]: g(*batch), cuda))
     off, on = statistics.median(times[False]), statistics.median(times[True])
     step_graphs = {t: g.compiled_steps[-1].step_graph for t, g in graphs.items()}
-    probes = sum(n.meta.get("graphamp_subgraph") == "forensics"
-                 for n in step_graphs[True].graph.nodes)
-    return {"workload": name, "description": description, "backend": backend,
-            "ms_off": off, "ms_on": on, "overhead_pct": (on / off - 1) * 100,
-            "first_call_s_off": first_call[False], "first_call_s_on": first_call[True],
-            "step_nodes_off": len(step_graphs[False].graph.nodes),
-            "step_nodes_on": len(step_graphs[True].graph.nodes), "forensics_nodes": probes,
-            "steps": steps, "device": str(device)}
+    probes = sum(
+        n.meta.get("graphamp_subgraph") == "forensics" for n in step_graphs[True].graph.nodes
+    )
+    return {
+        "workload": name,
+        "description": description,
+        "backend": backend,
+        "ms_off": off,
+        "ms_on": on,
+        "overhead_pct": (on / off - 1) * 100,
+        "first_call_s_off": first_call[False],
+        "first_call_s_on": first_call[True],
+        "step_nodes_off": len(step_graphs[False].graph.nodes),
+        "step_nodes_on": len(step_graphs[True].graph.nodes),
+        "forensics_nodes": probes,
+        "steps": steps,
+        "device": str(device),
+    }
 
 
 def write(rows: list[dict], meta: dict, out: str) -> None:
@@ -168,18 +196,25 @@ def write(rows: list[dict], meta: dict, out: str) -> None:
     stem = os.path.join(out, f"forensics_cost_{meta['device_type']}")
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    lines = [f"# Overflow tracing: cost per step ({meta['device_type']})", "",
-             f"{meta['machine']}, {meta['threads']} thread(s), torch {meta['torch']}, "
-             f"graphamp {meta['graphamp']}. Command: `{meta['command']}`", "",
-             "Medians over the measured steps; the traced and untraced graphs' steps alternate "
-             f"in one process. AMP {meta['amp']} (the script's docstring says why).", "",
-             "| workload | backend | ms/step off | ms/step on | cost | forensics nodes | step nodes off → on | first call s off / on |",
-             "|---|---|---:|---:|---:|---:|---|---|"]
+    lines = [
+        f"# Overflow tracing: cost per step ({meta['device_type']})",
+        "",
+        f"{meta['machine']}, {meta['threads']} thread(s), torch {meta['torch']}, "
+        f"graphamp {meta['graphamp']}. Command: `{meta['command']}`",
+        "",
+        "Medians over the measured steps; the traced and untraced graphs' steps alternate "
+        f"in one process. AMP {meta['amp']} (the script's docstring says why).",
+        "",
+        "| workload | backend | ms/step off | ms/step on | cost | forensics nodes | step nodes off → on | first call s off / on |",
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['backend']} | {r['ms_off']:.1f} | {r['ms_on']:.1f} | "
-                     f"{r['overhead_pct']:+.0f}% | {r['forensics_nodes']} | {r['step_nodes_off']} → "
-                     f"{r['step_nodes_on']} | {r['first_call_s_off']:.1f} / "
-                     f"{r['first_call_s_on']:.1f} |")
+        lines.append(
+            f"| {r['workload']} | {r['backend']} | {r['ms_off']:.1f} | {r['ms_on']:.1f} | "
+            f"{r['overhead_pct']:+.0f}% | {r['forensics_nodes']} | {r['step_nodes_off']} → "
+            f"{r['step_nodes_on']} | {r['first_call_s_off']:.1f} / "
+            f"{r['first_call_s_on']:.1f} |"
+        )
     described = {r["workload"]: r["description"] for r in rows}
     lines += [""] + [f"- {name}: {text}" for name, text in described.items()]
     with open(stem + ".md", "w") as f:
@@ -188,33 +223,53 @@ def write(rows: list[dict], meta: dict, out: str) -> None:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", nargs="*", default=["gpt", "resnet"],
-                        choices=["gpt", "resnet", "gpt2", "resnet50"])
-    parser.add_argument("--backend", nargs="*", default=["aot_eager", "inductor"],
-                        choices=["aot_eager", "inductor"])
+    parser.add_argument(
+        "--workload",
+        nargs="*",
+        default=["gpt", "resnet"],
+        choices=["gpt", "resnet", "gpt2", "resnet50"],
+    )
+    parser.add_argument(
+        "--backend", nargs="*", default=["aot_eager", "inductor"], choices=["aot_eager", "inductor"]
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: steadier figures on a shared machine)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: steadier figures on a shared machine)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-    meta = {"machine": machine, "device_type": device.type,
-            "amp": "fp16 + GradScaler" if device.type == "cuda" else "bf16",
-            "threads": args.threads, "torch": torch.__version__, "graphamp": graphamp.__version__,
-            "command": "python benchmarks/forensics_cost.py " + " ".join(
-                argv if argv is not None else sys.argv[1:])}
+    machine = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+    )
+    meta = {
+        "machine": machine,
+        "device_type": device.type,
+        "amp": "fp16 + GradScaler" if device.type == "cuda" else "bf16",
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "graphamp": graphamp.__version__,
+        "command": "python benchmarks/forensics_cost.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     rows = []
     for name in args.workload:
         for backend in args.backend:
             print(f"[forensics_cost] {name} {backend} ...", flush=True)
             rows.append(measure(name, backend, args.steps, args.warmup, device))
-            print(f"  off {rows[-1]['ms_off']:.1f} ms, on {rows[-1]['ms_on']:.1f} ms "
-                  f"({rows[-1]['overhead_pct']:+.0f}%)", flush=True)
+            print(
+                f"  off {rows[-1]['ms_off']:.1f} ms, on {rows[-1]['ms_on']:.1f} ms "
+                f"({rows[-1]['overhead_pct']:+.0f}%)",
+                flush=True,
+            )
             write(rows, meta, args.out)
     return rows
 

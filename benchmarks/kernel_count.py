@@ -35,16 +35,28 @@ import torch.fx as fx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import graphamp.pipeline as pipeline  # noqa: E402
-from workloads import WORKLOADS  # noqa: E402
 from bench import make_step  # noqa: E402
+from workloads import WORKLOADS  # noqa: E402
 
-_H100 = dict(name="NVIDIA H100 80GB HBM3 (not present)", major=9, minor=0,
-             multi_processor_count=132, total_memory=80 * 2**30, warp_size=32,
-             max_threads_per_multi_processor=2048, max_threads_per_block=1024,
-             regs_per_multiprocessor=65536, shared_memory_per_block_optin=232448,
-             shared_memory_per_block=49152, shared_memory_per_multiprocessor=233472,
-             L2_cache_size=50 * 2**20, gcnArchName="", clock_rate=1980000)
+import graphamp.pipeline as pipeline  # noqa: E402
+
+_H100 = dict(
+    name="NVIDIA H100 80GB HBM3 (not present)",
+    major=9,
+    minor=0,
+    multi_processor_count=132,
+    total_memory=80 * 2**30,
+    warp_size=32,
+    max_threads_per_multi_processor=2048,
+    max_threads_per_block=1024,
+    regs_per_multiprocessor=65536,
+    shared_memory_per_block_optin=232448,
+    shared_memory_per_block=49152,
+    shared_memory_per_multiprocessor=233472,
+    L2_cache_size=50 * 2**20,
+    gcnArchName="",
+    clock_rate=1980000,
+)
 
 
 class _Generated(Exception):
@@ -72,10 +84,17 @@ def pretend_h100(sink: list[str]) -> None:
     torch.cuda.get_rng_state = lambda *a, **k: torch.zeros(16, dtype=torch.uint8)
     torch.cuda.set_rng_state = lambda *a, **k: None
     interface = device_interface.CudaInterface  # bound torch.cuda's functions at import
-    for name in ("get_device_properties", "current_device", "device_count", "exchange_device",
-                 "maybe_exchange_device"):
-        attr = {"exchange_device": "_exchange_device",
-                "maybe_exchange_device": "_maybe_exchange_device"}.get(name, name)
+    for name in (
+        "get_device_properties",
+        "current_device",
+        "device_count",
+        "exchange_device",
+        "maybe_exchange_device",
+    ):
+        attr = {
+            "exchange_device": "_exchange_device",
+            "maybe_exchange_device": "_maybe_exchange_device",
+        }.get(name, name)
         setattr(interface, name, staticmethod(getattr(torch.cuda, attr)))
     interface.get_compute_capability = staticmethod(lambda *a, **k: 90)
     interface.is_available = staticmethod(lambda: True)
@@ -143,7 +162,10 @@ def cuda_code(gm: fx.GraphModule, example: list) -> str:
     device = torch.device("cuda", 0)
     on_cuda = lambda a: device if isinstance(a, torch.device) and a.type == "cpu" else a  # noqa: E731
     for n in gm.graph.nodes:
-        n.args, n.kwargs = fx.node.map_aggregate(n.args, on_cuda), fx.node.map_aggregate(n.kwargs, on_cuda)
+        n.args, n.kwargs = (
+            fx.node.map_aggregate(n.args, on_cuda),
+            fx.node.map_aggregate(n.kwargs, on_cuda),
+        )
     gm.recompile()
     mode = FakeTensorMode()
     with mode:
@@ -173,9 +195,10 @@ def cpu_code(gm: fx.GraphModule, example: list) -> str:
 
 def launches(code: str) -> dict[str, int]:
     """Kernel launch sites in the wrapper's ``call``: Triton/C++ kernels, extern GEMMs, ATen."""
-    body = code[code.index("def call("):]
-    body = "\n".join(line for line in body.splitlines() if not line.strip().startswith(
-        ("assert_", "#")))
+    body = code[code.index("def call(") :]
+    body = "\n".join(
+        line for line in body.splitlines() if not line.strip().startswith(("assert_", "#"))
+    )
     out = {
         "triton": len(re.findall(r"\btriton_\w+\.run\(", body)),
         "cpp": len(re.findall(r"^\s*cpp_fused_\w+\(", body, flags=re.M)),
@@ -189,10 +212,12 @@ def launches(code: str) -> dict[str, int]:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", nargs="*", default=["mlp", "gpt2", "resnet50"],
-                        choices=sorted(WORKLOADS))
-    parser.add_argument("--variant", default="graphamp_fp16",
-                        choices=["graphamp_fp16", "graphamp_bf16"])
+    parser.add_argument(
+        "--workload", nargs="*", default=["mlp", "gpt2", "resnet50"], choices=sorted(WORKLOADS)
+    )
+    parser.add_argument(
+        "--variant", default="graphamp_fp16", choices=["graphamp_fp16", "graphamp_bf16"]
+    )
     parser.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--save-code", default=None, help="folder for the generated code")
     parser.add_argument("--smoke", action="store_true", help="the workloads' smoke sizes")
@@ -204,9 +229,14 @@ def main(argv=None) -> list[dict]:
     for name in args.workload:
         workload = WORKLOADS[name](torch.device("cpu"), smoke=args.smoke, n_batches=1)
         gm, example, got = capture_step(workload, args.variant)
-        row = {"workload": workload.name, "variant": args.variant, "target": args.target,
-               "step_nodes": len(gm.graph.nodes), "by_subgraph": subgraph_counts(gm),
-               "capture_and_assemble_s": round(got["capture_and_assemble_s"], 2)}
+        row = {
+            "workload": workload.name,
+            "variant": args.variant,
+            "target": args.target,
+            "step_nodes": len(gm.graph.nodes),
+            "by_subgraph": subgraph_counts(gm),
+            "capture_and_assemble_s": round(got["capture_and_assemble_s"], 2),
+        }
         start = time.perf_counter()
         code = (cuda_code if args.target == "cuda" else cpu_code)(gm, example)
         row["codegen_s"] = round(time.perf_counter() - start, 2)

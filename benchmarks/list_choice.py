@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-import graphamp  # noqa: E402
 from models import ManualAttentionBlock, TinyGPT, lm_loss  # noqa: E402
+
+import graphamp  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONEFLOW_INFER = ["aten._softmax", "aten._log_softmax", "aten.native_layer_norm"]
@@ -39,8 +40,10 @@ class PostLNBlock(ManualAttentionBlock):
 
     def forward(self, x):
         b, t, c = x.shape
-        q, k, v = (lin(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for lin in (self.q, self.k, self.v))
+        q, k, v = (
+            lin(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for lin in (self.q, self.k, self.v)
+        )
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
         y = att.softmax(dim=-1) @ v
         x = self.ln1(x + self.proj(y.transpose(1, 2).reshape(b, t, c)))
@@ -120,31 +123,49 @@ def main() -> None:
         for name in args.dtype:
             for infer in (False, True):
                 loss, grads, report, ms = graphamp_step(model, x, y, dtypes[name], infer, device)
-                err = math.sqrt(sum(float((grads[n] - ref_grads[n]).pow(2).sum())
-                                    for n in ref_grads)) / norm
-                rows.append({"model": kind, "dtype": name,
-                             "choice": "infer (OneFlow)" if infer else "deny (autocast)",
-                             "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
-                             "grad_rel_err": err, "casts": report.casts,
-                             "ops_low": report.ops_low, "ops": report.ops_total, "ms": ms})
+                err = (
+                    math.sqrt(sum(float((grads[n] - ref_grads[n]).pow(2).sum()) for n in ref_grads))
+                    / norm
+                )
+                rows.append(
+                    {
+                        "model": kind,
+                        "dtype": name,
+                        "choice": "infer (OneFlow)" if infer else "deny (autocast)",
+                        "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
+                        "grad_rel_err": err,
+                        "casts": report.casts,
+                        "ops_low": report.ops_low,
+                        "ops": report.ops_total,
+                        "ms": ms,
+                    }
+                )
                 print(rows[-1])
-    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name()
-            if device.type == "cuda" else "cpu",
-            "command": f"python benchmarks/list_choice.py --device {args.device} --dtype "
-                       + " ".join(args.dtype)}
+    meta = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "command": f"python benchmarks/list_choice.py --device {args.device} --dtype "
+        + " ".join(args.dtype),
+    }
     os.makedirs(args.out, exist_ok=True)
     suffix = "" if device.type == "cpu" else "_cuda"
     with open(os.path.join(args.out, f"list_choice{suffix}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    lines = ["# softmax / log_softmax / layer_norm: deny (autocast) or infer (OneFlow)", "",
-             f"{meta['device']}, torch {meta['torch']}. Command: `{meta['command']}`. One step "
-             "of a 4-layer, 256-wide LM (batch 8, sequence 128) against a float64 reference.", "",
-             "| model | dtype | choice | loss rel. error | grad rel. error | casts | ops low/total | ms/step |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# softmax / log_softmax / layer_norm: deny (autocast) or infer (OneFlow)",
+        "",
+        f"{meta['device']}, torch {meta['torch']}. Command: `{meta['command']}`. One step "
+        "of a 4-layer, 256-wide LM (batch 8, sequence 128) against a float64 reference.",
+        "",
+        "| model | dtype | choice | loss rel. error | grad rel. error | casts | ops low/total | ms/step |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         ms = f"{r['ms']:.2f}" if r["ms"] is not None else "-"
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['choice']} | {r['loss_rel_err']:.2e} | "
-                     f"{r['grad_rel_err']:.2e} | {r['casts']} | {r['ops_low']}/{r['ops']} | {ms} |")
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['choice']} | {r['loss_rel_err']:.2e} | "
+            f"{r['grad_rel_err']:.2e} | {r['casts']} | {r['ops_low']}/{r['ops']} | {ms} |"
+        )
     with open(os.path.join(args.out, f"list_choice{suffix}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

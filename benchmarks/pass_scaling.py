@@ -81,10 +81,16 @@ def measure(n_nodes: int, repeat: int) -> dict:
         start = time.perf_counter()
         gm.recompile()
         code_s = time.perf_counter() - start
-    return {"nodes": nodes, "passes_s": best, "us_per_node": best / nodes * 1e6,
-            "lint_s": lint_s, "recompile_s": code_s, "casts": casts,
-            "hoisted": ctx.stats.get("parameter_casts_hoisted"),
-            "per_pass_s": ctx.stats.get("pass_seconds", {})}
+    return {
+        "nodes": nodes,
+        "passes_s": best,
+        "us_per_node": best / nodes * 1e6,
+        "lint_s": lint_s,
+        "recompile_s": code_s,
+        "casts": casts,
+        "hoisted": ctx.stats.get("parameter_casts_hoisted"),
+        "per_pass_s": ctx.stats.get("pass_seconds", {}),
+    }
 
 
 def main() -> None:
@@ -95,21 +101,31 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = [measure(n, args.repeat) for n in args.nodes]
-    meta = {"torch": torch.__version__, "python": platform.python_version(),
-            "cpu": platform.processor() or platform.machine(), "threads": 1,
-            "command": "python benchmarks/pass_scaling.py " + " ".join(
-                f"--nodes {' '.join(map(str, args.nodes))} --repeat {args.repeat}".split())}
+    meta = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": 1,
+        "command": "python benchmarks/pass_scaling.py "
+        + " ".join(f"--nodes {' '.join(map(str, args.nodes))} --repeat {args.repeat}".split()),
+    }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "pass_scaling.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    lines = ["# AMP pass time against graph size", "",
-             f"torch {meta['torch']}, Python {meta['python']}, one thread; best of "
-             f"{args.repeat}. Command: `{meta['command']}`", "",
-             "| nodes | colour + cast (s) | µs/node | casts | param casts hoisted | invariant check (s) | recompile (s) |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "# AMP pass time against graph size",
+        "",
+        f"torch {meta['torch']}, Python {meta['python']}, one thread; best of "
+        f"{args.repeat}. Command: `{meta['command']}`",
+        "",
+        "| nodes | colour + cast (s) | µs/node | casts | param casts hoisted | invariant check (s) | recompile (s) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['nodes']} | {r['passes_s']:.3f} | {r['us_per_node']:.2f} | "
-                     f"{r['casts']} | {r['hoisted']} | {r['lint_s']:.3f} | {r['recompile_s']:.3f} |")
+        lines.append(
+            f"| {r['nodes']} | {r['passes_s']:.3f} | {r['us_per_node']:.2f} | "
+            f"{r['casts']} | {r['hoisted']} | {r['lint_s']:.3f} | {r['recompile_s']:.3f} |"
+        )
     with open(os.path.join(args.out, "pass_scaling.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -31,7 +31,6 @@ import torch.nn.functional as F
 
 import graphamp
 
-
 GROWTH_INTERVAL = 10
 
 
@@ -48,9 +47,14 @@ class SoakGraph(graphamp.Graph):
         self.config.set_backend(backend)
         # growth every 10 clean steps, a poisoned batch every 20: the scale moves up and down
         # around 2**12 for ever (with growth every 20 it would halve for ever and reach 0)
-        self.set_grad_scaler(graphamp.GradScaler(init_scale=2.0 ** 12,
-                                                 growth_interval=GROWTH_INTERVAL,
-                                                 min_scale=0.0, max_scale=math.inf))
+        self.set_grad_scaler(
+            graphamp.GradScaler(
+                init_scale=2.0**12,
+                growth_interval=GROWTH_INTERVAL,
+                min_scale=0.0,
+                max_scale=math.inf,
+            )
+        )
 
     def build(self, x, y):
         loss = F.cross_entropy(self.model(x), y)
@@ -84,7 +88,7 @@ def run(steps: int, poison_every: int = 20, backend: str = "aot_eager", seed: in
         warnings.simplefilter("ignore")
         g = SoakGraph(model, opt, sch, backend)
     gen = torch.Generator().manual_seed(seed)
-    scale, tracker, skipped, problems, memory = 2.0 ** 12, 0, 0, [], []
+    scale, tracker, skipped, problems, memory = 2.0**12, 0, 0, [], []
     start = time.perf_counter()
     for step in range(steps):
         x = torch.randn(32, 32, generator=gen)
@@ -103,17 +107,29 @@ def run(steps: int, poison_every: int = 20, backend: str = "aot_eager", seed: in
         if g.grad_scaler.get_scale() != scale:
             problems.append(f"step {step}: scale {g.grad_scaler.get_scale()} != torch's {scale}")
         adam_steps = {float(s["step"]) for s in opt.state.values()}
-        if g.step_count != step + 1 or sch.last_epoch != step + 1 or \
-                adam_steps != {float(step + 1 - skipped)}:
-            problems.append(f"step {step}: counters graph {g.step_count}, scheduler "
-                            f"{sch.last_epoch}, adam {sorted(adam_steps)}")
+        if (
+            g.step_count != step + 1
+            or sch.last_epoch != step + 1
+            or adam_steps != {float(step + 1 - skipped)}
+        ):
+            problems.append(
+                f"step {step}: counters graph {g.step_count}, scheduler "
+                f"{sch.last_epoch}, adam {sorted(adam_steps)}"
+            )
         if step % 500 == 0:
             memory.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
         if len(problems) > 20:
             break
-    return {"steps": steps, "skipped": skipped, "poison_every": poison_every,
-            "problems": problems, "max_rss_mib_every_500": memory, "backend": backend,
-            "seconds": round(time.perf_counter() - start, 1), "torch": torch.__version__}
+    return {
+        "steps": steps,
+        "skipped": skipped,
+        "poison_every": poison_every,
+        "problems": problems,
+        "max_rss_mib_every_500": memory,
+        "backend": backend,
+        "seconds": round(time.perf_counter() - start, 1),
+        "torch": torch.__version__,
+    }
 
 
 def main() -> None:

@@ -25,9 +25,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def measure(steps: int, backend: str) -> dict:
     import torch
     import torch.nn.functional as F
+    from workloads import GPT, lm_loss, seed_mlp
 
     import graphamp
-    from workloads import GPT, lm_loss, seed_mlp
 
     torch.manual_seed(0)
     mlp = seed_mlp("cpu")
@@ -35,13 +35,20 @@ def measure(steps: int, backend: str) -> dict:
     idx = torch.randint(0, 512, (8, 65), generator=gen)
     cases = {
         "seed_mlp": (mlp.make_model(), F.cross_entropy, mlp.batches[0], "sgd"),
-        "gpt_6l": (GPT(vocab=512, seq=64, layers=6, heads=4, dim=128), lm_loss,
-                   (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()), "adamw"),
+        "gpt_6l": (
+            GPT(vocab=512, seq=64, layers=6, heads=4, dim=128),
+            lm_loss,
+            (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()),
+            "adamw",
+        ),
     }
     out = {}
     for name, (model, loss_fn, (x, y), kind) in cases.items():
-        opt = (torch.optim.SGD(model.parameters(), lr=1e-3) if kind == "sgd"
-               else torch.optim.AdamW(model.parameters(), lr=1e-4))
+        opt = (
+            torch.optim.SGD(model.parameters(), lr=1e-3)
+            if kind == "sgd"
+            else torch.optim.AdamW(model.parameters(), lr=1e-4)
+        )
         sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
         class Step(graphamp.Graph):
@@ -51,7 +58,7 @@ def measure(steps: int, backend: str) -> dict:
                 self.add_optimizer(opt, lr_sch=sch)
                 self.config.enable_amp(True)
                 self.config.set_backend(backend)
-                self.set_grad_scaler(graphamp.GradScaler(init_scale=2.0 ** 10))
+                self.set_grad_scaler(graphamp.GradScaler(init_scale=2.0**10))
 
             def build(self, x, y):
                 loss = loss_fn(self.model(x), y)
@@ -73,11 +80,15 @@ def measure(steps: int, backend: str) -> dict:
 def compare(trees: list[str], rounds: int, steps: int, backend: str) -> dict:
     runs: dict[str, list[dict]] = {t: [] for t in trees}
     for r in range(rounds):
-        for tree in (trees if r % 2 == 0 else trees[::-1]):
+        for tree in trees if r % 2 == 0 else trees[::-1]:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, HERE])}
-            done = subprocess.run([sys.executable, __file__, "--steps", str(steps),
-                                   "--backend", backend], env=env, check=True,
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, __file__, "--steps", str(steps), "--backend", backend],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             runs[tree].append(json.loads(done.stdout.strip().splitlines()[-1]))
     old, new = trees
     report = {"rounds": rounds, "steps": steps, "backend": backend}

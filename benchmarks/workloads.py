@@ -30,6 +30,7 @@ class Workload:
 
 # -- GPT-2 (nanoGPT's layout: fused qkv projection, tanh GELU, tied embedding) ------------------
 
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
@@ -111,11 +112,22 @@ def gpt2(device, smoke=False, n_batches=4) -> Workload:
     return Workload(
         "gpt2-124m" if not smoke else "gpt-tiny",
         lambda: GPT(**cfg),
-        lambda m, fused: torch.optim.AdamW(m.parameters(), lr=6e-4, weight_decay=0.1,
-                                           betas=(0.9, 0.95), **({"fused": True} if fused else {})),
-        lm_loss, batches, flops,
+        lambda m, fused: torch.optim.AdamW(
+            m.parameters(),
+            lr=6e-4,
+            weight_decay=0.1,
+            betas=(0.9, 0.95),
+            **({"fused": True} if fused else {}),
+        ),
+        lm_loss,
+        batches,
+        flops,
         f"GPT-2 {'tiny' if smoke else '124M'} (12 layers, 768 wide) batch {batch}, sequence {seq}, "
-        "AdamW, SDPA attention" if not smoke else "tiny GPT smoke workload", batch * seq)
+        "AdamW, SDPA attention"
+        if not smoke
+        else "tiny GPT smoke workload",
+        batch * seq,
+    )
 
 
 def gpt2_6l(device, smoke=False, n_batches=4) -> Workload:
@@ -133,11 +145,21 @@ def gpt2_6l(device, smoke=False, n_batches=4) -> Workload:
     n_params = sum(p.numel() for n, p in GPT(**cfg).named_parameters() if n != "wpe.weight")
     flops = (6 * n_params + 12 * cfg["layers"] * cfg["dim"] * seq) * batch * seq
     return Workload(
-        "gpt2-6l", lambda: GPT(**cfg),
-        lambda m, fused: torch.optim.AdamW(m.parameters(), lr=6e-4, weight_decay=0.1,
-                                           betas=(0.9, 0.95), **({"fused": True} if fused else {})),
-        lm_loss, batches, flops, "GPT-2 layout, 6 layers, n_embd 128, 4 heads, vocab 50304, "
-        "B8 T64, AdamW", batch * seq)
+        "gpt2-6l",
+        lambda: GPT(**cfg),
+        lambda m, fused: torch.optim.AdamW(
+            m.parameters(),
+            lr=6e-4,
+            weight_decay=0.1,
+            betas=(0.9, 0.95),
+            **({"fused": True} if fused else {}),
+        ),
+        lm_loss,
+        batches,
+        flops,
+        "GPT-2 layout, 6 layers, n_embd 128, 4 heads, vocab 50304, B8 T64, AdamW",
+        batch * seq,
+    )
 
 
 def seed_mlp(device, smoke=False, n_batches=16) -> Workload:
@@ -151,10 +173,14 @@ def seed_mlp(device, smoke=False, n_batches=16) -> Workload:
     return Workload(
         "seed-mlp",
         lambda: nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10)),
-        lambda m, fused: torch.optim.SGD(m.parameters(), lr=1e-3,
-                                         **({"fused": True} if fused else {})),
-        F.cross_entropy, batches, flops,
-        "OneFlow's AMP example: Linear 256-128-10, batch 128, SGD lr 1e-3")
+        lambda m, fused: torch.optim.SGD(
+            m.parameters(), lr=1e-3, **({"fused": True} if fused else {})
+        ),
+        F.cross_entropy,
+        batches,
+        flops,
+        "OneFlow's AMP example: Linear 256-128-10, batch 128, SGD lr 1e-3",
+    )
 
 
 def resnet50(device, smoke=False, n_batches=4) -> Workload:
@@ -162,20 +188,33 @@ def resnet50(device, smoke=False, n_batches=4) -> Workload:
 
     batch, size = (2, 32) if smoke else (128, 224)
     gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(batch, 3, size, size, generator=gen).to(device),
-                torch.randint(0, 1000, (batch,), generator=gen).to(device))
-               for _ in range(n_batches)]
+    batches = [
+        (
+            torch.randn(batch, 3, size, size, generator=gen).to(device),
+            torch.randint(0, 1000, (batch,), generator=gen).to(device),
+        )
+        for _ in range(n_batches)
+    ]
     make = torchvision.models.resnet18 if smoke else torchvision.models.resnet50
     # 4.1 GMACs per 224x224 image forward; training is about three forwards
     flops = None if smoke else 3 * 2 * 4.11e9 * batch
     return Workload(
         "resnet50" if not smoke else "resnet18-tiny",
         lambda: make(num_classes=1000),
-        lambda m, fused: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4,
-                                         **({"fused": True} if fused else {})),
-        F.cross_entropy, batches, flops,
+        lambda m, fused: torch.optim.SGD(
+            m.parameters(),
+            lr=0.1,
+            momentum=0.9,
+            weight_decay=1e-4,
+            **({"fused": True} if fused else {}),
+        ),
+        F.cross_entropy,
+        batches,
+        flops,
         f"torchvision ResNet-50, batch {batch}, {size}x{size}, SGD momentum 0.9, BatchNorm"
-        if not smoke else "torchvision ResNet-18 at 32x32 smoke workload")
+        if not smoke
+        else "torchvision ResNet-18 at 32x32 smoke workload",
+    )
 
 
 class LlamaLM(nn.Module):
@@ -197,14 +236,35 @@ def llama_1b(device, smoke=False, n_batches=4) -> Workload:
     GPT-2 (6N per token plus 12 * layers * width * sequence)."""
     import transformers
 
-    dims = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512) if smoke else
-            dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                 num_attention_heads=32, num_key_value_heads=4, vocab_size=32000))
+    dims = (
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        )
+        if smoke
+        else dict(
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            vocab_size=32000,
+        )
+    )
     batch, seq = (2, 64) if smoke else (4, 2048)
-    config = transformers.LlamaConfig(**dims, max_position_embeddings=seq,
-                                      tie_word_embeddings=False, attn_implementation="sdpa",
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config = transformers.LlamaConfig(
+        **dims,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     gen = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(n_batches):
@@ -217,12 +277,27 @@ def llama_1b(device, smoke=False, n_batches=4) -> Workload:
     return Workload(
         "llama-1b" if not smoke else "llama-tiny",
         lambda: LlamaLM(config),
-        lambda m, fused: torch.optim.AdamW(m.parameters(), lr=3e-4, weight_decay=0.1,
-                                           betas=(0.9, 0.95), **({"fused": True} if fused else {})),
-        lm_loss, batches, flops,
+        lambda m, fused: torch.optim.AdamW(
+            m.parameters(),
+            lr=3e-4,
+            weight_decay=0.1,
+            betas=(0.9, 0.95),
+            **({"fused": True} if fused else {}),
+        ),
+        lm_loss,
+        batches,
+        flops,
         f"Llama-style decoder {n_params / 1e9:.2f}B (TinyLlama-1.1B shape), B{batch} T{seq}, AdamW"
-        if not smoke else "tiny Llama smoke workload", batch * seq)
+        if not smoke
+        else "tiny Llama smoke workload",
+        batch * seq,
+    )
 
 
-WORKLOADS = {"mlp": seed_mlp, "gpt2": gpt2, "gpt2-6l": gpt2_6l, "resnet50": resnet50,
-             "llama1b": llama_1b}
+WORKLOADS = {
+    "mlp": seed_mlp,
+    "gpt2": gpt2,
+    "gpt2-6l": gpt2_6l,
+    "resnet50": resnet50,
+    "llama1b": llama_1b,
+}

@@ -26,8 +26,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def make_report(path: str) -> str:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     class SmallCNN(graphamp.Graph):
@@ -53,11 +59,22 @@ def make_report(path: str) -> str:
 
 def screenshot(html: str, out: str, chromium: str, size: str = "1400,1900") -> None:
     with tempfile.TemporaryDirectory() as profile:
-        cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-               "--no-first-run", "--disable-background-networking", "--disable-component-update",
-               "--disable-sync", f"--user-data-dir={profile}", "--hide-scrollbars",
-               f"--window-size={size}", f"--screenshot={os.path.abspath(out)}",
-               "file://" + os.path.abspath(html)]
+        cmd = [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--hide-scrollbars",
+            f"--window-size={size}",
+            f"--screenshot={os.path.abspath(out)}",
+            "file://" + os.path.abspath(html),
+        ]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     if not os.path.exists(out) or os.path.getsize(out) < 10_000:
         raise RuntimeError(f"Chromium wrote no usable screenshot at {out}")
@@ -66,8 +83,9 @@ def screenshot(html: str, out: str, chromium: str, size: str = "1400,1900") -> N
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(HERE, "report.png"))
-    parser.add_argument("--chromium", default=shutil.which("chromium") or
-                        shutil.which("chromium-browser") or "")
+    parser.add_argument(
+        "--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser") or ""
+    )
     args = parser.parse_args()
     if not args.chromium:
         print("Chromium not found: install Debian's chromium package", file=sys.stderr)

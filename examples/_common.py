@@ -9,8 +9,9 @@ import torch
 
 def parse(description: str, steps: int) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--tiny", action="store_true",
-                        help="a few small steps on the CPU (what the tests run)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a few small steps on the CPU (what the tests run)"
+    )
     parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args()
     args.device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")

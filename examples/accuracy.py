@@ -31,6 +31,7 @@ DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # -- character-level language model ---------------------------------------------------------------
 
+
 def load_text():
     import pydoc_data.topics as topics
 
@@ -51,8 +52,10 @@ class CharBlock(nn.Module):
 
     def forward(self, x):
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for z in self.qkv(self.ln1(x)).split(c, 2))
+        q, k, v = (
+            z.view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for z in self.qkv(self.ln1(x)).split(c, 2)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -72,8 +75,8 @@ class CharLM(nn.Module):
 
 def lm_batch(data, gen, batch, seq):
     starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
-    x = torch.stack([data[s:s + seq] for s in starts])
-    y = torch.stack([data[s + 1:s + seq + 1] for s in starts])
+    x = torch.stack([data[s : s + seq] for s in starts])
+    y = torch.stack([data[s + 1 : s + seq + 1] for s in starts])
     return x, y
 
 
@@ -83,20 +86,30 @@ def train_char_lm(dtype, steps, seed=0, batch=32, seq=64, dim=128):
     model = CharLM(vocab, dim=dim, seq=seq)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sch = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    g = _graph(model, opt, sch, dtype,
-               lambda m, x, y: F.cross_entropy(m(x).reshape(-1, vocab), y.reshape(-1)))
+    g = _graph(
+        model,
+        opt,
+        sch,
+        dtype,
+        lambda m, x, y: F.cross_entropy(m(x).reshape(-1, vocab), y.reshape(-1)),
+    )
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         g(*lm_batch(train, gen, batch, seq))
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
-        losses = [F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
-                  for x, y in (lm_batch(val, gen, 64, seq) for _ in range(20))]
-    return {"val_loss": float(torch.stack(losses).mean()),
-            "skipped": int(sum(g.history.fetch()["skipped"]))}
+        losses = [
+            F.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+            for x, y in (lm_batch(val, gen, 64, seq) for _ in range(20))
+        ]
+    return {
+        "val_loss": float(torch.stack(losses).mean()),
+        "skipped": int(sum(g.history.fetch()["skipped"])),
+    }
 
 
 # -- digits ---------------------------------------------------------------------------------------
+
 
 def load_digits():
     from sklearn.datasets import load_digits as sk_digits
@@ -112,9 +125,18 @@ def load_digits():
 
 def digits_cnn():
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 16, 64), nn.ReLU(), nn.Linear(64, 10))
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 16, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 def train_digits(dtype, epochs, seed=0, batch=64):
@@ -129,14 +151,16 @@ def train_digits(dtype, epochs, seed=0, batch=64):
     for _ in range(epochs):
         perm = torch.randperm(len(ytr), generator=gen)
         for i in range(len(ytr) // batch):
-            idx = perm[i * batch:(i + 1) * batch]
+            idx = perm[i * batch : (i + 1) * batch]
             g(xtr[idx], ytr[idx])
     model.eval()
     with torch.no_grad():
         logits = model(xte)
-    return {"test_accuracy": float((logits.argmax(1) == yte).float().mean()),
-            "test_loss": float(F.cross_entropy(logits, yte)),
-            "skipped": int(sum(g.history.fetch()["skipped"]))}
+    return {
+        "test_accuracy": float((logits.argmax(1) == yte).float().mean()),
+        "test_loss": float(F.cross_entropy(logits, yte)),
+        "skipped": int(sum(g.history.fetch()["skipped"])),
+    }
 
 
 def _graph(model, opt, sch, dtype, loss_of):
@@ -167,10 +191,16 @@ def run(tiny: bool) -> dict:
         start = time.perf_counter()
         results["char_lm"][name] = train_char_lm(dtype, lm_steps, **lm_kwargs)
         results["digits"][name] = train_digits(dtype, epochs)
-        print(f"{name}: char LM {results['char_lm'][name]}, digits {results['digits'][name]} "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
-    for task, metric in (("char_lm", "val_loss"), ("digits", "test_accuracy"),
-                         ("digits", "test_loss")):
+        print(
+            f"{name}: char LM {results['char_lm'][name]}, digits {results['digits'][name]} "
+            f"({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
+    for task, metric in (
+        ("char_lm", "val_loss"),
+        ("digits", "test_accuracy"),
+        ("digits", "test_loss"),
+    ):
         base = results[task]["fp32"][metric]
         for name in ("fp16", "bf16"):
             results[task][name][f"{metric}_rel_diff"] = (results[task][name][metric] - base) / base
@@ -179,14 +209,21 @@ def run(tiny: bool) -> dict:
 
 def table(results: dict) -> str:
     lm, dg = results["char_lm"], results["digits"]
-    lines = ["| run | char LM val loss (nats/char) | vs fp32 | digits test accuracy | vs fp32 | "
-             "digits test loss | skipped steps (LM, digits) |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| run | char LM val loss (nats/char) | vs fp32 | digits test accuracy | vs fp32 | "
+        "digits test loss | skipped steps (LM, digits) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for name in DTYPES:
-        rel = lambda task, m: "" if name == "fp32" else f"{results[task][name][m + '_rel_diff']:+.2%}"  # noqa: E731
-        lines.append(f"| {name} | {lm[name]['val_loss']:.4f} | {rel('char_lm', 'val_loss')} | "
-                     f"{dg[name]['test_accuracy']:.4f} | {rel('digits', 'test_accuracy')} | "
-                     f"{dg[name]['test_loss']:.4f} | {lm[name]['skipped']}, {dg[name]['skipped']} |")
+
+        def rel(task, m):
+            return "" if name == "fp32" else f"{results[task][name][m + '_rel_diff']:+.2%}"  # noqa: E731
+
+        lines.append(
+            f"| {name} | {lm[name]['val_loss']:.4f} | {rel('char_lm', 'val_loss')} | "
+            f"{dg[name]['test_accuracy']:.4f} | {rel('digits', 'test_accuracy')} | "
+            f"{dg[name]['test_loss']:.4f} | {lm[name]['skipped']}, {dg[name]['skipped']} |"
+        )
     return "\n".join(lines)
 
 
@@ -204,10 +241,12 @@ def main() -> None:
         with open(args.out + ".json", "w") as f:
             json.dump(results, f, indent=2)
         with open(args.out + ".md", "w") as f:
-            f.write(f"# Accuracy: fp16 and bf16 against fp32\n\nCPU, torch {torch.__version__}, "
-                    f"`python examples/accuracy.py --out {args.out}`; char LM "
-                    f"{results['steps']['char_lm']} steps, digits "
-                    f"{results['steps']['digits_epochs']} epochs.\n\n{text}\n")
+            f.write(
+                f"# Accuracy: fp16 and bf16 against fp32\n\nCPU, torch {torch.__version__}, "
+                f"`python examples/accuracy.py --out {args.out}`; char LM "
+                f"{results['steps']['char_lm']} steps, digits "
+                f"{results['steps']['digits_epochs']} epochs.\n\n{text}\n"
+            )
 
 
 if __name__ == "__main__":

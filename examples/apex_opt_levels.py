@@ -15,9 +15,9 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import parse
 
 import graphamp
-from _common import parse
 
 args = parse(__doc__.splitlines()[0], steps=200)
 vocab, dim, seq, batch = (64, 32, 16, 4) if args.tiny else (8192, 512, 256, 16)
@@ -32,15 +32,21 @@ class Block(nn.Module):
 
     def forward(self, x):
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, 4, c // 4).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, 2))
-        att = (q @ k.transpose(-2, -1) / math.sqrt(c // 4)).masked_fill(
-            torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf")).softmax(-1)
+        q, k, v = (
+            z.view(b, t, 4, c // 4).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(c, 2)
+        )
+        att = (
+            (q @ k.transpose(-2, -1) / math.sqrt(c // 4))
+            .masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+            .softmax(-1)
+        )
         x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
-base = nn.Sequential(nn.Embedding(vocab, dim), Block(), Block(), nn.LayerNorm(dim),
-                     nn.Linear(dim, vocab)).to(args.device)
+base = nn.Sequential(
+    nn.Embedding(vocab, dim), Block(), Block(), nn.LayerNorm(dim), nn.Linear(dim, vocab)
+).to(args.device)
 tokens = torch.randint(0, vocab, (batch, seq + 1), device=args.device)
 
 print(f"{'level':6s} {'low-precision ops':>18s} {'casts':>6s} {'loss first -> last':>20s}")
@@ -68,5 +74,7 @@ for level in ("O0", "O1", "O2", "O3"):
     lm = LM()
     losses = [lm(tokens[:, :-1], tokens[:, 1:]) for _ in range(args.steps)]
     report = lm.precision_report(with_autocast=False)
-    print(f"{level:6s} {report.ops_low:>8d} / {report.ops_total:<8d} {report.casts:>6d} "
-          f"{losses[0].item():>9.3f} -> {losses[-1].item():.3f}")
+    print(
+        f"{level:6s} {report.ops_low:>8d} / {report.ops_total:<8d} {report.casts:>6d} "
+        f"{losses[0].item():>9.3f} -> {losses[-1].item():.3f}"
+    )

@@ -6,14 +6,19 @@ gradients do not underflow and no scaling is needed.
 
 import torch
 import torch.nn as nn
+from _common import parse
 
 import graphamp
-from _common import parse
 
 args = parse(__doc__.splitlines()[0], steps=500)
 width = 64 if args.tiny else 1024
-model = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width),
-                      nn.LayerNorm(width), nn.Linear(width, 10)).to(args.device)
+model = nn.Sequential(
+    nn.Linear(width, 4 * width),
+    nn.GELU(),
+    nn.Linear(4 * width, width),
+    nn.LayerNorm(width),
+    nn.Linear(width, 10),
+).to(args.device)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 sch = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
 
@@ -24,7 +29,7 @@ class BF16Graph(graphamp.Graph):
         self.model = model
         self.loss_fn = nn.CrossEntropyLoss()
         self.add_optimizer(opt, lr_sch=sch)
-        self.config.enable_amp(True, dtype=torch.bfloat16)   # no set_grad_scaler: not needed
+        self.config.enable_amp(True, dtype=torch.bfloat16)  # no set_grad_scaler: not needed
         self.config.set_backend(args.backend)
 
     def build(self, x, y):
@@ -35,7 +40,7 @@ class BF16Graph(graphamp.Graph):
 
 g = BF16Graph()
 teacher = torch.randn(width, 10, device=args.device)
-for step in range(args.steps):
+for _step in range(args.steps):
     x = torch.randn(256, width, device=args.device)
     loss = g(x, (x @ teacher).argmax(1))
 print(g.precision_report(with_autocast=False).summary())

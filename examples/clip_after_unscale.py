@@ -12,16 +12,23 @@ graphamp always clips after unscaling, inside the step, and a non-finite norm sk
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _common import parse
 
 import graphamp
-from _common import parse
 
 args = parse(__doc__.splitlines()[0], steps=300)
 batch, classes, embedding = (8, 50, 32) if args.tiny else (128, 10_000, 512)
 backbone = nn.Sequential(
-    nn.Conv2d(3, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.PReLU(32),
-    nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.BatchNorm2d(64), nn.PReLU(64),
-    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, embedding), nn.BatchNorm1d(embedding),
+    nn.Conv2d(3, 32, 3, stride=2, padding=1),
+    nn.BatchNorm2d(32),
+    nn.PReLU(32),
+    nn.Conv2d(32, 64, 3, stride=2, padding=1),
+    nn.BatchNorm2d(64),
+    nn.PReLU(64),
+    nn.AdaptiveAvgPool2d(1),
+    nn.Flatten(),
+    nn.Linear(64, embedding),
+    nn.BatchNorm1d(embedding),
 ).to(args.device)
 
 
@@ -55,8 +62,11 @@ class FaceTrain(graphamp.Graph):
         self.config.enable_amp(True)
         self.config.set_backend(args.backend)
         # MaxClipGradScaler(batch_size, 128 * batch_size, growth_interval=100)
-        self.set_grad_scaler(graphamp.GradScaler(init_scale=batch, max_scale=128 * batch,
-                                                 growth_interval=100, min_scale=1.0))
+        self.set_grad_scaler(
+            graphamp.GradScaler(
+                init_scale=batch, max_scale=128 * batch, growth_interval=100, min_scale=1.0
+            )
+        )
 
     def build(self, images, labels):
         loss = self.head(self.backbone(images), labels)
@@ -70,6 +80,8 @@ labels = torch.randint(0, classes, (batch,), device=args.device)
 for _ in range(args.steps):
     train(images, labels)
 history = train.history.fetch()
-print(f"scale {history['scale'][0]} -> {history['scale'][-1]} (cap {128 * batch}); "
-      f"skipped {int(sum(history['skipped']))}; backbone grad norm (before clipping) "
-      f"{history['grad_norm'][-1]:.3f}; loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f}")
+print(
+    f"scale {history['scale'][0]} -> {history['scale'][-1]} (cap {128 * batch}); "
+    f"skipped {int(sum(history['skipped']))}; backbone grad norm (before clipping) "
+    f"{history['grad_norm'][-1]:.3f}; loss {history['loss'][0]:.3f} -> {history['loss'][-1]:.3f}"
+)

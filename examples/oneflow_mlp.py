@@ -1,14 +1,14 @@
 """OneFlow's AMP tutorial, in PyTorch with graphamp: enable_amp + GradScaler(3000, 2.0, 0.5, 1000).
 
-    python examples/oneflow_mlp.py            # GPU, 1000 steps
-    python examples/oneflow_mlp.py --tiny     # CPU, a few steps
+python examples/oneflow_mlp.py            # GPU, 1000 steps
+python examples/oneflow_mlp.py --tiny     # CPU, a few steps
 """
 
 import torch
 import torch.nn as nn
+from _common import parse
 
 import graphamp
-from _common import parse
 
 args = parse(__doc__.splitlines()[0], steps=1000)
 model = nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10)).to(args.device)
@@ -26,7 +26,8 @@ class CustomGraph(graphamp.Graph):
         self.config.enable_amp(True)
         self.config.set_backend(args.backend)
         grad_scaler = graphamp.GradScaler(
-            init_scale=3000, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000)
+            init_scale=3000, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000
+        )
         self.set_grad_scaler(grad_scaler)
 
     def build(self, x, y):

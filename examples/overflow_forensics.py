@@ -15,22 +15,40 @@ import os
 import tempfile
 
 import torch
+from _common import parse
 from transformers import T5Config, T5ForConditionalGeneration
 
 import graphamp
-from _common import parse
 
 args = parse(__doc__.splitlines()[0], steps=40)
 if args.tiny:  # two pins at after=2 need four skipped steps; a few more show training go on
     args.steps = max(args.steps, 10)
 if args.tiny:
-    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1,
-                      num_decoder_layers=1, num_heads=2, dropout_rate=0.0,
-                      decoder_start_token_id=0, pad_token_id=0)
+    config = T5Config(
+        vocab_size=64,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     batch, length = 2, 8
 else:  # t5-small's shape, random weights (no download)
-    config = T5Config(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6,
-                      num_heads=8, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    config = T5Config(
+        vocab_size=32128,
+        d_model=512,
+        d_kv=64,
+        d_ff=2048,
+        num_layers=6,
+        num_heads=8,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     batch, length = 16, 128
 torch.manual_seed(0)
 model = T5ForConditionalGeneration(config).to(args.device)
@@ -67,8 +85,10 @@ history = train.history.fetch()
 print(train.overflow_report())
 print("\npins:", *(f"{p.describe()}  [{p.reason}]" for p in train.config.amp_pins), sep="\n  ")
 print("\n" + "\n".join(str(train.range_report()).splitlines()[:7]))
-print(f"\ngraphamp: skipped {int(sum(history['skipped']))}/{len(history['skipped'])} steps, "
-      f"loss {history['loss'][-1]:.3f} at the end")
+print(
+    f"\ngraphamp: skipped {int(sum(history['skipped']))}/{len(history['skipped'])} steps, "
+    f"loss {history['loss'][-1]:.3f} at the end"
+)
 
 # the same model, batch and optimizer in eager autocast + torch.amp.GradScaler
 optimizer = torch.optim.AdamW(eager_model.parameters(), lr=1e-4)
@@ -88,5 +108,7 @@ print(f"eager autocast + GradScaler: skipped {eager_skipped}/{args.steps} steps"
 # a resumed run keeps the pins: they are in the graph's state dict
 path = os.path.join(tempfile.mkdtemp(), "graph.pt")
 torch.save(train.state_dict(), path)
-print(f"saved {len(torch.load(path, weights_only=True)['amp_pins'])} pins with the graph state "
-      f"({path}); `python -m graphamp plot {path} --headroom` draws the headroom")
+print(
+    f"saved {len(torch.load(path, weights_only=True)['amp_pins'])} pins with the graph state "
+    f"({path}); `python -m graphamp plot {path} --headroom` draws the headroom"
+)

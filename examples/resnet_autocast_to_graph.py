@@ -27,9 +27,9 @@ import tempfile
 import torch
 import torch.nn as nn
 import torchvision
+from _common import parse
 
 import graphamp
-from _common import parse
 
 args = parse(__doc__.splitlines()[0], steps=100)
 args.steps = max(args.steps, 8)
@@ -46,10 +46,10 @@ class ResNetTrain(graphamp.Graph):
         super().__init__()
         self.model = model
         self.criterion = criterion
-        self.add_optimizer(optimizer, lr_sch=scheduler)   # scheduler.step() after each call
-        self.config.enable_amp(True)                      # was: with autocast()
+        self.add_optimizer(optimizer, lr_sch=scheduler)  # scheduler.step() after each call
+        self.config.enable_amp(True)  # was: with autocast()
         self.config.set_backend(args.backend)
-        self.set_grad_scaler(graphamp.GradScaler())       # was: scale/step/update
+        self.set_grad_scaler(graphamp.GradScaler())  # was: scale/step/update
 
     def build(self, images, target):
         output = self.model(images)
@@ -66,10 +66,14 @@ history = train.history.fetch()
 print(train.precision_report(with_autocast=False).summary())
 # The first steps overflow at the default initial scale 2**16 and are skipped (as with torch's
 # GradScaler) while the scale backs off; the history shows it without a single host sync.
-print(f"loss {losses[0].item():.3f} -> {losses[-1].item():.3f}; skipped "
-      f"{int(sum(history['skipped']))} of {len(history['step'])} steps; scale "
-      f"{history['scale'][0]:g} -> {train.grad_scaler.get_scale():g}; "
-      f"lr {optimizer.param_groups[0]['lr']}")
+print(
+    f"loss {losses[0].item():.3f} -> {losses[-1].item():.3f}; skipped "
+    f"{int(sum(history['skipped']))} of {len(history['step'])} steps; scale "
+    f"{history['scale'][0]:g} -> {train.grad_scaler.get_scale():g}; "
+    f"lr {optimizer.param_groups[0]['lr']}"
+)
 checkpoint = os.path.join(tempfile.gettempdir(), "graphamp_resnet_checkpoint.pt")
-torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "graph": train.state_dict()}, checkpoint)  # ordinary torch checkpoint, three parts
+torch.save(
+    {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "graph": train.state_dict()},
+    checkpoint,
+)  # ordinary torch checkpoint, three parts

@@ -27,8 +27,9 @@ class Block(nn.Module):
     def __init__(self, width: int):
         super().__init__()
         self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
-                                 nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
@@ -91,10 +92,12 @@ def main():
             times.append(time.perf_counter() - start)
     held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
     mem = step_memory(g.compiled_steps[-1].step_graph)
-    print(f"rank {rank}/{world} zero={args.zero if distributed else 0} "
-          f"checkpointing={args.checkpointing} accumulate={args.accumulate}: optimizer state held {held} bytes; step graph "
-          f"{mem}; {statistics.median(times) * 1e3:.1f} ms/step; loss {loss.item():.4f}",
-          flush=True)
+    print(
+        f"rank {rank}/{world} zero={args.zero if distributed else 0} "
+        f"checkpointing={args.checkpointing} accumulate={args.accumulate}: optimizer state held {held} bytes; step graph "
+        f"{mem}; {statistics.median(times) * 1e3:.1f} ms/step; loss {loss.item():.4f}",
+        flush=True,
+    )
     full = opt.state_dict()  # torch's format on every rank (a collective under ZeRO)
     if rank == 0:
         shapes = {k: tuple(v.shape) for k, v in full["state"][0].items()}

@@ -17,7 +17,8 @@ def _load_passes_from_source_tree() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     source = os.path.join(os.path.dirname(here), "passes")
     spec = importlib.util.spec_from_file_location(
-        "graphamp.passes", os.path.join(source, "__init__.py"),
+        "graphamp.passes",
+        os.path.join(source, "__init__.py"),
         submodule_search_locations=[source],
     )
     if spec is None or spec.loader is None:
@@ -29,9 +30,10 @@ def _load_passes_from_source_tree() -> None:
 
 if importlib.util.find_spec("graphamp.passes") is None:
     _load_passes_from_source_tree()
-from . import passes  # noqa: E402,F401
-
-from . import config  # noqa: E402
+from . import (
+    config,  # noqa: E402
+    passes,  # noqa: E402,F401
+)
 from .config import GraphConfig  # noqa: E402
 from .errors import (  # noqa: E402
     CaptureError,

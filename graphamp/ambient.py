@@ -28,8 +28,9 @@ import torch
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 _inference_mode_on = torch.is_inference_mode_enabled
 _default_dtype = torch.get_default_dtype
-_deterministic = getattr(torch._C, "_get_deterministic_algorithms",
-                         torch.are_deterministic_algorithms_enabled)
+_deterministic = getattr(
+    torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled
+)
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia")
 
 
@@ -82,5 +83,7 @@ def mode_key() -> tuple:
 
 def describe_mode_key(key: tuple) -> str:
     dtype, deterministic = key
-    return (f"default dtype {str(dtype).replace('torch.', '')}, deterministic algorithms "
-            f"{'on' if deterministic else 'off'}")
+    return (
+        f"default dtype {str(dtype).replace('torch.', '')}, deterministic algorithms "
+        f"{'on' if deterministic else 'off'}"
+    )

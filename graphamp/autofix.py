@@ -36,7 +36,9 @@ class Autofix:
         self.counts: Counter[tuple[AmpPin, ...]] = Counter()
         self._warned: set[tuple[AmpPin, ...]] = set()
 
-    def consider(self, graph: str, events: list[OverflowEvent], config: GraphConfig) -> list[AmpPin]:
+    def consider(
+        self, graph: str, events: list[OverflowEvent], config: GraphConfig
+    ) -> list[AmpPin]:
         """Count ``events`` (from a step built with the current pins); pin what reached the
         threshold. Returns the pins made: after a pin the rest of ``events`` came from a step
         built without it, so they are not counted."""
@@ -53,21 +55,35 @@ class Autofix:
                     return made
         return []
 
-    def _pin(self, graph: str, event: OverflowEvent, settings: AutofixSettings,
-             config: GraphConfig) -> list[AmpPin]:
+    def _pin(
+        self, graph: str, event: OverflowEvent, settings: AutofixSettings, config: GraphConfig
+    ) -> list[AmpPin]:
         if config.amp_opt_level == "O3":
-            self._warn_once(event.pins, "%s: autofix cannot pin %s: opt level O3 runs every op in "
-                            "low precision, pins included", graph, _names(event.pins))
+            self._warn_once(
+                event.pins,
+                "%s: autofix cannot pin %s: opt level O3 runs every op in "
+                "low precision, pins included",
+                graph,
+                _names(event.pins),
+            )
             return []
-        reason = (f"autofix: the first non-finite value on {self.counts[event.pins]} skipped "
-                  f"steps, the last at step {event.step}"
-                  + (f" ({event.location})" if event.location else ""))
+        reason = (
+            f"autofix: the first non-finite value on {self.counts[event.pins]} skipped "
+            f"steps, the last at step {event.step}"
+            + (f" ({event.location})" if event.location else "")
+        )
         new, replaced = _choose(event.pins, config.amp_pins, reason, event.step)
         ours = [p for p in config.amp_pins if p.step is not None and p not in replaced]
         if len(ours) + len(new) > settings.max_pins:
-            self._warn_once(event.pins, "%s: autofix would pin %s to fp32 but already made "
-                            "max_pins=%d pins; raise max_pins or pin it yourself "
-                            "(config.pin_fp32)", graph, _names(new), settings.max_pins)
+            self._warn_once(
+                event.pins,
+                "%s: autofix would pin %s to fp32 but already made "
+                "max_pins=%d pins; raise max_pins or pin it yourself "
+                "(config.pin_fp32)",
+                graph,
+                _names(new),
+                settings.max_pins,
+            )
             return []
         if replaced:
             config.clear_amp_pins(*replaced)
@@ -75,10 +91,16 @@ class Autofix:
         del self.counts[event.pins]
         level = logging.INFO if log.isEnabledFor(logging.INFO) else logging.WARNING
         for pin in new:
-            log.log(level, "%s: autofix pinned %s to fp32 (%s%s); the step is rebuilt at the "
-                    "next call. g.config.amp_pins lists pins, g.config.clear_amp_pins() removes "
-                    "them", graph, pin.describe(), reason,
-                    f"; replaces the op pins {_names(replaced)}" if replaced else "")
+            log.log(
+                level,
+                "%s: autofix pinned %s to fp32 (%s%s); the step is rebuilt at the "
+                "next call. g.config.amp_pins lists pins, g.config.clear_amp_pins() removes "
+                "them",
+                graph,
+                pin.describe(),
+                reason,
+                f"; replaces the op pins {_names(replaced)}" if replaced else "",
+            )
         return new
 
     def _warn_once(self, key: tuple[AmpPin, ...], msg: str, *args: object) -> None:
@@ -87,15 +109,19 @@ class Autofix:
             log.warning(msg, *args)
 
 
-def _choose(wanted: tuple[AmpPin, ...], existing: tuple[AmpPin, ...], reason: str,
-            step: int) -> tuple[list[AmpPin], list[AmpPin]]:
+def _choose(
+    wanted: tuple[AmpPin, ...], existing: tuple[AmpPin, ...], reason: str, step: int
+) -> tuple[list[AmpPin], list[AmpPin]]:
     """(pins to add, autofix op pins they replace): each wanted op, or its module when an op
     of that module was pinned before and it overflows again."""
     new: list[AmpPin] = []
     replaced: list[AmpPin] = []
     for pin in wanted:
-        earlier = [p for p in existing if p.step is not None and p.op is not None
-                   and p.module == pin.module]
+        earlier = [
+            p
+            for p in existing
+            if p.step is not None and p.op is not None and p.module == pin.module
+        ]
         if earlier and pin.module:
             chosen = AmpPin(pin.module, None, 0, reason, step)
             replaced += [p for p in earlier if p not in replaced]

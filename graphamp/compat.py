@@ -12,16 +12,17 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.functional_tensor import (FunctionalTensor, FunctionalTensorMode,
-                                                 dispatch_functionalize as _torch_functionalize)
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch._subclasses.functional_tensor import dispatch_functionalize as _torch_functionalize
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 _HAS_PROPAGATE = "propagate_input_mutations" in inspect.signature(_torch_functionalize).parameters
 
 
-def dispatch_functionalize(fn: Callable[..., Any], mode: FunctionalTensorMode, *,
-                           propagate_input_mutations: bool) -> Callable[..., Any]:
+def dispatch_functionalize(
+    fn: Callable[..., Any], mode: FunctionalTensorMode, *, propagate_input_mutations: bool
+) -> Callable[..., Any]:
     """torch's Python functionalization of ``fn``, writing in-place updates of its inputs back
     into them (as trailing ``copy_`` nodes in a trace) when ``propagate_input_mutations``."""
     if _HAS_PROPAGATE or not propagate_input_mutations:  # torch >= 2.14: built in
@@ -30,19 +31,23 @@ def dispatch_functionalize(fn: Callable[..., Any], mode: FunctionalTensorMode, *
     return _propagating_functionalize(fn, mode)
 
 
-def _propagating_functionalize(fn: Callable[..., Any],
-                               mode: FunctionalTensorMode) -> Callable[..., Any]:
+def _propagating_functionalize(
+    fn: Callable[..., Any], mode: FunctionalTensorMode
+) -> Callable[..., Any]:
     """torch 2.13: ``dispatch_functionalize`` drops mutations of the inputs. Same wrapping as
     torch's, then each input's final functional value is copied back with torch's own helper."""
     from torch._C._functorch import _propagate_functional_input_mutation
 
     def inner(*args: Any) -> Any:
         exclude = torch._C._ExcludeDispatchKeyGuard(  # noqa: SLF001 - as torch's own wrapper
-            torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize))
+            torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
+        )
         with exclude:
             with mode:
-                wrapped = [FunctionalTensor.to_functional(a) if isinstance(a, torch.Tensor)
-                           else a for a in args]
+                wrapped = [
+                    FunctionalTensor.to_functional(a) if isinstance(a, torch.Tensor) else a
+                    for a in args
+                ]
                 outputs = fn(*wrapped)
                 outputs = pytree.tree_map_only(FunctionalTensor, _unwrap, outputs)
             for arg, func_arg in zip(args, wrapped):

@@ -16,12 +16,26 @@ import torch
 from .errors import ConfigError
 from .ops import resolve_op
 from .pins import AmpPin
-from .validate import (LOW_PRECISION_DTYPES, OPT_LEVELS, check_bool, check_choice, check_int,
-                       check_low_precision_dtype, check_opt_level)
+from .validate import (
+    LOW_PRECISION_DTYPES,
+    OPT_LEVELS,
+    check_bool,
+    check_choice,
+    check_int,
+    check_low_precision_dtype,
+    check_opt_level,
+)
 
 BACKENDS = ("inductor", "aot_eager", "eager")
-__all__ = ["AutofixSettings", "BACKENDS", "ConfigSnapshot", "GraphConfig", "ListOverrides",
-           "LOW_PRECISION_DTYPES", "OPT_LEVELS"]
+__all__ = [
+    "AutofixSettings",
+    "BACKENDS",
+    "ConfigSnapshot",
+    "GraphConfig",
+    "ListOverrides",
+    "LOW_PRECISION_DTYPES",
+    "OPT_LEVELS",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +95,11 @@ class ConfigSnapshot:
         # may be lists or dicts, so they are hashed by their text.
         cached = self.__dict__.get("_hash")
         if cached is None:
-            fields = [getattr(self, f.name) for f in dataclasses.fields(self)
-                      if f.name != "inductor_options"]
+            fields = [
+                getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if f.name != "inductor_options"
+            ]
             cached = hash((*fields, repr(self.inductor_options)))
             object.__setattr__(self, "_hash", cached)
         return cached
@@ -93,10 +110,19 @@ class GraphConfig:
 
     def __init__(self) -> None:
         self._snapshot = ConfigSnapshot(
-            amp_enabled=False, amp_dtype=torch.float16, amp_opt_level="O1",
-            list_overrides=ListOverrides(), fp32_module_types=(), fp32_module_names=(),
-            backend="inductor", cuda_graph=None, grad_acc_steps=1, inductor_options=(),
-            data_parallel=False, process_group=None)
+            amp_enabled=False,
+            amp_dtype=torch.float16,
+            amp_opt_level="O1",
+            list_overrides=ListOverrides(),
+            fp32_module_types=(),
+            fp32_module_names=(),
+            backend="inductor",
+            cuda_graph=None,
+            grad_acc_steps=1,
+            inductor_options=(),
+            data_parallel=False,
+            process_group=None,
+        )
         self.max_cached_graphs = 8
         self.autofix: AutofixSettings | None = None
 
@@ -118,8 +144,10 @@ class GraphConfig:
     # -- AMP -----------------------------------------------------------------------------------
     def enable_amp(self, mode: bool = True, *, dtype: torch.dtype = torch.float16) -> None:
         """Run the step in mixed precision: ``dtype`` is torch.float16 (default) or torch.bfloat16."""
-        self._set(amp_enabled=check_bool("enable_amp(mode)", mode),
-                  amp_dtype=check_low_precision_dtype("enable_amp(dtype", dtype))
+        self._set(
+            amp_enabled=check_bool("enable_amp(mode)", mode),
+            amp_dtype=check_low_precision_dtype("enable_amp(dtype", dtype),
+        )
 
     def set_amp_opt_level(self, level: str) -> None:
         """apex-style opt level: O0 off, O1 lists (default), O2 all but deny/pinned, O3 all."""
@@ -192,8 +220,10 @@ class GraphConfig:
         when off, the compiled step has nothing of it."""
         mode = check_bool("enable_overflow_tracing(mode)", mode)
         if not mode and self.autofix is not None:
-            raise ConfigError("AMP autofix needs overflow tracing: call "
-                              "enable_amp_autofix(False) before enable_overflow_tracing(False)")
+            raise ConfigError(
+                "AMP autofix needs overflow tracing: call "
+                "enable_amp_autofix(False) before enable_overflow_tracing(False)"
+            )
         self._set(overflow_tracing=mode)
 
     def enable_amp_autofix(self, mode: bool = True, *, max_pins: int = 4, after: int = 3) -> None:
@@ -206,9 +236,10 @@ class GraphConfig:
         if not check_bool("enable_amp_autofix(mode)", mode):
             self.autofix = None
             return
-        self.autofix = AutofixSettings(check_int("enable_amp_autofix(max_pins)", max_pins,
-                                                 at_least=1),
-                                       check_int("enable_amp_autofix(after)", after, at_least=1))
+        self.autofix = AutofixSettings(
+            check_int("enable_amp_autofix(max_pins)", max_pins, at_least=1),
+            check_int("enable_amp_autofix(after)", after, at_least=1),
+        )
         self._set(overflow_tracing=True)
 
     # -- memory --------------------------------------------------------------------------------
@@ -217,7 +248,8 @@ class GraphConfig:
         the forward: module classes (every instance, e.g. ``GPT2Block``) or qualified names
         (``"model.blocks.0"``). Each instance is one region: only its inputs stay alive between
         forward and backward. Called with no argument, turns checkpointing off."""
-        types, names = (), ()
+        types: tuple[type, ...] = ()
+        names: tuple[str, ...] = ()
         for m in modules:
             if isinstance(m, type) and issubclass(m, torch.nn.Module):
                 types += (m,)
@@ -226,7 +258,8 @@ class GraphConfig:
             else:
                 raise ConfigError(
                     "enable_activation_checkpointing takes nn.Module classes or qualified "
-                    f"module names (e.g. 'model.blocks.0'), got {m!r}")
+                    f"module names (e.g. 'model.blocks.0'), got {m!r}"
+                )
         self._set(checkpoint_module_types=types, checkpoint_module_names=names)
 
     # -- compile -------------------------------------------------------------------------------
@@ -261,7 +294,8 @@ class GraphConfig:
             raise ConfigError(
                 "enable_data_parallel needs an initialised process group: start the script with "
                 "torchrun and call torch.distributed.init_process_group(backend) before building "
-                "the graph")
+                "the graph"
+            )
         self._set(data_parallel=mode, process_group=process_group)
 
     def enable_zero(self, mode: bool = True, *, stage: int = 1) -> None:

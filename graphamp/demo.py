@@ -25,16 +25,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     parser.add_argument("--backend", choices=graphamp.config.BACKENDS, default="inductor")
-    parser.add_argument("--dump", default="amp-dump", help="where to write the graph dump "
-                        "(empty string: no dump)")
+    parser.add_argument(
+        "--dump", default="amp-dump", help="where to write the graph dump (empty string: no dump)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> dict:
     """Train the demo MLP for ``args.steps`` steps; print and return a summary."""
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10)).to(device)
     graph = make_graph(model, DTYPES[args.dtype], args.backend)
@@ -65,8 +69,11 @@ def make_graph(model: nn.Module, dtype: torch.dtype, backend: str) -> graphamp.G
             self.config.enable_amp(True, dtype=dtype)
             self.config.set_backend(backend)
             if dtype == torch.float16:
-                self.set_grad_scaler(graphamp.GradScaler(
-                    init_scale=3000, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000))
+                self.set_grad_scaler(
+                    graphamp.GradScaler(
+                        init_scale=3000, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000
+                    )
+                )
 
         def build(self, x, y):
             loss = self.loss_fn(self.model(x), y)
@@ -92,8 +99,12 @@ def train(graph: graphamp.Graph, batches: list, args: argparse.Namespace):
     from tqdm import tqdm
 
     warmup = min(20, args.steps // 4)  # kernels finish compiling and tuning in the first steps
-    bar = tqdm(range(args.steps), desc=f"graphamp demo ({batches[0][0].device.type}, "
-               f"{args.dtype})", disable=args.quiet, unit="step")
+    bar = tqdm(
+        range(args.steps),
+        desc=f"graphamp demo ({batches[0][0].device.type}, {args.dtype})",
+        disable=args.quiet,
+        unit="step",
+    )
     losses, first_call, start_steady = [], None, None
     start = time.perf_counter()
     for step in bar:
@@ -111,8 +122,14 @@ def train(graph: graphamp.Graph, batches: list, args: argparse.Namespace):
     return losses, first_call, steady * 1e3
 
 
-def summarise(graph: graphamp.Graph, args: argparse.Namespace, device: torch.device,
-              losses: list, first_call: float, ms_per_step: float) -> dict:
+def summarise(
+    graph: graphamp.Graph,
+    args: argparse.Namespace,
+    device: torch.device,
+    losses: list,
+    first_call: float,
+    ms_per_step: float,
+) -> dict:
     history = graph.history.fetch()
     return {
         "device": str(device),
@@ -122,7 +139,7 @@ def summarise(graph: graphamp.Graph, args: argparse.Namespace, device: torch.dev
         "first_call_s": first_call,
         "ms_per_step": ms_per_step,  # after the warm-up steps
         "loss_first": losses[0].item(),
-        "loss_last": sum(l.item() for l in losses[-16:]) / min(16, len(losses)),
+        "loss_last": sum(v.item() for v in losses[-16:]) / min(16, len(losses)),
         "skipped_steps": int(sum(history["skipped"])),
         "final_scale": graph.grad_scaler.get_scale() if graph.grad_scaler else None,
         "precision": graph.precision_report(with_autocast=False).summary(),

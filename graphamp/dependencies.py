@@ -39,10 +39,13 @@ module_hooks.register_module_module_registration_hook(_bump)
 module_hooks.register_module_parameter_registration_hook(_bump)
 module_hooks.register_module_buffer_registration_hook(_bump)
 
-PARTS = ("modules", "module modes", "optimizers", "config", "grad scaler", "torch modes",
-         "hooks")
-_global_hooks = (module_hooks._global_forward_hooks, module_hooks._global_forward_pre_hooks,
-                 module_hooks._global_backward_hooks, module_hooks._global_backward_pre_hooks)
+PARTS = ("modules", "module modes", "optimizers", "config", "grad scaler", "torch modes", "hooks")
+_global_hooks = (
+    module_hooks._global_forward_hooks,
+    module_hooks._global_forward_pre_hooks,
+    module_hooks._global_backward_hooks,
+    module_hooks._global_backward_pre_hooks,
+)
 
 
 class StructureKey:
@@ -56,50 +59,87 @@ class StructureKey:
         self._hook_dicts: list[dict] = list(_global_hooks)
         self._declaring: list[nn.Module] = []  # models that declare fp32 parts (model_pins.py)
 
-    def __call__(self, registered: dict[str, nn.Module], optimizers: Iterable[Any],
-                 config: Any, scaler: Any, modes: tuple = ()) -> tuple:
+    def __call__(
+        self,
+        registered: dict[str, nn.Module],
+        optimizers: Iterable[Any],
+        config: Any,
+        scaler: Any,
+        modes: tuple = (),
+    ) -> tuple:
         roots = tuple(registered.items())
         if self._epoch != _current[0] or roots != self._roots:
             self._refresh(roots)
-        sizes_and_modes = tuple((m.training, len(m._modules), len(m._parameters), len(m._buffers))
-                                for m in self._modules)
+        sizes_and_modes = tuple(
+            (m.training, len(m._modules), len(m._parameters), len(m._buffers))
+            for m in self._modules
+        )
         # a hook registered after the first call would never run in the compiled step: its
         # arrival captures again, and capture refuses it by name (capture/side_effects.py).
         # Programs exist only for models whose hooks are all traceable (side_effects.py), so
         # the number of hooks is all the key needs.
         declared = tuple(declared_patterns(m) for m in self._declaring)
-        return (self._fingerprint, (sizes_and_modes, declared),
-                tuple(slot.structure() for slot in optimizers), config,
-                (id(scaler), scaler.settings()) if scaler is not None else None, modes,
-                sum(map(len, self._hook_dicts)))
+        return (
+            self._fingerprint,
+            (sizes_and_modes, declared),
+            tuple(slot.structure() for slot in optimizers),
+            config,
+            (id(scaler), scaler.settings()) if scaler is not None else None,
+            modes,
+            sum(map(len, self._hook_dicts)),
+        )
 
     def _refresh(self, roots: tuple) -> None:
         self._epoch, self._roots = _current[0], roots
         self._modules = [m for _, top in roots for m in top.modules()]
         # the hook dicts are created with each module and changed in place: kept once here
-        self._hook_dicts = [*_global_hooks, *(d for m in self._modules for d in (
-            m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks))]
+        self._hook_dicts = [
+            *_global_hooks,
+            *(
+                d
+                for m in self._modules
+                for d in (
+                    m._forward_hooks,
+                    m._forward_pre_hooks,
+                    m._backward_hooks,
+                    m._backward_pre_hooks,
+                )
+            ),
+        ]
         self._declaring = [m for _, top in roots for _, m in declaring_models(top)]
         self._fingerprint = tuple(
-            (name, id(top), tuple((path, id(m), tuple(map(id, m._parameters.values())),
-                                   tuple(map(id, m._buffers.values())))
-                                  for path, m in top.named_modules()))
-            for name, top in roots)
+            (
+                name,
+                id(top),
+                tuple(
+                    (
+                        path,
+                        id(m),
+                        tuple(map(id, m._parameters.values())),
+                        tuple(map(id, m._buffers.values())),
+                    )
+                    for path, m in top.named_modules()
+                ),
+            )
+            for name, top in roots
+        )
 
 
 def describe_change(old: tuple, new: tuple) -> str:
     """Which parts of two structure keys differ, in words."""
     changed = [part for part, a, b in zip(PARTS, old, new) if a != b]
-    words = {"modules": "the registered modules changed (a layer, parameter or buffer was "
-                        "added, removed or replaced)",
-             "module modes": "a module switched between train() and eval(), lost a child, or "
-                             "changed the parts it declares fp32 (_keep_in_fp32_modules)",
-             "optimizers": "an optimizer's param groups changed (parameters, requires_grad or "
-                           "options such as momentum)",
-             "config": "the graph's config changed" + _config_fields(old[3], new[3]),
-             "grad scaler": "the grad scaler's settings changed",
-             "torch modes": "the default dtype or torch.use_deterministic_algorithms changed",
-             "hooks": "a forward or backward hook was registered or removed"}
+    words = {
+        "modules": "the registered modules changed (a layer, parameter or buffer was "
+        "added, removed or replaced)",
+        "module modes": "a module switched between train() and eval(), lost a child, or "
+        "changed the parts it declares fp32 (_keep_in_fp32_modules)",
+        "optimizers": "an optimizer's param groups changed (parameters, requires_grad or "
+        "options such as momentum)",
+        "config": "the graph's config changed" + _config_fields(old[3], new[3]),
+        "grad scaler": "the grad scaler's settings changed",
+        "torch modes": "the default dtype or torch.use_deterministic_algorithms changed",
+        "hooks": "a forward or backward hook was registered or removed",
+    }
     return "; ".join(words[c] for c in changed) or "nothing the key records"
 
 
@@ -108,6 +148,7 @@ def _config_fields(old: Any, new: Any) -> str:
     tracing, backend, ...), or '' when they are not dataclasses."""
     if not (dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new)):
         return ""
-    fields = [f.name for f in dataclasses.fields(old)
-              if getattr(old, f.name) != getattr(new, f.name)]
+    fields = [
+        f.name for f in dataclasses.fields(old) if getattr(old, f.name) != getattr(new, f.name)
+    ]
     return f" ({', '.join(fields)})" if fields else ""

@@ -29,8 +29,19 @@ from .fxutil import UserFrame
 from .pins import AmpPin
 from .validate import dtype_name
 
-__all__ = ["ForensicsState", "GradParam", "OverflowEvent", "OverflowReport", "Probe",
-           "ProbeTable", "RING_ROWS", "RangeReport", "RangeRow", "analyse", "range_rows"]
+__all__ = [
+    "ForensicsState",
+    "GradParam",
+    "OverflowEvent",
+    "OverflowReport",
+    "Probe",
+    "ProbeTable",
+    "RING_ROWS",
+    "RangeReport",
+    "RangeRow",
+    "analyse",
+    "range_rows",
+]
 
 RING_ROWS = 16  # overflowing steps the device keeps until the host reads them
 ROW_HEADER = 2  # a ring row: step, loss scale, then the probe vector
@@ -136,24 +147,35 @@ class OverflowEvent:
         if self.kind in PLACEHOLDER_KINDS:
             what = f"{self.kind} {self.node!r} ({self.dtype}) holds {self.value}"
         elif self.phase == "backward":
-            subject = (f"parameter {self.node!r}" if self.kind == "gradient"
-                       else f"{self.op} (node {self.node}, {self.dtype}) in {self.module or '-'}")
-            what = (f"backward: the gradient of {subject} became {self.value}"
-                    + (f" in the backward of {', '.join(self.consumers)}" if self.consumers else ""))
+            subject = (
+                f"parameter {self.node!r}"
+                if self.kind == "gradient"
+                else f"{self.op} (node {self.node}, {self.dtype}) in {self.module or '-'}"
+            )
+            what = f"backward: the gradient of {subject} became {self.value}" + (
+                f" in the backward of {', '.join(self.consumers)}" if self.consumers else ""
+            )
         elif self.kind == "cast":
-            what = (f"forward: the cast to {self.dtype} of {', '.join(self.reads)} (node "
-                    f"{self.node}) for {', '.join(self.consumers) or '-'} in {self.module or '-'} "
-                    f"produced {self.value}")
+            what = (
+                f"forward: the cast to {self.dtype} of {', '.join(self.reads)} (node "
+                f"{self.node}) for {', '.join(self.consumers) or '-'} in {self.module or '-'} "
+                f"produced {self.value}"
+            )
         else:
-            what = f"forward: {self.op} (node {self.node}, {self.dtype}) in " \
-                   f"{self.module or '-'} produced {self.value}"
+            what = (
+                f"forward: {self.op} (node {self.node}, {self.dtype}) in "
+                f"{self.module or '-'} produced {self.value}"
+            )
         if self.input_amax is not None:
             what += f"; largest finite input magnitude {self.input_amax:.4g}"
         lines = [head + what]
         if self.source:
             lines.append(f"    at {self.source}")
-        lines.append("    fix: pin " + ", ".join(p.describe() for p in self.pins) + " to fp32"
-                     if self.pins else f"    nothing to pin: {self.note}")
+        lines.append(
+            "    fix: pin " + ", ".join(p.describe() for p in self.pins) + " to fp32"
+            if self.pins
+            else f"    nothing to pin: {self.note}"
+        )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,7 +187,7 @@ class OverflowEvent:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "OverflowEvent":
+    def from_dict(cls, d: dict[str, Any]) -> OverflowEvent:
         values = dict(d)
         values["consumers"] = tuple(values.get("consumers", ()))
         values["reads"] = tuple(values.get("reads", ()))
@@ -174,6 +196,7 @@ class OverflowEvent:
 
 
 # -- analysis of one ring row (host side) ----------------------------------------------------------
+
 
 def analyse(table: ProbeTable, row: Sequence[float]) -> OverflowEvent:
     """The first relevant non-finite value of one overflowing step's row."""
@@ -185,9 +208,22 @@ def analyse(table: ProbeTable, row: Sequence[float]) -> OverflowEvent:
     root = _backward_root(table, bad)
     if root is not None:
         return _backward_event(table, values, root, step, scale)
-    return OverflowEvent(step, scale, "unknown", "", "", "", "", "", "", "", "", None,
-                         note="the overflow came from outside the probed values, e.g. a "
-                              "non-finite gradient norm when clipping")
+    return OverflowEvent(
+        step,
+        scale,
+        "unknown",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        None,
+        note="the overflow came from outside the probed values, e.g. a "
+        "non-finite gradient norm when clipping",
+    )
 
 
 def _roots(start: list[int], preds, bad: list[bool]) -> set[int]:
@@ -228,8 +264,9 @@ def _slot_readers(table: ProbeTable, slot: int) -> list[int]:
     """The forward probes whose backward computes backward slot ``slot``, ascending."""
     n = table.n_forward
     if slot >= 2 * n:
-        return sorted({c for p in table.params[slot - 2 * n].placeholders
-                       for c in table.consumers[p]})
+        return sorted(
+            {c for p in table.params[slot - 2 * n].placeholders for c in table.consumers[p]}
+        )
     return list(table.consumers[slot - n])
 
 
@@ -249,21 +286,33 @@ def _largest(values: list[float], slots) -> float | None:
     return max(finite) if finite else None
 
 
-def _forward_event(table: ProbeTable, values: list[float], i: int, step: int,
-                   scale: float) -> OverflowEvent:
+def _forward_event(
+    table: ProbeTable, values: list[float], i: int, step: int, scale: float
+) -> OverflowEvent:
     probe = table.forward[i]
     pins, note = _forward_pins(table, probe, i)
     return OverflowEvent(
-        step, scale, "forward", probe.kind, probe.label, probe.op, _dtype(probe.dtype),
-        probe.module, *_where(probe), _value(values[i]),
+        step,
+        scale,
+        "forward",
+        probe.kind,
+        probe.label,
+        probe.op,
+        _dtype(probe.dtype),
+        probe.module,
+        *_where(probe),
+        _value(values[i]),
         _largest(values, probe.inputs) if probe.inputs else None,
         tuple(table.forward[j].label for j in probe.inputs),
         tuple(table.forward[c].label for c in table.consumers[i]) if probe.kind == "cast" else (),
-        pins, note)
+        pins,
+        note,
+    )
 
 
-def _backward_event(table: ProbeTable, values: list[float], slot: int, step: int,
-                    scale: float) -> OverflowEvent:
+def _backward_event(
+    table: ProbeTable, values: list[float], slot: int, step: int, scale: float
+) -> OverflowEvent:
     """A gradient went non-finite first. A value's gradient has the value's dtype, so the fix is
     the forward's: the op itself in fp32, or, for a cast or a parameter copy, fp32 readers. At
     a loss scale above 1 that is the dynamic scaler's business (it backs off and retries), so
@@ -281,12 +330,30 @@ def _backward_event(table: ProbeTable, values: list[float], slot: int, step: int
         kind, node, op, where = probe.kind, probe.label, probe.op, _where(probe)
         pins, note = _forward_pins(table, probe, slot - n)
     if scale > 1:
-        pins, note = (), (f"at loss scale {scale:g} the dynamic scaler backs off and retries; "
-                          "autofix pins only when the scale is down to 1")
-    return OverflowEvent(step, scale, "backward", kind, node, op, _dtype(probe.dtype),
-                         probe.module, *where, _value(values[slot]),
-                         _largest(values, [table.backward_slot(c) for c in readers]), (),
-                         tuple(table.forward[c].label for c in readers), pins, note)
+        pins, note = (
+            (),
+            (
+                f"at loss scale {scale:g} the dynamic scaler backs off and retries; "
+                "autofix pins only when the scale is down to 1"
+            ),
+        )
+    return OverflowEvent(
+        step,
+        scale,
+        "backward",
+        kind,
+        node,
+        op,
+        _dtype(probe.dtype),
+        probe.module,
+        *where,
+        _value(values[slot]),
+        _largest(values, [table.backward_slot(c) for c in readers]),
+        (),
+        tuple(table.forward[c].label for c in readers),
+        pins,
+        note,
+    )
 
 
 def _forward_pins(table: ProbeTable, probe: Probe, i: int) -> tuple[tuple[AmpPin, ...], str]:
@@ -299,8 +366,10 @@ def _forward_pins(table: ProbeTable, probe: Probe, i: int) -> tuple[tuple[AmpPin
         return pins, "" if pins else "its readers already compute in float32"
     if probe.low_precision and probe.pin is not None:
         return (probe.pin,), ""
-    return (), (f"it already computes in {_dtype(probe.dtype)}: the values themselves exceed "
-                "its range, pinning cannot help")
+    return (), (
+        f"it already computes in {_dtype(probe.dtype)}: the values themselves exceed "
+        "its range, pinning cannot help"
+    )
 
 
 def _low_precision_pins(table: ProbeTable, readers) -> tuple[AmpPin, ...]:
@@ -318,6 +387,7 @@ def _dtype(dtype: torch.dtype | None) -> str:
 
 # -- what users read --------------------------------------------------------------------------------
 
+
 @dataclass
 class OverflowReport:
     """``g.overflow_report()``: the overflowing steps the device recorded, analysed."""
@@ -334,9 +404,14 @@ class OverflowReport:
     def __str__(self) -> str:
         if not self.overflows:
             return f"{self.graph}: no overflowing step recorded"
-        out = [f"{self.graph}: {self.overflows} overflowing step{'s' if self.overflows != 1 else ''}"
-               + (f" ({self.lost} not analysed: more than {RING_ROWS} between two reads)"
-                  if self.lost else "")]
+        out = [
+            f"{self.graph}: {self.overflows} overflowing step{'s' if self.overflows != 1 else ''}"
+            + (
+                f" ({self.lost} not analysed: more than {RING_ROWS} between two reads)"
+                if self.lost
+                else ""
+            )
+        ]
         out += [e.describe() for e in self.events[-8:]]
         if len(self.events) > 8:
             out.insert(1, f"(the last 8 of {len(self.events)} analysed)")
@@ -378,14 +453,18 @@ class RangeReport:
     def __str__(self) -> str:
         if not self.rows:
             return f"{self.graph}: no low-precision value measured yet"
-        lines = [f"{self.graph}: headroom of {len(self.rows)} low-precision values (tightest "
-                 "first; headroom = dtype max / largest magnitude so far)",
-                 f"{'node':<28} {'op':<24} {'dtype':<9} {'value amax':>11} {'grad amax':>11} "
-                 f"{'headroom':>9}  module"]
+        lines = [
+            f"{self.graph}: headroom of {len(self.rows)} low-precision values (tightest "
+            "first; headroom = dtype max / largest magnitude so far)",
+            f"{'node':<28} {'op':<24} {'dtype':<9} {'value amax':>11} {'grad amax':>11} "
+            f"{'headroom':>9}  module",
+        ]
         for r in self.tightest(20):
-            lines.append(f"{r.node[:28]:<28} {r.op[:24]:<24} {r.dtype:<9} "
-                         f"{r.activation_amax:>11.4g} {r.gradient_amax:>11.4g} "
-                         f"{r.headroom:>9.3g}  {r.module}")
+            lines.append(
+                f"{r.node[:28]:<28} {r.op[:24]:<24} {r.dtype:<9} "
+                f"{r.activation_amax:>11.4g} {r.gradient_amax:>11.4g} "
+                f"{r.headroom:>9.3g}  {r.module}"
+            )
         return "\n".join(lines)
 
 
@@ -394,14 +473,22 @@ def range_rows(table: ProbeTable, ranges: Sequence[float]) -> list[RangeRow]:
     rows = []
     for i, probe in enumerate(table.forward):
         if probe.low_precision and probe.kind in ("op", "cast", "parameter copy"):
-            rows.append(RangeRow(probe.label, probe.op, probe.module,
-                                 _dtype(probe.dtype), float(ranges[i]),
-                                 float(ranges[table.backward_slot(i)]),
-                                 float(torch.finfo(probe.dtype).max)))
+            rows.append(
+                RangeRow(
+                    probe.label,
+                    probe.op,
+                    probe.module,
+                    _dtype(probe.dtype),
+                    float(ranges[i]),
+                    float(ranges[table.backward_slot(i)]),
+                    float(torch.finfo(probe.dtype).max),
+                )
+            )
     return rows
 
 
 # -- the device record ------------------------------------------------------------------------------
+
 
 class ForensicsState:
     """The tensors one compiled step writes its overflow record into (step layout group
@@ -413,8 +500,9 @@ class ForensicsState:
     def __init__(self, table: ProbeTable, device: torch.device):
         self.table = table
         self.count = torch.zeros((), dtype=torch.int64, device=device)
-        self.ring = torch.full((RING_ROWS, ROW_HEADER + table.size), math.nan,
-                               dtype=torch.float32, device=device)
+        self.ring = torch.full(
+            (RING_ROWS, ROW_HEADER + table.size), math.nan, dtype=torch.float32, device=device
+        )
         self.ranges = torch.zeros(table.size, dtype=torch.float32, device=device)
         self.analysed = 0  # overflowing steps already turned into events
         self._host_count: torch.Tensor | None = None
@@ -450,8 +538,9 @@ class ForensicsState:
             return [], 0
         kept = min(new, RING_ROWS)
         rows = self.ring.detach().cpu()
-        events = [analyse(self.table, rows[n % RING_ROWS].tolist())
-                  for n in range(count - kept, count)]
+        events = [
+            analyse(self.table, rows[n % RING_ROWS].tolist()) for n in range(count - kept, count)
+        ]
         self.analysed = count
         return events, new - kept
 

@@ -88,9 +88,12 @@ def user_frame_of_exception(exc: BaseException) -> UserFrame | None:
     return found
 
 
-def trace_functional(fn: Callable[..., Any], example: list[Any],
-                     propagate_input_mutations: bool,
-                     allow_constants: bool = False) -> fx.GraphModule:
+def trace_functional(
+    fn: Callable[..., Any],
+    example: list[Any],
+    propagate_input_mutations: bool,
+    allow_constants: bool = False,
+) -> fx.GraphModule:
     """``fn`` traced with make_fx on fake copies of ``example``, functionalized in Python
     (FunctionalTensorMode, below autograd: custom autograd Functions, ``requires_grad_`` and
     ``torch.autograd.grad`` work as in eager mode, which functorch transforms refuse).
@@ -104,14 +107,20 @@ def trace_functional(fn: Callable[..., Any], example: list[Any],
     Sizes that depend on values (boolean-mask indexing, ``nonzero``) become unbacked symbols of
     the fake mode's ShapeEnv; every other size stays static.
     """
-    mode = detect_fake_mode(example) or FakeTensorMode(shape_env=ShapeEnv(),
-                                                        allow_non_fake_inputs=allow_constants)
+    mode = detect_fake_mode(example) or FakeTensorMode(
+        shape_env=ShapeEnv(), allow_non_fake_inputs=allow_constants
+    )
     fakes = [_fake_like(mode, t) if isinstance(t, torch.Tensor) else t for t in example]
-    functional = dispatch_functionalize(fn, FunctionalTensorMode(),
-                                        propagate_input_mutations=propagate_input_mutations)
+    functional = dispatch_functionalize(
+        fn, FunctionalTensorMode(), propagate_input_mutations=propagate_input_mutations
+    )
     with mode:
-        return make_fx(functional, tracing_mode="real", decomposition_table={},
-                       _allow_non_fake_inputs=allow_constants)(*fakes)
+        return make_fx(
+            functional,
+            tracing_mode="real",
+            decomposition_table={},
+            _allow_non_fake_inputs=allow_constants,
+        )(*fakes)
 
 
 def _fake_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
@@ -156,7 +165,7 @@ class NodeTagger:
         self.graph: fx.Graph | None = None
         self.marker: fx.Node | None = None
 
-    def __enter__(self) -> "NodeTagger":
+    def __enter__(self) -> NodeTagger:
         self.graph = tracing_graph()
         if self.graph is not None:
             self.marker = last_node(self.graph)

@@ -27,15 +27,19 @@ from .history import TrainingHistory
 from .inputs import FlatInputs, check_arity, flatten_inputs
 from .inspect.dump import dump_program
 from .inspect.printing import graph_repr
-from .inspect.report import PrecisionReport, configure_logging, log_program_summary, \
-    precision_report
-from .optimizers import optimizer_kind, validate_clip
+from .inspect.report import (
+    PrecisionReport,
+    configure_logging,
+    log_program_summary,
+    precision_report,
+)
 from .interrupts import hold_interrupts, release_interrupts
+from .optimizers import optimizer_kind, validate_clip
 from .pins import AmpPin
 from .scaler import GradScaler
-from .torch_scaler import as_graphamp_scaler
 from .spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .state import SharedState
+from .torch_scaler import as_graphamp_scaler
 from .validate import check_choice, check_int
 
 log = logging.getLogger("graphamp")
@@ -86,15 +90,19 @@ class Graph:
         if _READY not in self.__dict__:
             raise GraphDefinitionError(
                 f"{type(self).__name__}.__init__ sets {name!r} before calling "
-                "super().__init__(); call super().__init__() first")
+                "super().__init__(); call super().__init__() first"
+            )
         modules = self.__dict__["_registered_modules"]
         ddp = getattr(nn.parallel, "DistributedDataParallel", None)
         if ddp is not None and isinstance(value, ddp):
             # graphamp all-reduces inside its own step: keep the wrapped module, run data
             # parallel over DDP's process group (DDP's hooks would not run in a graph anyway)
-            log.info("%s.%s is DistributedDataParallel: graphamp trains its module with "
-                     "config.enable_data_parallel over the same process group",
-                     type(self).__name__, name)
+            log.info(
+                "%s.%s is DistributedDataParallel: graphamp trains its module with "
+                "config.enable_data_parallel over the same process group",
+                type(self).__name__,
+                name,
+            )
             self.__dict__["config"].enable_data_parallel(process_group=value.process_group)
             value = value.module
         value = _unwrapped(type(self).__name__, name, value)
@@ -112,7 +120,8 @@ class Graph:
         if _READY not in self.__dict__:
             raise GraphDefinitionError(
                 f"{type(self).__name__} was used before Graph.__init__ ran: call "
-                "super().__init__() at the start of __init__")
+                "super().__init__() at the start of __init__"
+            )
         raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -120,21 +129,28 @@ class Graph:
             f"a {type(self).__name__} cannot be pickled or saved with torch.save: it holds "
             "compiled programs and your live model and optimizer. Save g.state_dict() beside "
             "model.state_dict() and optimizer.state_dict(), and load them into a new "
-            f"{type(self).__name__}() with g.load_state_dict(...)")
+            f"{type(self).__name__}() with g.load_state_dict(...)"
+        )
 
     def __deepcopy__(self, memo: dict) -> Any:
         raise GraphDefinitionError(
             f"copy.deepcopy of a {type(self).__name__} is not supported: it holds compiled "
             "programs bound to your model's tensors. Copy the model and optimizer, build a new "
             f"{type(self).__name__}() over the copies, and copy the graph's own state with "
-            "new_graph.load_state_dict(g.state_dict())")
+            "new_graph.load_state_dict(g.state_dict())"
+        )
 
     def __copy__(self) -> Any:
         return self.__deepcopy__({})
 
-    def add_optimizer(self, optimizer: torch.optim.Optimizer, *, lr_sch: Any = None,
-                      clip_grad_max_norm: float | None = None,
-                      clip_grad_norm_type: float = 2.0) -> None:
+    def add_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        lr_sch: Any = None,
+        clip_grad_max_norm: float | None = None,
+        clip_grad_norm_type: float = 2.0,
+    ) -> None:
         """Update ``optimizer``'s parameters inside the step; ``lr_sch.step()`` after each call.
 
         ``clip_grad_max_norm`` clips this optimizer's gradients (after unscaling) to that total
@@ -143,7 +159,8 @@ class Graph:
         self._check_ready()
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
-                f"add_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+                f"add_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         optimizer_kind(optimizer)  # raises for unsupported optimizers, here and now
         if any(s.optimizer is optimizer for s in self._optimizer_slots):
             raise ConfigError("this optimizer is already added to the graph")
@@ -152,7 +169,8 @@ class Graph:
                 "ReduceLROnPlateau cannot be passed as lr_sch: its step() needs the metric, "
                 "which graphamp does not have. Leave lr_sch out and call sch.step(metric) "
                 "yourself after g(...), outside the Graph; the lr it sets is a graph input, so "
-                "the next call uses it without recompiling")
+                "the next call uses it without recompiling"
+            )
         if lr_sch is not None and getattr(lr_sch, "optimizer", None) is not optimizer:
             raise ConfigError("lr_sch must be a learning-rate scheduler of this optimizer")
         max_norm, norm_type = validate_clip(clip_grad_max_norm, clip_grad_norm_type)
@@ -184,7 +202,8 @@ class Graph:
     def build(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} must define build(self, ...): the training step, written "
-            "once (forward, loss, loss.backward(), return what you want back)")
+            "once (forward, loss, loss.backward(), return what you want back)"
+        )
 
     # -- running --------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -195,7 +214,8 @@ class Graph:
                 f"{type(self).__name__} was called inside {outer}.build(): a Graph is a whole "
                 "training step and cannot be part of another one's capture. Call the modules "
                 f"directly in {outer}.build() (register them on {outer}), or call "
-                f"{type(self).__name__} outside it")
+                f"{type(self).__name__} outside it"
+            )
         with self._lock:
             neutral = ambient.neutral_modes()  # an ambient autocast or inference mode
             if neutral is None:
@@ -205,9 +225,16 @@ class Graph:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         inputs = flatten_inputs(args, kwargs)
-        key = (inputs.signature, self._structure(self._registered_modules, self._optimizer_slots,
-                                                 self.config.snapshot(), self._grad_scaler,
-                                                 ambient.mode_key()))
+        key = (
+            inputs.signature,
+            self._structure(
+                self._registered_modules,
+                self._optimizer_slots,
+                self.config.snapshot(),
+                self._grad_scaler,
+                ambient.mode_key(),
+            ),
+        )
         program = self._programs.get(key)
         if program is None:
             program = self._compile(inputs, key, args, kwargs)
@@ -272,38 +299,59 @@ class Graph:
             _, dropped = self._programs.popitem(last=False)
             if dropped.runner.forensics is not None:
                 self._read_overflows(dropped)  # its device record goes with it
-            log.info("%s: dropped the least recently used compiled step (cache holds %d)", name,
-                     self.config.max_cached_graphs)
+            log.info(
+                "%s: dropped the least recently used compiled step (cache holds %d)",
+                name,
+                self.config.max_cached_graphs,
+            )
         log_program_summary(program)
         return program
 
     def _spec(self) -> GraphSpec:
         """What the pipeline may read of this Graph, as of now."""
         scaler = self._grad_scaler
-        return GraphSpec(type(self).__name__, tuple(self._registered_modules.items()),
-                         self.build, tuple(self._optimizer_slots),
-                         scaler if scaler is not None and scaler.enabled else None,
-                         self.config.snapshot(), self._state.history.capacity,
-                         self._debug_level)
+        return GraphSpec(
+            type(self).__name__,
+            tuple(self._registered_modules.items()),
+            self.build,
+            tuple(self._optimizer_slots),
+            scaler if scaler is not None and scaler.enabled else None,
+            self.config.snapshot(),
+            self._state.history.capacity,
+            self._debug_level,
+        )
 
     def _warn_about_changing_numbers(self, inputs: FlatInputs) -> None:
         """A Python number among g(...)'s arguments is baked into the compiled step: one that
         changes every call compiles every call. Say so once, naming it, as torch.compile's
         recompile limit does."""
         sig = inputs.signature
-        same_tensors = [s for s, _ in self._programs if s.structure == sig.structure
-                        and s.tensors == sig.tensors and s.constants != sig.constants]
+        same_tensors = [
+            s
+            for s, _ in self._programs
+            if s.structure == sig.structure
+            and s.tensors == sig.tensors
+            and s.constants != sig.constants
+        ]
         if len(same_tensors) + 1 < _RECOMPILES_BEFORE_WARNING or self._warned_numbers:
             return
         names = inputs.leaf_names(self.build)
-        changing = sorted({names[i][0] for s in same_tensors
-                           for i, (a, b) in enumerate(zip(s.constants, sig.constants)) if a != b})
+        changing = sorted(
+            {
+                names[i][0]
+                for s in same_tensors
+                for i, (a, b) in enumerate(zip(s.constants, sig.constants))
+                if a != b
+            }
+        )
         self.__dict__["_warned_numbers"] = True
         warnings.warn(
             f"{type(self).__name__}: the Python number argument(s) {', '.join(changing)} of "
             f"g(...) took {len(same_tensors) + 1} different values, each compiling a new step "
             "(numbers are baked into the graph). Pass them as tensors (torch.tensor(value)) so "
-            "one compiled step serves every value", stacklevel=4)
+            "one compiled step serves every value",
+            stacklevel=4,
+        )
 
     def _log_why_rebuilt(self, key: tuple) -> None:
         last = self._last_key
@@ -311,16 +359,23 @@ class Graph:
             return
         signature, structure = key
         if structure == last[1]:
-            log.info("%s: new input signature (%s): capturing and compiling again",
-                     type(self).__name__, signature.describe())
+            log.info(
+                "%s: new input signature (%s): capturing and compiling again",
+                type(self).__name__,
+                signature.describe(),
+            )
         else:
-            log.info("%s: %s: capturing and compiling again", type(self).__name__,
-                     describe_change(last[1], structure))
+            log.info(
+                "%s: %s: capturing and compiling again",
+                type(self).__name__,
+                describe_change(last[1], structure),
+            )
 
     def _check_ready(self) -> None:
         if _READY not in self.__dict__:
             raise GraphDefinitionError(
-                f"{type(self).__name__}.__init__ must call super().__init__()")
+                f"{type(self).__name__}.__init__ must call super().__init__()"
+            )
 
     def _optimizer_state_loaded(self) -> None:
         for program in self._programs.values():
@@ -336,8 +391,11 @@ class Graph:
         scaler = self._grad_scaler
         self._read_all_overflows()
         last = next(reversed(self._programs.values())) if self._programs else None
-        ranges = last.runner.forensics.range_rows() \
-            if last is not None and last.runner.forensics is not None else []
+        ranges = (
+            last.runner.forensics.range_rows()
+            if last is not None and last.runner.forensics is not None
+            else []
+        )
         return {
             "step": self._step_count,
             "grad_scaler": scaler.state_dict() if scaler is not None else None,
@@ -358,8 +416,10 @@ class Graph:
         step = check_int("the saved step", state["step"], at_least=0)
         scaler = self._grad_scaler
         if state["grad_scaler"] is not None and scaler is None:
-            raise ConfigError("the saved state has grad-scaler state but this graph has no "
-                              "scaler: call set_grad_scaler(...) before load_state_dict")
+            raise ConfigError(
+                "the saved state has grad-scaler state but this graph has no "
+                "scaler: call set_grad_scaler(...) before load_state_dict"
+            )
         if state["grad_scaler"] is not None and scaler.enabled:
             scaler.check_state_dict(state["grad_scaler"])
         counters = _checked_counters(state["optimizer_steps"], len(self._optimizer_slots))
@@ -389,11 +449,16 @@ class Graph:
         if not self.config.overflow_tracing:
             raise ConfigError(
                 f"{type(self).__name__}: overflow tracing is off; call "
-                "g.config.enable_overflow_tracing() (the next call rebuilds the step with it)")
+                "g.config.enable_overflow_tracing() (the next call rebuilds the step with it)"
+            )
         self._read_all_overflows()
         history = self._state.history
-        return OverflowReport(type(self).__name__, len(history.overflows) + history.overflows_lost,
-                              list(history.overflows), history.overflows_lost)
+        return OverflowReport(
+            type(self).__name__,
+            len(history.overflows) + history.overflows_lost,
+            list(history.overflows),
+            history.overflows_lost,
+        )
 
     def range_report(self) -> RangeReport:
         """The largest magnitude each low-precision value and its gradient reached so far, and
@@ -402,16 +467,17 @@ class Graph:
         if program.runner.forensics is None:
             raise ConfigError(
                 f"{type(self).__name__}: ranges are measured with overflow tracing; call "
-                "g.config.enable_overflow_tracing() (the next call rebuilds the step with it)")
+                "g.config.enable_overflow_tracing() (the next call rebuilds the step with it)"
+            )
         return RangeReport(type(self).__name__, program.runner.forensics.range_rows())
 
     def _watch_overflows(self, program: Program) -> None:
         """Autofix and debug logging act on each overflow soon after it happens: poll the
         device's overflow count without waiting, and read the record (one sync) only when it
         moved. Without either, nothing is read until the user asks."""
-        if self.config.autofix is None and self._debug_level < 1:
-            return
         forensics = program.runner.forensics
+        if forensics is None or (self.config.autofix is None and self._debug_level < 1):
+            return
         count = forensics.poll()  # CUDA: as of the step before, whose copy has landed
         forensics.start_poll()  # queue this step's count behind it (CUDA; no wait)
         if count is None or count <= forensics.analysed:
@@ -421,6 +487,8 @@ class Graph:
             self._autofix.consider(type(self).__name__, events, self.config)
 
     def _read_overflows(self, program: Program) -> list[OverflowEvent]:
+        if program.runner.forensics is None:  # traced without overflow tracing
+            return []
         events, lost = program.runner.forensics.read_new()
         self._state.history.add_overflows(events, lost)
         for event in events:
@@ -452,8 +520,9 @@ class Graph:
     def precision_report(self, *, with_autocast: bool = True) -> PrecisionReport:
         """The precision decision for every compute op of the last compiled step."""
         program = self._require_program()
-        trace = pipeline.trace_autocast(program) \
-            if with_autocast and program.amp is not None else None
+        trace = (
+            pipeline.trace_autocast(program) if with_autocast and program.amp is not None else None
+        )
         return precision_report(program, trace)
 
     def dump(self, path: str) -> str:
@@ -462,8 +531,12 @@ class Graph:
         try:
             report = self.precision_report(with_autocast=program.amp is not None)
         except Exception as e:  # noqa: BLE001 - the oracle is extra information; say why it is missing
-            log.warning("%s: autocast comparison skipped in the dump: %s: %s",
-                        type(self).__name__, type(e).__name__, e)
+            log.warning(
+                "%s: autocast comparison skipped in the dump: %s: %s",
+                type(self).__name__,
+                type(e).__name__,
+                e,
+            )
             report = self.precision_report(with_autocast=False)
         if program.runner.forensics is None:
             return dump_program(program, report, path)
@@ -471,8 +544,10 @@ class Graph:
 
     def _require_program(self) -> Program:
         if not self._programs:
-            raise RuntimeError(f"{type(self).__name__} has not run yet: call it once "
-                               "(g(x, y)) so there is a captured graph to inspect")
+            raise RuntimeError(
+                f"{type(self).__name__} has not run yet: call it once "
+                "(g(x, y)) so there is a captured graph to inspect"
+            )
         return next(reversed(self._programs.values()))
 
     def __repr__(self) -> str:
@@ -484,17 +559,23 @@ def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
     """The module a wrapper stands for: a torch.compile'd module trains as its original
     (graphamp compiles the whole step itself); FSDP is refused by name."""
     if isinstance(value, nn.Module) and isinstance(getattr(value, "_orig_mod", None), nn.Module):
-        log.info("%s.%s is a torch.compile'd module: graphamp captures and compiles its "
-                 "original module (._orig_mod) as part of the whole step", graph_name, name)
+        log.info(
+            "%s.%s is a torch.compile'd module: graphamp captures and compiles its "
+            "original module (._orig_mod) as part of the whole step",
+            graph_name,
+            name,
+        )
         return value._orig_mod
-    if isinstance(value, nn.Module) and any(c.__module__.startswith("torch.distributed.fsdp")
-                                            for c in type(value).__mro__):
+    if isinstance(value, nn.Module) and any(
+        c.__module__.startswith("torch.distributed.fsdp") for c in type(value).__mro__
+    ):
         raise GraphDefinitionError(
             f"{graph_name}.{name} = {type(value).__name__}(...): FSDP-sharded modules "
             "(fully_shard, FullyShardedDataParallel) are not supported by graphamp "
             "(docs/distributed.md). Register the unwrapped module and call "
             "config.enable_zero(stage=1 or 2) for sharded optimizer state, or "
-            "config.enable_data_parallel() (a DistributedDataParallel wrapper works too)")
+            "config.enable_data_parallel() (a DistributedDataParallel wrapper works too)"
+        )
     return value
 
 
@@ -543,11 +624,16 @@ def _checked_counters(saved: Any, n_optimizers: int) -> dict[int, int]:
         raise ConfigError(f"optimizer_steps must be a dict, got {type(saved).__name__}")
     out = {}
     for k, v in saved.items():
-        index = check_int("an optimizer_steps key", int(k) if isinstance(k, str) and k.isdigit()
-                          else k, at_least=0)
+        index = check_int(
+            "an optimizer_steps key",
+            int(k) if isinstance(k, str) and k.isdigit() else k,
+            at_least=0,
+        )
         if index >= n_optimizers:
-            raise ConfigError(f"the saved state has a step counter for optimizer {index}, but this "
-                              f"graph has {n_optimizers} optimizer(s): add them before loading")
+            raise ConfigError(
+                f"the saved state has a step counter for optimizer {index}, but this "
+                f"graph has {n_optimizers} optimizer(s): add them before loading"
+            )
         out[index] = check_int(f"optimizer {index}'s saved step count", v, at_least=0)
     return out
 

@@ -43,8 +43,12 @@ class TrainingHistory:
     def materialize(self, device: torch.device) -> list[torch.Tensor]:
         if self.table is None or self.table.device != device:
             step = torch.zeros((), dtype=torch.int64, device=device)
-            table = torch.full((self.capacity, len(HISTORY_COLUMNS)), float("nan"),
-                               dtype=torch.float32, device=device)
+            table = torch.full(
+                (self.capacity, len(HISTORY_COLUMNS)),
+                float("nan"),
+                dtype=torch.float32,
+                device=device,
+            )
             if self.table is not None:
                 step.copy_(self.step)
                 table.copy_(self.table)
@@ -69,13 +73,18 @@ class TrainingHistory:
         return {c: rows[:, i].tolist() for i, c in enumerate(HISTORY_COLUMNS)}
 
     def state_dict(self) -> dict[str, Any]:
-        overflows = {"overflows": [e.to_dict() for e in self.overflows],
-                     "overflows_lost": self.overflows_lost}
+        overflows = {
+            "overflows": [e.to_dict() for e in self.overflows],
+            "overflows_lost": self.overflows_lost,
+        }
         if self.table is None:
             rows = self._pending or {"step": 0, "table": torch.zeros(0, len(HISTORY_COLUMNS))}
             return {"step": rows["step"], "table": rows["table"], **overflows}
-        return {"step": int(self.step.item()), "table": self.table.detach().cpu().clone(),
-                **overflows}
+        return {
+            "step": int(self.step.item()),
+            "table": self.table.detach().cpu().clone(),
+            **overflows,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         step, rows, overflows, lost = self.check_state_dict(state)
@@ -94,20 +103,29 @@ class TrainingHistory:
         'table'."""
         required, optional = {"step", "table"}, {"overflows", "overflows_lost"}
         if not isinstance(state, dict) or not required <= set(state) <= required | optional:
-            raise ConfigError("a history state dict has the keys 'step' and 'table' (and, with "
-                              "overflow tracing, 'overflows' and 'overflows_lost'), got "
-                              f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+            raise ConfigError(
+                "a history state dict has the keys 'step' and 'table' (and, with "
+                "overflow tracing, 'overflows' and 'overflows_lost'), got "
+                f"{sorted(state) if isinstance(state, dict) else type(state).__name__}"
+            )
         step = check_int("the history's step", state["step"], at_least=0)
         table = state["table"]
-        if not isinstance(table, torch.Tensor) or table.dim() != 2 \
-                or table.shape[1] != len(HISTORY_COLUMNS) or not table.dtype.is_floating_point:
-            raise ConfigError(f"the history's table must be a float tensor of shape (rows, "
-                              f"{len(HISTORY_COLUMNS)}) (columns {', '.join(HISTORY_COLUMNS)}), got "
-                              f"{tuple(table.shape) if isinstance(table, torch.Tensor) else table!r}")
+        if (
+            not isinstance(table, torch.Tensor)
+            or table.dim() != 2
+            or table.shape[1] != len(HISTORY_COLUMNS)
+            or not table.dtype.is_floating_point
+        ):
+            raise ConfigError(
+                f"the history's table must be a float tensor of shape (rows, "
+                f"{len(HISTORY_COLUMNS)}) (columns {', '.join(HISTORY_COLUMNS)}), got "
+                f"{tuple(table.shape) if isinstance(table, torch.Tensor) else table!r}"
+            )
         lost = check_int("the history's overflows_lost", state.get("overflows_lost", 0), at_least=0)
         try:
             overflows = [OverflowEvent.from_dict(d) for d in state.get("overflows", ())]
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(f"the history's overflow records do not load: {type(e).__name__}: "
-                              f"{e}") from e
+            raise ConfigError(
+                f"the history's overflow records do not load: {type(e).__name__}: {e}"
+            ) from e
         return step, table.detach().to(torch.float32), overflows, lost

@@ -33,8 +33,9 @@ class InputSignature:
     constants: tuple[Any, ...]
 
     def describe(self) -> str:
-        parts = [f"{'x'.join(map(str, s)) or 'scalar'} {dtype_name(d)}"
-                 for s, d, _, _ in self.tensors]
+        parts = [
+            f"{'x'.join(map(str, s)) or 'scalar'} {dtype_name(d)}" for s, d, _, _ in self.tensors
+        ]
         return ", ".join(parts) or "no tensors"
 
 
@@ -54,14 +55,16 @@ class FlatInputs:
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         return tuple(args), dict(kwargs)
 
-    def as_meta(self) -> "FlatInputs":
+    def as_meta(self) -> FlatInputs:
         """The same structure with meta tensors (shapes only), to rerun build() on fakes later."""
-        metas = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-                 for t in self.tensors]
+        metas = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            for t in self.tensors
+        ]
         args, kwargs = self.rebuild(metas)
         return FlatInputs(metas, self.signature, args, kwargs, [t.device for t in self.tensors])
 
-    def micro_batch(self, n: int, graph_name: str) -> "FlatInputs":
+    def micro_batch(self, n: int, graph_name: str) -> FlatInputs:
         """The first of n equal slices along dim 0 of every tensor (gradient accumulation)."""
         sliced = []
         for i, t in enumerate(self.tensors):
@@ -69,7 +72,8 @@ class FlatInputs:
                 raise InputError(
                     f"{graph_name}(...): gradient accumulation over {n} micro-batches splits every "
                     f"tensor argument along dim 0, but tensor argument {i} has shape "
-                    f"{tuple(t.shape)}; pass batches whose first dimension is a multiple of {n}")
+                    f"{tuple(t.shape)}; pass batches whose first dimension is a multiple of {n}"
+                )
             sliced.append(t[: t.shape[0] // n])
         args, kwargs = self.rebuild(sliced)
         return FlatInputs(sliced, self.signature, args, kwargs)
@@ -82,8 +86,11 @@ class FlatInputs:
     def leaf_names(self, build: Callable) -> list[tuple[str, bool]]:
         """(readable name, is a tensor) for every leaf of g(...)'s arguments, in order."""
         try:
-            params = [p for p in inspect.signature(build).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+            params = [
+                p
+                for p in inspect.signature(build).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+            ]
         except (TypeError, ValueError):
             params = []
         names = []
@@ -92,7 +99,11 @@ class FlatInputs:
             keys = [getattr(k, "idx", getattr(k, "key", None)) for k in path]
             if keys and keys[0] == 0 and len(keys) > 1 and isinstance(keys[1], int):
                 i = keys[1]
-                base = params[i].name if i < len(params) and params[i].kind != params[i].VAR_POSITIONAL else f"arg{i}"
+                base = (
+                    params[i].name
+                    if i < len(params) and params[i].kind != params[i].VAR_POSITIONAL
+                    else f"arg{i}"
+                )
                 rest = keys[2:]
             else:
                 base, rest = "kw", keys[1:]

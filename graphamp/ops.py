@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from .errors import ConfigError
 from .fxutil import NodeTagger
 
 aten = torch.ops.aten
+
 
 @torch.library.custom_op("graphamp::low_precision", mutates_args=())
 def _low_precision_op(x: Tensor) -> Tensor:
@@ -82,10 +83,10 @@ def _sdpa_op(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Optional[Tensor],
+    attn_mask: Tensor | None,
     dropout_p: float,
     is_causal: bool,
-    scale: Optional[float],
+    scale: float | None,
     enable_gqa: bool,
 ) -> Tensor:
     return sdpa_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -96,18 +97,26 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
-def sdpa_reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False) -> Tensor:
+def sdpa_reference(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+) -> Tensor:
     """F.scaled_dot_product_attention with the captured arguments (what the node stands for)."""
     kwargs = {"enable_gqa": True} if enable_gqa else {}
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-        scale=scale, **kwargs
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        **kwargs,
     )
 
 
-def capture_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False) -> Tensor:
+def capture_sdpa(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+) -> Tensor:
     """What F.scaled_dot_product_attention becomes while build() is captured."""
     return torch.ops.graphamp.scaled_dot_product_attention(
         query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, bool(enable_gqa)
@@ -125,30 +134,67 @@ RNN_MODES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
 
 
 @torch.library.custom_op("graphamp::rnn", mutates_args=())
-def _rnn_op(mode: str, input: Tensor, hx: list[Tensor], params: list[Tensor], has_biases: bool,
-            num_layers: int, dropout: float, train: bool, bidirectional: bool,
-            batch_first: bool) -> list[Tensor]:
-    return rnn_reference(mode, input, hx, params, has_biases, num_layers, dropout, train,
-                         bidirectional, batch_first)
+def _rnn_op(
+    mode: str,
+    input: Tensor,
+    hx: list[Tensor],
+    params: list[Tensor],
+    has_biases: bool,
+    num_layers: int,
+    dropout: float,
+    train: bool,
+    bidirectional: bool,
+    batch_first: bool,
+) -> list[Tensor]:
+    return rnn_reference(
+        mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first
+    )
 
 
 @_rnn_op.register_fake
-def _(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-      batch_first):
+def _(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     # the shapes torch's own kernel gives, computed on the fake tensors (nothing runs)
     with torch.no_grad():
-        return rnn_reference(mode, input, hx, params, has_biases, num_layers, dropout, train,
-                             bidirectional, batch_first)
+        return rnn_reference(
+            mode,
+            input,
+            hx,
+            params,
+            has_biases,
+            num_layers,
+            dropout,
+            train,
+            bidirectional,
+            batch_first,
+        )
 
 
-def rnn_reference(mode: str, input: Tensor, hx: list[Tensor], params: list[Tensor],
-                  has_biases: bool, num_layers: int, dropout: float, train: bool,
-                  bidirectional: bool, batch_first: bool) -> list[Tensor]:
+def rnn_reference(
+    mode: str,
+    input: Tensor,
+    hx: list[Tensor],
+    params: list[Tensor],
+    has_biases: bool,
+    num_layers: int,
+    dropout: float,
+    train: bool,
+    bidirectional: bool,
+    batch_first: bool,
+) -> list[Tensor]:
     """torch._VF.<mode> on a dense batch (what a graphamp.rnn node stands for): the outputs as a
     list, ``[output, h_n]`` (``[output, h_n, c_n]`` for an LSTM)."""
     state = list(hx) if mode == "lstm" else hx[0]
-    out = getattr(torch._VF, mode)(input, state, list(params), has_biases, num_layers, dropout,
-                                   train, bidirectional, batch_first)
+    out = getattr(torch._VF, mode)(
+        input,
+        state,
+        list(params),
+        has_biases,
+        num_layers,
+        dropout,
+        train,
+        bidirectional,
+        batch_first,
+    )
     return list(out)
 
 
@@ -170,16 +216,29 @@ def _capture_rnn(mode: str):
     def capture(*args: Any, **kwargs: Any) -> Any:
         # dense: (input, hx, params, ...); packed sequences pass batch_sizes second and are
         # traced as torch dispatches them
-        dense = (not kwargs and len(args) == 9 and isinstance(args[2], (list, tuple))
-                 and (mode != "lstm" or isinstance(args[1], (list, tuple))))
+        dense = (
+            not kwargs
+            and len(args) == 9
+            and isinstance(args[2], (list, tuple))
+            and (mode != "lstm" or isinstance(args[1], (list, tuple)))
+        )
         if not dense:
             return vf(*args, **kwargs)
         input, hx, params, *flags = args
         hx = list(hx) if isinstance(hx, (list, tuple)) else [hx]
         with NodeTagger({"part_of": getattr(aten, mode)}):
-            out = torch.ops.graphamp.rnn(mode, input, hx, list(params), bool(flags[0]),
-                                         int(flags[1]), float(flags[2]), bool(flags[3]),
-                                         bool(flags[4]), bool(flags[5]))
+            out = torch.ops.graphamp.rnn(
+                mode,
+                input,
+                hx,
+                list(params),
+                bool(flags[0]),
+                int(flags[1]),
+                float(flags[2]),
+                bool(flags[3]),
+                bool(flags[4]),
+                bool(flags[5]),
+            )
         return tuple(out)
 
     return capture
@@ -216,6 +275,7 @@ _register_rnn_autocast()
 
 # -- composite ops classified as a whole, and autocast's promote policy at capture ---------------
 
+
 def _capture_form(func: Any):
     """What ``func`` becomes at capture: mixed floating inputs cast to the widest first (ops in
     PROMOTE_AT_CAPTURE), and every node its decomposition appends tagged ``part_of`` (ops in
@@ -235,8 +295,11 @@ def _capture_form(func: Any):
 def promote_floating_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with their floating tensors cast to the widest floating dtype among
     them (fp64 ignored, as autocast's promote policy does)."""
-    tensors = [t for t in _tensor_leaves((args, kwargs))
-               if t.dtype.is_floating_point and t.dtype != torch.float64]
+    tensors = [
+        t
+        for t in _tensor_leaves((args, kwargs))
+        if t.dtype.is_floating_point and t.dtype != torch.float64
+    ]
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) < 2:
         return args, kwargs
@@ -266,33 +329,49 @@ def _tensor_leaves(x: Any):
 # Functions on autocast's promote list whose kernels or fake kernels reject mixed floating dtypes
 # at capture. (addcmul, addcdiv, atan2, cat and stack promote in their kernels; cross,
 # grid_sampler and index_put are traced with mixed dtypes and cast by the AMP passes.)
-PROMOTE_AT_CAPTURE = frozenset({
-    torch.dot, torch.Tensor.dot, torch.vdot, torch.Tensor.vdot, torch.tensordot,
-    torch.bilinear, torch.scatter_add, torch.Tensor.scatter_add,
-})
+PROMOTE_AT_CAPTURE = frozenset(
+    {
+        torch.dot,
+        torch.Tensor.dot,
+        torch.vdot,
+        torch.Tensor.vdot,
+        torch.tensordot,
+        torch.bilinear,
+        torch.scatter_add,
+        torch.Tensor.scatter_add,
+    }
+)
 
 # Composite functions (as user code reaches them) -> the aten op whose list decides for their
 # pieces. Autocast casts once, for the whole call; capture splits the call into pieces that, one
 # by one, would be classified differently (an LSTM cell's sigmoid and tanh, l1_loss's sub and
 # abs, linalg_vecdot's mul and sum, tensordot's mm).
 WHOLE_OP_FUNCTIONS = {
-    torch.lstm_cell: aten.lstm_cell, torch.gru_cell: aten.gru_cell,
-    torch.rnn_tanh_cell: aten.rnn_tanh_cell, torch.rnn_relu_cell: aten.rnn_relu_cell,
+    torch.lstm_cell: aten.lstm_cell,
+    torch.gru_cell: aten.gru_cell,
+    torch.rnn_tanh_cell: aten.rnn_tanh_cell,
+    torch.rnn_relu_cell: aten.rnn_relu_cell,
     torch.linalg.vecdot: aten.linalg_vecdot,
-    torch.tensordot: aten.tensordot, torch.bilinear: aten.bilinear,
-    F.l1_loss: aten.l1_loss, torch._C._nn.l1_loss: aten.l1_loss,
+    torch.tensordot: aten.tensordot,
+    torch.bilinear: aten.bilinear,
+    F.l1_loss: aten.l1_loss,
+    torch._C._nn.l1_loss: aten.l1_loss,
     F.margin_ranking_loss: aten.margin_ranking_loss,
     torch.margin_ranking_loss: aten.margin_ranking_loss,
     F.hinge_embedding_loss: aten.hinge_embedding_loss,
     torch.hinge_embedding_loss: aten.hinge_embedding_loss,
-    F.poisson_nll_loss: aten.poisson_nll_loss, torch.poisson_nll_loss: aten.poisson_nll_loss,
+    F.poisson_nll_loss: aten.poisson_nll_loss,
+    torch.poisson_nll_loss: aten.poisson_nll_loss,
     F.cosine_embedding_loss: aten.cosine_embedding_loss,
     torch.cosine_embedding_loss: aten.cosine_embedding_loss,
-    F.kl_div: aten.kl_div, torch.kl_div: aten.kl_div,
+    F.kl_div: aten.kl_div,
+    torch.kl_div: aten.kl_div,
     F.triplet_margin_loss: aten.triplet_margin_loss,
     torch.triplet_margin_loss: aten.triplet_margin_loss,
-    torch.cosine_similarity: aten.cosine_similarity, torch.cdist: aten.cdist,
-    F.rms_norm: aten.rms_norm, torch.rms_norm: aten.rms_norm,
+    torch.cosine_similarity: aten.cosine_similarity,
+    torch.cdist: aten.cdist,
+    F.rms_norm: aten.rms_norm,
+    torch.rms_norm: aten.rms_norm,
 }
 
 # What the capture mode turns user-level calls into.
@@ -305,8 +384,12 @@ CAPTURE_REWRITES = {
 }
 # How step assembly expands graphamp's ops back into torch (hints left by a graph without AMP
 # are identities).
-EXPANSIONS = {SDPA: sdpa_reference, LOW_PRECISION_HINT: lambda x: x,
-              FULL_PRECISION_HINT: lambda x: x, torch.ops.graphamp.rnn.default: _expand_rnn}
+EXPANSIONS = {
+    SDPA: sdpa_reference,
+    LOW_PRECISION_HINT: lambda x: x,
+    FULL_PRECISION_HINT: lambda x: x,
+    torch.ops.graphamp.rnn.default: _expand_rnn,
+}
 
 
 def resolve_op(op: Any) -> Any:
@@ -334,6 +417,7 @@ def resolve_op(op: Any) -> Any:
 
 # -- custom autograd Functions, kept whole in the captured forward --------------------------------
 
+
 class FunctionCall:
     """One ``MyFunction.apply(...)`` call seen at capture: the class and its non-tensor arguments.
 
@@ -358,7 +442,8 @@ class FunctionCall:
         """``cls.apply`` on these tensor arguments; its tensor outputs, flattened."""
         it = iter(tensors)
         args, kwargs = pytree.tree_unflatten(
-            [next(it) if x is None else x for x in self.template], self.spec)
+            [next(it) if x is None else x for x in self.template], self.spec
+        )
         out = _ORIGINAL_APPLY.__get__(None, self.cls)(*args, **kwargs)
         leaves, self.out_spec = pytree.tree_flatten(out)
         self.out_template = [None if isinstance(x, Tensor) else x for x in leaves]
@@ -366,14 +451,15 @@ class FunctionCall:
 
     def rebuild_outputs(self, tensors: list[Tensor]) -> Any:
         it = iter(tensors)
-        return pytree.tree_unflatten([next(it) if x is None else x for x in self.out_template],
-                                     self.out_spec)
+        return pytree.tree_unflatten(
+            [next(it) if x is None else x for x in self.out_template], self.out_spec
+        )
 
 
 _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
 _KEYS = itertools.count()
 # Captured forwards keep their calls alive (CapturedForward.function_calls); the op finds them here.
-_CALLS: "weakref.WeakValueDictionary[int, FunctionCall]" = weakref.WeakValueDictionary()
+_CALLS: weakref.WeakValueDictionary[int, FunctionCall] = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("graphamp::autograd_function", mutates_args=())

@@ -20,12 +20,14 @@ from .validate import check_number
 SUPPORTED = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
 # The float hyperparameters each kind reads per param group: graph inputs (0-dim fp32 tensors),
 # so a scheduler changing them never recompiles.
-HYPER = {"sgd": ("lr", "momentum", "dampening", "weight_decay"),
-         "adam": ("lr", "beta1", "beta2", "eps", "weight_decay")}
+HYPER = {
+    "sgd": ("lr", "momentum", "dampening", "weight_decay"),
+    "adam": ("lr", "beta1", "beta2", "eps", "weight_decay"),
+}
 
 
 def optimizer_kind(optimizer: Any) -> str:
-    """"sgd" or "adam"; raises for optimizers and options without an in-graph update."""
+    """ "sgd" or "adam"; raises for optimizers and options without an in-graph update."""
     kind = SUPPORTED.get(type(optimizer))
     if kind is None:
         names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED)
@@ -39,8 +41,10 @@ def optimizer_kind(optimizer: Any) -> str:
             raise UnsupportedOptimizerError(
                 f"{type(optimizer).__name__}(differentiable=True) is not supported in a Graph"
             )
-        if kind == "sgd" and group.get("nesterov") and (
-            group["momentum"] <= 0 or group["dampening"] != 0
+        if (
+            kind == "sgd"
+            and group.get("nesterov")
+            and (group["momentum"] <= 0 or group["dampening"] != 0)
         ):
             raise ConfigError("SGD nesterov momentum requires a momentum and zero dampening")
     return kind
@@ -56,13 +60,22 @@ def group_flags(kind: str, optimizer: torch.optim.Optimizer, group: dict) -> tup
     """The options of a param group that change the traced update (part of the cache key)."""
     maximize = bool(group.get("maximize", False))
     if kind == "sgd":
-        return (("momentum", group["momentum"] != 0), ("dampening", group["dampening"] != 0),
-                ("nesterov", bool(group["nesterov"])), ("weight_decay", group["weight_decay"] != 0),
-                ("maximize", maximize))
+        return (
+            ("momentum", group["momentum"] != 0),
+            ("dampening", group["dampening"] != 0),
+            ("nesterov", bool(group["nesterov"])),
+            ("weight_decay", group["weight_decay"] != 0),
+            ("maximize", maximize),
+        )
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
-        group.get("decoupled_weight_decay", False))
-    return (("amsgrad", bool(group["amsgrad"])), ("decoupled", decoupled),
-            ("weight_decay", group["weight_decay"] != 0), ("maximize", maximize))
+        group.get("decoupled_weight_decay", False)
+    )
+    return (
+        ("amsgrad", bool(group["amsgrad"])),
+        ("decoupled", decoupled),
+        ("weight_decay", group["weight_decay"] != 0),
+        ("maximize", maximize),
+    )
 
 
 def state_keys(kind: str, flags: dict) -> tuple[str, ...]:

@@ -37,8 +37,10 @@ class AmpPin:
         if not isinstance(self.module, str):
             raise ConfigError(f"AmpPin(module=...) takes a module path string, got {self.module!r}")
         if self.op is None and not self.module:
-            raise ConfigError("AmpPin without an op pins a whole module: name the module (pinning "
-                              "'' would keep the whole model in fp32; disable AMP instead)")
+            raise ConfigError(
+                "AmpPin without an op pins a whole module: name the module (pinning "
+                "'' would keep the whole model in fp32; disable AMP instead)"
+            )
         if self.op is not None and not (isinstance(self.op, str) and self.op):
             raise ConfigError(f"AmpPin(op=...) takes an op name like 'aten.mm', got {self.op!r}")
         if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
@@ -53,13 +55,19 @@ class AmpPin:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so a state dict holding it loads with ``weights_only=True``."""
-        return {"module": self.module, "op": self.op, "index": self.index,
-                "reason": self.reason, "step": self.step}
+        return {
+            "module": self.module,
+            "op": self.op,
+            "index": self.index,
+            "reason": self.reason,
+            "step": self.step,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "AmpPin":
-        return cls(d["module"], d.get("op"), int(d.get("index", 0)), d.get("reason", ""),
-                   d.get("step"))
+    def from_dict(cls, d: dict[str, Any]) -> AmpPin:
+        return cls(
+            d["module"], d.get("op"), int(d.get("index", 0)), d.get("reason", ""), d.get("step")
+        )
 
 
 def pin_identity(node: fx.Node, occurrence: int) -> AmpPin:
@@ -92,7 +100,9 @@ class PinMatch:
     unmatched: list[AmpPin]  # pins naming nothing in this graph (model code changed?)
 
 
-def resolve_pins(gm: fx.GraphModule, pins: Iterable[AmpPin], module_paths: Iterable[str]) -> PinMatch:
+def resolve_pins(
+    gm: fx.GraphModule, pins: Iterable[AmpPin], module_paths: Iterable[str]
+) -> PinMatch:
     """The nodes and modules of ``gm`` that ``pins`` name; ``module_paths`` are the registered
     modules' paths (a module pin must name one of them)."""
     pins = list(pins)

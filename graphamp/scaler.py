@@ -76,8 +76,11 @@ class GradScaler:
         self.enabled = check_bool("enabled", enabled)
         self._init_scale = init_scale
         # Host values until the first call creates device tensors; then the tensors are truth.
-        self._pending: dict[str, Any] | None = {"scale": init_scale, "growth_tracker": 0,
-                                                 "hysteresis_tracker": hysteresis}
+        self._pending: dict[str, Any] | None = {
+            "scale": init_scale,
+            "growth_tracker": 0,
+            "hysteresis_tracker": hysteresis,
+        }
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._hysteresis_tracker: torch.Tensor | None = None
@@ -89,10 +92,12 @@ class GradScaler:
             return
         current = self._host_values()
         self._scale = torch.full((), current["scale"], dtype=torch.float32, device=device)
-        self._growth_tracker = torch.full((), current["growth_tracker"], dtype=torch.int32,
-                                          device=device)
-        self._hysteresis_tracker = torch.full((), current["hysteresis_tracker"],
-                                              dtype=torch.int32, device=device)
+        self._growth_tracker = torch.full(
+            (), current["growth_tracker"], dtype=torch.int32, device=device
+        )
+        self._hysteresis_tracker = torch.full(
+            (), current["hysteresis_tracker"], dtype=torch.int32, device=device
+        )
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self._pending = None
 
@@ -100,8 +105,11 @@ class GradScaler:
         if self._pending is not None:
             return dict(self._pending)
         scale, growth, hysteresis, _ = self.state_tensors()
-        return {"scale": scale.item(), "growth_tracker": int(growth.item()),
-                "hysteresis_tracker": int(hysteresis.item())}
+        return {
+            "scale": scale.item(),
+            "growth_tracker": int(growth.item()),
+            "hysteresis_tracker": int(hysteresis.item()),
+        }
 
     def state_tensors(self) -> list[torch.Tensor]:
         """scale, growth tracker, hysteresis tracker, last found_inf: updated in place per step
@@ -169,8 +177,10 @@ class GradScaler:
     def check_state_dict(self, state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """(settings, values) a state dict would load; ConfigError if anything is invalid."""
         if isinstance(state, dict) and len(state) == 0:
-            raise ConfigError("the grad scaler state dict is empty, possibly because it was "
-                              "saved from a disabled GradScaler")
+            raise ConfigError(
+                "the grad scaler state dict is empty, possibly because it was "
+                "saved from a disabled GradScaler"
+            )
         if not isinstance(state, dict):
             raise ConfigError(f"a grad scaler state dict is a dict, got {type(state).__name__}")
         missing = [k for k in _TORCH_KEYS if k not in state]
@@ -178,50 +188,79 @@ class GradScaler:
             raise ConfigError(f"grad scaler state dict lacks {missing}; it holds {sorted(state)}")
         values = {
             "scale": check_number("the loaded scale", state["scale"], above=0),
-            "growth_tracker": check_int("the loaded _growth_tracker", state["_growth_tracker"],
-                                        at_least=0),
-            "hysteresis_tracker": check_int("the loaded _hysteresis_tracker",
-                                            state.get("_hysteresis_tracker", self.hysteresis),
-                                            at_least=0),
+            "growth_tracker": check_int(
+                "the loaded _growth_tracker", state["_growth_tracker"], at_least=0
+            ),
+            "hysteresis_tracker": check_int(
+                "the loaded _hysteresis_tracker",
+                state.get("_hysteresis_tracker", self.hysteresis),
+                at_least=0,
+            ),
         }
         if state.get("static") or not self.dynamic:
             return {}, values
         settings = {
-            "growth_factor": check_number("the loaded growth_factor", state["growth_factor"],
-                                          above=1),
-            "backoff_factor": check_number("the loaded backoff_factor", state["backoff_factor"],
-                                           above=0, below=1),
-            "growth_interval": check_int("the loaded growth_interval", state["growth_interval"],
-                                         at_least=1),
-            "max_scale": check_number("the loaded max_scale", state.get("max_scale", self.max_scale),
-                                      above=0, allow_inf=True),
-            "min_scale": check_number("the loaded min_scale", state.get("min_scale", self.min_scale),
-                                      at_least=0),
-            "hysteresis": check_int("the loaded hysteresis", state.get("hysteresis", self.hysteresis),
-                                    at_least=1),
+            "growth_factor": check_number(
+                "the loaded growth_factor", state["growth_factor"], above=1
+            ),
+            "backoff_factor": check_number(
+                "the loaded backoff_factor", state["backoff_factor"], above=0, below=1
+            ),
+            "growth_interval": check_int(
+                "the loaded growth_interval", state["growth_interval"], at_least=1
+            ),
+            "max_scale": check_number(
+                "the loaded max_scale",
+                state.get("max_scale", self.max_scale),
+                above=0,
+                allow_inf=True,
+            ),
+            "min_scale": check_number(
+                "the loaded min_scale", state.get("min_scale", self.min_scale), at_least=0
+            ),
+            "hysteresis": check_int(
+                "the loaded hysteresis", state.get("hysteresis", self.hysteresis), at_least=1
+            ),
         }
         if settings["min_scale"] > settings["max_scale"]:
-            raise ConfigError(f"the loaded min_scale ({settings['min_scale']}) is greater than "
-                              f"its max_scale ({settings['max_scale']})")
+            raise ConfigError(
+                f"the loaded min_scale ({settings['min_scale']}) is greater than "
+                f"its max_scale ({settings['max_scale']})"
+            )
         return settings, values
 
     def settings(self) -> tuple:
         """What the traced update depends on (part of the compiled step's cache key)."""
-        return (type(self).__name__, self.enabled, self.growth_factor, self.backoff_factor,
-                self.growth_interval, self.max_scale, self.min_scale, self.hysteresis)
+        return (
+            type(self).__name__,
+            self.enabled,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+            self.max_scale,
+            self.min_scale,
+            self.hysteresis,
+        )
 
     def __repr__(self) -> str:
         if not self.enabled:
             return f"{type(self).__name__}(enabled=False)"
-        return (f"{type(self).__name__}(scale={self.get_scale()}, "
-                f"growth_factor={self.growth_factor}, "
-                f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
-                f"min_scale={self.min_scale}, max_scale={self.max_scale}, "
-                f"hysteresis={self.hysteresis})")
+        return (
+            f"{type(self).__name__}(scale={self.get_scale()}, "
+            f"growth_factor={self.growth_factor}, "
+            f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
+            f"min_scale={self.min_scale}, max_scale={self.max_scale}, "
+            f"hysteresis={self.hysteresis})"
+        )
 
     # -- traced into the step -------------------------------------------------------------------
-    def update_scale(self, scale: torch.Tensor, growth_tracker: torch.Tensor,
-                     hysteresis_tracker: torch.Tensor, found_inf: torch.Tensor):
+    def update_scale(
+        self,
+        scale: torch.Tensor,
+        growth_tracker: torch.Tensor,
+        hysteresis_tracker: torch.Tensor,
+        found_inf: torch.Tensor,
+    ):
         """New (scale, growth_tracker, hysteresis_tracker) after a step; traced, no host sync.
 
         With hysteresis=1, min_scale=0, max_scale=inf this is ``torch._amp_update_scale_``:
@@ -243,9 +282,12 @@ class GradScaler:
         zero = torch.zeros_like(growth_tracker)
         new_growth = torch.where(overflow | grow, zero, successful)
         new_hysteresis = torch.where(
-            overflow, hysteresis_left,
-            torch.where(grow, torch.full_like(hysteresis_tracker, self.hysteresis),
-                        hysteresis_tracker))
+            overflow,
+            hysteresis_left,
+            torch.where(
+                grow, torch.full_like(hysteresis_tracker, self.hysteresis), hysteresis_tracker
+            ),
+        )
         return new_scale, new_growth, new_hysteresis
 
 
@@ -256,12 +298,17 @@ class StaticGradScaler(GradScaler):
 
     def __init__(self, scale: float):
         scale = check_number("scale", scale, above=0)
-        super().__init__(init_scale=scale, growth_factor=2.0, backoff_factor=0.5,
-                         growth_interval=1, max_scale=max(scale, 1.0), min_scale=min(scale, 1.0))
+        super().__init__(
+            init_scale=scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=1,
+            max_scale=max(scale, 1.0),
+            min_scale=min(scale, 1.0),
+        )
 
     def update_scale(self, scale, growth_tracker, hysteresis_tracker, found_inf):
         return scale, growth_tracker, hysteresis_tracker
 
     def __repr__(self) -> str:
         return f"StaticGradScaler(scale={self.get_scale()})"
-

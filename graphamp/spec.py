@@ -26,14 +26,29 @@ from .ops import FunctionCall
 from .optimizers import OptimizerPlan
 from .scaler import GradScaler
 
-if TYPE_CHECKING:  # the AMP passes' context: a record of the passes stage, typed only
+if TYPE_CHECKING:  # records of other stages, typed only
+    from .forensics import ForensicsState
     from .passes import AmpContext
 
-__all__ = ["AutocastTrace", "CapturedForward", "CompiledStep", "GraphSpec", "OptimizerSlot", "OracleOp",
-           "PassRecord", "Program", "STEP_INPUT_GROUPS", "STRUCTURAL_OPS", "StepLayout", "StepPlan", "StepRunner"]
+__all__ = [
+    "AutocastTrace",
+    "CapturedForward",
+    "CompiledStep",
+    "GraphSpec",
+    "OptimizerSlot",
+    "OracleOp",
+    "PassRecord",
+    "Program",
+    "STEP_INPUT_GROUPS",
+    "STRUCTURAL_OPS",
+    "StepLayout",
+    "StepPlan",
+    "StepRunner",
+]
 
 
 # -- what the user registered and configured ------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class OptimizerSlot:
@@ -48,10 +63,17 @@ class OptimizerSlot:
         """What the traced update depends on besides values (part of the cache key)."""
         groups = []
         for g in self.optimizer.param_groups:
-            groups.append((tuple((id(p), p.requires_grad) for p in g["params"]),
-                           g.get("momentum", 0) != 0, g.get("dampening", 0) != 0,
-                           bool(g.get("nesterov")), g.get("weight_decay", 0) != 0,
-                           bool(g.get("amsgrad")), bool(g.get("maximize"))))
+            groups.append(
+                (
+                    tuple((id(p), p.requires_grad) for p in g["params"]),
+                    g.get("momentum", 0) != 0,
+                    g.get("dampening", 0) != 0,
+                    bool(g.get("nesterov")),
+                    g.get("weight_decay", 0) != 0,
+                    bool(g.get("amsgrad")),
+                    bool(g.get("maximize")),
+                )
+            )
         return (type(self.optimizer), tuple(groups), self.clip_max_norm, self.clip_norm_type)
 
 
@@ -75,6 +97,7 @@ class GraphSpec:
 
 
 # -- what capture hands the AMP passes and the planner ----------------------------------------------
+
 
 @dataclass
 class CapturedForward:
@@ -119,9 +142,12 @@ class CapturedForward:
         """(build()'s tensors, losses, explicit loss gradients, new buffer values)."""
         n_out, n_loss = self.num_user_outputs, self.num_losses
         n_grad = sum(self.loss_grad_given)
-        return (list(outs[:n_out]), list(outs[n_out:n_out + n_loss]),
-                list(outs[n_out + n_loss:n_out + n_loss + n_grad]),
-                list(outs[n_out + n_loss + n_grad:]))
+        return (
+            list(outs[:n_out]),
+            list(outs[n_out : n_out + n_loss]),
+            list(outs[n_out + n_loss : n_out + n_loss + n_grad]),
+            list(outs[n_out + n_loss + n_grad :]),
+        )
 
     def unflatten_outputs(self, tensors: Sequence[Any]) -> Any:
         """build()'s return value with ``tensors`` where it returned tensors."""
@@ -137,8 +163,19 @@ TENSOR = object()  # marks where build()'s return value held a tensor
 
 # The compiled step's inputs, group by group, in this order; the batch comes last so the runtime
 # can tell state (kept at fixed addresses, e.g. for CUDA graphs) from per-call inputs.
-STEP_INPUT_GROUPS = ("params", "buffers", "opt_state", "hyper", "counters", "scaler", "history",
-                     "shard", "forensics", "constants", "inputs")
+STEP_INPUT_GROUPS = (
+    "params",
+    "buffers",
+    "opt_state",
+    "hyper",
+    "counters",
+    "scaler",
+    "history",
+    "shard",
+    "forensics",
+    "constants",
+    "inputs",
+)
 
 
 class StepLayout:
@@ -163,8 +200,9 @@ class StepLayout:
         for g in STEP_INPUT_GROUPS:
             values = groups.get(g, ())
             if len(values) != self.sizes[g]:
-                raise ValueError(f"step input group {g!r} has {len(values)} values, the layout "
-                                 f"{self.sizes[g]}")
+                raise ValueError(
+                    f"step input group {g!r} has {len(values)} values, the layout {self.sizes[g]}"
+                )
             flat.extend(values)
         return flat
 
@@ -173,7 +211,7 @@ class StepLayout:
         out, i = {}, 0
         for g in STEP_INPUT_GROUPS:
             n = self.sizes[g]
-            out[g] = list(flat[i:i + n])
+            out[g] = list(flat[i : i + n])
             i += n
         return out
 
@@ -206,6 +244,7 @@ class StepPlan:
 
 # -- what a build leaves for running and inspection -------------------------------------------------
 
+
 @dataclass
 class PassRecord:
     """The forward graph's code after one stage, kept for dumps and debug output."""
@@ -221,6 +260,7 @@ class StepRunner(Protocol):
 
     calls: int  # how many times the step ran
     uses_cuda_graph: bool
+    forensics: ForensicsState | None  # this step's overflow record (overflow tracing on)
 
     def gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's flat inputs for this call; changes nothing the user can see."""
@@ -247,7 +287,7 @@ class Program:
     signature: InputSignature
     captured: CapturedForward
     forward: fx.GraphModule  # the forward after the AMP passes (the captured one if AMP is off)
-    amp: "AmpContext | None"  # the passes' context and statistics; None when AMP is off
+    amp: AmpContext | None  # the passes' context and statistics; None when AMP is off
     plan: StepPlan
     step_gm: fx.GraphModule  # the whole step as compiled
     runner: StepRunner
@@ -261,9 +301,19 @@ class Program:
 
 # Ops that move or alias data without computing: the oracle records them as neither ops nor
 # casts, and the comparison leaves them out.
-STRUCTURAL_OPS = frozenset({"aten._to_copy", "aten.detach", "aten.alias", "aten.lift_fresh",
-                            "aten.lift_fresh_copy", "aten.empty", "aten.copy", "prim.device",
-                            "aten.empty_strided"})
+STRUCTURAL_OPS = frozenset(
+    {
+        "aten._to_copy",
+        "aten.detach",
+        "aten.alias",
+        "aten.lift_fresh",
+        "aten.lift_fresh_copy",
+        "aten.empty",
+        "aten.copy",
+        "prim.device",
+        "aten.empty_strided",
+    }
+)
 
 
 @dataclass
@@ -290,6 +340,7 @@ class AutocastTrace:
 
 # -- what users may read about the compiled steps (Graph.compiled_steps) --------------------------
 
+
 @dataclass(frozen=True)
 class CompiledStep:
     """A read-only view of one compiled step of a Graph.
@@ -311,10 +362,17 @@ class CompiledStep:
     step_graph: fx.GraphModule
 
     @classmethod
-    def of(cls, program: Program) -> "CompiledStep":
-        return cls(program.signature.describe(), program.plan.training,
-                   program.amp.dtype if program.amp is not None else None,
-                   program.spec.config.backend, program.runner.uses_cuda_graph,
-                   dict(program.timings), len(program.forward.graph.nodes),
-                   len(program.step_gm.graph.nodes), program.runner.calls, program.forward,
-                   program.step_gm)
+    def of(cls, program: Program) -> CompiledStep:
+        return cls(
+            program.signature.describe(),
+            program.plan.training,
+            program.amp.dtype if program.amp is not None else None,
+            program.spec.config.backend,
+            program.runner.uses_cuda_graph,
+            dict(program.timings),
+            len(program.forward.graph.nodes),
+            len(program.step_gm.graph.nodes),
+            program.runner.calls,
+            program.forward,
+            program.step_gm,
+        )

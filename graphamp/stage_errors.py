@@ -20,20 +20,30 @@ PASS_THROUGH = (GraphampError, MemoryError, torch.OutOfMemoryError)
 
 # stage -> (what was being done, what to try)
 _STAGE_WORDS = {
-    "capture": ("capturing {name}.build()",
-                "build() runs eagerly first? If it does, the failing call is one graphamp cannot "
-                "trace on fake tensors: move it out of build() or report it"),
-    "amp_passes": ("the AMP passes on {name}",
-                   "keep the module involved in fp32 (config.pin_fp32) or turn AMP off to check, "
-                   "and report it with g.dump(path)"),
-    "plan": ("planning the training step of {name}",
-             "check the optimizers' param groups; if they are ordinary, report it"),
-    "assemble": ("assembling the training step of {name}",
-                 "a custom autograd Function's backward or a hook runs here: check that it "
-                 "works eagerly; otherwise report it with g.dump(path)"),
-    "compile": ("compiling the step of {name} with the {backend!r} backend",
-                "try config.set_backend('aot_eager') or 'eager' to see whether the backend is "
-                "at fault, and report it to torch with the step graph (g.dump(path))"),
+    "capture": (
+        "capturing {name}.build()",
+        "build() runs eagerly first? If it does, the failing call is one graphamp cannot "
+        "trace on fake tensors: move it out of build() or report it",
+    ),
+    "amp_passes": (
+        "the AMP passes on {name}",
+        "keep the module involved in fp32 (config.pin_fp32) or turn AMP off to check, "
+        "and report it with g.dump(path)",
+    ),
+    "plan": (
+        "planning the training step of {name}",
+        "check the optimizers' param groups; if they are ordinary, report it",
+    ),
+    "assemble": (
+        "assembling the training step of {name}",
+        "a custom autograd Function's backward or a hook runs here: check that it "
+        "works eagerly; otherwise report it with g.dump(path)",
+    ),
+    "compile": (
+        "compiling the step of {name} with the {backend!r} backend",
+        "try config.set_backend('aot_eager') or 'eager' to see whether the backend is "
+        "at fault, and report it to torch with the step graph (g.dump(path))",
+    ),
 }
 
 

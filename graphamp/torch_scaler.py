@@ -22,8 +22,11 @@ import torch
 from .errors import ConfigError
 from .scaler import GradScaler
 
-_TORCH_SCALER_TYPES = tuple(c for c in (getattr(torch.amp, "GradScaler", None),
-                                        getattr(torch.cuda.amp, "GradScaler", None)) if c)
+_TORCH_SCALER_TYPES = tuple(
+    c
+    for c in (getattr(torch.amp, "GradScaler", None), getattr(torch.cuda.amp, "GradScaler", None))
+    if c
+)
 
 
 class TakenOverGradScaler(GradScaler):
@@ -33,18 +36,28 @@ class TakenOverGradScaler(GradScaler):
         # set first: the settings below are written through to it
         self.__dict__["torch_scaler"] = torch_scaler
         super().__init__(
-            init_scale=torch_scaler._init_scale, growth_factor=torch_scaler._growth_factor,
+            init_scale=torch_scaler._init_scale,
+            growth_factor=torch_scaler._growth_factor,
             backoff_factor=torch_scaler._backoff_factor,
             growth_interval=torch_scaler._growth_interval,
-            max_scale=math.inf, min_scale=0.0, hysteresis=1)
+            max_scale=math.inf,
+            min_scale=0.0,
+            hysteresis=1,
+        )
 
     # the schedule: the torch object's attributes, read and written through
-    growth_factor = property(lambda self: self.torch_scaler._growth_factor,
-                             lambda self, v: setattr(self.torch_scaler, "_growth_factor", v))
-    backoff_factor = property(lambda self: self.torch_scaler._backoff_factor,
-                              lambda self, v: setattr(self.torch_scaler, "_backoff_factor", v))
-    growth_interval = property(lambda self: self.torch_scaler._growth_interval,
-                               lambda self, v: setattr(self.torch_scaler, "_growth_interval", v))
+    growth_factor = property(
+        lambda self: self.torch_scaler._growth_factor,
+        lambda self, v: setattr(self.torch_scaler, "_growth_factor", v),
+    )
+    backoff_factor = property(
+        lambda self: self.torch_scaler._backoff_factor,
+        lambda self, v: setattr(self.torch_scaler, "_backoff_factor", v),
+    )
+    growth_interval = property(
+        lambda self: self.torch_scaler._growth_interval,
+        lambda self, v: setattr(self.torch_scaler, "_growth_interval", v),
+    )
 
     def _materialize(self, device: torch.device) -> None:
         theirs = self.torch_scaler
@@ -54,7 +67,8 @@ class TakenOverGradScaler(GradScaler):
             raise ConfigError(
                 f"the torch.amp.GradScaler given to set_grad_scaler holds its scale on "
                 f"{theirs._scale.device}, and the graph runs on {device}: make it with "
-                f"torch.amp.GradScaler({device.type!r}, ...)")
+                f"torch.amp.GradScaler({device.type!r}, ...)"
+            )
         # the step writes these in place: they are the torch scaler's own tensors
         self._scale, self._growth_tracker = theirs._scale, theirs._growth_tracker
         if self._hysteresis_tracker is None or self._hysteresis_tracker.device != device:
@@ -65,25 +79,37 @@ class TakenOverGradScaler(GradScaler):
     def _host_values(self) -> dict[str, Any]:
         theirs = self.torch_scaler
         if theirs._scale is None:
-            return {"scale": theirs._init_scale, "growth_tracker": theirs._init_growth_tracker,
-                    "hysteresis_tracker": 1}
-        return {"scale": theirs._scale.item(), "growth_tracker": int(theirs._growth_tracker.item()),
-                "hysteresis_tracker": 1}
+            return {
+                "scale": theirs._init_scale,
+                "growth_tracker": theirs._init_growth_tracker,
+                "hysteresis_tracker": 1,
+            }
+        return {
+            "scale": theirs._scale.item(),
+            "growth_tracker": int(theirs._growth_tracker.item()),
+            "hysteresis_tracker": 1,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a graphamp or torch scaler's state into the torch scaler, after checking it;
         torch's semantics stay (graphamp's floor, cap and hysteresis are not taken)."""
         settings, values = self.check_state_dict(state_dict)
-        self.torch_scaler.load_state_dict({
-            "scale": values["scale"], "_growth_tracker": values["growth_tracker"],
-            "growth_factor": settings.get("growth_factor", self.growth_factor),
-            "backoff_factor": settings.get("backoff_factor", self.backoff_factor),
-            "growth_interval": settings.get("growth_interval", self.growth_interval)})
+        self.torch_scaler.load_state_dict(
+            {
+                "scale": values["scale"],
+                "_growth_tracker": values["growth_tracker"],
+                "growth_factor": settings.get("growth_factor", self.growth_factor),
+                "backoff_factor": settings.get("backoff_factor", self.backoff_factor),
+                "growth_interval": settings.get("growth_interval", self.growth_interval),
+            }
+        )
 
     def __repr__(self) -> str:
-        return (f"TakenOverGradScaler({type(self.torch_scaler).__name__}, "
-                f"scale={self.get_scale()}, growth_factor={self.growth_factor}, "
-                f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval})")
+        return (
+            f"TakenOverGradScaler({type(self.torch_scaler).__name__}, "
+            f"scale={self.get_scale()}, growth_factor={self.growth_factor}, "
+            f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval})"
+        )
 
 
 def as_graphamp_scaler(scaler: Any) -> GradScaler:

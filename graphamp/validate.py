@@ -38,9 +38,15 @@ def check_int(what: str, value: Any, *, at_least: int) -> int:
     return value
 
 
-def check_number(what: str, value: Any, *, above: float | None = None,
-                 at_least: float | None = None, below: float | None = None,
-                 allow_inf: bool = False) -> float:
+def check_number(
+    what: str,
+    value: Any,
+    *,
+    above: float | None = None,
+    at_least: float | None = None,
+    below: float | None = None,
+    allow_inf: bool = False,
+) -> float:
     """A real number within the given bounds (``above``/``below`` exclusive, ``at_least``
     inclusive), finite unless ``allow_inf``. Returns it as a float."""
     ok = not isinstance(value, bool) and isinstance(value, (int, float))
@@ -50,8 +56,9 @@ def check_number(what: str, value: Any, *, above: float | None = None,
         ok = ok and (above is None or value > above) and (at_least is None or value >= at_least)
         ok = ok and (below is None or value < below)
     if not ok:
-        raise ConfigError(f"{what} must be {_describe(above, at_least, below, allow_inf)}, "
-                          f"got {value!r}")
+        raise ConfigError(
+            f"{what} must be {_describe(above, at_least, below, allow_inf)}, got {value!r}"
+        )
     return value
 
 
@@ -83,13 +90,17 @@ def check_choice(what: str, value: Any, choices: Iterable[Any], hint: str = "") 
 
 def check_low_precision_dtype(what: str, dtype: Any) -> torch.dtype:
     if dtype not in LOW_PRECISION_DTYPES:
-        raise ConfigError(f"{what}={dtype!r}: the low-precision dtype must be torch.float16 or "
-                          "torch.bfloat16")
+        raise ConfigError(
+            f"{what}={dtype!r}: the low-precision dtype must be torch.float16 or torch.bfloat16"
+        )
     return dtype
 
 
 def check_opt_level(level: Any) -> str:
     return check_choice(
-        "AMP opt level", level, OPT_LEVELS,
+        "AMP opt level",
+        level,
+        OPT_LEVELS,
         " (O0 fp32, O1 precision lists, O2 everything but deny ops and pinned modules, "
-        "O3 everything)")
+        "O3 everything)",
+    )

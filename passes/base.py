@@ -13,9 +13,15 @@ from ..fxutil import captured_dtype, dtype_after_amp, float_dtype, is_compute_no
 from ..validate import check_low_precision_dtype, check_opt_level
 from .lists import DEFAULT_LISTS, FIXED_DTYPE, PROMOTE, PrecisionLists
 
-__all__ = ["AmpContext", "Classifier", "PassResult", "captured_dtype", "dtype_after_amp",
-           "float_dtype", "is_compute_node"]
-
+__all__ = [
+    "AmpContext",
+    "Classifier",
+    "PassResult",
+    "captured_dtype",
+    "dtype_after_amp",
+    "float_dtype",
+    "is_compute_node",
+]
 
 
 @dataclass
@@ -90,8 +96,10 @@ class Classifier:
             elif base == "unknown":
                 hit = ("unknown", "not in any precision list: kept fp32")
             else:
-                hit = (base, f"{base} list" + (" (user override)"
-                                               if packet in ctx.lists.overridden else ""))
+                hit = (
+                    base,
+                    f"{base} list" + (" (user override)" if packet in ctx.lists.overridden else ""),
+                )
             self._by_target[target] = hit
         return hit
 
@@ -117,6 +125,6 @@ class Classifier:
             pinned = next((p for p in stack if p in self.ctx.pinned_paths), None)
             if pinned is not None:
                 return "deny", f"inside fp32-pinned module {pinned}" + (
-                    f": {self.ctx.pin_reasons[pinned]}" if pinned in self.ctx.pin_reasons else "")
+                    f": {self.ctx.pin_reasons[pinned]}" if pinned in self.ctx.pin_reasons else ""
+                )
         return category, why
-

@@ -28,8 +28,15 @@ import networkx as nx
 import torch.fx as fx
 
 from ..fxutil import op_name
-from .base import AmpContext, Classifier, PassResult, captured_dtype, carries_float, \
-    is_compute_node, packet_of
+from .base import (
+    AmpContext,
+    Classifier,
+    PassResult,
+    captured_dtype,
+    carries_float,
+    is_compute_node,
+    packet_of,
+)
 from .lists import MIXED_ARGS
 
 
@@ -64,8 +71,9 @@ class DataFlow:
         # AtlasView object per lookup, which costs a third of colouring on a 100k-node graph.
         self.succ, self.pred = g._succ, g._pred  # noqa: SLF001
 
-    def reach(self, starts: Iterable[fx.Node], traversable: Callable[[fx.Node], bool],
-              reverse: bool) -> dict[fx.Node, fx.Node]:
+    def reach(
+        self, starts: Iterable[fx.Node], traversable: Callable[[fx.Node], bool], reverse: bool
+    ) -> dict[fx.Node, fx.Node]:
         """Nodes reachable from ``starts`` through traversable nodes: {node: start it came from}."""
         neighbours = self.pred if reverse else self.succ
         origin = {s: s for s in starts}
@@ -100,8 +108,9 @@ def fill_deny_set(flow: DataFlow) -> dict[fx.Node, fx.Node]:
     cat = flow.category
     deny_or_infer = [n for n in flow.order if cat[n] in ("deny", "infer")]
     upstream = flow.reach(deny_or_infer, lambda n: cat[n] == "clear", reverse=True)
-    return flow.reach([n for n in flow.order if cat[n] == "deny"], lambda n: n in upstream,
-                      reverse=False)
+    return flow.reach(
+        [n for n in flow.order if cat[n] == "deny"], lambda n: n in upstream, reverse=False
+    )
 
 
 def fill_allow_set(flow: DataFlow, deny_set: dict) -> dict[fx.Node, fx.Node]:
@@ -130,8 +139,12 @@ def propagate_allow_through_clear(flow: DataFlow, deny_set: dict, allow_set: dic
             joined.append(node)
     for node in reversed(flow.order):  # upward: all consumers low
         succs = flow.succ[node]
-        if (candidate(node) and succs and node not in flow.feeds_output
-                and all(s in allow_set for s in succs)):
+        if (
+            candidate(node)
+            and succs
+            and node not in flow.feeds_output
+            and all(s in allow_set for s in succs)
+        ):
             allow_set[node] = node
             joined.append(node)
     return joined
@@ -147,8 +160,9 @@ def colour_by_lists(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     for node in flow.order:
         node.meta["amp_colour"] = "allow" if node in allow_set else "deny"
         node.meta["amp_widen"] = node in deny_set
-        node.meta["amp_reason"] = _reason(node, category[node], why[node], allow_set, deny_set,
-                                          joined)
+        node.meta["amp_reason"] = _reason(
+            node, category[node], why[node], allow_set, deny_set, joined
+        )
         if node not in allow_set and category[node] == "unknown":
             name = op_name(node)
             ctx.unknown_ops[name] = ctx.unknown_ops.get(name, 0) + 1
@@ -186,8 +200,9 @@ def _classify(graph: fx.Graph, classify: Classifier):
     return category, why
 
 
-def _reason(node: fx.Node, cat: str, listed: str, allow_set: dict, deny_set: dict,
-            joined: set) -> str:
+def _reason(
+    node: fx.Node, cat: str, listed: str, allow_set: dict, deny_set: dict, joined: set
+) -> str:
     """One sentence: why the colouring gave ``node`` its precision."""
     if node in allow_set:
         if node in joined:

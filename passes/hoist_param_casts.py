@@ -36,19 +36,29 @@ def hoist_parameter_casts(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
         # only fp32 values are lowered (fp64 parameters keep their precision)
         if param.name not in ctx.parameters or captured_dtype(param) != torch.float32:
             continue
-        users = [u for u in param.users
-                 if u.meta.get("amp_colour") == "allow" and (
-                     packet_of(u) not in MIXED_ARGS
-                     or any(wanted_dtype(u, pos, param, ctx.dtype) == ctx.dtype
-                            for pos in _positions(u, param)))]
+        users = [
+            u
+            for u in param.users
+            if u.meta.get("amp_colour") == "allow"
+            and (
+                packet_of(u) not in MIXED_ARGS
+                or any(
+                    wanted_dtype(u, pos, param, ctx.dtype) == ctx.dtype
+                    for pos in _positions(u, param)
+                )
+            )
+        ]
         if not users:
             continue
         with graph.inserting_after(last):
             shadow = graph.placeholder(f"{param.name}_{dtype_name(ctx.dtype)}")
         last = shadow
         shadow.meta.update(
-            val=param.meta.get("val"), captured_dtype=captured_dtype(param), amp_dtype=ctx.dtype,
-            amp_colour="cast", shadow_of=param.name,
+            val=param.meta.get("val"),
+            captured_dtype=captured_dtype(param),
+            amp_dtype=ctx.dtype,
+            amp_colour="cast",
+            shadow_of=param.name,
             amp_reason=f"low-precision copy of {param.name}, refreshed by the optimizer",
         )
         for user in users:
@@ -76,6 +86,7 @@ def _mentions(arg, value: fx.Node) -> bool:
 def _replace_low_uses(user: fx.Node, param: fx.Node, shadow: fx.Node, ctx: AmpContext) -> None:
     """Point the argument positions that want low precision at the shadow (BatchNorm's fp32
     positions keep the parameter)."""
+
     def swap(arg, pos):
         if arg is param:
             return shadow if wanted_dtype(user, pos, param, ctx.dtype) == ctx.dtype else arg

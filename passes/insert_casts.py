@@ -41,8 +41,14 @@ import torch.fx as fx
 
 from ..validate import dtype_name
 from .base import AmpContext, PassResult, captured_dtype, dtype_after_amp, packet_of
-from .lists import (ALL_OUTPUTS_FOLLOW, EQUAL_DTYPES, FACTORIES, LIKE_FACTORIES, MIXED_ARGS,
-                    PROMOTING)
+from .lists import (
+    ALL_OUTPUTS_FOLLOW,
+    EQUAL_DTYPES,
+    FACTORIES,
+    LIKE_FACTORIES,
+    MIXED_ARGS,
+    PROMOTING,
+)
 
 __all__ = ["dtype_after_amp", "insert_casts", "wanted_dtype"]
 
@@ -91,8 +97,12 @@ class _CastInserter:
             where = self.anchor if value.op == "placeholder" else value
             with self.graph.inserting_after(where):
                 node = self.graph.create_node(
-                    "call_function", aten._to_copy.default, (value,), {"dtype": dtype},
-                    name=f"{value.name}_{dtype_name(dtype)}")
+                    "call_function",
+                    aten._to_copy.default,
+                    (value,),
+                    {"dtype": dtype},
+                    name=f"{value.name}_{dtype_name(dtype)}",
+                )
             node.meta.update(
                 amp_cast=True,
                 amp_list="cast",
@@ -155,8 +165,9 @@ class _CastInserter:
         group = dims or zero_dims
         return bool(group) and out is not None and reduce(torch.promote_types, group) == out
 
-    def _set_output_dtype(self, node: fx.Node, compute: torch.dtype | None, packet: Any,
-                          wanted: dict) -> None:
+    def _set_output_dtype(
+        self, node: fx.Node, compute: torch.dtype | None, packet: Any, wanted: dict
+    ) -> None:
         orig = captured_dtype(node)
         if compute is None and packet in EQUAL_DTYPES and wanted:
             compute = next(iter(wanted.values()))  # the one dtype its inputs now share
@@ -166,9 +177,12 @@ class _CastInserter:
         # recurrent states); widened ops compute every output in fp32
         widen = node.meta.get("amp_widen") and compute == torch.float32
         if isinstance(orig, tuple):
-            after = tuple(compute if d in AMP_DTYPES and (widen or i == 0
-                                                          or packet in ALL_OUTPUTS_FOLLOW) else d
-                          for i, d in enumerate(orig))
+            after = tuple(
+                compute
+                if d in AMP_DTYPES and (widen or i == 0 or packet in ALL_OUTPUTS_FOLLOW)
+                else d
+                for i, d in enumerate(orig)
+            )
             if after != orig:
                 node.meta["amp_dtype"] = after
         elif orig in AMP_DTYPES and orig != compute:
@@ -207,9 +221,12 @@ def _widen_inner_cast(node: fx.Node) -> None:
     src = node.args[0] if node.args else None
     if node.target is not aten._to_copy.default or not isinstance(src, fx.Node):
         return
-    if not (node.kwargs.get("dtype") in (torch.float16, torch.bfloat16)
-            and src.meta.get("amp_widen") and src.meta.get("part_of") == node.meta["part_of"]
-            and dtype_after_amp(src) == torch.float32):
+    if not (
+        node.kwargs.get("dtype") in (torch.float16, torch.bfloat16)
+        and src.meta.get("amp_widen")
+        and src.meta.get("part_of") == node.meta["part_of"]
+        and dtype_after_amp(src) == torch.float32
+    ):
         return
     val = src.meta.get("val")
     same_place = {"layout": torch.strided, "device": getattr(val, "device", None)}

@@ -34,7 +34,9 @@ def check_amp_invariants(gm: fx.GraphModule, ctx: AmpContext | None = None) -> N
             if cast_target_dtype(src) is not None:
                 problems.append(f"{node.name} casts the cast {src.name} (chain not folded)")
         if node.op == "call_function" and node.meta.get("amp_widen"):
-            low = [d for d in _dtypes(dtype_after_amp(node)) if d in (torch.float16, torch.bfloat16)]
+            low = [
+                d for d in _dtypes(dtype_after_amp(node)) if d in (torch.float16, torch.bfloat16)
+            ]
             if low:
                 problems.append(f"{node.name} must compute in fp32 but gives {low[0]}")
         if node.op == "call_function":
@@ -47,8 +49,9 @@ def check_amp_invariants(gm: fx.GraphModule, ctx: AmpContext | None = None) -> N
             for value in node.all_input_nodes:
                 orig = captured_dtype(value)  # a cast records its source's captured dtype
                 if orig is not None and dtype_after_amp(value) != orig:
-                    problems.append(f"output {value.name} is {dtype_after_amp(value)}, "
-                                    f"captured as {orig}")
+                    problems.append(
+                        f"output {value.name} is {dtype_after_amp(value)}, captured as {orig}"
+                    )
     problems += [f"{src.name} has {n} casts to {dt}" for (src, dt), n in per_value.items() if n > 1]
     if problems:
         raise AmpInvariantError("AMP invariants broken:\n  " + "\n  ".join(problems))

@@ -22,14 +22,25 @@ from .insert_casts import insert_casts
 from .lint import check_amp_invariants
 from .remove_hints import remove_hints
 
-AMP_PIPELINE = (colour_by_lists, hoist_parameter_casts, insert_casts, remove_hints,
-                fold_cast_chains)
+AMP_PIPELINE = (
+    colour_by_lists,
+    hoist_parameter_casts,
+    insert_casts,
+    remove_hints,
+    fold_cast_chains,
+)
 
 AfterPass = Callable[[str, fx.GraphModule, bool, float], None]
 
 
-def run_amp_passes(gm: fx.GraphModule, ctx: AmpContext, *, after_pass: AfterPass | None = None,
-                   check: bool = True, recompile: bool = True) -> fx.GraphModule:
+def run_amp_passes(
+    gm: fx.GraphModule,
+    ctx: AmpContext,
+    *,
+    after_pass: AfterPass | None = None,
+    check: bool = True,
+    recompile: bool = True,
+) -> fx.GraphModule:
     """Run AMP_PIPELINE on ``gm`` in place; lint after each pass, check invariants at the end,
     then regenerate the module's code once."""
     timings = ctx.stats.setdefault("pass_seconds", {})
@@ -72,8 +83,9 @@ def _run(gm, ctx, after_pass, check, timings):
                 result.graph_module.graph.lint()
         except Exception as e:
             before = ", ".join(p.__name__ for p in AMP_PIPELINE[:i]) or "none"
-            raise AmpPassError(f"AMP pass {name} failed (passes run before it: {before}): "
-                               f"{type(e).__name__}: {e}") from e
+            raise AmpPassError(
+                f"AMP pass {name} failed (passes run before it: {before}): {type(e).__name__}: {e}"
+            ) from e
         gm = result.graph_module
         seconds = time.perf_counter() - start
         timings[name] = seconds

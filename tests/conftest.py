@@ -8,7 +8,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-
 @pytest.fixture(autouse=True)
 def _seed_and_quiet():
     torch.manual_seed(0)

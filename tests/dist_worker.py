@@ -77,7 +77,7 @@ def main():
     try:
         # without a scaler (bf16) nothing would skip the poisoned step
         for x, y in global_batches(poison=mode != "bf16"):
-            g(x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
+            g(x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard])
         result["params"] = {k: v.clone() for k, v in model.state_dict().items()}
         result["skipped"] = g.history.fetch()["skipped"]
         result["scale"] = g.grad_scaler.get_scale() if g.grad_scaler else None
@@ -99,15 +99,16 @@ def interrupted_rank(g, model, rank, shard, out_dir):
             before = {k: v.clone() for k, v in model.state_dict().items()}
             start = time.perf_counter()
             try:
-                g(x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
+                g(x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard])
             except Exception as e:  # noqa: BLE001 - recorded for the test
                 result["error"] = f"{type(e).__name__}: {e}"[:500]
             result["waited_s"] = time.perf_counter() - start
-            result["unchanged"] = all(torch.equal(before[k], v)
-                                      for k, v in model.state_dict().items())
+            result["unchanged"] = all(
+                torch.equal(before[k], v) for k, v in model.state_dict().items()
+            )
             result["step_count"] = g.step_count
             break
-        g(x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
+        g(x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard])
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     os._exit(0)  # the process group is broken: do not wait in its teardown
 

@@ -11,9 +11,19 @@ import torch.nn as nn
 import graphamp
 
 
-def make_graph(model: nn.Module, loss_fn: Callable, optimizer=None, *, backend="aot_eager",
-               amp: torch.dtype | None = None, scaler=None, lr_sch=None, clip=None,
-               build: Callable | None = None, configure: Callable | None = None):
+def make_graph(
+    model: nn.Module,
+    loss_fn: Callable,
+    optimizer=None,
+    *,
+    backend="aot_eager",
+    amp: torch.dtype | None = None,
+    scaler=None,
+    lr_sch=None,
+    clip=None,
+    build: Callable | None = None,
+    configure: Callable | None = None,
+):
     """A Graph training ``model`` with ``loss_fn`` (build: loss(model(x), y); backward; loss)."""
 
     class TrainGraph(graphamp.Graph):
@@ -67,8 +77,9 @@ def assert_state_close(a: nn.Module, b: nn.Module, rtol=1e-5, atol=1e-6, what="m
         torch.testing.assert_close(sa[k], sb[k], rtol=rtol, atol=atol, msg=f"{what} {k}")
 
 
-def assert_optimizer_close(a: torch.optim.Optimizer, b: torch.optim.Optimizer, rtol=1e-5,
-                           atol=1e-6):
+def assert_optimizer_close(
+    a: torch.optim.Optimizer, b: torch.optim.Optimizer, rtol=1e-5, atol=1e-6
+):
     sa, sb = a.state_dict()["state"], b.state_dict()["state"]
     assert sa.keys() == sb.keys(), (sorted(sa), sorted(sb))
     for i in sa:
@@ -77,8 +88,9 @@ def assert_optimizer_close(a: torch.optim.Optimizer, b: torch.optim.Optimizer, r
             x, y = sa[i][k], sb[i][k]
             if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
                 x, y = x.cpu().to(y.dtype) if k == "step" else x, y
-                torch.testing.assert_close(x.reshape(y.shape), y, rtol=rtol, atol=atol,
-                                           msg=f"optimizer state {i}.{k}")
+                torch.testing.assert_close(
+                    x.reshape(y.shape), y, rtol=rtol, atol=atol, msg=f"optimizer state {i}.{k}"
+                )
             else:
                 assert float(x) == float(y), (i, k, x, y)
 
@@ -98,5 +110,6 @@ def assert_unchanged(before: dict, model: nn.Module, opt=None) -> None:
         assert after["state"].keys() == before["opt"]["state"].keys(), "optimizer state changed"
         for i, s in after["state"].items():
             for k, v in s.items():
-                assert torch.equal(torch.as_tensor(before["opt"]["state"][i][k]),
-                                   torch.as_tensor(v)), f"optimizer state {i}.{k} changed"
+                assert torch.equal(
+                    torch.as_tensor(before["opt"]["state"][i][k]), torch.as_tensor(v)
+                ), f"optimizer state {i}.{k} changed"

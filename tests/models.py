@@ -18,8 +18,12 @@ class SmallCNN(nn.Module):
     def __init__(self, classes: int = 10, dropout: float = 0.0):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(3, 8, 3, padding=1, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
             nn.MaxPool2d(2),
         )
         self.pool = nn.AdaptiveAvgPool2d(1)
@@ -52,10 +56,13 @@ class Block(nn.Module):
     def forward(self, x):
         b, t, c = x.shape
         h = self.ln1(x)
-        q, k, v = (lin(h).view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        q, k, v = (
+            lin(h).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for lin in (self.q, self.k, self.v)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         x = x + self.out(F.gelu(self.fc(self.ln2(x))))
         return x
@@ -67,8 +74,10 @@ class ManualAttentionBlock(Block):
     def forward(self, x):
         b, t, c = x.shape
         h = self.ln1(x)
-        q, k, v = (lin(h).view(b, t, self.heads, c // self.heads).transpose(1, 2)
-                   for lin in (self.q, self.k, self.v))
+        q, k, v = (
+            lin(h).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for lin in (self.q, self.k, self.v)
+        )
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
         mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
@@ -79,8 +88,16 @@ class ManualAttentionBlock(Block):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2,
-                 seq: int = 16, block: type = Block, dropout: float = 0.0):
+    def __init__(
+        self,
+        vocab: int = 64,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 2,
+        seq: int = 16,
+        block: type = Block,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(seq, dim)

@@ -8,17 +8,16 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from helpers import make_graph
+from models import ManualAttentionBlock, SmallCNN, TinyGPT, lm_loss, seed_mlp
 
 import graphamp
 from graphamp import ConfigError
-from graphamp.capture import BuildRoot, capture_forward
-from graphamp.capture import autocast_forward
-from graphamp.inspect.compare import compare
-from graphamp.passes import AmpContext, run_amp_passes
+from graphamp.capture import BuildRoot, autocast_forward, capture_forward
 from graphamp.fxutil import copy_graph_module
 from graphamp.inputs import flatten_inputs
-from helpers import make_graph
-from models import ManualAttentionBlock, SmallCNN, TinyGPT, lm_loss, seed_mlp
+from graphamp.inspect.compare import compare
+from graphamp.passes import AmpContext, run_amp_passes
 
 CUDA = torch.device("cuda")  # fake CUDA tensors: autocast's CUDA policy, measured on any machine
 
@@ -28,7 +27,12 @@ def _case(name):
     if name == "mlp":
         return seed_mlp(), nn.CrossEntropyLoss(), torch.randn(8, 256), torch.randint(0, 10, (8,))
     if name == "cnn":
-        return SmallCNN(), nn.CrossEntropyLoss(), torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+        return (
+            SmallCNN(),
+            nn.CrossEntropyLoss(),
+            torch.randn(4, 3, 16, 16),
+            torch.randint(0, 10, (4,)),
+        )
     block = ManualAttentionBlock if name == "gpt_manual" else None
     model = TinyGPT(block=block) if block else TinyGPT()
     idx = torch.randint(0, 64, (2, 17))
@@ -55,12 +59,20 @@ def _graphamp_vs_autocast(name, dtype):
 
 def _documented(diff) -> str | None:
     """Which documented, deliberate difference from torch.autocast explains ``diff`` (lists.py)."""
-    if diff.op == "aten._log_softmax" and diff.module.endswith("CrossEntropyLoss>") \
-            or diff.op == "aten._log_softmax" and diff.module == "":
+    if (
+        diff.op == "aten._log_softmax"
+        and diff.module.endswith("CrossEntropyLoss>")
+        or diff.op == "aten._log_softmax"
+        and diff.module == ""
+    ):
         # cross_entropy passes the logits' dtype to log_softmax explicitly, which autocast's
         # fp32_set_opt_dtype policy respects: it runs in fp16 there, fp32 here.
         return "cross_entropy log_softmax in fp32"
-    if not diff.graphamp_low and diff.autocast_low and "not between low-precision ops" in diff.reason:
+    if (
+        not diff.graphamp_low
+        and diff.autocast_low
+        and "not between low-precision ops" in diff.reason
+    ):
         return "infer/clear op feeding only fp32 ops runs fp32"
     if diff.op in ("aten.var", "aten.var_mean", "aten.std") and not diff.graphamp_low:
         return "variance in fp32"
@@ -104,6 +116,7 @@ def test_strictly_fewer_casts_on_the_cnn_and_the_gpt_block():
 
 # -- numerics against eager torch.autocast ------------------------------------------------------
 
+
 def _grads_by_sgd(graph_factory, model):
     """Gradients as graphamp applied them: SGD lr 1, no momentum, so grad = before - after."""
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -111,15 +124,21 @@ def _grads_by_sgd(graph_factory, model):
     return loss, {n: before[n] - p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)],
-                         ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)], ids=["fp16", "bf16"]
+)
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
 def test_loss_and_gradients_agree_with_eager_autocast(name, dtype, tol):
     model, loss_fn, x, y = _case(name)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    g = make_graph(model, loss_fn, opt, amp=dtype,
-                   scaler=graphamp.GradScaler(init_scale=1024.0) if dtype == torch.float16 else None)
+    g = make_graph(
+        model,
+        loss_fn,
+        opt,
+        amp=dtype,
+        scaler=graphamp.GradScaler(init_scale=1024.0) if dtype == torch.float16 else None,
+    )
     loss, grads = _grads_by_sgd(lambda: g(x, y), model)
 
     with torch.autocast("cpu", dtype=dtype):
@@ -135,6 +154,7 @@ def test_loss_and_gradients_agree_with_eager_autocast(name, dtype, tol):
 
 # -- user control ------------------------------------------------------------------------------
 
+
 def _colour_of(g, op, module=None):
     rows = g.precision_report(with_autocast=False).rows
     hits = [r for r in rows if r["op"] == op and (module is None or r["module"] == module)]
@@ -144,16 +164,25 @@ def _colour_of(g, op, module=None):
 
 def _small_gpt_graph(configure=None, dtype=torch.float16):
     model = TinyGPT()
-    g = make_graph(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1), amp=dtype,
-                   scaler=graphamp.GradScaler(), configure=configure)
+    g = make_graph(
+        model,
+        lm_loss,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=dtype,
+        scaler=graphamp.GradScaler(),
+        configure=configure,
+    )
     idx = torch.randint(0, 64, (2, 17))
     g(idx[:, :-1], idx[:, 1:])
     return g
 
 
 def test_list_overrides_move_ops_between_lists():
-    g = _small_gpt_graph(lambda self: self.config.override_amp_lists(
-        deny=[torch.ops.aten.gelu], infer=["aten.native_layer_norm"]))
+    g = _small_gpt_graph(
+        lambda self: self.config.override_amp_lists(
+            deny=[torch.ops.aten.gelu], infer=["aten.native_layer_norm"]
+        )
+    )
     assert _colour_of(g, "aten.gelu") == {"deny"}
     rows = g.precision_report(with_autocast=False).rows
     ln = [r for r in rows if r["op"] == "aten.native_layer_norm"]
@@ -178,12 +207,16 @@ def test_hints_inside_model_code():
             self.b = nn.Linear(8, 8)
 
         def forward(self, x):
-            h = graphamp.full_precision(self.a(x))   # keep this activation fp32
+            h = graphamp.full_precision(self.a(x))  # keep this activation fp32
             return self.b(torch.tanh(h))
 
     model = Hinted()
-    g = make_graph(model, nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.bfloat16)
+    g = make_graph(
+        model,
+        nn.functional.mse_loss,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.bfloat16,
+    )
     g(torch.randn(4, 8), torch.randn(4, 8))
     assert _colour_of(g, "aten.tanh") == {"deny"}
     # in eager mode the hint is an identity
@@ -191,9 +224,10 @@ def test_hints_inside_model_code():
     torch.testing.assert_close(model(x), model.b(torch.tanh(model.a(x))))
 
 
-@pytest.mark.parametrize("level, gelu, layer_norm", [("O1", "allow", "deny"),
-                                                     ("O2", "allow", "deny"),
-                                                     ("O3", "allow", "allow")])
+@pytest.mark.parametrize(
+    "level, gelu, layer_norm",
+    [("O1", "allow", "deny"), ("O2", "allow", "deny"), ("O3", "allow", "allow")],
+)
 def test_opt_levels(level, gelu, layer_norm):
     g = _small_gpt_graph(lambda self: self.config.set_amp_opt_level(level))
     assert _colour_of(g, "aten.gelu") == {gelu}
@@ -209,8 +243,13 @@ def test_opt_level_o0_is_fp32():
 
 def test_batchnorm_statistics_and_parameters_stay_fp32():
     model = SmallCNN()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.float16, scaler=graphamp.GradScaler())
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(),
+    )
     g(torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
     bn = model.features[1]
     assert bn.weight.dtype == bn.running_mean.dtype == torch.float32
@@ -219,24 +258,39 @@ def test_batchnorm_statistics_and_parameters_stay_fp32():
     forward = g.compiled_steps[-1].forward_graph
     for node in forward.graph.nodes:
         if "batch_norm" in str(node.target):
-            assert not any(a.meta.get("amp_cast") or a.meta.get("shadow_of")
-                           for a in node.args[1:5] if hasattr(a, "meta"))
+            assert not any(
+                a.meta.get("amp_cast") or a.meta.get("shadow_of")
+                for a in node.args[1:5]
+                if hasattr(a, "meta")
+            )
 
 
 def test_precision_report_rows_and_autocast_counts():
     g = _small_gpt_graph()
     report = g.precision_report()
-    assert set(report.rows[0]) == {"node", "op", "module", "source", "list", "colour", "dtype",
-                                   "why", "recomputed"}
+    assert set(report.rows[0]) == {
+        "node",
+        "op",
+        "module",
+        "source",
+        "list",
+        "colour",
+        "dtype",
+        "why",
+        "recomputed",
+    }
     addmm = next(r for r in report.rows if r["op"] == "aten.addmm")
     assert addmm["dtype"] == "float16" and addmm["source"].startswith("models.py:")
     assert report.autocast is not None and report.autocast["casts"] > 0
     text = report.summary()
     assert "casts" in text and "torch.autocast on the same forward" in text
-    assert report.to_csv().splitlines()[0] == "node,op,module,source,list,colour,dtype,why,recomputed"
+    assert (
+        report.to_csv().splitlines()[0] == "node,op,module,source,list,colour,dtype,why,recomputed"
+    )
 
 
 # -- bad input ----------------------------------------------------------------------------------
+
 
 def test_override_naming_an_op_that_does_not_exist():
     g = make_graph(seed_mlp(), nn.CrossEntropyLoss(), None)
@@ -246,8 +300,13 @@ def test_override_naming_an_op_that_does_not_exist():
 
 def test_pin_naming_a_module_that_does_not_exist():
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.bfloat16, configure=lambda self: self.config.pin_fp32("model.9"))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.bfloat16,
+        configure=lambda self: self.config.pin_fp32("model.9"),
+    )
     with pytest.raises(ConfigError, match=r"pin_fp32\('model\.9'\): no registered module"):
         g(torch.randn(2, 256), torch.randint(0, 10, (2,)))
 
@@ -269,18 +328,33 @@ def test_scaler_warnings():
     model = seed_mlp()
     x, y = torch.randn(2, 256), torch.randint(0, 10, (2,))
     with pytest.warns(UserWarning, match="fp16 AMP without a grad scaler"):
-        make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.float16)(x, y)
+        make_graph(
+            model,
+            nn.CrossEntropyLoss(),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            amp=torch.float16,
+        )(x, y)
     with pytest.warns(UserWarning, match="loss scaling is unnecessary"):
-        make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.bfloat16, scaler=graphamp.GradScaler())(x, y)
+        make_graph(
+            model,
+            nn.CrossEntropyLoss(),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            amp=torch.bfloat16,
+            scaler=graphamp.GradScaler(),
+        )(x, y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.float16, scaler=graphamp.GradScaler())(x, y)
+        make_graph(
+            model,
+            nn.CrossEntropyLoss(),
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            amp=torch.float16,
+            scaler=graphamp.GradScaler(),
+        )(x, y)
 
 
 # -- issue 14: widening, and recurrent models ---------------------------------------------------
+
 
 def _eval_graph(build, dtype):
     class Eval(graphamp.Graph):
@@ -317,8 +391,9 @@ class RnnLM(nn.Module):
         return self.head(self.rnn(self.emb(x))[0])
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)],
-                         ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float16, 2e-2), (torch.bfloat16, 6e-2)], ids=["fp16", "bf16"]
+)
 @pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU], ids=["lstm", "gru"])
 def test_recurrent_lm_trains_in_low_precision_with_fewer_casts_than_autocast(cell, dtype, tol):
     torch.manual_seed(0)
@@ -326,8 +401,13 @@ def test_recurrent_lm_trains_in_low_precision_with_fewer_casts_than_autocast(cel
     ref = copy.deepcopy(model)
     idx = torch.randint(0, 50, (4, 13))
     x, y = idx[:, :-1], idx[:, 1:]
-    g = make_graph(model, lm_loss, torch.optim.SGD(model.parameters(), lr=1.0), amp=dtype,
-                   scaler=graphamp.GradScaler(init_scale=1024.0) if dtype == torch.float16 else None)
+    g = make_graph(
+        model,
+        lm_loss,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        amp=dtype,
+        scaler=graphamp.GradScaler(init_scale=1024.0) if dtype == torch.float16 else None,
+    )
     loss, grads = _grads_by_sgd(lambda: g(x, y), model)
     forward = g.compiled_steps[-1].forward_graph
     rnn = [n for n in forward.graph.nodes if "graphamp.rnn" in str(n.target)]

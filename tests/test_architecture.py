@@ -10,13 +10,13 @@ import pathlib
 import pytest
 import torch
 import torch.nn as nn
+from helpers import make_graph
+from models import seed_mlp
 
 import graphamp
 import graphamp.passes.pipeline as amp_pipeline
 from graphamp.passes import AmpPassError
 from graphamp.spec import STEP_INPUT_GROUPS, StepLayout
-from helpers import make_graph
-from models import seed_mlp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STAGES = ("graphamp.capture", "graphamp.passes", "graphamp.step", "graphamp.runtime")
@@ -50,8 +50,11 @@ def _imports() -> dict[str, list[tuple[str, bool]]]:
                     base = package
                     for _ in range(child.level - 1):
                         base = base.rpartition(".")[0]
-                    target = (f"{base}.{child.module}" if child.module else base) \
-                        if child.level else (child.module or "")
+                    target = (
+                        (f"{base}.{child.module}" if child.module else base)
+                        if child.level
+                        else (child.module or "")
+                    )
                     for alias in child.names:
                         found.append((f"{target}.{alias.name}", inner))
                 elif isinstance(child, ast.Import):
@@ -81,8 +84,11 @@ def test_imports_go_one_way():
                 problems.append(f"stage {mod} imports another stage: {target}")
             if _under(mod, ("graphamp.inspect",)) and other:
                 problems.append(f"inspection {mod} imports stage {target}")
-            if mod.startswith("graphamp.") and target.startswith("graphamp.pipeline") \
-                    and mod not in ("graphamp.graph",):
+            if (
+                mod.startswith("graphamp.")
+                and target.startswith("graphamp.pipeline")
+                and mod not in ("graphamp.graph",)
+            ):
                 problems.append(f"only graph.py calls the pipeline, not {mod}")
     assert not problems, "\n".join(problems)
 
@@ -108,8 +114,12 @@ def test_a_failing_amp_pass_names_itself_and_the_passes_before_it(monkeypatch):
     passes = amp_pipeline.AMP_PIPELINE
     monkeypatch.setattr(amp_pipeline, "AMP_PIPELINE", (*passes[:2], broken_pass, *passes[2:]))
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.bfloat16)
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.bfloat16,
+    )
     with pytest.raises(AmpPassError) as err:
         g(torch.randn(4, 256), torch.randint(0, 10, (4,)))
     assert isinstance(err.value, graphamp.GraphampError)
@@ -120,8 +130,12 @@ def test_a_failing_amp_pass_names_itself_and_the_passes_before_it(monkeypatch):
 
 def test_compiled_steps_are_a_read_only_public_view():
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.bfloat16)
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.bfloat16,
+    )
     assert g.compiled_steps == ()
     for batch in (8, 8, 4):
         g(torch.randn(batch, 256), torch.randint(0, 10, (batch,)))

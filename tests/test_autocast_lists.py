@@ -44,6 +44,7 @@ def _autocast_test_lists_module() -> types.ModuleType:
     dependency, so without it a stand-in provides those two names while the module loads."""
     try:
         from torch.testing._internal import autocast_test_lists
+
         return autocast_test_lists
     except ModuleNotFoundError as e:
         if e.name != "expecttest":
@@ -55,6 +56,7 @@ def _autocast_test_lists_module() -> types.ModuleType:
     sys.modules[name] = stand_in
     try:
         from torch.testing._internal import autocast_test_lists
+
         return autocast_test_lists
     finally:
         del sys.modules[name]
@@ -128,14 +130,14 @@ NOT_A_GRAPH_OP = {
 # on it; with CUDA they run as one-op Graphs like every other entry.
 CUDA_ONLY = {
     # cudnn_convolution(input, weight, padding, stride, dilation, groups, ...)
-    "torch_fp16-10-cudnn_convolution":
-        lambda x, w, padding, stride, dilation, groups, *_: torch.convolution(
-            x, w, None, stride, padding, dilation, False, [0] * len(padding), groups),
+    "torch_fp16-10-cudnn_convolution": lambda x, w, padding, stride, dilation, groups, *_: (
+        torch.convolution(x, w, None, stride, padding, dilation, False, [0] * len(padding), groups)
+    ),
     # cudnn_convolution_transpose(input, weight, padding, output_padding, stride, dilation,
     # groups, ...)
-    "torch_fp16-11-cudnn_convolution_transpose":
-        lambda x, w, padding, output_padding, stride, dilation, groups, *_: torch.convolution(
-            x, w, None, stride, padding, dilation, True, output_padding, groups),
+    "torch_fp16-11-cudnn_convolution_transpose": lambda x, w, padding, output_padding, stride, dilation, groups, *_: (
+        torch.convolution(x, w, None, stride, padding, dilation, True, output_padding, groups)
+    ),
 }
 
 # Deliberate differences from autocast (passes/lists.py module docstring): entry -> the dtype
@@ -152,7 +154,8 @@ DIFFERENCES = {
 
 def _all_fp32(args: Any) -> Any:
     return pytree.tree_map(
-        lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args)
+        lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, args
+    )
 
 
 def _one_op_graph(entry: Entry, dtype: torch.dtype):
@@ -187,8 +190,9 @@ def forward_graph(entry: Entry, dtype: torch.dtype, args: tuple) -> fx.GraphModu
 def _hand_built_graph(entry: Entry, args: tuple) -> fx.GraphModule:
     """placeholders -> torch.ops.aten.<op> -> output, with fake CUDA values as capture makes."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [fake_copy(mode, t, torch.device("cuda")) if isinstance(t, torch.Tensor) else t
-             for t in args]
+    fakes = [
+        fake_copy(mode, t, torch.device("cuda")) if isinstance(t, torch.Tensor) else t for t in args
+    ]
     graph = fx.Graph()
     nodes = []
     for i, value in enumerate(fakes):
@@ -289,8 +293,11 @@ def agreement() -> dict[tuple[str, str, str], tuple[int, int]]:
         for entry in ENTRIES:
             for inputs in ("torch", "fp32"):
                 try:
-                    ok = (entry.id not in NOT_A_GRAPH_OP and entry.id not in DIFFERENCES
-                          and check(entry, dtype, inputs) is None)
+                    ok = (
+                        entry.id not in NOT_A_GRAPH_OP
+                        and entry.id not in DIFFERENCES
+                        and check(entry, dtype, inputs) is None
+                    )
                 except Exception:  # noqa: BLE001 - a capture or run failure is a disagreement
                     ok = False
                 key = (str(dtype).removeprefix("torch."), entry.list_name, inputs)

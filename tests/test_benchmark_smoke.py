@@ -30,18 +30,42 @@ def test_benchmark_smoke_mode(tmp_path):
 def test_benchmark_smoke_llama_workload(tmp_path):
     """Issue 15: the Llama-style workload (transformers' LlamaForCausalLM from a config) at smoke
     size trains under graphamp and its peer in one run, with tokens/s reported."""
-    rows = bench.main(["--smoke", "--workload", "llama1b", "--variant", "graphamp_bf16",
-                       "eager_bf16", "--out", str(tmp_path)])
+    rows = bench.main(
+        [
+            "--smoke",
+            "--workload",
+            "llama1b",
+            "--variant",
+            "graphamp_bf16",
+            "eager_bf16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert [r["variant"] for r in rows] == ["graphamp_bf16", "eager_bf16"]
-    assert all(r["workload"] == "llama-tiny" and r["loss_finite"] and r["tokens_per_s"] > 0
-               for r in rows), rows
+    assert all(
+        r["workload"] == "llama-tiny" and r["loss_finite"] and r["tokens_per_s"] > 0 for r in rows
+    ), rows
     assert rows[0]["ratio_vs_best_peer"] > 0
 
 
 def test_benchmark_measures_overflow_tracing_against_the_untraced_step(tmp_path):
-    rows = bench.main(["--smoke", "--workload", "mlp", "--variant", "graphamp_fp16",
-                       "graphamp_fp16_traced", "--steps", "3", "--warmup", "1",
-                       "--out", str(tmp_path)])
+    rows = bench.main(
+        [
+            "--smoke",
+            "--workload",
+            "mlp",
+            "--variant",
+            "graphamp_fp16",
+            "graphamp_fp16_traced",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert [r["variant"] for r in rows] == ["graphamp_fp16", "graphamp_fp16_traced"]
     traced = rows[1]
     assert traced["loss_finite"]
@@ -53,10 +77,24 @@ def test_benchmark_measures_overflow_tracing_against_the_untraced_step(tmp_path)
 def test_forensics_cost_script_runs_on_the_cpu(tmp_path):
     import forensics_cost
 
-    rows = forensics_cost.main(["--workload", "gpt", "--backend", "aot_eager", "--steps", "2",
-                                "--warmup", "0", "--out", str(tmp_path)])
+    rows = forensics_cost.main(
+        [
+            "--workload",
+            "gpt",
+            "--backend",
+            "aot_eager",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     (row,) = rows
     assert row["ms_off"] > 0 and row["ms_on"] > 0
     assert row["step_nodes_on"] - row["step_nodes_off"] >= row["forensics_nodes"] > 0
     table = open(tmp_path / "forensics_cost_cpu.md").read()
-    assert "| gpt | aot_eager |" in table and "Command: `python benchmarks/forensics_cost.py" in table
+    assert (
+        "| gpt | aot_eager |" in table and "Command: `python benchmarks/forensics_cost.py" in table
+    )

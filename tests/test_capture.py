@@ -12,13 +12,22 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import graphamp
 from helpers import assert_state_close, clone_training, make_graph
 
+import graphamp
 
-def _train_both(model, build_loss, data, make_opt=None, steps=3, rtol=1e-5, atol=1e-6,
-                configure=None, **graph_kwargs):
+
+def _train_both(
+    model,
+    build_loss,
+    data,
+    make_opt=None,
+    steps=3,
+    rtol=1e-5,
+    atol=1e-6,
+    configure=None,
+    **graph_kwargs,
+):
     """Train ``model`` through a Graph and a deepcopy eagerly on the same batches; compare."""
     make_opt = make_opt or (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
     ref, ref_opt, _ = clone_training(model, make_opt)
@@ -43,8 +52,10 @@ def _train_both(model, build_loss, data, make_opt=None, steps=3, rtol=1e-5, atol
 
 def _batches(n=3, shape=(8, 16), classes=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(*shape, generator=gen), torch.randint(0, classes, (shape[0],),
-                                                               generator=gen)) for _ in range(n)]
+    return [
+        (torch.randn(*shape, generator=gen), torch.randint(0, classes, (shape[0],), generator=gen))
+        for _ in range(n)
+    ]
 
 
 def test_detach_in_build_stops_gradients_like_eager():
@@ -91,9 +102,13 @@ def test_a_failed_capture_leaves_the_users_model_exactly_as_it_was(name):
     and the model works eagerly."""
     model = TwoNames()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = {n: (id(t), t.detach().clone()) for n, t in
-              [*model.named_parameters(remove_duplicate=False),
-               *model.named_buffers(remove_duplicate=False)]}
+    before = {
+        n: (id(t), t.detach().clone())
+        for n, t in [
+            *model.named_parameters(remove_duplicate=False),
+            *model.named_buffers(remove_duplicate=False),
+        ]
+    }
     objects = [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
     body = FAILING_BUILDS[name]
 
@@ -108,8 +123,10 @@ def test_a_failed_capture_leaves_the_users_model_exactly_as_it_was(name):
         g(torch.randn(2, 4, 10), torch.randint(0, 4, (2,)))
     for module, params, buffers in objects:
         assert module._parameters == params and module._buffers == buffers
-    for n, t in [*model.named_parameters(remove_duplicate=False),
-                 *model.named_buffers(remove_duplicate=False)]:
+    for n, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
         assert id(t) == before[n][0], n
         assert torch.equal(t.detach(), before[n][1]), n
     assert all(type(p) is nn.Parameter for p in model.parameters())
@@ -117,6 +134,7 @@ def test_a_failed_capture_leaves_the_users_model_exactly_as_it_was(name):
 
 
 # -- custom autograd Functions (issue 13) -----------------------------------------------------------
+
 
 class GradReverse(torch.autograd.Function):
     """DANN's gradient reversal, old style (ctx in forward), with a non-tensor argument."""
@@ -147,7 +165,9 @@ class StraightThroughSign(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, grad_mean):
         (x,) = ctx.saved_tensors
-        return grad * ctx.scale * (x.abs() <= 1).to(grad.dtype) + grad_mean * x.sign() / x.numel(), None
+        return grad * ctx.scale * (x.abs() <= 1).to(
+            grad.dtype
+        ) + grad_mean * x.sign() / x.numel(), None
 
 
 class WithCustomFunctions(nn.Module):
@@ -190,10 +210,15 @@ def test_custom_autograd_functions_under_amp_are_one_fp32_node(dtype):
     with torch.autocast("cpu", dtype=dtype):
         ref_loss = _dann_loss(ref, x, y)
     torch.testing.assert_close(loss, ref_loss.float(), rtol=2e-2, atol=2e-2)
-    rows = [r for r in g.precision_report(with_autocast=False).rows
-            if r["op"].startswith("autograd.Function")]
-    assert sorted(r["op"] for r in rows) == ["autograd.Function GradReverse",
-                                             "autograd.Function StraightThroughSign"]
+    rows = [
+        r
+        for r in g.precision_report(with_autocast=False).rows
+        if r["op"].startswith("autograd.Function")
+    ]
+    assert sorted(r["op"] for r in rows) == [
+        "autograd.Function GradReverse",
+        "autograd.Function StraightThroughSign",
+    ]
     assert all(r["dtype"] == "float32" and r["list"] == "unknown" for r in rows)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -204,12 +229,20 @@ def test_a_listed_autograd_function_runs_in_low_precision():
     def configure(self):
         self.config.override_amp_lists(infer=[GradReverse], clear=[StraightThroughSign])
 
-    g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
-                   build=lambda self, x, y: _backward(_dann_loss(self.model, x, y)),
-                   amp=torch.bfloat16, configure=configure)
+    g = make_graph(
+        model,
+        None,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        build=lambda self, x, y: _backward(_dann_loss(self.model, x, y)),
+        amp=torch.bfloat16,
+        configure=configure,
+    )
     g(*_batches(1)[0])
     rows = {r["op"]: r for r in g.precision_report(with_autocast=False).rows}
-    reverse, sign = rows["autograd.Function GradReverse"], rows["autograd.Function StraightThroughSign"]
+    reverse, sign = (
+        rows["autograd.Function GradReverse"],
+        rows["autograd.Function StraightThroughSign"],
+    )
     assert (reverse["list"], sign["list"]) == ("infer", "clear")
     # both sit between the features' and the heads' matrix products: low precision
     assert reverse["dtype"] == sign["dtype"] == "bfloat16", (reverse, sign)
@@ -227,8 +260,9 @@ def test_activation_checkpointing_in_user_code_trains_like_eager(reentrant):
     class Checkpointed(nn.Module):
         def __init__(self):
             super().__init__()
-            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU())
-                                        for _ in range(3))
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3)
+            )
             self.head = nn.Linear(16, 4)
 
         def forward(self, x):
@@ -254,11 +288,13 @@ def test_activation_checkpointing_in_user_code_trains_like_eager(reentrant):
 
 # -- gradients taken inside build(): gradient penalties (issue 13) ---------------------------------
 
+
 class Critic(nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(),
-                                 nn.Linear(32, 1))
+        self.net = nn.Sequential(
+            nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -279,8 +315,12 @@ def _wgan_gp(m, real, fake):
 
 def test_gradient_penalty_trains_like_eager():
     real_fake = [(torch.randn(8, 16), torch.randn(8, 16) * 2) for _ in range(3)]
-    _train_both(Critic(), _wgan_gp, real_fake, make_opt=lambda m: torch.optim.Adam(
-        m.parameters(), lr=1e-3, betas=(0.5, 0.9)))
+    _train_both(
+        Critic(),
+        _wgan_gp,
+        real_fake,
+        make_opt=lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, betas=(0.5, 0.9)),
+    )
 
 
 def test_gradient_penalty_with_a_scaler_follows_torchs_recipe():
@@ -290,7 +330,7 @@ def test_gradient_penalty_with_a_scaler_follows_torchs_recipe():
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     real, fake = torch.randn(8, 16), torch.randn(8, 16) * 2
 
     def build(self, real, fake):
@@ -298,8 +338,14 @@ def test_gradient_penalty_with_a_scaler_follows_torchs_recipe():
         loss.backward()
         return loss
 
-    g = make_graph(model, None, opt, build=build, amp=torch.bfloat16,
-                   scaler=graphamp.GradScaler(init_scale=2.0 ** 12))
+    g = make_graph(
+        model,
+        None,
+        opt,
+        build=build,
+        amp=torch.bfloat16,
+        scaler=graphamp.GradScaler(init_scale=2.0**12),
+    )
     with pytest.warns(UserWarning, match="loss scaling is unnecessary"):
         loss = g(real, fake)
     # the eager recipe (https://pytorch.org/docs/stable/notes/amp_examples.html)
@@ -309,7 +355,9 @@ def test_gradient_penalty_with_a_scaler_follows_torchs_recipe():
     (scaled,) = torch.autograd.grad(scaler.scale(out.sum()), mixed, create_graph=True)
     grad = scaled / scaler.get_scale()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref_loss = ref(fake).mean() - ref(real).mean() + 10.0 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
+        ref_loss = (
+            ref(fake).mean() - ref(real).mean() + 10.0 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
+        )
     scaler.scale(ref_loss).backward()
     scaler.step(ref_opt)
     scaler.update()
@@ -322,6 +370,7 @@ def test_gradient_penalty_with_a_scaler_follows_torchs_recipe():
 
 
 # -- data-dependent shapes, plain tensors, custom ops (issue 21) ------------------------------------
+
 
 def _masked_ce(m, x, y):
     keep = y >= 0  # a masked token loss: labels -1 are padding
@@ -353,8 +402,9 @@ def test_data_dependent_shapes_train_like_eager(loss_of):
 
 @pytest.mark.inductor
 def test_data_dependent_shapes_compile_with_inductor():
-    _train_both(nn.Linear(16, 4), _masked_ce, _label_batches(), backend="inductor",
-                rtol=1e-4, atol=1e-5)
+    _train_both(
+        nn.Linear(16, 4), _masked_ce, _label_batches(), backend="inductor", rtol=1e-4, atol=1e-5
+    )
 
 
 TABLE = torch.randn(16, 16)  # a module-level constant tensor, read in build()
@@ -416,10 +466,16 @@ def test_custom_ops_with_their_own_backward_train_like_eager():
 def test_custom_ops_are_one_node_kept_fp32_unless_listed():
     def run(configure=None):
         model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
-        g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
-                       build=lambda self, x, y: _backward(F.cross_entropy(
-                           self.model[1](scaled_sin(self.model[0](x), 0.5)), y)),
-                       amp=torch.bfloat16, configure=configure)
+        g = make_graph(
+            model,
+            None,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            build=lambda self, x, y: _backward(
+                F.cross_entropy(self.model[1](scaled_sin(self.model[0](x), 0.5)), y)
+            ),
+            amp=torch.bfloat16,
+            configure=configure,
+        )
         g(*_batches(1)[0])
         report = g.precision_report(with_autocast=False)
         (row,) = [r for r in report.rows if r["op"] == "graphamp_tests.scaled_sin"]
@@ -434,6 +490,7 @@ def test_custom_ops_are_one_node_kept_fp32_unless_listed():
 
 # -- common modules: EmbeddingBag, InstanceNorm, TransformerEncoder masks, sparse gradients --------
 
+
 def test_embedding_bag_trains_like_eager():
     class TextClassifier(nn.Module):  # PyTorch's text-classification tutorial model
         def __init__(self):
@@ -445,8 +502,13 @@ def test_embedding_bag_trains_like_eager():
             return self.fc(self.embedding(text, offsets))
 
     gen = torch.Generator().manual_seed(0)
-    data = [((torch.randint(0, 50, (20,), generator=gen), torch.tensor([0, 5, 12])),
-             torch.tensor([0, 3, 1])) for _ in range(3)]
+    data = [
+        (
+            (torch.randint(0, 50, (20,), generator=gen), torch.tensor([0, 5, 12])),
+            torch.tensor([0, 3, 1]),
+        )
+        for _ in range(3)
+    ]
     _train_both(TextClassifier(), lambda m, x, y: F.cross_entropy(m(*x), y), data)
 
 
@@ -467,9 +529,14 @@ def test_instance_norm_trains_like_eager_and_under_amp():
     data = [(torch.randn(2, 3, 8, 8), None) for _ in range(3)]
     _train_both(StyleBlock(), lambda m, x, y: m(x).pow(2).mean(), data)
     model = StyleBlock()
-    g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1),
-                   build=lambda self, x, y: _backward(self.model(x).pow(2).mean()),
-                   amp=torch.float16, scaler=graphamp.GradScaler())
+    g = make_graph(
+        model,
+        None,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        build=lambda self, x, y: _backward(self.model(x).pow(2).mean()),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(),
+    )
     g(*data[0])
     rows = [r for r in g.precision_report(with_autocast=False).rows if "batch_norm" in r["op"]]
     assert rows and all(r["colour"] == "allow" for r in rows)  # between the two convolutions
@@ -483,8 +550,7 @@ def test_transformer_encoder_with_a_mask_trains_like_eager(causal_flag):
     encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     mask = nn.Transformer.generate_square_subsequent_mask(6)
     data = [(torch.randn(3, 6, 16), None) for _ in range(3)]
-    _train_both(encoder, lambda m, x, y: m(x, mask=mask, is_causal=causal_flag).pow(2).mean(),
-                data)
+    _train_both(encoder, lambda m, x, y: m(x, mask=mask, is_causal=causal_flag).pow(2).mean(), data)
 
 
 class SparseBag(nn.Module):
@@ -499,25 +565,36 @@ class SparseBag(nn.Module):
 
 def _sparse_data():
     gen = torch.Generator().manual_seed(0)
-    return [(torch.randint(0, 30, (4, 5), generator=gen), torch.tensor([0, 1, 0, 1]))
-            for _ in range(3)]
+    return [
+        (torch.randint(0, 30, (4, 5), generator=gen), torch.tensor([0, 1, 0, 1])) for _ in range(3)
+    ]
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_sparse_gradients_with_sgd_and_a_scaler_train_like_eager(momentum):
     make_opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum)  # noqa: E731
-    _train_both(SparseBag(), lambda m, x, y: F.cross_entropy(m(x), y), _sparse_data(),
-                make_opt=make_opt)
+    _train_both(
+        SparseBag(), lambda m, x, y: F.cross_entropy(m(x), y), _sparse_data(), make_opt=make_opt
+    )
     with pytest.warns(UserWarning, match="loss scaling is unnecessary"):
-        _train_both(SparseBag(), lambda m, x, y: F.cross_entropy(m(x), y), _sparse_data(),
-                    make_opt=make_opt, scaler=graphamp.GradScaler(init_scale=256.0))
+        _train_both(
+            SparseBag(),
+            lambda m, x, y: F.cross_entropy(m(x), y),
+            _sparse_data(),
+            make_opt=make_opt,
+            scaler=graphamp.GradScaler(init_scale=256.0),
+        )
 
 
 def test_sparse_gradients_with_adam_are_refused_as_in_eager():
     model = SparseBag()
     before = [p.detach().clone() for p in model.parameters()]
-    g = make_graph(model, None, torch.optim.Adam(model.parameters(), lr=0.1),
-                   build=lambda self, x, y: _backward(F.cross_entropy(self.model(x), y)))
+    g = make_graph(
+        model,
+        None,
+        torch.optim.Adam(model.parameters(), lr=0.1),
+        build=lambda self, x, y: _backward(F.cross_entropy(self.model(x), y)),
+    )
     with pytest.raises(graphamp.CaptureError, match=r"sparse gradients.*Adam.*sparse=False"):
         g(*_sparse_data()[0])
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -13,18 +13,25 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import (
+    assert_optimizer_close,
+    assert_state_close,
+    assert_unchanged,
+    make_graph,
+    snapshot,
+)
+from models import seed_mlp
 
 import graphamp
 from graphamp import CaptureError, ConfigError
-from helpers import assert_optimizer_close, assert_state_close, make_graph, snapshot, \
-    assert_unchanged
-from models import seed_mlp
 
 
 def _batches(n=4, batch=16):
     gen = torch.Generator().manual_seed(0)
-    return [(torch.randn(batch, 256, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
-            for _ in range(n)]
+    return [
+        (torch.randn(batch, 256, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+        for _ in range(n)
+    ]
 
 
 def _eager_step(model, opt, x, y):
@@ -64,6 +71,7 @@ class Twin:
 
 # -- 1. optimizer hyperparameters -----------------------------------------------------------------
 
+
 def test_a_tensor_lr_changed_in_place_is_honoured_without_recompiling():
     t = Twin(seed_mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=torch.tensor(0.1)))
     data = _batches()
@@ -78,8 +86,12 @@ def test_a_tensor_lr_changed_in_place_is_honoured_without_recompiling():
 @pytest.mark.parametrize("change", ["lr", "momentum", "weight_decay", "dampening"])
 def test_sgd_hyperparameters_changed_between_calls_are_honoured(change):
     values = {"lr": 0.01, "momentum": 0.5, "weight_decay": 0.01, "dampening": 0.3}
-    t = Twin(seed_mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9,
-                                                   weight_decay=1e-3, dampening=0.1))
+    t = Twin(
+        seed_mlp(),
+        lambda m: torch.optim.SGD(
+            m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3, dampening=0.1
+        ),
+    )
     data = _batches()
     t.step(*data[0])
     for opt in (t.opt, t.ref_opt):
@@ -90,8 +102,9 @@ def test_sgd_hyperparameters_changed_between_calls_are_honoured(change):
     assert len(t.g.compiled_steps) == 1  # values are graph inputs
 
 
-@pytest.mark.parametrize("change, value", [("betas", (0.5, 0.9)), ("eps", 1e-3),
-                                           ("weight_decay", 0.2), ("lr", 3e-4)])
+@pytest.mark.parametrize(
+    "change, value", [("betas", (0.5, 0.9)), ("eps", 1e-3), ("weight_decay", 0.2), ("lr", 3e-4)]
+)
 def test_adam_hyperparameters_changed_between_calls_are_honoured(change, value):
     t = Twin(seed_mlp(), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
     data = _batches()
@@ -128,8 +141,9 @@ def test_optimizer_load_state_dict_rolls_back_and_later_changes_are_honoured():
 EDITS = {
     "p.data in place": lambda m: [p.data.clamp_(-0.01, 0.01) for p in m.parameters()],
     "p.data assigned": lambda m: setattr(m[0].weight, "data", torch.full_like(m[0].weight, 0.02)),
-    "nn.init": lambda m: nn.init.normal_(m[0].weight, std=0.5,
-                                         generator=torch.Generator().manual_seed(0)),
+    "nn.init": lambda m: nn.init.normal_(
+        m[0].weight, std=0.5, generator=torch.Generator().manual_seed(0)
+    ),
     "load_state_dict": lambda m: m.load_state_dict({k: v * 0.5 for k, v in m.state_dict().items()}),
     "no_grad in place": lambda m: _no_grad_scale(m),
 }
@@ -157,6 +171,7 @@ def test_parameters_edited_outside_the_step_are_seen_in_every_precision(edit, am
 
 
 # -- 3. structure ---------------------------------------------------------------------------------
+
 
 def _structure_twin():
     model = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -249,10 +264,16 @@ def test_a_parameter_removed_from_a_param_group_stops_training():
 
 # -- 4-6. scalers and loads ------------------------------------------------------------------------
 
+
 def _no_scaler_run(scaler, amp=torch.bfloat16):
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=amp, scaler=scaler)
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=amp,
+        scaler=scaler,
+    )
     x, y = _batches(1)[0]
     x = x.clone()
     x[0, 0] = float("inf")  # would be skipped by an enabled scaler
@@ -260,9 +281,14 @@ def _no_scaler_run(scaler, amp=torch.bfloat16):
     return g, model
 
 
-@pytest.mark.parametrize("make", [lambda: graphamp.GradScaler(enabled=False),
-                                  lambda: torch.amp.GradScaler("cpu", enabled=False)],
-                         ids=["graphamp", "torch"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: graphamp.GradScaler(enabled=False),
+        lambda: torch.amp.GradScaler("cpu", enabled=False),
+    ],
+    ids=["graphamp", "torch"],
+)
 def test_a_disabled_scaler_is_no_scaler(make):
     g, model = _no_scaler_run(make())
     assert g.grad_scaler.get_scale() == 1.0 and g.grad_scaler.state_dict() == {}
@@ -273,23 +299,35 @@ def test_a_disabled_scaler_is_no_scaler(make):
     assert "grad_scaler" not in {n.meta.get("graphamp_subgraph") for n in step.graph.nodes}
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: graphamp.StaticGradScaler(math.inf), "scale must be a positive number"),
-    (lambda: graphamp.GradScaler(growth_factor=math.inf), "growth_factor must be greater than 1"),
-    (lambda: graphamp.GradScaler(init_scale=math.nan), "init_scale must be a positive number"),
-    (lambda: graphamp.GradScaler(growth_interval=0), "growth_interval must be a positive int"),
-    (lambda: graphamp.GradScaler(backoff_factor=math.nan), "backoff_factor must be in"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: graphamp.StaticGradScaler(math.inf), "scale must be a positive number"),
+        (
+            lambda: graphamp.GradScaler(growth_factor=math.inf),
+            "growth_factor must be greater than 1",
+        ),
+        (lambda: graphamp.GradScaler(init_scale=math.nan), "init_scale must be a positive number"),
+        (lambda: graphamp.GradScaler(growth_interval=0), "growth_interval must be a positive int"),
+        (lambda: graphamp.GradScaler(backoff_factor=math.nan), "backoff_factor must be in"),
+    ],
+)
 def test_non_finite_or_out_of_range_scaler_settings_raise(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("scale", math.nan, "loaded scale"), ("scale", -2.0, "loaded scale"),
-    ("scale", math.inf, "loaded scale"), ("_growth_tracker", -1, "_growth_tracker"),
-    ("growth_factor", 0.5, "growth_factor"), ("growth_interval", 0, "growth_interval"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("scale", math.nan, "loaded scale"),
+        ("scale", -2.0, "loaded scale"),
+        ("scale", math.inf, "loaded scale"),
+        ("_growth_tracker", -1, "_growth_tracker"),
+        ("growth_factor", 0.5, "growth_factor"),
+        ("growth_interval", 0, "growth_interval"),
+    ],
+)
 def test_invalid_loaded_scaler_states_raise_and_change_nothing(key, value, message):
     scaler = graphamp.GradScaler(init_scale=512.0, growth_interval=7)
     good = scaler.state_dict()
@@ -312,23 +350,31 @@ def test_static_and_dynamic_scaler_states_convert_with_their_documented_meaning(
 
 def test_graph_load_state_dict_checks_everything_before_changing_anything():
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   scaler=graphamp.GradScaler(init_scale=256.0))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scaler=graphamp.GradScaler(init_scale=256.0),
+    )
     with pytest.warns(UserWarning, match="unnecessary"):
         for x, y in _batches(2):
             g(x, y)
     good = g.state_dict()
-    bad = {**good, "grad_scaler": {**good["grad_scaler"], "scale": 1024.0},
-           "step": 99, "history": {"step": 5, "table": torch.zeros(3, 2)}}  # wrong columns
+    bad = {
+        **good,
+        "grad_scaler": {**good["grad_scaler"], "scale": 1024.0},
+        "step": 99,
+        "history": {"step": 5, "table": torch.zeros(3, 2)},
+    }  # wrong columns
     with pytest.raises(ConfigError, match="history's table"):
         g.load_state_dict(bad)
     after = g.state_dict()
     assert after["step"] == good["step"] == 2 and after["grad_scaler"] == good["grad_scaler"]
-    torch.testing.assert_close(after["history"]["table"], good["history"]["table"],
-                               equal_nan=True)
+    torch.testing.assert_close(after["history"]["table"], good["history"]["table"], equal_nan=True)
 
 
 # -- 7. inputs ------------------------------------------------------------------------------------
+
 
 def test_an_input_that_requires_grad_works_from_the_first_call():
     t = Twin(seed_mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
@@ -365,6 +411,7 @@ def test_a_python_number_that_changes_every_call_warns_once_and_names_it():
 
 # -- 8. threads -----------------------------------------------------------------------------------
 
+
 def test_two_threads_calling_a_cold_graph_capture_once_and_both_train():
     t = Twin(seed_mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     x, y = _batches(1)[0]
@@ -391,6 +438,7 @@ def test_two_threads_calling_a_cold_graph_capture_once_and_both_train():
 
 # -- 9-10. clear errors instead of internal ones, and calls that do nothing in a graph -------------
 
+
 def test_a_module_used_in_build_but_not_registered_is_named():
     model, other = seed_mlp(), nn.Linear(10, 10)
 
@@ -400,8 +448,11 @@ def test_a_module_used_in_build_but_not_registered_is_named():
         return loss
 
     g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1), build=build)
-    with pytest.raises(CaptureError, match=r"calls a Linear that is not registered.*"
-                                           r"test_changes\.py:\d+.*other\(self\.model"):
+    with pytest.raises(
+        CaptureError,
+        match=r"calls a Linear that is not registered.*"
+        r"test_changes\.py:\d+.*other\(self\.model",
+    ):
         g(*_batches(1)[0])
 
 
@@ -424,14 +475,20 @@ def test_a_plain_tensor_attribute_changed_in_forward_is_named():
 
 
 CALLS_IN_BUILD = {
-    "clip_grad_norm_": (lambda self, opt: torch.nn.utils.clip_grad_norm_(
-        self.model.parameters(), 1.0), r"clip_grad.*clip_grad_max_norm"),
+    "clip_grad_norm_": (
+        lambda self, opt: torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0),
+        r"clip_grad.*clip_grad_max_norm",
+    ),
     "zero_grad": (lambda self, opt: opt.zero_grad(), r"torch\.optim.*remove optimizer"),
     "step": (lambda self, opt: opt.step(), r"torch\.optim.*remove optimizer"),
-    "torch scaler.scale": (lambda self, opt: torch.amp.GradScaler("cpu").scale(
-        torch.ones(())), r"GradScaler.*set_grad_scaler"),
-    "torch scaler.step": (lambda self, opt: torch.amp.GradScaler("cpu").step(opt),
-                          r"GradScaler.*set_grad_scaler"),
+    "torch scaler.scale": (
+        lambda self, opt: torch.amp.GradScaler("cpu").scale(torch.ones(())),
+        r"GradScaler.*set_grad_scaler",
+    ),
+    "torch scaler.step": (
+        lambda self, opt: torch.amp.GradScaler("cpu").step(opt),
+        r"GradScaler.*set_grad_scaler",
+    ),
 }
 
 
@@ -487,21 +544,30 @@ class DeclaresFp32(nn.Module):
 
 
 def _head_mm_dtypes(g):
-    return [r["dtype"] for r in g.precision_report(with_autocast=False).rows
-            if r["module"] == "model.head" and r["op"] in ("aten.mm", "aten.addmm")]
+    return [
+        r["dtype"]
+        for r in g.precision_report(with_autocast=False).rows
+        if r["module"] == "model.head" and r["op"] in ("aten.mm", "aten.addmm")
+    ]
 
 
 def test_a_models_declared_fp32_parts_are_pinned_and_unpinning_is_seen():
     model = DeclaresFp32()
-    g = make_graph(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.bfloat16)
+    g = make_graph(
+        model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), amp=torch.bfloat16
+    )
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
     g(x, y)
     assert _head_mm_dtypes(g) == ["float32"]
-    why = {r["why"] for r in g.precision_report(with_autocast=False).rows
-           if r["module"] == "model.head" and r["op"] != "aten._to_copy"}
-    assert "inside fp32-pinned module model.head: pinned fp32 by the model's " \
+    why = {
+        r["why"]
+        for r in g.precision_report(with_autocast=False).rows
+        if r["module"] == "model.head" and r["op"] != "aten._to_copy"
+    }
+    assert (
+        "inside fp32-pinned module model.head: pinned fp32 by the model's "
         "_keep_in_fp32_modules_strict ('head')" in why
+    )
     model._keep_in_fp32_modules_strict = None  # the user's opt-out, after the first call
     g(x, y)
     assert _head_mm_dtypes(g) == ["bfloat16"]

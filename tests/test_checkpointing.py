@@ -10,20 +10,26 @@ import os
 
 import pytest
 import torch
+from helpers import make_graph
+from models import Block, TinyGPT, lm_loss
 
 import graphamp
 from graphamp.inspect.memory import step_memory
-
-from helpers import make_graph
-from models import Block, TinyGPT, lm_loss
 
 
 def _train(base, *, ckpt=None, amp=None, steps=2, dropout_seed=None, backend="aot_eager"):
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     configure = (lambda g: g.config.enable_activation_checkpointing(*ckpt)) if ckpt else None
-    g = make_graph(model, lm_loss, opt, amp=amp, configure=configure, backend=backend,
-                   scaler=graphamp.GradScaler(init_scale=2.0**8) if amp else None)
+    g = make_graph(
+        model,
+        lm_loss,
+        opt,
+        amp=amp,
+        configure=configure,
+        backend=backend,
+        scaler=graphamp.GradScaler(init_scale=2.0**8) if amp else None,
+    )
     gen = torch.Generator().manual_seed(1)
     if dropout_seed is not None:
         torch.manual_seed(dropout_seed)
@@ -78,7 +84,9 @@ def test_recomputed_regions_keep_their_precision_and_are_reported(tmp_path):
     out = g.dump(str(tmp_path / "dump"))
     rows = list(csv.DictReader(open(os.path.join(out, "precision.csv"))))
     assert {r["node"] for r in rows if r["recomputed"] == "yes"} == {r["node"] for r in marked}
-    plain = _train(base, amp=torch.float16, steps=1, backend="eager")[1].precision_report(with_autocast=False)
+    plain = _train(base, amp=torch.float16, steps=1, backend="eager")[1].precision_report(
+        with_autocast=False
+    )
     assert report.casts == plain.casts and report.parameter_copies == plain.parameter_copies
 
 
@@ -87,17 +95,20 @@ def test_random_ops_are_not_recomputed_so_dropout_masks_match():
     plain, _ = _train(base, dropout_seed=5, backend="eager")
     ckpt, g = _train(base, ckpt=(Block,), dropout_seed=5, backend="eager")
     _assert_equal_states(plain, ckpt)
-    copies = [n for n in _step_gm(g).graph.nodes
-              if n.meta.get("graphamp_subgraph") == "recompute"]
-    assert copies and not any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
-                              for n in copies)
+    copies = [n for n in _step_gm(g).graph.nodes if n.meta.get("graphamp_subgraph") == "recompute"]
+    assert copies and not any(
+        torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in copies
+    )
 
 
 def test_unknown_module_name_is_a_config_error_naming_the_fix():
     model = _gpt()
-    g = make_graph(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1),
-                   configure=lambda g: g.config
-                   .enable_activation_checkpointing("model.block.0"))
+    g = make_graph(
+        model,
+        lm_loss,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        configure=lambda g: g.config.enable_activation_checkpointing("model.block.0"),
+    )
     idx = torch.randint(0, 64, (2, 32))
     with pytest.raises(graphamp.errors.ConfigError, match="did you mean 'model.blocks.0'"):
         g(idx, idx)

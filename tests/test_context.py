@@ -15,12 +15,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim.lr_scheduler as lrs
+from helpers import (
+    assert_optimizer_close,
+    assert_state_close,
+    assert_unchanged,
+    make_graph,
+    snapshot,
+)
 
 import graphamp
 from graphamp import CaptureError, ConfigError
 from graphamp.errors import GraphDefinitionError
-from helpers import assert_optimizer_close, assert_state_close, assert_unchanged, make_graph, \
-    snapshot
 
 
 def _mlp() -> nn.Module:
@@ -30,8 +35,10 @@ def _mlp() -> nn.Module:
 
 def _batches(n=4):
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
-            for _ in range(n)]
+    return [
+        (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
+        for _ in range(n)
+    ]
 
 
 def _eager_step(model, opt, x, y, sch=None):
@@ -111,16 +118,22 @@ FAST_MODES = {("autocast cpu bf16", True), ("inference_mode", True), ("no_grad",
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("mode, first_inside", [
-    pytest.param(m, f, marks=() if (m, f) in FAST_MODES else pytest.mark.slow)
-    for m in sorted(AMBIENT) for f in (True, False)])
+@pytest.mark.parametrize(
+    "mode, first_inside",
+    [
+        pytest.param(m, f, marks=() if (m, f) in FAST_MODES else pytest.mark.slow)
+        for m in sorted(AMBIENT)
+        for f in (True, False)
+    ],
+)
 def test_an_ambient_mode_gives_the_same_steps_as_plain_eager(mode, first_inside):
     """The first call inside the mode and later calls outside (or the reverse): every step
     equals a plain fp32 eager step, the ambient mode neither leaking in nor baking in."""
     t = Twin()
     inside, outside = AMBIENT[mode], contextlib.nullcontext
-    order = [inside, outside, inside, outside] if first_inside else \
-        [outside, inside, outside, inside]
+    order = (
+        [inside, outside, inside, outside] if first_inside else [outside, inside, outside, inside]
+    )
     for (x, y), ctx in zip(_batches(), order):
         loss = t.step(x, y, ctx)
         assert loss.dtype == torch.float32 and not loss.requires_grad
@@ -133,8 +146,12 @@ def test_an_ambient_autocast_does_not_change_graphamps_own_amp():
     """With AMP on, a call made inside a user's autocast block runs graphamp's precision plan:
     bitwise the steps of the same graph called outside it."""
     a, b = _mlp(), _mlp()
-    graphs = [make_graph(m, nn.CrossEntropyLoss(), torch.optim.SGD(m.parameters(), lr=0.1),
-                         amp=torch.bfloat16) for m in (a, b)]
+    graphs = [
+        make_graph(
+            m, nn.CrossEntropyLoss(), torch.optim.SGD(m.parameters(), lr=0.1), amp=torch.bfloat16
+        )
+        for m in (a, b)
+    ]
     for x, y in _batches(3):
         with torch.autocast("cpu", dtype=torch.float16):
             inside = graphs[0](x, y)
@@ -155,9 +172,8 @@ def test_the_default_dtype_of_a_call_is_honoured_by_capturing_again():
         loss.backward()
         return loss + torch.zeros(())  # a factory: float64 under a float64 default
 
-    g = make_graph(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
-                   build=build)
-    (x, y), = _batches(1)
+    g = make_graph(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), build=build)
+    ((x, y),) = _batches(1)
     assert g(x, y).dtype == torch.float32
     with _default_dtype(torch.float64):
         assert g(x, y).dtype == torch.float64
@@ -167,9 +183,11 @@ def test_the_default_dtype_of_a_call_is_honoured_by_capturing_again():
 
 # -- 2. side effects in forward ----------------------------------------------------------------
 
+
 def _register(kind, model, seen):
     def record(*args):
         seen.append(args)
+
     if kind == "forward hook":
         return model[0].register_forward_hook(record)
     if kind == "forward pre-hook":
@@ -181,11 +199,20 @@ def _register(kind, model, seen):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind, when", [
-    pytest.param(k, w, marks=() if (k, w) in {("forward hook", "after a call"), (
-        "global forward hook", "first call")} else pytest.mark.slow)
-    for k in ("forward hook", "forward pre-hook", "backward hook", "global forward hook")
-    for w in ("first call", "after a call")])
+@pytest.mark.parametrize(
+    "kind, when",
+    [
+        pytest.param(
+            k,
+            w,
+            marks=()
+            if (k, w) in {("forward hook", "after a call"), ("global forward hook", "first call")}
+            else pytest.mark.slow,
+        )
+        for k in ("forward hook", "forward pre-hook", "backward hook", "global forward hook")
+        for w in ("first call", "after a call")
+    ],
+)
 def test_a_hook_is_refused_by_name_and_nothing_changes(kind, when):
     t = Twin()
     data = _batches(2)
@@ -238,9 +265,13 @@ class CountsCalls(nn.Module):
         return self.lin(x)
 
 
-@pytest.mark.parametrize("model_type, attribute, line", [
-    (LazyCache, "self.model.scale", "self.scale = x.abs().mean()"),
-    (CountsCalls, "self.model.calls", "self.calls += 1")])
+@pytest.mark.parametrize(
+    "model_type, attribute, line",
+    [
+        (LazyCache, "self.model.scale", "self.scale = x.abs().mean()"),
+        (CountsCalls, "self.model.calls", "self.calls += 1"),
+    ],
+)
 def test_an_attribute_written_in_forward_is_refused_and_put_back(model_type, attribute, line):
     model = model_type()
     before_vars = dict(vars(model))
@@ -248,8 +279,9 @@ def test_an_attribute_written_in_forward_is_refused_and_put_back(model_type, att
     g = make_graph(model, nn.CrossEntropyLoss(), opt)
     before = snapshot(model, opt)
     x, y = _batches(1)[0]
-    with pytest.raises(CaptureError, match=rf"{attribute} at .*test_context.py:\d+.*"
-                                           + re.escape(line)):
+    with pytest.raises(
+        CaptureError, match=rf"{attribute} at .*test_context.py:\d+.*" + re.escape(line)
+    ):
         g(x, y)
     assert vars(model) == before_vars  # no FakeTensor left in the user's module
     assert_unchanged(before, model, opt)
@@ -265,8 +297,7 @@ def test_an_attribute_written_on_the_graph_in_build_is_refused():
         g.last_loss = loss  # would keep a FakeTensor on the Graph
         return loss
 
-    g = make_graph(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
-                   build=build)
+    g = make_graph(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), build=build)
     with pytest.raises(CaptureError, match="self.last_loss"):
         g(*_batches(1)[0])
     assert "last_loss" not in vars(g)
@@ -300,6 +331,7 @@ def test_torchs_own_forward_caches_are_put_back_silently():
 
 
 # -- 3. wrapped and copied objects -------------------------------------------------------------
+
 
 def test_a_torch_compiled_module_trains_as_its_original():
     plain = _mlp()
@@ -350,9 +382,13 @@ def test_copying_or_saving_a_graph_is_refused_with_the_way_to_do_it():
     t = Twin()
     data = _batches(2)
     t.step(*data[0])
-    ways = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": pickle.dumps,
-            "torch.save": lambda g: torch.save(g, io.BytesIO())}
-    for how, copy_it in ways.items():
+    ways = {
+        "deepcopy": copy.deepcopy,
+        "copy": copy.copy,
+        "pickle": pickle.dumps,
+        "torch.save": lambda g: torch.save(g, io.BytesIO()),
+    }
+    for _how, copy_it in ways.items():
         with pytest.raises(GraphDefinitionError, match=r"state_dict\(\)"):
             copy_it(t.g)
     t.step(*data[1])  # still works
@@ -361,9 +397,10 @@ def test_copying_or_saving_a_graph_is_refused_with_the_way_to_do_it():
 
 def test_a_graph_called_inside_another_graphs_build_is_refused_by_name():
     inner_model, outer_model = _mlp(), _mlp()
-    inner = make_graph(inner_model, nn.CrossEntropyLoss(),
-                       torch.optim.SGD(inner_model.parameters(), lr=0.1))
-    (x, y), = _batches(1)
+    inner = make_graph(
+        inner_model, nn.CrossEntropyLoss(), torch.optim.SGD(inner_model.parameters(), lr=0.1)
+    )
+    ((x, y),) = _batches(1)
     inner(x, y)  # compiled already: the nested call must still be refused
 
     def build(g, x, y):
@@ -399,17 +436,25 @@ SCHEDULERS = {
     "CyclicLR": lambda o: lrs.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=2),
     "OneCycleLR": lambda o: lrs.OneCycleLR(o, max_lr=0.2, total_steps=6),
     "SequentialLR": lambda o: lrs.SequentialLR(
-        o, [lrs.LinearLR(o, start_factor=0.5, total_iters=2), lrs.ExponentialLR(o, gamma=0.7)],
-        milestones=[2]),
+        o,
+        [lrs.LinearLR(o, start_factor=0.5, total_iters=2), lrs.ExponentialLR(o, gamma=0.7)],
+        milestones=[2],
+    ),
     "ChainedScheduler": lambda o: lrs.ChainedScheduler(
-        [lrs.ExponentialLR(o, gamma=0.9), lrs.StepLR(o, step_size=2, gamma=0.5)]),
+        [lrs.ExponentialLR(o, gamma=0.9), lrs.StepLR(o, step_size=2, gamma=0.5)]
+    ),
 }
 
 
 def test_every_scheduler_in_torch_is_covered():
-    classes = {n for n, c in vars(lrs).items() if isinstance(c, type) and not n.startswith("_")
-               and issubclass(c, (lrs.LRScheduler, lrs.ReduceLROnPlateau)) and c.__module__ ==
-               lrs.__name__} - {"LRScheduler", "ReduceLROnPlateau"}
+    classes = {
+        n
+        for n, c in vars(lrs).items()
+        if isinstance(c, type)
+        and not n.startswith("_")
+        and issubclass(c, (lrs.LRScheduler, lrs.ReduceLROnPlateau))
+        and c.__module__ == lrs.__name__
+    } - {"LRScheduler", "ReduceLROnPlateau"}
     assert classes <= set(SCHEDULERS), sorted(classes - set(SCHEDULERS))
 
 
@@ -432,8 +477,10 @@ def test_every_scheduler_is_honoured_step_for_step_in_one_graph():
     names = sorted(SCHEDULERS)
     model = Heads(len(names))
     ref = copy.deepcopy(model)
-    opts, ref_opts = ([torch.optim.SGD(h.parameters(), lr=0.1, momentum=0.9) for h in m.heads]
-                      for m in (model, ref))
+    opts, ref_opts = (
+        [torch.optim.SGD(h.parameters(), lr=0.1, momentum=0.9) for h in m.heads]
+        for m in (model, ref)
+    )
     schs = [SCHEDULERS[n](o) for n, o in zip(names, opts)]
     ref_schs = [SCHEDULERS[n](o) for n, o in zip(names, ref_opts)]
 
@@ -453,8 +500,10 @@ def test_every_scheduler_is_honoured_step_for_step_in_one_graph():
             sch.step()
         torch.testing.assert_close(loss, ref_loss.detach())
         for name, o, r in zip(names, opts, ref_opts):
-            assert (o.param_groups[0]["lr"], o.param_groups[0]["momentum"]) == \
-                (r.param_groups[0]["lr"], r.param_groups[0]["momentum"]), name
+            assert (o.param_groups[0]["lr"], o.param_groups[0]["momentum"]) == (
+                r.param_groups[0]["lr"],
+                r.param_groups[0]["momentum"],
+            ), name
     assert_state_close(model, ref)
     assert len(g.compiled_steps) == 1
 
@@ -489,11 +538,17 @@ def test_reduce_lr_on_plateau_is_refused_at_add_optimizer_with_the_alternative()
 
 def test_reduce_lr_on_plateau_stepped_outside_the_graph_works_as_eager():
     # threshold 0.5: a loss not 50% below the best so far counts as a plateau
-    make_sch = lambda o: lrs.ReduceLROnPlateau(o, patience=0, factor=0.5,  # noqa: E731
-                                               threshold=0.5)
+    def make_sch(o):
+        return lrs.ReduceLROnPlateau(
+            o,
+            patience=0,
+            factor=0.5,  # noqa: E731
+            threshold=0.5,
+        )
+
     t = Twin()
     sch, ref_sch = make_sch(t.opt), make_sch(t.ref_opt)
-    (x, y), = _batches(1)
+    ((x, y),) = _batches(1)
     for _ in range(4):
         loss = t.step(x, y)
         sch.step(loss.item())
@@ -505,6 +560,7 @@ def test_reduce_lr_on_plateau_stepped_outside_the_graph_works_as_eager():
 
 
 # -- 5. optimizer state edits ------------------------------------------------------------------
+
 
 def _sgd_damped(m):
     return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.2)
@@ -533,11 +589,19 @@ def _new_dict(opt):
     opt.state[p] = {k: v.clone() * 0.5 for k, v in opt.state[p].items()}
 
 
-@pytest.mark.parametrize("make_opt, edit", [
-    pytest.param(o, e, id=f"{e.__name__[1:]}-{o.__name__[1:]}",
-                 marks=() if (o, e) in {(_sgd_damped, _clear), (_adam, _replace)}
-                 else pytest.mark.slow)
-    for o in (_sgd_damped, _adam) for e in (_clear, _replace, _new_dict)])
+@pytest.mark.parametrize(
+    "make_opt, edit",
+    [
+        pytest.param(
+            o,
+            e,
+            id=f"{e.__name__[1:]}-{o.__name__[1:]}",
+            marks=() if (o, e) in {(_sgd_damped, _clear), (_adam, _replace)} else pytest.mark.slow,
+        )
+        for o in (_sgd_damped, _adam)
+        for e in (_clear, _replace, _new_dict)
+    ],
+)
 def test_an_optimizer_state_edit_is_honoured_as_eager(make_opt, edit):
     t = Twin(make_opt=make_opt)
     data = _batches(4)
@@ -551,9 +615,11 @@ def test_an_optimizer_state_edit_is_honoured_as_eager(make_opt, edit):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make_opt", [
-    lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), _adam],
-    ids=["sgd", "adam"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), _adam],
+    ids=["sgd", "adam"],
+)
 def test_one_parameters_state_deleted_is_honoured_as_eager(make_opt):
     t = Twin(make_opt=make_opt)
     data = _batches(3)

@@ -11,10 +11,10 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-
-import graphamp
 from dist_worker import INTERRUPTED_STEP, POISON_STEP, TIMEOUT_S, global_batches, make_model
 from helpers import make_graph
+
+import graphamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -26,11 +26,19 @@ def _free_port() -> int:
 
 
 def run_ranks(mode: str, tmp_path) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_free_port()}", os.path.join(HERE, "dist_worker.py"), mode,
-           str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        os.path.join(HERE, "dist_worker.py"),
+        mode,
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     (tmp_path / "stderr.txt").write_text(done.stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
@@ -42,8 +50,9 @@ def single_process_reference():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        g = make_graph(model, nn.CrossEntropyLoss(), opt,
-                       scaler=graphamp.GradScaler(init_scale=256.0))
+        g = make_graph(
+            model, nn.CrossEntropyLoss(), opt, scaler=graphamp.GradScaler(init_scale=256.0)
+        )
         for x, y in global_batches():
             g(x, y)
     return model.state_dict(), g.history.fetch()["skipped"], g.grad_scaler.get_scale()

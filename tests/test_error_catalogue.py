@@ -18,9 +18,9 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import make_graph
 
 import graphamp
-from helpers import make_graph
 
 THIS_FILE = pathlib.Path(__file__)
 
@@ -166,8 +166,12 @@ CASES = {
     "grad of constant": (_grad_of_a_constant, None, True, True),
     # module hooks are refused by name before they run (tests/test_context.py checks the name
     # and where the hook is defined), so neither a line of the hook's body nor a cause
-    "forward hook": (_ce, lambda m: m[0].register_forward_hook(_raise_in_forward_hook), False,
-                     False),
+    "forward hook": (
+        _ce,
+        lambda m: m[0].register_forward_hook(_raise_in_forward_hook),
+        False,
+        False,
+    ),
     "custom op fake": (_no_fake_kernel_op, None, True, True),
     "backend": (_ce, None, True, True),
 }
@@ -184,8 +188,9 @@ def _model_and_optimizer():
 
 
 def _snapshot(model, opt, scaler):
-    tensors = {n: (t, t.detach().clone()) for n, t in
-               [*model.named_parameters(), *model.named_buffers()]}
+    tensors = {
+        n: (t, t.detach().clone()) for n, t in [*model.named_parameters(), *model.named_buffers()]
+    }
     return tensors, copy.deepcopy(opt.state_dict()), dict(scaler.state_dict())
 
 

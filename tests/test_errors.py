@@ -6,12 +6,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-
-import graphamp
-from graphamp import (CaptureError, ConfigError, GraphDefinitionError, InputError,
-                      UnsupportedOptimizerError)
 from helpers import assert_unchanged, make_graph, snapshot
 from models import seed_mlp
+
+import graphamp
+from graphamp import (
+    CaptureError,
+    ConfigError,
+    GraphDefinitionError,
+    InputError,
+    UnsupportedOptimizerError,
+)
 
 
 def _xy(batch=8):
@@ -163,11 +168,14 @@ def test_init_that_forgot_super_init():
         Lazy()(torch.randn(2))
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda p: torch.optim.RMSprop(p, lr=0.1),
-    lambda p: torch.optim.Adagrad(p, lr=0.1),
-    lambda p: torch.optim.LBFGS(p),
-])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.RMSprop(p, lr=0.1),
+        lambda p: torch.optim.Adagrad(p, lr=0.1),
+        lambda p: torch.optim.LBFGS(p),
+    ],
+)
 def test_unsupported_optimizer_class(make_opt):
     model = seed_mlp()
     opt = make_opt(model.parameters())
@@ -224,16 +232,23 @@ def test_build_mutating_a_parameter_in_place(trained):
     assert_unchanged(before, model, opt)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda g: g.config.enable_amp(True, dtype=torch.int8), r"float16 or torch\.bfloat16"),
-    (lambda g: g.config.set_backend("tvm"), r"unknown backend 'tvm'"),
-    (lambda g: g.config.set_amp_opt_level("O4"), r"unknown AMP opt level 'O4'"),
-    (lambda g: g.config.set_gradient_accumulation_steps(0), r">= 1"),
-    (lambda g: g.add_optimizer("adam"), r"torch\.optim\.Optimizer"),
-    (lambda g: g.set_grad_scaler(2.0), r"graphamp\.GradScaler"),
-    (lambda g: g.add_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1),
-                               clip_grad_max_norm=-1.0), r"positive"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda g: g.config.enable_amp(True, dtype=torch.int8), r"float16 or torch\.bfloat16"),
+        (lambda g: g.config.set_backend("tvm"), r"unknown backend 'tvm'"),
+        (lambda g: g.config.set_amp_opt_level("O4"), r"unknown AMP opt level 'O4'"),
+        (lambda g: g.config.set_gradient_accumulation_steps(0), r">= 1"),
+        (lambda g: g.add_optimizer("adam"), r"torch\.optim\.Optimizer"),
+        (lambda g: g.set_grad_scaler(2.0), r"graphamp\.GradScaler"),
+        (
+            lambda g: g.add_optimizer(
+                torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), clip_grad_max_norm=-1.0
+            ),
+            r"positive",
+        ),
+    ],
+)
 def test_config_errors(call, message):
     g = make_graph(seed_mlp(), nn.CrossEntropyLoss(), None)
     with pytest.raises((ConfigError, UnsupportedOptimizerError), match=message):

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import make_graph
+from models import ManualAttentionBlock, SmallCNN, TinyGPT, lm_loss
 
 import graphamp
 from graphamp import AmpPin
-from helpers import make_graph
-from models import ManualAttentionBlock, SmallCNN, TinyGPT, lm_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,6 +72,7 @@ def _eager_fp32_losses(model, opt_factory, loss_of, steps: int):
 
 # -- an exp, and a large matmul, that overflow fp16 ------------------------------------------------
 
+
 class Overflowing(nn.Module):
     """fc -> exp -> head, or fc -> layer_norm -> head; made to overflow fp16 (not fp32) at the
     exp's fp16 cast for head, or in fc's matmul."""
@@ -113,9 +114,14 @@ def _overflowing_graph(kind: str, **autofix):
         if autofix:
             g.config.enable_amp_autofix(**autofix)
 
-    g = make_graph(model, nn.CrossEntropyLoss(), _adam(model),
-                   amp=torch.float16, scaler=graphamp.GradScaler(init_scale=16.0),
-                   configure=configure)
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        _adam(model),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=16.0),
+        configure=configure,
+    )
     return g, model, reference
 
 
@@ -136,14 +142,18 @@ def test_report_names_the_op_and_line_that_overflowed(kind, tmp_path):
         assert "self.fc(x)" in event.source
         # it read the batch, fc's weight and bias in fp16 (unchanged: the steps were skipped)
         fc = g.model.fc
-        assert event.input_amax == max(t.half().abs().max().item()
-                                       for t in (batch[0], fc.weight, fc.bias))
+        assert event.input_amax == max(
+            t.half().abs().max().item() for t in (batch[0], fc.weight, fc.bias)
+        )
         assert event.pins == (AmpPin("model.fc", "aten.addmm", 0),)
     else:
         # exp runs in fp32 (deny list); the cast of its result for head's fp16 matmul overflows
         assert event.kind == "cast" and event.module == "model.head"
-        exp_node = [n for n in g.compiled_steps[-1].forward_graph.graph.nodes
-                    if n.target is torch.ops.aten.exp.default][0]
+        exp_node = [
+            n
+            for n in g.compiled_steps[-1].forward_graph.graph.nodes
+            if n.target is torch.ops.aten.exp.default
+        ][0]
         assert event.reads == (exp_node.name,)
         assert event.location == _line(Overflowing.forward, "reads h in fp16")
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
@@ -164,7 +174,8 @@ def test_report_names_the_op_and_line_that_overflowed(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["matmul", "exp"])
 def test_autofix_pins_it_and_training_follows_fp32_while_eager_autocast_keeps_skipping(
-        kind, caplog):
+    kind, caplog
+):
     g, model, reference = _overflowing_graph(kind, after=2, max_pins=2)
     batch = _batch()
     with caplog.at_level(logging.INFO, logger="graphamp"):
@@ -176,6 +187,7 @@ def test_autofix_pins_it_and_training_follows_fp32_while_eager_autocast_keeps_sk
     pin_lines = [r for r in caplog.records if "autofix pinned" in r.getMessage()]
     assert len(pin_lines) == 1 and pin_lines[0].levelno == logging.INFO
     assert expected_pin.describe() in pin_lines[0].getMessage()
+
     # the healed run follows eager fp32 from the same (untouched) weights
     def loss_of(m):
         return F.cross_entropy(m(batch[0]), batch[1])
@@ -189,11 +201,21 @@ def test_autofix_pins_it_and_training_follows_fp32_while_eager_autocast_keeps_sk
 
 # -- T5: the feed-forward output layer (wo) overflows fp16 ------------------------------------------
 
+
 def _tiny_t5():
     transformers = pytest.importorskip("transformers")
-    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1,
-                                   num_decoder_layers=1, num_heads=2, dropout_rate=0.0,
-                                   decoder_start_token_id=0, pad_token_id=0)
+    config = transformers.T5Config(
+        vocab_size=64,
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(config)
     # T5 declares _keep_in_fp32_modules = ["wo"] for this very overflow; graphamp may honour it
@@ -217,18 +239,31 @@ def _sgd(model):
 def test_t5_wo_overflow_is_found_and_healed_while_eager_autocast_keeps_skipping():
     model = _tiny_t5()
     reference = copy.deepcopy(model)
-    g = make_graph(model, None, _sgd(model),
-                   amp=torch.float16, scaler=graphamp.GradScaler(),
-                   build=lambda g, ids, labels: _t5_step(g.model, ids, labels),
-                   configure=lambda g: g.config.enable_amp_autofix(after=2))
+    g = make_graph(
+        model,
+        None,
+        _sgd(model),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(),
+        build=lambda g, ids, labels: _t5_step(g.model, ids, labels),
+        configure=lambda g: g.config.enable_amp_autofix(after=2),
+    )
     gen = torch.Generator().manual_seed(0)
-    ids, labels = torch.randint(1, 64, (2, 8), generator=gen), torch.randint(1, 64, (2, 8), generator=gen)
+    ids, labels = (
+        torch.randint(1, 64, (2, 8), generator=gen),
+        torch.randint(1, 64, (2, 8), generator=gen),
+    )
     losses = [g(ids, labels).item() for _ in range(6)]
     assert g.history.fetch()["skipped"] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
     first = g.overflow_report().events[0]
     wo = "model.encoder.block.0.layer.1.DenseReluDense.wo"
     assert (first.phase, first.kind, first.op, first.module, first.dtype) == (
-        "forward", "op", "aten.mm", wo, "float16")
+        "forward",
+        "op",
+        "aten.mm",
+        wo,
+        "float16",
+    )
     assert first.location.startswith("modeling_t5.py:") and "self.wo(hidden_states)" in first.source
     assert g.config.amp_pins == (AmpPin(wo, "aten.mm", 0),)
     # the wo matmul runs in fp32 now, everything else as before
@@ -236,6 +271,7 @@ def test_t5_wo_overflow_is_found_and_healed_while_eager_autocast_keeps_skipping(
     mm = [n for n in forward.graph.nodes if n.target is torch.ops.aten.mm.default]
     assert [n.meta["amp_colour"] for n in mm if wo in n.meta["nn_module_stack"]] == ["deny"]
     assert sum(n.meta["amp_colour"] == "allow" for n in mm) == len(mm) - 1
+
     # from the untouched weights, the healed run follows eager fp32
     def loss_of(m):
         return m(input_ids=ids, labels=labels).loss
@@ -249,12 +285,18 @@ def test_t5_wo_overflow_is_found_and_healed_while_eager_autocast_keeps_skipping(
 
 # -- a data fault: an inf in the batch of a BatchNorm CNN ---------------------------------------------
 
+
 def test_an_inf_in_the_batch_is_reported_as_input_and_autofix_pins_nothing():
     torch.manual_seed(0)
     model = SmallCNN()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.float16, scaler=graphamp.GradScaler(),
-                   configure=lambda g: g.config.enable_amp_autofix(after=1))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(),
+        configure=lambda g: g.config.enable_amp_autofix(after=1),
+    )
     gen = torch.Generator().manual_seed(0)
     for step in range(4):
         x = torch.randn(4, 3, 16, 16, generator=gen)
@@ -266,7 +308,13 @@ def test_an_inf_in_the_batch_is_reported_as_input_and_autofix_pins_nothing():
     assert report.overflows == 1
     event = report.last
     assert (event.step, event.phase, event.kind, event.op, event.node, event.value) == (
-        2, "forward", "input", "input", "x", "inf")
+        2,
+        "forward",
+        "input",
+        "input",
+        "x",
+        "inf",
+    )
     assert event.is_data_fault and event.pins == () and "data fault" in event.note
     assert "input 'x'" in str(report)
     assert g.config.amp_pins == ()  # autofix on, after=1: still nothing pinned
@@ -275,18 +323,27 @@ def test_an_inf_in_the_batch_is_reported_as_input_and_autofix_pins_nothing():
 
 # -- attention masks: by-design infinities are not overflows ------------------------------------------
 
+
 def _gpt(scale_out: float | None):
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, dim=32, heads=4, layers=2, seq=16, block=ManualAttentionBlock)
     if scale_out is not None:
         with torch.no_grad():
             model.blocks[1].out.weight.mul_(scale_out)
-    g = make_graph(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.float16, scaler=graphamp.GradScaler(init_scale=256.0),
-                   configure=lambda g: g.config.enable_overflow_tracing())
+    g = make_graph(
+        model,
+        lm_loss,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=256.0),
+        configure=lambda g: g.config.enable_overflow_tracing(),
+    )
     gen = torch.Generator().manual_seed(1)
-    return g, torch.randint(0, 64, (2, 16), generator=gen), torch.randint(0, 64, (2, 16),
-                                                                           generator=gen)
+    return (
+        g,
+        torch.randint(0, 64, (2, 16), generator=gen),
+        torch.randint(0, 64, (2, 16), generator=gen),
+    )
 
 
 def test_attention_mask_infinities_are_not_blamed():
@@ -302,19 +359,28 @@ def test_attention_mask_infinities_are_not_blamed():
     event = g.overflow_report().last
     assert event.module == "model.blocks.1.out" and event.op in ("aten.addmm", "aten.mm")
     assert event.location == _line(ManualAttentionBlock.forward, "self.out(")
-    mask = [n for n in g.compiled_steps[-1].forward_graph.graph.nodes
-            if n.target is torch.ops.aten.masked_fill.Scalar]
+    mask = [
+        n
+        for n in g.compiled_steps[-1].forward_graph.graph.nodes
+        if n.target is torch.ops.aten.masked_fill.Scalar
+    ]
     assert mask and all(n.args[2] == float("-inf") for n in mask)  # the infinities were there
 
 
 # -- the loss scale's own overflows are the scaler's business ------------------------------------------
 
+
 def test_gradient_overflows_under_a_large_loss_scale_are_left_to_the_scaler():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.float16, scaler=graphamp.GradScaler(init_scale=2.0**24),
-                   configure=lambda g: g.config.enable_amp_autofix(after=1))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=2.0**24),
+        configure=lambda g: g.config.enable_amp_autofix(after=1),
+    )
     x, y = torch.randn(64, 32), torch.randint(0, 4, (64,))
     for _ in range(12):
         g(x, y)
@@ -327,6 +393,7 @@ def test_gradient_overflows_under_a_large_loss_scale_are_left_to_the_scaler():
 
 
 # -- pins: kept by state_dict, listed, cleared ---------------------------------------------------------
+
 
 def test_pins_survive_a_resume_and_can_be_cleared(tmp_path):
     g, model, _ = _overflowing_graph("matmul", after=1)
@@ -372,13 +439,29 @@ def test_analysis_follows_the_non_finite_values_to_the_loss():
     from graphamp.forensics import ROW_HEADER, GradParam, Probe, ProbeTable, analyse
 
     def op(name, inputs, dtype=torch.float16):
-        return Probe(name, name, "op", f"aten.{name}", dtype, "m", None, inputs,
-                     AmpPin("m", f"aten.{name}", 0))
+        return Probe(
+            name,
+            name,
+            "op",
+            f"aten.{name}",
+            dtype,
+            "m",
+            None,
+            inputs,
+            AmpPin("m", f"aten.{name}", 0),
+        )
 
-    table = ProbeTable((Probe("x", "x", "input", "", torch.float32, "", None, (), None),
-                        op("masked_fill", (0,)), op("softmax", (1,)), op("mm", (0, 2)),
-                        op("loss", (3,), torch.float32)),
-                       (GradParam("w", (3,)),), (4,))
+    table = ProbeTable(
+        (
+            Probe("x", "x", "input", "", torch.float32, "", None, (), None),
+            op("masked_fill", (0,)),
+            op("softmax", (1,)),
+            op("mm", (0, 2)),
+            op("loss", (3,), torch.float32),
+        ),
+        (GradParam("w", (3,)),),
+        (4,),
+    )
     inf, nan = float("inf"), float("nan")
     forward = [1.0, inf, 0.5, inf, nan]
     row = [7.0, 1024.0] + forward + [0.0] * 5 + [nan]
@@ -393,12 +476,18 @@ def test_analysis_follows_the_non_finite_values_to_the_loss():
 
 # -- ranges: headroom against fp16's 65504 ------------------------------------------------------------
 
+
 def test_ranges_match_eager_autocast_values_and_gradients(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.0),
-                   amp=torch.float16, scaler=graphamp.StaticGradScaler(128.0),
-                   configure=lambda g: g.config.enable_overflow_tracing())
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        amp=torch.float16,
+        scaler=graphamp.StaticGradScaler(128.0),
+        configure=lambda g: g.config.enable_overflow_tracing(),
+    )
     x, y = torch.randn(16, 32) * 3, torch.randint(0, 4, (16,))
     for _ in range(2):
         g(x, y)
@@ -413,44 +502,64 @@ def test_ranges_match_eager_autocast_values_and_gradients(tmp_path):
     assert first.dtype == "float16" and first.dtype_max == 65504.0
     assert first.activation_amax == pytest.approx(h.abs().max().item(), rel=1e-3)
     assert first.gradient_amax == pytest.approx(h.grad.abs().max().item(), rel=2e-2)
-    assert first.headroom == pytest.approx(65504.0 / max(first.activation_amax,
-                                                         first.gradient_amax))
+    assert first.headroom == pytest.approx(
+        65504.0 / max(first.activation_amax, first.gradient_amax)
+    )
     assert all(r.dtype == "float16" for r in report.rows)  # low-precision values only
     assert "headroom" in str(report) and report.tightest(1)[0].headroom <= first.headroom
     # saved with the state, drawn by `python -m graphamp plot --headroom`
     state = tmp_path / "state.pt"
     torch.save(g.state_dict(), state)
-    out = subprocess.run([sys.executable, "-m", "graphamp", "plot", str(state), "--headroom",
-                          "--out", str(tmp_path / "headroom.png")], capture_output=True,
-                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "graphamp",
+            "plot",
+            str(state),
+            "--headroom",
+            "--out",
+            str(tmp_path / "headroom.png"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "headroom.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -- sync-free, and nothing when off ------------------------------------------------------------------
 
+
 def test_the_record_stays_on_the_device_until_asked(monkeypatch):
     from graphamp.forensics import ForensicsState
 
     reads = []
     original = ForensicsState.read_new
-    monkeypatch.setattr(ForensicsState, "read_new",
-                        lambda self: reads.append(1) or original(self))
+    monkeypatch.setattr(ForensicsState, "read_new", lambda self: reads.append(1) or original(self))
     g, _, _ = _overflowing_graph("matmul")
     for _ in range(3):
         g(*_batch())
     assert reads == []  # three overflowing steps, not one read
     step = g.compiled_steps[-1].step_graph
-    assert not [n for n in step.graph.nodes
-                if n.target is torch.ops.aten._local_scalar_dense.default]  # no .item() inside
+    assert not [
+        n for n in step.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default
+    ]  # no .item() inside
     assert any(n.meta.get("graphamp_subgraph") == "forensics" for n in step.graph.nodes)
     assert g.overflow_report().overflows == 3 and reads == [1]
 
 
 def test_tracing_off_adds_nothing():
     model = nn.Sequential(nn.Linear(8, 4))
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.float16, scaler=graphamp.GradScaler())
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(),
+    )
     g(*(_batch()[0], _batch()[1]))
     step = g.compiled_steps[-1].step_graph
     assert not any(n.meta.get("graphamp_subgraph") == "forensics" for n in step.graph.nodes)
@@ -470,13 +579,16 @@ def test_tracing_off_adds_nothing():
 def _step_ops(step_graph, *, without_forensics: bool) -> dict:
     """Multiset of (op, subgraph) of a step graph's nodes; placeholders by name."""
     from collections import Counter
+
     ops = Counter()
     for n in step_graph.graph.nodes:
         tag = n.meta.get("graphamp_subgraph")
-        writes_forensics = n.target is torch.ops.aten.copy_.default \
-            and n.args[0].name.startswith("forensics")  # the record's in-place writes
-        if without_forensics and (tag == "forensics" or n.name.startswith("forensics")
-                                  or writes_forensics):
+        writes_forensics = n.target is torch.ops.aten.copy_.default and n.args[0].name.startswith(
+            "forensics"
+        )  # the record's in-place writes
+        if without_forensics and (
+            tag == "forensics" or n.name.startswith("forensics") or writes_forensics
+        ):
             continue
         ops[(n.op, str(n.target) if n.op != "placeholder" else n.name, tag)] += 1
     return ops
@@ -490,10 +602,16 @@ def test_tracing_off_compiles_exactly_the_traced_step_minus_its_probes(caplog):
     graphs = []
     for traced in (False, True):
         m = copy.deepcopy(model)
-        graphs.append(make_graph(
-            m, nn.CrossEntropyLoss(), torch.optim.SGD(m.parameters(), lr=0.1),
-            amp=torch.float16, scaler=graphamp.GradScaler(),
-            configure=(lambda g: g.config.enable_overflow_tracing()) if traced else None))
+        graphs.append(
+            make_graph(
+                m,
+                nn.CrossEntropyLoss(),
+                torch.optim.SGD(m.parameters(), lr=0.1),
+                amp=torch.float16,
+                scaler=graphamp.GradScaler(),
+                configure=(lambda g: g.config.enable_overflow_tracing()) if traced else None,
+            )
+        )
     x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
     losses = [g(x, y).item() for g in graphs]
     assert losses[0] == losses[1]  # probes read values, never change them
@@ -504,8 +622,10 @@ def test_tracing_off_compiles_exactly_the_traced_step_minus_its_probes(caplog):
         graphs[0].config.enable_overflow_tracing()
         graphs[0](x, y)
     assert len(graphs[0].compiled_steps) == 2
-    assert any("overflow_tracing" in r.getMessage() and "compiling again" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "overflow_tracing" in r.getMessage() and "compiling again" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_debug_1_logs_each_overflow_as_it_happens(caplog):
@@ -515,8 +635,9 @@ def test_debug_1_logs_each_overflow_as_it_happens(caplog):
         for _ in range(2):
             g(*_batch())
     lines = [r.getMessage() for r in caplog.records if "overflow at" in r.getMessage()]
-    assert len(lines) == 2 and all(r.levelno == logging.INFO for r in caplog.records
-                                   if "overflow at" in r.getMessage())
+    assert len(lines) == 2 and all(
+        r.levelno == logging.INFO for r in caplog.records if "overflow at" in r.getMessage()
+    )
     location = _line(Overflowing.forward, "overflows: matmul")
     assert "aten.addmm" in lines[0] and "model.fc" in lines[0] and location in lines[0]
     assert "step 0" in lines[0] and "step 1" in lines[1]
@@ -537,8 +658,11 @@ def test_the_overflow_record_is_part_of_the_step_transaction(monkeypatch):
 
     # an error in the compiled step: no record, no event, no step
     compiled = runner.compiled
-    monkeypatch.setattr(runner, "compiled", lambda *flat: (_ for _ in ()).throw(
-        RuntimeError("injected failure in the compiled step")))
+    monkeypatch.setattr(
+        runner,
+        "compiled",
+        lambda *flat: (_ for _ in ()).throw(RuntimeError("injected failure in the compiled step")),
+    )
     with pytest.raises(RuntimeError, match="injected"):
         g(*_batch())
     assert g.step_count == 1 and int(forensics.count) == 1
@@ -572,8 +696,21 @@ def test_autofix_pins_the_op_first_then_its_module_and_respects_max_pins(caplog)
     from graphamp.forensics import OverflowEvent
 
     def event(step, pins, kind="op"):
-        return OverflowEvent(step, 1024.0, "forward", kind, "mm", "aten.mm", "float16",
-                             "model.ff", "", "model.py:3", "inf", 7e4, pins=pins)
+        return OverflowEvent(
+            step,
+            1024.0,
+            "forward",
+            kind,
+            "mm",
+            "aten.mm",
+            "float16",
+            "model.ff",
+            "",
+            "model.py:3",
+            "inf",
+            7e4,
+            pins=pins,
+        )
 
     config = GraphConfig()
     config.enable_amp(True)
@@ -600,7 +737,8 @@ def test_autofix_pins_the_op_first_then_its_module_and_respects_max_pins(caplog)
         assert len(config.amp_pins) == 2
     pinned = [r for r in caplog.records if "autofix pinned" in r.getMessage()]
     assert len(pinned) == 3 and "replaces the op pins" in pinned[1].getMessage()
-    assert any("max_pins=2" in r.getMessage() and r.levelno == logging.WARNING
-               for r in caplog.records)
+    assert any(
+        "max_pins=2" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records
+    )
     config.clear_amp_pins()
     assert config.amp_pins == ()

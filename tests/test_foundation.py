@@ -8,11 +8,16 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from helpers import (
+    assert_optimizer_close,
+    assert_state_close,
+    clone_training,
+    eager_step,
+    make_graph,
+)
+from models import SmallCNN, TinyGPT, lm_loss, seed_mlp
 
 import graphamp
-from helpers import (assert_optimizer_close, assert_state_close, clone_training, eager_step,
-                     make_graph)
-from models import SmallCNN, TinyGPT, lm_loss, seed_mlp
 
 
 def _data(kind: str, steps: int):
@@ -20,9 +25,13 @@ def _data(kind: str, steps: int):
     out = []
     for _ in range(steps):
         if kind == "mlp":
-            out.append((torch.randn(128, 256, generator=g), torch.randint(0, 10, (128,), generator=g)))
+            out.append(
+                (torch.randn(128, 256, generator=g), torch.randint(0, 10, (128,), generator=g))
+            )
         elif kind == "cnn":
-            out.append((torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)))
+            out.append(
+                (torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
+            )
         else:
             idx = torch.randint(0, 64, (4, 17), generator=g)
             out.append((idx[:, :-1], idx[:, 1:]))
@@ -35,10 +44,14 @@ MODELS = {
     "gpt": (TinyGPT, lm_loss),
 }
 OPTIMIZERS = {
-    "sgd_momentum": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9,
-                                               weight_decay=1e-4), None),
-    "adamw_scheduler": (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1),
-                        lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)),
+    "sgd_momentum": (
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4),
+        None,
+    ),
+    "adamw_scheduler": (
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1),
+        lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    ),
 }
 
 
@@ -102,12 +115,20 @@ def test_state_is_written_back_in_place_and_checkpoints_are_plain_torch():
 
 def test_sgd_variants_and_param_groups_match_eager():
     def make_opt(m):
-        return torch.optim.SGD([
-            {"params": m[0].parameters(), "lr": 0.1, "momentum": 0.9, "dampening": 0.3},
-            {"params": m[2].weight, "lr": 0.05, "momentum": 0.8, "nesterov": True,
-             "weight_decay": 1e-2},
-            {"params": m[2].bias, "lr": 0.02, "maximize": True},
-        ], lr=0.01)
+        return torch.optim.SGD(
+            [
+                {"params": m[0].parameters(), "lr": 0.1, "momentum": 0.9, "dampening": 0.3},
+                {
+                    "params": m[2].weight,
+                    "lr": 0.05,
+                    "momentum": 0.8,
+                    "nesterov": True,
+                    "weight_decay": 1e-2,
+                },
+                {"params": m[2].bias, "lr": 0.02, "maximize": True},
+            ],
+            lr=0.01,
+        )
 
     model = seed_mlp()
     ref, ref_opt, _ = clone_training(model, make_opt)
@@ -119,11 +140,14 @@ def test_sgd_variants_and_param_groups_match_eager():
     assert_optimizer_close(opt, ref_opt)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"amsgrad": True},
-    {"weight_decay": 0.05},
-    {"betas": (0.8, 0.95), "eps": 1e-6, "maximize": True},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"amsgrad": True},
+        {"weight_decay": 0.05},
+        {"betas": (0.8, 0.95), "eps": 1e-6, "maximize": True},
+    ],
+)
 def test_adam_options_match_eager(kwargs):
     make_opt = lambda m: torch.optim.Adam(m.parameters(), lr=3e-3, **kwargs)  # noqa: E731
     model = seed_mlp()
@@ -249,8 +273,12 @@ def test_new_input_shape_recaptures_and_says_so(caplog):
 
 def test_cache_is_bounded():
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   configure=lambda self: self.config.set_max_cached_graphs(2))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        configure=lambda self: self.config.set_max_cached_graphs(2),
+    )
     for batch in (2, 3, 4):
         g(torch.randn(batch, 256), torch.randint(0, 10, (batch,)))
     assert len(g.compiled_steps) == 2
@@ -377,8 +405,13 @@ def test_tied_weights_train_like_eager():
 
 def test_no_host_sync_ops_in_the_captured_step():
     model = SmallCNN()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.float16, scaler=graphamp.GradScaler())
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(),
+    )
     g(torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
     targets = {str(n.target) for n in g.compiled_steps[-1].step_graph.graph.nodes}
     assert "aten._local_scalar_dense.default" not in targets

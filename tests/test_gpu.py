@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-
-import graphamp
 from helpers import make_graph
 from models import SmallCNN, TinyGPT, lm_loss, seed_mlp
+
+import graphamp
 
 pytestmark = [pytest.mark.gpu]
 CUDA = torch.device("cuda")
@@ -31,9 +31,14 @@ def test_cuda_fp16_training_tracks_eager_autocast(backend):
     ref = copy.deepcopy(model)
     # a scale that does not overflow: which steps overflow at 2**16 depends on fp16 rounding,
     # and a differently skipped step would make the trajectories differ for that reason alone
-    g = make_graph(model, lm_loss, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                   backend=backend, amp=torch.float16,
-                   scaler=graphamp.GradScaler(init_scale=1024.0))
+    g = make_graph(
+        model,
+        lm_loss,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        backend=backend,
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=1024.0),
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
     batches = [_gpt_batch() for _ in range(4)]
@@ -57,9 +62,17 @@ def test_steady_state_steps_never_sync_with_the_host(cuda_graph):
     model = SmallCNN().to(CUDA)
     sch_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sch = torch.optim.lr_scheduler.StepLR(sch_opt, step_size=1, gamma=0.9)
-    g = make_graph(model, nn.CrossEntropyLoss(), sch_opt, backend="inductor", amp=torch.float16,
-                   scaler=graphamp.GradScaler(), lr_sch=sch, clip=1.0,
-                   configure=lambda self: self.config.enable_cuda_graph(cuda_graph))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        sch_opt,
+        backend="inductor",
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(),
+        lr_sch=sch,
+        clip=1.0,
+        configure=lambda self: self.config.enable_cuda_graph(cuda_graph),
+    )
     x = torch.randn(8, 3, 16, 16, device=CUDA)
     y = torch.randint(0, 10, (8,), device=CUDA)
     g(x, y)
@@ -78,8 +91,14 @@ def test_steady_state_steps_never_sync_with_the_host(cuda_graph):
 def test_cuda_graph_replay_updates_the_users_tensors_and_follows_reloads():
     model = seed_mlp().to(CUDA)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = make_graph(model, nn.CrossEntropyLoss(), opt, backend="inductor", amp=torch.float16,
-                   scaler=graphamp.GradScaler())
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        opt,
+        backend="inductor",
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(),
+    )
     x, y = torch.randn(128, 256, device=CUDA), torch.randint(0, 10, (128,), device=CUDA)
     g(x, y)
     assert g.compiled_steps[-1].cuda_graph
@@ -101,8 +120,14 @@ def test_cuda_graph_replay_updates_the_users_tensors_and_follows_reloads():
 def test_skipped_step_on_cuda_is_bitwise():
     model = SmallCNN().to(CUDA)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = make_graph(model, nn.CrossEntropyLoss(), opt, backend="inductor", amp=torch.float16,
-                   scaler=graphamp.GradScaler(init_scale=128.0))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        opt,
+        backend="inductor",
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=128.0),
+    )
     x = torch.randn(8, 3, 16, 16, device=CUDA)
     y = torch.randint(0, 10, (8,), device=CUDA)
     g(x, y)

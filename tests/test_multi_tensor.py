@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from helpers import make_graph
 
 import graphamp
-from helpers import make_graph
 
 
 def _mlp(layers: int) -> nn.Module:
@@ -17,8 +17,14 @@ def _mlp(layers: int) -> nn.Module:
 def _optimizer_ops(make_opt, layers: int) -> dict[str, int]:
     """Per op name, how many nodes the optimizer subgraph of an fp16 step has."""
     model = _mlp(layers)
-    g = make_graph(model, nn.functional.mse_loss, make_opt(model), backend="eager",
-                   amp=torch.float16, scaler=graphamp.GradScaler())
+    g = make_graph(
+        model,
+        nn.functional.mse_loss,
+        make_opt(model),
+        backend="eager",
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(),
+    )
     g(torch.randn(4, 16), torch.randn(4, 16))
     counts: dict[str, int] = {}
     for node in g.compiled_steps[-1].step_graph.graph.nodes:
@@ -28,11 +34,16 @@ def _optimizer_ops(make_opt, layers: int) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True,
-                              weight_decay=1e-4),
-    lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, amsgrad=True),
-], ids=["sgd", "adamw"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda m: torch.optim.SGD(
+            m.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4
+        ),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, amsgrad=True),
+    ],
+    ids=["sgd", "adamw"],
+)
 def test_update_math_is_one_foreach_node_per_op_whatever_the_parameter_count(make_opt):
     small, large = _optimizer_ops(make_opt, 2), _optimizer_ops(make_opt, 4)
     foreach = {k: v for k, v in small.items() if "_foreach_" in k}
@@ -43,6 +54,7 @@ def test_update_math_is_one_foreach_node_per_op_whatever_the_parameter_count(mak
 # -- bitwise equality with the per-parameter form ------------------------------------------------
 # The reference below is the per-parameter update graphamp traced before the multi-tensor form
 # (torch's single-tensor math, capturable): the multi-tensor form must give the same bits.
+
 
 def _sgd_per_param(t, flags, first_step):
     lr = t.hyper["lr"]
@@ -103,9 +115,11 @@ def _group(kind: str, amsgrad: bool, gen: torch.Generator):
         state = {"momentum_buffer": [rand(s, 1e-2) for s in shapes]}
         hyper = {"lr": 0.1, "momentum": 0.9, "dampening": 0.3, "weight_decay": 1e-2}
     else:
-        state = {"step": [torch.tensor(float(i + 1)) for i in range(len(shapes))],
-                 "exp_avg": [rand(s, 1e-2) for s in shapes],
-                 "exp_avg_sq": [rand(s, 1e-3).abs() for s in shapes]}
+        state = {
+            "step": [torch.tensor(float(i + 1)) for i in range(len(shapes))],
+            "exp_avg": [rand(s, 1e-2) for s in shapes],
+            "exp_avg_sq": [rand(s, 1e-3).abs() for s in shapes],
+        }
         if amsgrad:
             state["max_exp_avg_sq"] = [rand(s, 1e-3).abs() for s in shapes]
         hyper = {"lr": 3e-3, "beta1": 0.85, "beta2": 0.997, "eps": 1e-7, "weight_decay": 0.05}
@@ -113,11 +127,14 @@ def _group(kind: str, amsgrad: bool, gen: torch.Generator):
     return GroupTensors(params, grads, state, hyper)
 
 
-@pytest.mark.parametrize("flags", [
-    dict(maximize=False, weight_decay=False, momentum=False, dampening=False, nesterov=False),
-    dict(maximize=True, weight_decay=True, momentum=True, dampening=True, nesterov=False),
-    dict(maximize=False, weight_decay=True, momentum=True, dampening=False, nesterov=True),
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(maximize=False, weight_decay=False, momentum=False, dampening=False, nesterov=False),
+        dict(maximize=True, weight_decay=True, momentum=True, dampening=True, nesterov=False),
+        dict(maximize=False, weight_decay=True, momentum=True, dampening=False, nesterov=True),
+    ],
+)
 @pytest.mark.parametrize("first", [True, False])
 def test_sgd_multi_tensor_is_bitwise_the_per_parameter_update(flags, first):
     from graphamp.step.optimizer_update import sgd_update
@@ -128,11 +145,14 @@ def test_sgd_multi_tensor_is_bitwise_the_per_parameter_update(flags, first):
     _assert_bitwise(got, ref)
 
 
-@pytest.mark.parametrize("flags", [
-    dict(maximize=False, weight_decay=False, decoupled=False, amsgrad=False),
-    dict(maximize=True, weight_decay=True, decoupled=False, amsgrad=True),
-    dict(maximize=False, weight_decay=True, decoupled=True, amsgrad=False),
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(maximize=False, weight_decay=False, decoupled=False, amsgrad=False),
+        dict(maximize=True, weight_decay=True, decoupled=False, amsgrad=True),
+        dict(maximize=False, weight_decay=True, decoupled=True, amsgrad=False),
+    ],
+)
 def test_adam_multi_tensor_is_bitwise_the_per_parameter_update(flags):
     from graphamp.step.optimizer_update import adam_update
 
@@ -157,16 +177,31 @@ def _train_state(per_param: bool, backend: str, monkeypatch) -> list[torch.Tenso
     import graphamp.step.optimizer_update as ou
 
     if per_param:
-        monkeypatch.setattr(ou, "apply_update", lambda plan, group, t, first: (
-            _sgd_per_param(t, dict(group.flags), first) if plan.kind == "sgd"
-            else _adam_per_param(t, dict(group.flags))))
+        monkeypatch.setattr(
+            ou,
+            "apply_update",
+            lambda plan, group, t, first: (
+                _sgd_per_param(t, dict(group.flags), first)
+                if plan.kind == "sgd"
+                else _adam_per_param(t, dict(group.flags))
+            ),
+        )
     torch.manual_seed(0)
     model = _mlp(3)
-    opt = torch.optim.AdamW([{"params": model[0].parameters()},
-                             {"params": model[2].parameters(), "amsgrad": True}],
-                            lr=1e-2, weight_decay=0.1)
-    g = make_graph(model, nn.functional.mse_loss, opt, backend=backend, amp=torch.float16,
-                   scaler=graphamp.GradScaler(init_scale=2.0 ** 8), clip=1.0)
+    opt = torch.optim.AdamW(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters(), "amsgrad": True}],
+        lr=1e-2,
+        weight_decay=0.1,
+    )
+    g = make_graph(
+        model,
+        nn.functional.mse_loss,
+        opt,
+        backend=backend,
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=2.0**8),
+        clip=1.0,
+    )
     gen = torch.Generator().manual_seed(3)
     for step in range(5):
         x = torch.randn(8, 16, generator=gen)

@@ -55,6 +55,7 @@ W = torch.randn(4, 4)
 
 # -- colouring rules ------------------------------------------------------------------------------
 
+
 def test_allow_ops_run_low_and_deny_ops_run_fp32():
     c = colour(lambda x, w: torch.exp(torch.mm(x, w)), X, W)
     assert c == {"mm": "allow", "exp": "deny"}
@@ -126,9 +127,24 @@ def test_tuple_outputs_take_their_producers_colour():
         return torch.mm(values.view(2, 2), w[:2, :2])
 
     gm = trace(fn, X, W)
-    passes.colour_by_lists(gm, AmpContext(lists=SMALL.with_overrides(
-        type("O", (), {"allow": (), "deny": (), "infer": (), "clear": (aten.max, aten.slice),
-                       "remove": ()})())))
+    passes.colour_by_lists(
+        gm,
+        AmpContext(
+            lists=SMALL.with_overrides(
+                type(
+                    "O",
+                    (),
+                    {
+                        "allow": (),
+                        "deny": (),
+                        "infer": (),
+                        "clear": (aten.max, aten.slice),
+                        "remove": (),
+                    },
+                )()
+            )
+        ),
+    )
     for node in gm.graph.nodes:
         if node.target is operator.getitem:
             assert node.meta["amp_colour"] == node.args[0].meta["amp_colour"]
@@ -153,8 +169,8 @@ def test_precision_hints_force_the_colour_and_spread():
 
     def fn(x, w):
         y = torch.mm(x, w)
-        a = graphamp.full_precision(y * 2) + 1   # deny, spreads to the add
-        b = graphamp.low_precision(x) * 3        # allow: the mul leads from it to an output
+        a = graphamp.full_precision(y * 2) + 1  # deny, spreads to the add
+        b = graphamp.low_precision(x) * 3  # allow: the mul leads from it to an output
         return torch.mm(a, w), b
 
     from graphamp.capture import BuildRoot, capture_forward
@@ -162,17 +178,29 @@ def test_precision_hints_force_the_colour_and_spread():
 
     root = BuildRoot({}, fn)
     cap = capture_forward(root, flatten_inputs((X, W), {}), "hints")
-    lists = SMALL.with_overrides(type("O", (), {
-        "allow": (torch.ops.graphamp.low_precision,), "deny": (torch.ops.graphamp.full_precision,),
-        "infer": (), "clear": (), "remove": ()})())
+    lists = SMALL.with_overrides(
+        type(
+            "O",
+            (),
+            {
+                "allow": (torch.ops.graphamp.low_precision,),
+                "deny": (torch.ops.graphamp.full_precision,),
+                "infer": (),
+                "clear": (),
+                "remove": (),
+            },
+        )()
+    )
     ctx = AmpContext(lists=lists)
     gm = run_amp_passes(cap.gm, ctx)
     colours = {n.name: n.meta.get("amp_colour") for n in gm.graph.nodes}
-    assert colours["add"] == "deny"   # downstream of the full_precision hint
+    assert colours["add"] == "deny"  # downstream of the full_precision hint
     assert colours["mul_1"] == "allow"  # fed by the low_precision hint, to an output: low
-    assert not any(n.target in (torch.ops.graphamp.low_precision.default,
-                                torch.ops.graphamp.full_precision.default)
-                   for n in gm.graph.nodes)  # hints are gone after the pipeline
+    assert not any(
+        n.target
+        in (torch.ops.graphamp.low_precision.default, torch.ops.graphamp.full_precision.default)
+        for n in gm.graph.nodes
+    )  # hints are gone after the pipeline
 
 
 def test_opt_levels_o2_and_o3():
@@ -181,7 +209,7 @@ def test_opt_levels_o2_and_o3():
     o2 = colour(fn, X, W, opt_level="O2")
     o3 = colour(fn, X, W, opt_level="O3")
     assert (o1["mul"], o1["exp"]) == ("deny", "deny")
-    assert (o2["mul"], o2["exp"]) == ("allow", "deny")   # all but deny ops
+    assert (o2["mul"], o2["exp"]) == ("allow", "deny")  # all but deny ops
     assert (o3["mul"], o3["exp"]) == ("allow", "allow")  # everything
 
 
@@ -193,14 +221,23 @@ def test_overlapping_lists_are_a_value_error():
 def test_default_lists_are_disjoint_and_follow_autocast_where_it_lists_ops():
     d = passes.DEFAULT_LISTS
     assert aten.mm in d.allow and aten.convolution in d.allow and aten.bmm in d.allow
-    for op in (aten._softmax, aten._log_softmax, aten.native_layer_norm, aten.sum, aten.exp,
-               aten.nll_loss_forward, aten.mse_loss, aten.pow):
+    for op in (
+        aten._softmax,
+        aten._log_softmax,
+        aten.native_layer_norm,
+        aten.sum,
+        aten.exp,
+        aten.nll_loss_forward,
+        aten.mse_loss,
+        aten.pow,
+    ):
         assert op in d.deny, op
     assert aten.mean in d.infer and aten.var in d.deny  # documented differences
     assert aten.view in d.clear and aten.gelu in d.infer
 
 
 # -- cast rules ---------------------------------------------------------------------------------
+
 
 def test_one_cast_per_value_per_dtype():
     gm, _ = amp(lambda x, w: torch.mm(x, w) + torch.mm(x, w.t()), X, W)
@@ -209,8 +246,7 @@ def test_one_cast_per_value_per_dtype():
 
 
 def test_parameters_are_cast_once_then_hoisted_into_shadow_inputs():
-    gm, ctx = amp(lambda x, w: torch.mm(torch.mm(x, w), w), X, W,
-                  parameters=frozenset({"w_1"}))
+    gm, ctx = amp(lambda x, w: torch.mm(torch.mm(x, w), w), X, W, parameters=frozenset({"w_1"}))
     shadows = [n for n in gm.graph.nodes if n.meta.get("shadow_of")]
     assert [s.meta["shadow_of"] for s in shadows] == ["w_1"]
     assert ctx.hoisted == [("w_1", torch.float16)]
@@ -257,8 +293,12 @@ def test_fp32_elementwise_op_reads_a_low_precision_input_without_a_cast():
 
 
 def test_low_precision_factories_are_created_in_low_precision():
-    lists = PrecisionLists(allow=frozenset({aten.mm}), deny=frozenset(),
-                           infer=frozenset({aten.add}), clear=frozenset({aten.ones}))
+    lists = PrecisionLists(
+        allow=frozenset({aten.mm}),
+        deny=frozenset(),
+        infer=frozenset({aten.add}),
+        clear=frozenset({aten.ones}),
+    )
     gm, _ = amp(lambda x, w: torch.mm(x, w) + torch.ones(4, 4), X, W, lists=lists)
     ones = next(n for n in gm.graph.nodes if op_name(n) == "aten.ones")
     assert ones.kwargs["dtype"] == torch.float16
@@ -272,18 +312,25 @@ def test_batchnorm_keeps_parameters_and_statistics_fp32():
         return torch.nn.functional.conv2d(out[0].relu(), w), out[3], out[4]
 
     c = torch.ones(3)
-    gm, _ = amp(fn, torch.randn(2, 3, 8, 8), torch.randn(3, 3, 1, 1), c, c, c, c,
-                lists=passes.DEFAULT_LISTS)
+    gm, _ = amp(
+        fn, torch.randn(2, 3, 8, 8), torch.randn(3, 3, 1, 1), c, c, c, c, lists=passes.DEFAULT_LISTS
+    )
     bn = next(n for n in gm.graph.nodes if "batch_norm" in op_name(n))
     assert bn.meta["amp_colour"] == "allow"
     assert not any(a.meta.get("amp_cast") for a in bn.args[1:5])
-    assert passes.dtype_after_amp(bn) == (torch.float16, torch.float32, torch.float32,
-                                          torch.float32, torch.float32)
+    assert passes.dtype_after_amp(bn) == (
+        torch.float16,
+        torch.float32,
+        torch.float32,
+        torch.float32,
+        torch.float32,
+    )
 
 
 def test_fp64_values_are_never_lowered():
-    gm, ctx = amp(lambda x, w: torch.mm(x, w), X.double(), W.double(),
-                  parameters=frozenset({"w_1"}))
+    gm, ctx = amp(
+        lambda x, w: torch.mm(x, w), X.double(), W.double(), parameters=frozenset({"w_1"})
+    )
     assert casts(gm) == []
     assert ctx.hoisted == []  # an fp64 parameter gets no low-precision shadow either
 
@@ -319,8 +366,12 @@ def test_invariant_lint_catches_a_broken_graph():
 
 def test_every_pass_returns_a_pass_result_and_the_pipeline_is_one_tuple():
     assert [p.__name__ for p in passes.AMP_PIPELINE] == [
-        "colour_by_lists", "hoist_parameter_casts", "insert_casts", "remove_hints",
-        "fold_cast_chains"]
+        "colour_by_lists",
+        "hoist_parameter_casts",
+        "insert_casts",
+        "remove_hints",
+        "fold_cast_chains",
+    ]
     gm = trace(lambda x, w: torch.mm(x, w), X, W)
     ctx = AmpContext()
     for amp_pass in passes.AMP_PIPELINE:
@@ -356,8 +407,9 @@ def test_deny_op_widens_the_users_explicit_half_cast():
 
 def test_widening_spreads_downstream_and_each_value_is_cast_once():
     def fn(x):
-        s = torch.sum(x, dim=0)            # deny: fp32
-        return s * 2, torch.mm(s.view(1, 4), x.t())   # mul downstream of it; mm wants fp16
+        s = torch.sum(x, dim=0)  # deny: fp32
+        return s * 2, torch.mm(s.view(1, 4), x.t())  # mul downstream of it; mm wants fp16
+
     gm, _ = amp(fn, X16, lists=passes.DEFAULT_LISTS)
     mul = _node(gm, "aten.mul")
     assert mul.meta["amp_widen"] and passes.dtype_after_amp(mul) == torch.float32
@@ -374,14 +426,16 @@ def test_fp64_is_never_widened_or_lowered():
 
 def test_low_precision_hint_does_not_lower_a_deny_op():
     import graphamp
+
     gm, _ = amp(lambda x: torch.exp(graphamp.low_precision(x)), X, lists=passes.DEFAULT_LISTS)
     assert passes.dtype_after_amp(_node(gm, "aten.exp")) == torch.float32
 
 
 def test_allow_op_casts_the_other_low_precision_to_the_amp_dtype():
     # under bf16 AMP an fp16 input of a matmul is cast to bf16, as autocast does
-    gm, _ = amp(lambda x, w: torch.mm(x, w), X16, W, dtype=torch.bfloat16,
-                lists=passes.DEFAULT_LISTS)
+    gm, _ = amp(
+        lambda x, w: torch.mm(x, w), X16, W, dtype=torch.bfloat16, lists=passes.DEFAULT_LISTS
+    )
     mm = _node(gm, "aten.mm")
     assert {passes.dtype_after_amp(a) for a in mm.args} == {torch.bfloat16}
     assert passes.verify_dtypes(gm) == []
@@ -394,7 +448,7 @@ def test_promote_op_runs_in_the_widest_arriving_dtype():
     gm, _ = amp(fn, X, W, lists=passes.DEFAULT_LISTS)
     low_dot, fp32_dot = [n for n in gm.graph.nodes if op_name(n) == "aten.dot"]
     assert low_dot.meta["amp_colour"] == "promote"
-    assert passes.dtype_after_amp(low_dot) == torch.float16   # both inputs arrive fp16
+    assert passes.dtype_after_amp(low_dot) == torch.float16  # both inputs arrive fp16
     assert passes.dtype_after_amp(fp32_dot) == torch.float32
     assert passes.verify_dtypes(gm) == []
 
@@ -403,8 +457,9 @@ def test_mixed_promote_inputs_are_cast_to_the_widest_at_capture():
     from graphamp.capture import BuildRoot, capture_forward
     from graphamp.inputs import flatten_inputs
 
-    cap = capture_forward(BuildRoot({}, lambda a, b: torch.dot(a, b)),
-                          flatten_inputs((X16[0], X[1]), {}), "dot")
+    cap = capture_forward(
+        BuildRoot({}, lambda a, b: torch.dot(a, b)), flatten_inputs((X16[0], X[1]), {}), "dot"
+    )
     dot = _node(cap.gm, "aten.dot")
     assert {a.meta["val"].dtype for a in dot.args} == {torch.float32}
 
@@ -415,8 +470,9 @@ def test_equal_dtype_op_gets_mixed_inputs_cast_to_the_widest():
 
     gm, _ = amp(fn, X16[0], torch.randn(1), lists=passes.DEFAULT_LISTS)
     put = _node(gm, "aten.index_put")
-    assert passes.dtype_after_amp(put.args[0]) == passes.dtype_after_amp(put.args[2]) \
-        == torch.float32
+    assert (
+        passes.dtype_after_amp(put.args[0]) == passes.dtype_after_amp(put.args[2]) == torch.float32
+    )
     assert passes.verify_dtypes(gm) == []
 
 
@@ -443,19 +499,24 @@ def test_rnn_cell_pieces_run_low_and_follow_user_overrides():
     gm = _captured(fn, X, X, X, w_ih, w_hh)
     ctx = AmpContext()
     gm = run_amp_passes(gm, ctx)
-    addmms = [n for n in gm.graph.nodes if op_name(n) == "aten.addmm"
-              or op_name(n) == "aten.mm"]
+    addmms = [n for n in gm.graph.nodes if op_name(n) == "aten.addmm" or op_name(n) == "aten.mm"]
     assert addmms and all(passes.dtype_after_amp(n) == torch.float16 for n in addmms)
     # (the cell's gates are in-place ops in torch's CPU decomposition)
     sigmoid = next(n for n in gm.graph.nodes if op_name(n).startswith("aten.sigmoid"))
     assert sigmoid.meta["amp_colour"] == "allow" and "aten.lstm_cell" in sigmoid.meta["amp_reason"]
     assert passes.verify_dtypes(gm) == []
-    overrides = type("O", (), {"allow": (), "deny": (aten.lstm_cell,), "infer": (), "clear": (),
-                               "remove": ()})()
-    gm = run_amp_passes(_captured(fn, X, X, X, w_ih, w_hh),
-                        AmpContext(lists=passes.DEFAULT_LISTS.with_overrides(overrides)))
-    assert all(n.meta["amp_colour"] == "deny" for n in gm.graph.nodes
-               if op_name(n).startswith("aten.sigmoid"))
+    overrides = type(
+        "O", (), {"allow": (), "deny": (aten.lstm_cell,), "infer": (), "clear": (), "remove": ()}
+    )()
+    gm = run_amp_passes(
+        _captured(fn, X, X, X, w_ih, w_hh),
+        AmpContext(lists=passes.DEFAULT_LISTS.with_overrides(overrides)),
+    )
+    assert all(
+        n.meta["amp_colour"] == "deny"
+        for n in gm.graph.nodes
+        if op_name(n).startswith("aten.sigmoid")
+    )
 
 
 def test_recurrent_layers_are_kept_whole_and_their_states_follow():
@@ -476,8 +537,9 @@ def test_verify_dtypes_checks_getitem_outputs():
     w_ih, w_hh = torch.randn(16, 4), torch.randn(16, 4)
     bias = torch.randn(16)  # (torch's fake kernel of the fused cell needs the biases)
     root = BuildRoot({}, lambda x, h, c, a, b, d: torch.lstm_cell(x, (h, c), a, b, d, d))
-    cap = capture_forward(root, flatten_inputs((X, X, X, w_ih, w_hh, bias), {}), "cell",
-                          device=torch.device("cuda"))
+    cap = capture_forward(
+        root, flatten_inputs((X, X, X, w_ih, w_hh, bias), {}), "cell", device=torch.device("cuda")
+    )
     gm = run_amp_passes(cap.gm, AmpContext())
     fused = _node(gm, "aten._thnn_fused_lstm_cell")
     assert passes.dtype_after_amp(fused)[:2] == (torch.float16, torch.float16)

@@ -11,10 +11,9 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-
-import graphamp
 from helpers import make_graph
 
+import graphamp
 
 
 def _optional(module: str):
@@ -48,23 +47,66 @@ def _tokens():
 
 
 MODELS = {
-    "resnet18": (lambda: torchvision.models.resnet18(num_classes=10), nn.CrossEntropyLoss(),
-                 _images),
-    "resnet50": (lambda: torchvision.models.resnet50(num_classes=10), nn.CrossEntropyLoss(),
-                 _images),
-    "mobilenet_v3": (lambda: torchvision.models.mobilenet_v3_small(num_classes=10, dropout=0.0),
-                     nn.CrossEntropyLoss(), _images),
-    "vit": (lambda: torchvision.models.VisionTransformer(
-        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
-        num_classes=10), nn.CrossEntropyLoss(), _images),
-    "hf_gpt2": (lambda: transformers.GPT2LMHeadModel(_hf_config(
-        transformers.GPT2Config, n_layer=2, n_embd=32, n_head=2, n_positions=32, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0)), _hf_loss,
-        _tokens),
-    "hf_bert": (lambda: transformers.BertForMaskedLM(_hf_config(
-        transformers.BertConfig, num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0)), _hf_loss, _tokens),
+    "resnet18": (
+        lambda: torchvision.models.resnet18(num_classes=10),
+        nn.CrossEntropyLoss(),
+        _images,
+    ),
+    "resnet50": (
+        lambda: torchvision.models.resnet50(num_classes=10),
+        nn.CrossEntropyLoss(),
+        _images,
+    ),
+    "mobilenet_v3": (
+        lambda: torchvision.models.mobilenet_v3_small(num_classes=10, dropout=0.0),
+        nn.CrossEntropyLoss(),
+        _images,
+    ),
+    "vit": (
+        lambda: torchvision.models.VisionTransformer(
+            image_size=32,
+            patch_size=8,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=32,
+            mlp_dim=64,
+            num_classes=10,
+        ),
+        nn.CrossEntropyLoss(),
+        _images,
+    ),
+    "hf_gpt2": (
+        lambda: transformers.GPT2LMHeadModel(
+            _hf_config(
+                transformers.GPT2Config,
+                n_layer=2,
+                n_embd=32,
+                n_head=2,
+                n_positions=32,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
+        _hf_loss,
+        _tokens,
+    ),
+    "hf_bert": (
+        lambda: transformers.BertForMaskedLM(
+            _hf_config(
+                transformers.BertConfig,
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=32,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),
+        _hf_loss,
+        _tokens,
+    ),
 }
 
 
@@ -120,8 +162,12 @@ def test_an_op_the_lists_have_never_seen_is_reported_not_fatal():
             return self.b(torch.special.i0(self.a(x)))
 
     model = Odd()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.bfloat16)
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.bfloat16,
+    )
     g(torch.randn(4, 8), torch.randint(0, 2, (4,)))
     report = g.precision_report(with_autocast=False)
     assert report.unknown_ops == {"aten.i0": 1}

@@ -14,11 +14,11 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from helpers import assert_optimizer_close, assert_state_close, make_graph
+from models import SmallCNN, seed_mlp
 
 import graphamp
 from graphamp import ConfigError
-from helpers import assert_optimizer_close, assert_state_close, make_graph
-from models import SmallCNN, seed_mlp
 
 # Many tests run the scaler on fp32 steps, where its trajectory must equal torch's exactly (no
 # fp16 rounding decides which steps overflow); graphamp rightly warns that this is unneeded.
@@ -48,8 +48,9 @@ def _eager_run(model, opt, scaler, batches, clip=None, norm_type=2.0):
         scaler.scale(loss).backward()
         if clip is not None:
             scaler.unscale_(opt)
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip,
-                                                              norm_type=norm_type)))
+            norms.append(
+                float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=norm_type))
+            )
         scaler.step(opt)
         scaler.update()
     return scales, norms
@@ -60,8 +61,12 @@ _quiet_graph = make_graph
 
 SETTINGS = {
     "default": {},
-    "custom": {"init_scale": 1024.0, "growth_factor": 4.0, "backoff_factor": 0.3,
-               "growth_interval": 5},
+    "custom": {
+        "init_scale": 1024.0,
+        "growth_factor": 4.0,
+        "backoff_factor": 0.3,
+        "growth_interval": 5,
+    },
 }
 
 
@@ -87,7 +92,9 @@ def test_scale_trajectory_and_parameters_equal_eager_gradscaler(setting, take_ov
     assert history["scale"] == ref_scales  # exactly, step by step
     assert [s for s, k in enumerate(history["skipped"]) if k] == sorted(INF_STEPS)
     assert g.grad_scaler.get_scale() == ref_scaler.get_scale()
-    assert g.grad_scaler.state_dict()["_growth_tracker"] == ref_scaler.state_dict()["_growth_tracker"]
+    assert (
+        g.grad_scaler.state_dict()["_growth_tracker"] == ref_scaler.state_dict()["_growth_tracker"]
+    )
     assert_state_close(model, ref)
     assert_optimizer_close(opt, ref_opt)
 
@@ -96,8 +103,13 @@ def test_fp16_trajectory_with_injected_overflows():
     model = seed_mlp()
     ref = copy.deepcopy(model)
     kwargs = {"init_scale": 64.0, "growth_interval": 7}
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01),
-                   amp=torch.float16, scaler=graphamp.GradScaler(**kwargs))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(**kwargs),
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
     ref_scaler = torch.amp.GradScaler("cpu", **kwargs)
     batches = _batches(40)
@@ -124,16 +136,25 @@ def _full_state(model, opt):
     return state
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
-    lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
-    lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
-], ids=["sgd_momentum", "adam", "adamw"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
+        lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
+    ],
+    ids=["sgd_momentum", "adam", "adamw"],
+)
 def test_skipped_step_leaves_every_state_tensor_bitwise_unchanged(make_opt):
     model = SmallCNN()
     opt = make_opt(model.parameters())
-    g = make_graph(model, nn.CrossEntropyLoss(), opt, amp=torch.float16,
-                   scaler=graphamp.GradScaler(init_scale=256.0))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        opt,
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=256.0),
+    )
     batches = _batches(3, poison={2}, shape=(4, 3, 16, 16))
     for x, y in batches[:2]:
         g(x, y)
@@ -153,10 +174,15 @@ def test_skipped_step_leaves_every_state_tensor_bitwise_unchanged(make_opt):
 
 def test_scale_stays_within_min_and_max():
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01),
-                   amp=torch.float16, scaler=graphamp.GradScaler(init_scale=8.0, min_scale=0.5,
-                                                                 max_scale=64.0,
-                                                                 growth_interval=1))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(
+            init_scale=8.0, min_scale=0.5, max_scale=64.0, growth_interval=1
+        ),
+    )
     for x, y in _batches(10, poison=set(range(10))):
         g(x, y)
     assert g.grad_scaler.get_scale() == 0.5  # 8 -> 4 -> 2 -> 1 -> 0.5, then held at the floor
@@ -170,8 +196,9 @@ def test_scale_stays_within_min_and_max():
 def test_a_hundred_consecutive_overflows_neither_crash_nor_poison_the_model():
     model = seed_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = make_graph(model, nn.CrossEntropyLoss(), opt, amp=torch.float16,
-                   scaler=graphamp.GradScaler())
+    g = make_graph(
+        model, nn.CrossEntropyLoss(), opt, amp=torch.float16, scaler=graphamp.GradScaler()
+    )
     clean = _batches(1, poison=set())[0]
     g(*clean)
     before = _full_state(model, opt)
@@ -192,8 +219,13 @@ def test_a_scale_collapsed_to_zero_skips_instead_of_writing_nan():
     torch's check (found by the 10,000-step soak). graphamp counts it as an overflow."""
     model = seed_mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    g = make_graph(model, nn.CrossEntropyLoss(), opt, amp=torch.float16,
-                   scaler=graphamp.GradScaler(init_scale=2.0 ** -127, min_scale=0.0))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        opt,
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=2.0**-127, min_scale=0.0),
+    )
     before = _full_state(model, opt)
     for x, y in _batches(3, poison={0}):
         g(x, y)  # a real overflow halves the scale to 2**-128, whose reciprocal overflows
@@ -204,8 +236,13 @@ def test_a_scale_collapsed_to_zero_skips_instead_of_writing_nan():
 
 def test_hysteresis_tolerates_isolated_overflows():
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01),
-                   amp=torch.float16, scaler=graphamp.GradScaler(init_scale=128.0, hysteresis=2))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=128.0, hysteresis=2),
+    )
     batches = _batches(4, poison={1, 2})
     scales = []
     for x, y in batches:
@@ -218,8 +255,13 @@ def test_hysteresis_tolerates_isolated_overflows():
 
 def test_static_scaler_keeps_its_scale_and_still_skips():
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.01),
-                   amp=torch.float16, scaler=graphamp.StaticGradScaler(512.0))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        amp=torch.float16,
+        scaler=graphamp.StaticGradScaler(512.0),
+    )
     for x, y in _batches(5, poison={2}):
         g(x, y)
     history = g.history.fetch()
@@ -253,8 +295,14 @@ def test_clipping_after_unscale_matches_clip_grad_norm(norm_type):
     batches = _batches(8, poison={5})
     for x, y in batches:
         g(x, y)
-    _, ref_norms = _eager_run(ref, ref_opt, torch.amp.GradScaler("cpu", init_scale=1024.0),
-                              batches, clip=0.05, norm_type=norm_type)
+    _, ref_norms = _eager_run(
+        ref,
+        ref_opt,
+        torch.amp.GradScaler("cpu", init_scale=1024.0),
+        batches,
+        clip=0.05,
+        norm_type=norm_type,
+    )
     norms = g.history.fetch()["grad_norm"]
     for i, (a, b) in enumerate(zip(norms, ref_norms)):
         if i == 5:
@@ -274,8 +322,14 @@ def test_a_non_finite_norm_counts_as_an_overflow_even_without_inf_gradients():
         loss.backward()
         return loss
 
-    g = _quiet_graph(model, None, opt, build=build, clip=1.0,
-                     scaler=graphamp.GradScaler(init_scale=1.0, min_scale=0.0))
+    g = _quiet_graph(
+        model,
+        None,
+        opt,
+        build=build,
+        clip=1.0,
+        scaler=graphamp.GradScaler(init_scale=1.0, min_scale=0.0),
+    )
     before = [p.detach().clone() for p in model.parameters()]
     g(torch.full((2, 4), 1e4), None)
     assert g.history.fetch()["skipped"] == [1.0]
@@ -298,6 +352,7 @@ def test_two_optimizers_skip_independently_like_eager():
         xb[0, 0] = float("inf")  # only head b overflows
         y = torch.randint(0, 2, (4,))
         if graph_mode:
+
             class G(graphamp.Graph):
                 def __init__(self):
                     super().__init__()
@@ -308,8 +363,9 @@ def test_two_optimizers_skip_independently_like_eager():
                     self.config.set_backend("aot_eager")
 
                 def build(self, xa, xb, y):
-                    loss = nn.functional.cross_entropy(self.m.a(xa), y) + \
-                        nn.functional.cross_entropy(self.m.b(xb), y)
+                    loss = nn.functional.cross_entropy(
+                        self.m.a(xa), y
+                    ) + nn.functional.cross_entropy(self.m.b(xb), y)
                     loss.backward()
                     return loss
 
@@ -338,6 +394,7 @@ def test_two_optimizers_skip_independently_like_eager():
 
 # -- state dicts and checkpoints ----------------------------------------------------------------
 
+
 def test_state_dict_keys_and_meaning_match_torch_both_ways():
     ours = graphamp.GradScaler(init_scale=1024.0, growth_interval=7)
     theirs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
@@ -351,16 +408,22 @@ def test_state_dict_keys_and_meaning_match_torch_both_ways():
 
 
 def test_set_grad_scaler_takes_over_a_torch_scaler_with_its_state():
-    theirs = torch.amp.GradScaler("cpu", init_scale=4096.0, growth_factor=3.0,
-                                  backoff_factor=0.25, growth_interval=9)
+    theirs = torch.amp.GradScaler(
+        "cpu", init_scale=4096.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=9
+    )
     theirs.load_state_dict(dict(theirs.state_dict(), scale=100.0, _growth_tracker=4))
     model = seed_mlp()
-    g = _quiet_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                     scaler=theirs)
+    g = _quiet_graph(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), scaler=theirs
+    )
     s = g.grad_scaler
     assert isinstance(s, graphamp.GradScaler)
-    assert (s.get_scale(), s.growth_factor, s.backoff_factor, s.growth_interval) == \
-        (100.0, 3.0, 0.25, 9)
+    assert (s.get_scale(), s.growth_factor, s.backoff_factor, s.growth_interval) == (
+        100.0,
+        3.0,
+        0.25,
+        9,
+    )
     assert s.state_dict()["_growth_tracker"] == 4 and s.min_scale == 0.0
 
 
@@ -371,8 +434,9 @@ def test_a_taken_over_torch_scaler_stays_the_truth():
     model = seed_mlp()
     theirs = torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=2)
     theirs.scale(torch.ones(()))  # eager use: its scale tensor exists
-    g = _quiet_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                     scaler=theirs)
+    g = _quiet_graph(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), scaler=theirs
+    )
     theirs.load_state_dict(dict(theirs.state_dict(), scale=1024.0, _growth_tracker=1))
     batches = _batches(5, poison={3})
     for x, y in batches:
@@ -387,18 +451,23 @@ def test_a_taken_over_torch_scaler_stays_the_truth():
 
 def test_graph_state_dict_loads_with_weights_only(tmp_path):
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.Adam(model.parameters()),
-                   amp=torch.float16, scaler=graphamp.GradScaler())
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.Adam(model.parameters()),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(),
+    )
     for x, y in _batches(3, poison={1}):
         g(x, y)
     path = tmp_path / "graph.pt"
     torch.save(g.state_dict(), path)
     state = torch.load(path, weights_only=True)
-    assert state["step"] == 3 and state["grad_scaler"]["scale"] == 2.0 ** 15
+    assert state["step"] == 3 and state["grad_scaler"]["scale"] == 2.0**15
     assert state["history"]["table"].shape[1] == 5
 
 
-RESUME_SCRIPT = textwrap.dedent('''
+RESUME_SCRIPT = textwrap.dedent("""
     import sys, torch, torch.nn as nn, graphamp
     sys.path.insert(0, {tests!r})
     from models import SmallCNN
@@ -451,7 +520,7 @@ RESUME_SCRIPT = textwrap.dedent('''
             g(x, y)
         torch.save({{"model": model.state_dict(), "opt": opt.state_dict(),
                     "graph": g.state_dict()}}, path)
-''')
+""")
 
 
 def test_resume_in_a_fresh_process_is_bitwise_identical(tmp_path):
@@ -460,8 +529,12 @@ def test_resume_in_a_fresh_process_is_bitwise_identical(tmp_path):
     split, whole = tmp_path / "split.pt", tmp_path / "whole.pt"
 
     def run(*args):
-        subprocess.run([sys.executable, str(script), *map(str, args)], check=True,
-                       capture_output=True, text=True)
+        subprocess.run(
+            [sys.executable, str(script), *map(str, args)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
 
     run("first", split)
     run("second", split)
@@ -475,28 +548,40 @@ def test_resume_in_a_fresh_process_is_bitwise_identical(tmp_path):
             assert torch.equal(a["opt"]["state"][i][k], b["opt"]["state"][i][k]), (i, k)
     assert a["graph"]["grad_scaler"] == b["graph"]["grad_scaler"]
     assert a["graph"]["step"] == b["graph"]["step"] == 12
-    torch.testing.assert_close(a["graph"]["history"]["table"], b["graph"]["history"]["table"],
-                               rtol=0, atol=0, equal_nan=True)  # unwritten rows are NaN
+    torch.testing.assert_close(
+        a["graph"]["history"]["table"],
+        b["graph"]["history"]["table"],
+        rtol=0,
+        atol=0,
+        equal_nan=True,
+    )  # unwritten rows are NaN
 
 
 # -- invalid settings ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"growth_factor": 1.0}, "growth_factor must be greater than 1"),
-    ({"growth_factor": 0.5}, "growth_factor must be greater than 1"),
-    ({"backoff_factor": 1.0}, r"backoff_factor must be in \(0, 1\)"),
-    ({"backoff_factor": 0.0}, r"backoff_factor must be in \(0, 1\)"),
-    ({"backoff_factor": -0.5}, r"backoff_factor must be in \(0, 1\)"),
-    ({"growth_interval": 0}, "growth_interval must be a positive int"),
-    ({"growth_interval": 2.5}, "growth_interval must be a positive int"),
-    ({"init_scale": 0.0}, "init_scale must be a positive number"),
-    ({"init_scale": -1.0}, "init_scale must be a positive number"),
-    ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0}, "min_scale .* greater than max_scale"),
-    ({"init_scale": 2.0 ** 30}, r"init_scale .* within \[min_scale, max_scale\]"),
-    ({"hysteresis": 0}, "hysteresis must be a positive int"),
-    ({"min_scale": -1.0}, "min_scale must be a number >= 0"),
-    ({"max_scale": 0.0}, "max_scale must be a positive number"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"growth_factor": 1.0}, "growth_factor must be greater than 1"),
+        ({"growth_factor": 0.5}, "growth_factor must be greater than 1"),
+        ({"backoff_factor": 1.0}, r"backoff_factor must be in \(0, 1\)"),
+        ({"backoff_factor": 0.0}, r"backoff_factor must be in \(0, 1\)"),
+        ({"backoff_factor": -0.5}, r"backoff_factor must be in \(0, 1\)"),
+        ({"growth_interval": 0}, "growth_interval must be a positive int"),
+        ({"growth_interval": 2.5}, "growth_interval must be a positive int"),
+        ({"init_scale": 0.0}, "init_scale must be a positive number"),
+        ({"init_scale": -1.0}, "init_scale must be a positive number"),
+        (
+            {"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0},
+            "min_scale .* greater than max_scale",
+        ),
+        ({"init_scale": 2.0**30}, r"init_scale .* within \[min_scale, max_scale\]"),
+        ({"hysteresis": 0}, "hysteresis must be a positive int"),
+        ({"min_scale": -1.0}, "min_scale must be a number >= 0"),
+        ({"max_scale": 0.0}, "max_scale must be a positive number"),
+    ],
+)
 def test_invalid_settings_raise(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         graphamp.GradScaler(**kwargs)

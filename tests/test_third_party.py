@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import assert_state_close, make_graph
 
 import graphamp
-from helpers import assert_state_close, make_graph
 
 transformers = pytest.importorskip("transformers")
 torchvision = pytest.importorskip("torchvision")
@@ -73,8 +73,9 @@ def _step_close_to_autocast(model, loss_of, x, y, dtype, tol=None):
     num = den = 0.0
     for n, p in ref.named_parameters():
         if p.grad is not None:
-            num += float((before[n] - dict(model.named_parameters())[n].detach()
-                          - p.grad).pow(2).sum())
+            num += float(
+                (before[n] - dict(model.named_parameters())[n].detach() - p.grad).pow(2).sum()
+            )
             den += float(p.grad.pow(2).sum())
     assert math.sqrt(num / den) < 2 * tol, math.sqrt(num / den)
     return g
@@ -82,14 +83,20 @@ def _step_close_to_autocast(model, loss_of, x, y, dtype, tol=None):
 
 def _tokens(n=3, batch=2, seq=12, vocab=64, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [(t, t) for t in (torch.randint(1, vocab, (batch, seq), generator=gen)
-                             for _ in range(n))]
+    return [
+        (t, t) for t in (torch.randint(1, vocab, (batch, seq), generator=gen) for _ in range(n))
+    ]
 
 
 def _images(n=3, batch=4, size=32, classes=10, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 3, size, size, generator=gen),
-             torch.randint(0, classes, (batch,), generator=gen)) for _ in range(n)]
+    return [
+        (
+            torch.randn(batch, 3, size, size, generator=gen),
+            torch.randint(0, classes, (batch,), generator=gen),
+        )
+        for _ in range(n)
+    ]
 
 
 def _causal_lm_loss(model, x, y):
@@ -108,11 +115,20 @@ def _quiet(fn):
 
 # -- transformers ---------------------------------------------------------------------------------
 
+
 def _llama(checkpointing=True):
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        pad_token_id=0, bos_token_id=0, eos_token_id=0)
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = transformers.LlamaForCausalLM(config)
     if checkpointing:
         _quiet(model.gradient_checkpointing_enable)
@@ -120,22 +136,36 @@ def _llama(checkpointing=True):
 
 
 def test_hf_llama_with_gradient_checkpointing_trains_like_eager():
-    _quiet(lambda: _train_like_eager(
-        _llama(), _causal_lm_loss, _tokens(seq=8),
-        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)))
+    _quiet(
+        lambda: _train_like_eager(
+            _llama(),
+            _causal_lm_loss,
+            _tokens(seq=8),
+            lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+        )
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_hf_llama_checkpointed_in_low_precision_is_close_to_autocast(dtype):
-    (x, y), = _tokens(1)
+    ((x, y),) = _tokens(1)
     _quiet(lambda: _step_close_to_autocast(_llama(), _causal_lm_loss, x, y, dtype))
 
 
 def _t5():
     config = transformers.T5Config(
-        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
-        num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_decoder_layers=1,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     return transformers.T5ForConditionalGeneration(config).train()
 
 
@@ -162,8 +192,15 @@ def test_hf_t5_keeps_its_declared_fp32_modules_in_fp32_under_fp16():
         return loss
 
     # backend "eager": this test is about precision decisions, not the compiler
-    g = make_graph(model, None, opt, build=build, amp=torch.float16, backend="eager",
-                   scaler=graphamp.GradScaler(init_scale=256.0))
+    g = make_graph(
+        model,
+        None,
+        opt,
+        build=build,
+        amp=torch.float16,
+        backend="eager",
+        scaler=graphamp.GradScaler(init_scale=256.0),
+    )
     ref = copy.deepcopy(model)
     losses = [g(x, y) for x, y in _tokens()]
     assert all(math.isfinite(v.item()) for v in losses)
@@ -201,28 +238,52 @@ def test_hf_t5_non_strict_fp32_modules_do_not_apply_under_bf16():
 
 
 def _bloom():
-    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4,
-                                      hidden_dropout=0.0, attention_dropout=0.0,
-                                      pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    config = transformers.BloomConfig(
+        vocab_size=64,
+        hidden_size=32,
+        n_layer=1,
+        n_head=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.BloomForCausalLM(config).train()
 
 
 @pytest.mark.slow
 def test_hf_bloom_custom_autograd_gelu_trains_like_eager():
     """BLOOM's MLP runs its GeLU through its own torch.autograd.Function (GeLUFunction)."""
-    g = _quiet(lambda: _train_like_eager(
-        _bloom(), _causal_lm_loss, _tokens(),
-        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)))
-    functions = [n.meta["autograd_function"] for n in g.compiled_steps[0].forward_graph.graph.nodes
-                 if "autograd_function" in n.meta]
+    g = _quiet(
+        lambda: _train_like_eager(
+            _bloom(),
+            _causal_lm_loss,
+            _tokens(),
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+        )
+    )
+    functions = [
+        n.meta["autograd_function"]
+        for n in g.compiled_steps[0].forward_graph.graph.nodes
+        if "autograd_function" in n.meta
+    ]
     assert any("GeLUFunction" in str(f) for f in functions), functions
 
 
 def _mixtral(experts="grouped_mm"):
     config = transformers.MixtralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=32, pad_token_id=0)
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        pad_token_id=0,
+    )
     config._experts_implementation = experts
     return transformers.MixtralForCausalLM(config).train()
 
@@ -232,9 +293,14 @@ def test_hf_mixtral_experts_custom_op_trains_like_eager():
     """Mixtral's default experts run transformers' own registered operator
     (transformers::grouped_mm_fallback, with its autograd formula) on token groups sorted by
     expert (sort, histc, cumsum offsets)."""
-    g = _quiet(lambda: _train_like_eager(
-        _mixtral(), _causal_lm_loss, _tokens(),
-        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)))
+    g = _quiet(
+        lambda: _train_like_eager(
+            _mixtral(),
+            _causal_lm_loss,
+            _tokens(),
+            lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+        )
+    )
     targets = {str(n.target) for n in g.compiled_steps[0].forward_graph.graph.nodes}
     assert "transformers.grouped_mm_fallback.default" in targets
 
@@ -259,6 +325,7 @@ def test_hf_mixtral_eager_expert_loop_is_refused_naming_transformers_line():
 
 
 # -- a GPT written here: tied weights, decay groups, SDPA, lr written each step ------------------
+
 
 class Block(nn.Module):
     def __init__(self, dim, heads):
@@ -304,8 +371,9 @@ def _gpt_loss(model, x, y):
 def _decay_groups(model):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=1e-3)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3
+    )
 
 
 def _cosine_lr(opt, step, total=5, peak=1e-3):
@@ -316,8 +384,9 @@ def _cosine_lr(opt, step, total=5, peak=1e-3):
 def test_gpt_with_tied_weights_decay_groups_and_a_cosine_lr_trains_like_eager():
     model = TinyGPT(layers=1)
     assert model.head.weight is model.tok.weight
-    g = _train_like_eager(model, _gpt_loss, _tokens(4, seq=16), _decay_groups,
-                          before_step=_cosine_lr)
+    g = _train_like_eager(
+        model, _gpt_loss, _tokens(4, seq=16), _decay_groups, before_step=_cosine_lr
+    )
     assert model.head.weight is model.tok.weight
     assert len(g.compiled_steps) == 1  # a new lr each step is an input, never a recompile
 
@@ -325,22 +394,35 @@ def test_gpt_with_tied_weights_decay_groups_and_a_cosine_lr_trains_like_eager():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpt_in_low_precision_is_close_to_autocast(dtype):
-    (x, y), = _tokens(1, seq=16)
+    ((x, y),) = _tokens(1, seq=16)
     _step_close_to_autocast(TinyGPT(), _gpt_loss, x, y, dtype)
 
 
 # -- torchvision: patterns test_real_models.py does not have --------------------------------------
 
+
 def _convnext(drop=0.0):
     from torchvision.models.convnext import CNBlockConfig, ConvNeXt
-    return ConvNeXt([CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)],
-                    stochastic_depth_prob=drop, num_classes=10)
+
+    return ConvNeXt(
+        [CNBlockConfig(16, 32, 1), CNBlockConfig(32, None, 1)],
+        stochastic_depth_prob=drop,
+        num_classes=10,
+    )
 
 
 def _swin():
     from torchvision.models.swin_transformer import SwinTransformer
-    return SwinTransformer(patch_size=[2, 2], embed_dim=16, depths=[1, 1], num_heads=[2, 2],
-                           window_size=[4, 4], stochastic_depth_prob=0.0, num_classes=10)
+
+    return SwinTransformer(
+        patch_size=[2, 2],
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 2],
+        window_size=[4, 4],
+        stochastic_depth_prob=0.0,
+        num_classes=10,
+    )
 
 
 VISION = {
@@ -355,16 +437,21 @@ VISION = {
 @pytest.mark.parametrize("name", sorted(VISION))
 def test_torchvision_model_trains_like_eager(name):
     make, size = VISION[name]
-    _train_like_eager(make(), _ce, _images(2, size=size),
-                      lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-                      rtol=1e-4, atol=1e-5)
+    _train_like_eager(
+        make(),
+        _ce,
+        _images(2, size=size),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(VISION))
 def test_torchvision_model_in_fp16_is_close_to_autocast(name):
     make, size = VISION[name]
-    (x, y), = _images(1, size=size)
+    ((x, y),) = _images(1, size=size)
     _step_close_to_autocast(make(), _ce, x, y, torch.float16)
 
 
@@ -374,8 +461,9 @@ def test_torchvision_stochastic_depth_trains_in_fp16_with_new_masks():
     torch.manual_seed(0)
     model = _convnext(drop=0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    g = make_graph(model, F.cross_entropy, opt, amp=torch.float16,
-                   scaler=graphamp.GradScaler(256.0))
+    g = make_graph(
+        model, F.cross_entropy, opt, amp=torch.float16, scaler=graphamp.GradScaler(256.0)
+    )
     x, y = _images(1)[0]
     losses = [g(x, y).item() for _ in range(3)]
     assert all(math.isfinite(v) for v in losses) and len(set(losses)) == 3
@@ -397,26 +485,39 @@ def test_torchvision_deformable_convolution_custom_op_trains_like_eager():
             h = self.conv(x, self.offset(x)).relu()
             return self.head(h.mean(dim=(2, 3)))
 
-    g = _train_like_eager(Deformable(), _ce, _images(2, size=8),
-                          lambda m: torch.optim.SGD(m.parameters(), lr=0.05), rtol=1e-4,
-                          atol=1e-5)
+    g = _train_like_eager(
+        Deformable(),
+        _ce,
+        _images(2, size=8),
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.05),
+        rtol=1e-4,
+        atol=1e-5,
+    )
     targets = {str(n.target) for n in g.compiled_steps[0].forward_graph.graph.nodes}
     assert any("deform_conv2d" in t for t in targets), targets
 
 
 # -- timm (optional) ----------------------------------------------------------------------------
 
+
 def _timm_models():
     timm = pytest.importorskip("timm")
     from timm.models.convnext import ConvNeXt
     from timm.models.vision_transformer import VisionTransformer
+
     return {
-        "timm_convnext": lambda drop: ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 16, 16, 32),
-                                               num_classes=10,
-                                               drop_path_rate=drop),
-        "timm_vit": lambda drop: VisionTransformer(img_size=16, patch_size=4, embed_dim=32,
-                                                   depth=2, num_heads=2, num_classes=10,
-                                                   drop_path_rate=drop),
+        "timm_convnext": lambda drop: ConvNeXt(
+            depths=(1, 1, 1, 1), dims=(8, 16, 16, 32), num_classes=10, drop_path_rate=drop
+        ),
+        "timm_vit": lambda drop: VisionTransformer(
+            img_size=16,
+            patch_size=4,
+            embed_dim=32,
+            depth=2,
+            num_heads=2,
+            num_classes=10,
+            drop_path_rate=drop,
+        ),
     }, timm
 
 
@@ -425,11 +526,17 @@ def _timm_models():
 def test_timm_model_trains_like_eager_and_with_drop_path_in_bf16(name):
     models, _ = _timm_models()
     size = 32 if name == "timm_convnext" else 16
-    _train_like_eager(models[name](0.0), _ce, _images(2, size=size),
-                      lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), rtol=1e-4,
-                      atol=1e-5)
+    _train_like_eager(
+        models[name](0.0),
+        _ce,
+        _images(2, size=size),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+        rtol=1e-4,
+        atol=1e-5,
+    )
     model = models[name](0.3)
-    g = make_graph(model, F.cross_entropy, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                   amp=torch.bfloat16)
+    g = make_graph(
+        model, F.cross_entropy, torch.optim.AdamW(model.parameters(), lr=1e-3), amp=torch.bfloat16
+    )
     losses = [g(x, y).item() for x, y in _images(3, size=size)]
     assert all(math.isfinite(v) for v in losses)

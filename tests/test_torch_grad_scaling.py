@@ -31,14 +31,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import assert_optimizer_close
 
 import graphamp
 from graphamp import CaptureError, UnsupportedOptimizerError
-from helpers import assert_optimizer_close
 
 # fp32 steps with a scaler are the point of most scenarios here; graphamp rightly says so.
-pytestmark = pytest.mark.filterwarnings("ignore:.*loss scaling is unnecessary",
-                                        "ignore:.*fp16 AMP without a grad scaler")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*loss scaling is unnecessary", "ignore:.*fp16 AMP without a grad scaler"
+)
 
 INIT_SCALE, GROWTH = 128.0, 2.0
 SKIP_ITER = 2
@@ -48,6 +49,7 @@ ENABLED = [True, False]
 
 
 # -- the case: torch's _create_scaling_case, twice (graph and eager) -----------------------------
+
 
 @dataclass
 class Run:
@@ -59,15 +61,18 @@ def two_linears() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
 
 
-def twin_runs(make_model=two_linears, opt_ctor=torch.optim.SGD, opt_kwargs=None,
-              ref_opt_kwargs=None) -> tuple[Run, Run]:
+def twin_runs(
+    make_model=two_linears, opt_ctor=torch.optim.SGD, opt_kwargs=None, ref_opt_kwargs=None
+) -> tuple[Run, Run]:
     """The same model and optimizer twice: one for the graph, one for the eager oracle."""
     model = make_model()
     ref = copy.deepcopy(model)
     kwargs = {"lr": 1.0, **(opt_kwargs or {})}
     ref_kwargs = {"lr": 1.0, **(ref_opt_kwargs if ref_opt_kwargs is not None else opt_kwargs or {})}
-    return (Run(model, opt_ctor(model.parameters(), **kwargs)),
-            Run(ref, opt_ctor(ref.parameters(), **ref_kwargs)))
+    return (
+        Run(model, opt_ctor(model.parameters(), **kwargs)),
+        Run(ref, opt_ctor(ref.parameters(), **ref_kwargs)),
+    )
 
 
 def batches(n=4):
@@ -80,8 +85,7 @@ def poisons(enabled: bool, n=4) -> list[torch.Tensor]:
 
 
 def graph_scaler(kind: str, enabled: bool, **settings):
-    settings = {"init_scale": INIT_SCALE, "growth_factor": GROWTH, "growth_interval": 1,
-                **settings}
+    settings = {"init_scale": INIT_SCALE, "growth_factor": GROWTH, "growth_interval": 1, **settings}
     if kind == "torch_scaler":
         return torch.amp.GradScaler("cpu", enabled=enabled, **settings)
     # graphamp's default min_scale=1 / max_scale=2**24 are not reached from 128 in 4 steps
@@ -89,13 +93,11 @@ def graph_scaler(kind: str, enabled: bool, **settings):
 
 
 def eager_scaler(enabled: bool, **settings):
-    settings = {"init_scale": INIT_SCALE, "growth_factor": GROWTH, "growth_interval": 1,
-                **settings}
+    settings = {"init_scale": INIT_SCALE, "growth_factor": GROWTH, "growth_interval": 1, **settings}
     return torch.amp.GradScaler("cpu", enabled=enabled, **settings)
 
 
-def make_graph(modules: dict, optimizers: list, scaler, build, *, amp=None, clip=None,
-               acc_steps=1):
+def make_graph(modules: dict, optimizers: list, scaler, build, *, amp=None, clip=None, acc_steps=1):
     class ScalingGraph(graphamp.Graph):
         def __init__(self):
             super().__init__()
@@ -138,16 +140,19 @@ def run_graph(g, data, enabled) -> None:
         g(x, y, poison)
 
 
-def assert_same_run(g, ref_scales, ref_scaler, pairs, *, enabled, clean, skipped,
-                    atol=1e-7, rtol=1e-5):
+def assert_same_run(
+    g, ref_scales, ref_scaler, pairs, *, enabled, clean, skipped, atol=1e-7, rtol=1e-5
+):
     """The scale exactly (step by step, and torch's own closed form); parameters and optimizer
     state within the scenario's tolerance."""
     if enabled:
-        expected = INIT_SCALE * GROWTH ** clean * ref_scaler.get_backoff_factor() ** skipped
+        expected = INIT_SCALE * GROWTH**clean * ref_scaler.get_backoff_factor() ** skipped
         assert g.history.fetch()["scale"] == ref_scales
         assert g.grad_scaler.get_scale() == ref_scaler.get_scale() == expected
-        assert g.grad_scaler.state_dict()["_growth_tracker"] == \
-            ref_scaler.state_dict()["_growth_tracker"]
+        assert (
+            g.grad_scaler.state_dict()["_growth_tracker"]
+            == ref_scaler.state_dict()["_growth_tracker"]
+        )
     else:
         assert g.grad_scaler.get_scale() == ref_scaler.get_scale() == 1.0
         assert not any(g.history.fetch()["skipped"])
@@ -164,6 +169,7 @@ ADAM_ATOL = 1e-4
 
 
 # -- test_grad_scaling_autocast (+ _foreach, _fused) --------------------------------------------
+
 
 def eager_autocast(run: Run, data, scaler, amp, start=0):
     scales = []
@@ -185,20 +191,26 @@ FLAGS = {"plain": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 # the scaler kinds and enabled=False run on SGD. graphamp ignores foreach/fused (it runs its own
 # update), so after one fused and the plain Adam/AdamW runs the other flag variants are slow.
 _FAST_VARIANTS = {("sgd", "plain"), ("sgd", "fused"), ("adam", "plain"), ("adamw", "plain")}
-AUTOCAST_CASES = (
-    [pytest.param(o, f, "torch_scaler", True,
-                  marks=() if (o, f) in _FAST_VARIANTS else pytest.mark.slow)
-     for o in OPTIMIZERS for f in FLAGS]
-    + [("sgd", "plain", "graphamp_scaler", True), ("sgd", "plain", "graphamp_scaler", False),
-       ("sgd", "plain", "torch_scaler", False)])
+AUTOCAST_CASES = [
+    pytest.param(
+        o, f, "torch_scaler", True, marks=() if (o, f) in _FAST_VARIANTS else pytest.mark.slow
+    )
+    for o in OPTIMIZERS
+    for f in FLAGS
+] + [
+    ("sgd", "plain", "graphamp_scaler", True),
+    ("sgd", "plain", "graphamp_scaler", False),
+    ("sgd", "plain", "torch_scaler", False),
+]
 
 
 @pytest.mark.parametrize("opt_name, flags, kind, enabled", AUTOCAST_CASES)
 def test_grad_scaling_autocast(opt_name, flags, kind, enabled):
     ours, ref = twin_runs(opt_ctor=OPTIMIZERS[opt_name], opt_kwargs=FLAGS[flags])
     data = batches()
-    g = make_graph({"model": ours.model}, [ours.opt], graph_scaler(kind, enabled), mse_build,
-                   amp=torch.float16)
+    g = make_graph(
+        {"model": ours.model}, [ours.opt], graph_scaler(kind, enabled), mse_build, amp=torch.float16
+    )
     run_graph(g, data, enabled)
     ref_scaler = eager_scaler(enabled)
     ref_scales = eager_autocast(ref, data, ref_scaler, torch.float16)
@@ -207,31 +219,48 @@ def test_grad_scaling_autocast(opt_name, flags, kind, enabled):
     # abs difference (graphamp's Adam rounding, ADAM_ATOL, magnified through fp16 forwards;
     # torch's own test expects Adam to miss 1e-3 between fp32 and autocast runs).
     atol, rtol = (1e-7, 1e-5) if opt_name == "sgd" else (5e-3, 1e-2)
-    assert_same_run(g, ref_scales, ref_scaler, [(ours, ref)], enabled=enabled,
-                    clean=3, skipped=1, atol=atol, rtol=rtol)
+    assert_same_run(
+        g,
+        ref_scales,
+        ref_scaler,
+        [(ours, ref)],
+        enabled=enabled,
+        clean=3,
+        skipped=1,
+        atol=atol,
+        rtol=rtol,
+    )
 
 
 # -- test_grad_scaling_autocast_fused_optimizers: fused against unfused, fp32 -------------------
 
-@pytest.mark.parametrize("opt_name, amsgrad", [
-    ("adamw", False), pytest.param("adam", False, marks=pytest.mark.slow),
-    pytest.param("adam", True, marks=pytest.mark.slow),
-    pytest.param("adamw", True, marks=pytest.mark.slow)])
+
+@pytest.mark.parametrize(
+    "opt_name, amsgrad",
+    [
+        ("adamw", False),
+        pytest.param("adam", False, marks=pytest.mark.slow),
+        pytest.param("adam", True, marks=pytest.mark.slow),
+        pytest.param("adamw", True, marks=pytest.mark.slow),
+    ],
+)
 def test_grad_scaling_fused_optimizer_equals_unfused(opt_name, amsgrad):
     """torch checks that a fused Adam (which unscales inside its kernel) steps as the unfused
     one does. A graph accepts the flag and runs its own update: it must step as eager's
     unfused optimizer (to ADAM_ATOL), and leave the state in torch's format."""
-    ours, ref = twin_runs(opt_ctor=OPTIMIZERS[opt_name],
-                          opt_kwargs={"fused": True, "amsgrad": amsgrad},
-                          ref_opt_kwargs={"fused": False, "amsgrad": amsgrad})
+    ours, ref = twin_runs(
+        opt_ctor=OPTIMIZERS[opt_name],
+        opt_kwargs={"fused": True, "amsgrad": amsgrad},
+        ref_opt_kwargs={"fused": False, "amsgrad": amsgrad},
+    )
     data = batches()
-    g = make_graph({"model": ours.model}, [ours.opt], graph_scaler("torch_scaler", True),
-                   mse_build)
+    g = make_graph({"model": ours.model}, [ours.opt], graph_scaler("torch_scaler", True), mse_build)
     run_graph(g, data, True)
     ref_scaler = eager_scaler(True)
     ref_scales = eager_autocast(ref, data, ref_scaler, None)
-    assert_same_run(g, ref_scales, ref_scaler, [(ours, ref)], enabled=True, clean=3, skipped=1,
-                    atol=ADAM_ATOL)
+    assert_same_run(
+        g, ref_scales, ref_scaler, [(ours, ref)], enabled=True, clean=3, skipped=1, atol=ADAM_ATOL
+    )
 
 
 # -- test_grad_scaling_clipping and _clipping_separate_unscale ----------------------------------
@@ -266,19 +295,22 @@ def test_grad_scaling_clipping(kind, enabled):
     ours, _ = twin_runs()
     start = copy.deepcopy(ours.model)  # each eager recipe starts from the same weights
     data = batches()
-    g = make_graph({"model": ours.model}, [ours.opt], graph_scaler(kind, enabled), mse_build,
-                   clip=MAX_NORM)
+    g = make_graph(
+        {"model": ours.model}, [ours.opt], graph_scaler(kind, enabled), mse_build, clip=MAX_NORM
+    )
     run_graph(g, data, enabled)
     for separate_unscale, atol in ((False, 1e-5), (True, 1e-7)):  # torch's tolerances
         model = copy.deepcopy(start)
         ref = Run(model, torch.optim.SGD(model.parameters(), lr=1.0))
         ref_scaler = eager_scaler(enabled)
         ref_scales = eager_clipping(ref, data, ref_scaler, separate_unscale)
-        assert_same_run(g, ref_scales, ref_scaler, [(ours, ref)], enabled=enabled, clean=3,
-                        skipped=1, atol=atol)
+        assert_same_run(
+            g, ref_scales, ref_scaler, [(ours, ref)], enabled=enabled, clean=3, skipped=1, atol=atol
+        )
 
 
 # -- test_grad_scaling_penalty -------------------------------------------------------------------
+
 
 def penalty_build(self, x, y, poison):
     loss = F.mse_loss(self.model(x), y)
@@ -296,8 +328,9 @@ def eager_penalty(run: Run, data, scaler):
         scales.append(scaler.get_scale())
         run.opt.zero_grad()
         loss = F.mse_loss(run.model(x), y)
-        scaled = torch.autograd.grad(scaler.scale(loss), list(run.model.parameters()),
-                                     create_graph=True)
+        scaled = torch.autograd.grad(
+            scaler.scale(loss), list(run.model.parameters()), create_graph=True
+        )
         grads = [s * (1.0 / scaler.get_scale()) for s in scaled]
         loss = loss + sum(g.pow(2).sum() for g in grads).sqrt()
         scaler.scale(loss).backward()
@@ -318,11 +351,13 @@ def test_grad_scaling_penalty(kind, enabled):
     ref_scales = eager_penalty(ref, data, ref_scaler)
     # torch's tolerance is atol 1e-7: here the penalty's gradients are divided by a scale
     # tensor where torch multiplies by the float 1/scale, one rounding apart
-    assert_same_run(g, ref_scales, ref_scaler, [(ours, ref)], enabled=enabled, clean=3,
-                    skipped=1, atol=1e-6)
+    assert_same_run(
+        g, ref_scales, ref_scaler, [(ours, ref)], enabled=enabled, clean=3, skipped=1, atol=1e-6
+    )
 
 
 # -- test_grad_scaling_accumulation --------------------------------------------------------------
+
 
 def accumulation_build(self, x, y):
     loss = F.mse_loss(self.model(x), y)
@@ -351,17 +386,22 @@ def test_grad_scaling_accumulation(kind, enabled):
     batches as one call split into 2 micro-batches, whose losses it averages: the same."""
     ours, ref = twin_runs()
     data = batches()
-    g = make_graph({"model": ours.model}, [ours.opt], graph_scaler(kind, enabled),
-                   accumulation_build, acc_steps=2)
+    g = make_graph(
+        {"model": ours.model},
+        [ours.opt],
+        graph_scaler(kind, enabled),
+        accumulation_build,
+        acc_steps=2,
+    )
     for k in range(0, len(data), 2):
         g(torch.cat([data[k][0], data[k + 1][0]]), torch.cat([data[k][1], data[k + 1][1]]))
     ref_scaler = eager_scaler(enabled)
     ref_scales = eager_accumulation(ref, data, ref_scaler)
-    assert_same_run(g, ref_scales, ref_scaler, [(ours, ref)], enabled=enabled, clean=2,
-                    skipped=0)
+    assert_same_run(g, ref_scales, ref_scaler, [(ours, ref)], enabled=enabled, clean=2, skipped=0)
 
 
 # -- test_grad_scaling_multiple: two models, two optimizers, two losses, one scaler ---------------
+
 
 def two_model_build(self, x, y, poison):
     out0, out1 = self.model0(x), self.model1(x)
@@ -399,26 +439,45 @@ def test_grad_scaling_multiple(kind, enabled):
     ours0, ref0 = twin_runs()
     ours1, ref1 = twin_runs()
     data = batches()
-    g = make_graph({"model0": ours0.model, "model1": ours1.model}, [ours0.opt, ours1.opt],
-                   graph_scaler(kind, enabled), two_model_build)
+    g = make_graph(
+        {"model0": ours0.model, "model1": ours1.model},
+        [ours0.opt, ours1.opt],
+        graph_scaler(kind, enabled),
+        two_model_build,
+    )
     run_graph(g, data, enabled)
     ref_scaler = eager_scaler(enabled)
     ref_scales = eager_two_models(ref0, ref1, data, ref_scaler)
-    assert_same_run(g, ref_scales, ref_scaler, [(ours0, ref0), (ours1, ref1)], enabled=enabled,
-                    clean=3, skipped=1)
+    assert_same_run(
+        g,
+        ref_scales,
+        ref_scaler,
+        [(ours0, ref0), (ours1, ref1)],
+        enabled=enabled,
+        clean=3,
+        skipped=1,
+    )
 
 
 # -- test_grad_scaling_update_scale and test_grad_scale_will_not_overflow ------------------------
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_grad_scaling_update_scale(kind):
     """torch's sequence for _amp_update_scale_ (growth 2, backoff 0.25, interval 2, from 4): two
     clean steps grow once, an overflow backs off; the graph's scale and growth tracker follow
     the op applied to the same overflow flags, step by step."""
-    settings = {"init_scale": 4.0, "growth_factor": 2.0, "backoff_factor": 0.25,
-                "growth_interval": 2}
-    scaler = (torch.amp.GradScaler("cpu", **settings) if kind == "torch_scaler"
-              else graphamp.GradScaler(**settings))
+    settings = {
+        "init_scale": 4.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.25,
+        "growth_interval": 2,
+    }
+    scaler = (
+        torch.amp.GradScaler("cpu", **settings)
+        if kind == "torch_scaler"
+        else graphamp.GradScaler(**settings)
+    )
     ours, _ = twin_runs()
     g = make_graph({"model": ours.model}, [ours.opt], scaler, mse_build)
     seen = []
@@ -439,7 +498,7 @@ def test_grad_scaling_update_scale(kind):
 def test_grad_scale_will_not_overflow(kind):
     """From 1e38 with growth 16 every step, the grown scale would be inf: it must stay finite,
     as torch's does."""
-    settings = {"init_scale": 1e38, "growth_factor": 2.0 ** 4, "growth_interval": 1}
+    settings = {"init_scale": 1e38, "growth_factor": 2.0**4, "growth_interval": 1}
     if kind == "torch_scaler":
         scaler = torch.amp.GradScaler("cpu", **settings)
     else:  # graphamp's default cap (2**24) refuses an init_scale of 1e38: lift it
@@ -469,6 +528,7 @@ def test_grad_scale_will_not_overflow(kind):
 
 # -- test_grad_scaling_unscale_sparse: sparse gradients through the scaler ----------------------
 
+
 def sparse_model() -> nn.Module:
     return nn.Sequential(nn.Embedding(16, 8, sparse=True), nn.Linear(8, 8))
 
@@ -481,8 +541,7 @@ def nan_in_sparse_grad(weight: nn.Parameter) -> None:
     grad = weight.grad.coalesce()
     values = grad.values().clone()
     values[0, 0] = float("nan")
-    weight.grad = torch.sparse_coo_tensor(grad.indices(), values, grad.shape,
-                                          check_invariants=True)
+    weight.grad = torch.sparse_coo_tensor(grad.indices(), values, grad.shape, check_invariants=True)
 
 
 def eager_sparse(run: Run, data, scaler, target):
@@ -501,9 +560,15 @@ def eager_sparse(run: Run, data, scaler, target):
     return scales
 
 
-@pytest.mark.parametrize("kind, enabled, target", [
-    ("graphamp_scaler", True, "linear_inf"), ("torch_scaler", True, "embedding_nan"),
-    ("graphamp_scaler", False, "linear_inf"), ("torch_scaler", False, "linear_inf")])
+@pytest.mark.parametrize(
+    "kind, enabled, target",
+    [
+        ("graphamp_scaler", True, "linear_inf"),
+        ("torch_scaler", True, "embedding_nan"),
+        ("graphamp_scaler", False, "linear_inf"),
+        ("torch_scaler", False, "linear_inf"),
+    ],
+)
 def test_grad_scaling_sparse(kind, enabled, target):
     """An Embedding with sparse gradients: a nan in its sparse gradient (torch's unscale_sparse
     case) or an inf elsewhere skips the step; otherwise the update equals eager SGD's on the
@@ -514,8 +579,10 @@ def test_grad_scaling_sparse(kind, enabled, target):
 
     def build(self, idx, y, poison):
         value = float("nan") if target == "embedding_nan" else INF
-        loss = F.mse_loss(self.model(idx), y) + (
-            self.model[layer].weight * torch.where(poison > 0, value, 0.0)).sum()
+        loss = (
+            F.mse_loss(self.model(idx), y)
+            + (self.model[layer].weight * torch.where(poison > 0, value, 0.0)).sum()
+        )
         loss.backward()
         return loss
 
@@ -523,8 +590,7 @@ def test_grad_scaling_sparse(kind, enabled, target):
     run_graph(g, data, enabled)
     ref_scaler = eager_scaler(enabled)
     ref_scales = eager_sparse(ref, data, ref_scaler, target)
-    assert_same_run(g, ref_scales, ref_scaler, [(ours, ref)], enabled=enabled, clean=3,
-                    skipped=1)
+    assert_same_run(g, ref_scales, ref_scaler, [(ours, ref)], enabled=enabled, clean=3, skipped=1)
 
 
 # -- test_grad_scaling_state_dict, both ways, before and during use (+ torch's pickling) ---------
@@ -539,18 +605,26 @@ def torch_part(state: dict) -> dict:
 def test_grad_scaling_state_dict_before_first_use():
     """torch's test: a state saved by one scaler loads into another with other settings (and
     an _init_growth_tracker the load must overwrite); here torch → graphamp → torch."""
-    theirs = torch.amp.GradScaler("cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5,
-                                  growth_interval=2)
-    ours = graphamp.GradScaler(init_scale=6.0, growth_factor=7.0, backoff_factor=0.8,
-                               growth_interval=1)
+    theirs = torch.amp.GradScaler(
+        "cpu", init_scale=3.0, growth_factor=4.0, backoff_factor=0.5, growth_interval=2
+    )
+    ours = graphamp.GradScaler(
+        init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1
+    )
     ours.load_state_dict(theirs.state_dict())
     assert torch_part(ours.state_dict()) == theirs.state_dict()
-    back = torch.amp.GradScaler("cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8,
-                                growth_interval=1)
+    back = torch.amp.GradScaler(
+        "cpu", init_scale=6.0, growth_factor=7.0, backoff_factor=0.8, growth_interval=1
+    )
     back._init_growth_tracker = 7
     back.load_state_dict(ours.state_dict())
-    assert (back.get_scale(), back.get_growth_factor(), back.get_backoff_factor(),
-            back.get_growth_interval(), back._init_growth_tracker) == (3.0, 4.0, 0.5, 2, 0)
+    assert (
+        back.get_scale(),
+        back.get_growth_factor(),
+        back.get_backoff_factor(),
+        back.get_growth_interval(),
+        back._init_growth_tracker,
+    ) == (3.0, 4.0, 0.5, 2, 0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -572,8 +646,13 @@ def test_grad_scaling_state_dict_during_use(kind):
     out.load_state_dict(scaler.state_dict())
     assert out.state_dict() == ref_scaler.state_dict()
 
-    schedule = {**ref_scaler.state_dict(), "scale": 64.0, "growth_factor": 4.0,
-                "backoff_factor": 0.25, "_growth_tracker": 0}
+    schedule = {
+        **ref_scaler.state_dict(),
+        "scale": 64.0,
+        "growth_factor": 4.0,
+        "backoff_factor": 0.25,
+        "_growth_tracker": 0,
+    }
     scaler.load_state_dict(schedule)
     ref_scaler.load_state_dict(schedule)
     for i, ((x, y), poison) in enumerate(zip(data, poisons(True)), 0):
@@ -588,6 +667,7 @@ def test_grad_scaling_state_dict_during_use(kind):
 
 
 # -- what a whole-step graph cannot express: refused with a graphamp error ----------------------
+
 
 def test_unscale_by_hand_inside_build_is_refused():
     """test_grad_scaling_clipping_separate_unscale, written literally inside build(): the

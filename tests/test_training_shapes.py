@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import graphamp
-from graphamp import CaptureError, ConfigError, InputError
 from helpers import assert_optimizer_close, assert_state_close, make_graph
 from models import SmallCNN, seed_mlp
 
+import graphamp
+from graphamp import CaptureError, ConfigError, InputError
 
 # -- a GAN in one graph ---------------------------------------------------------------------------
+
 
 def _gan():
     torch.manual_seed(0)
@@ -29,8 +29,9 @@ def _gan():
 def _gan_losses(gen, disc, z, real):
     fake = gen(z)
     ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
-    loss_d = (F.binary_cross_entropy_with_logits(disc(real), ones)
-              + F.binary_cross_entropy_with_logits(disc(fake.detach()), zeros))
+    loss_d = F.binary_cross_entropy_with_logits(
+        disc(real), ones
+    ) + F.binary_cross_entropy_with_logits(disc(fake.detach()), zeros)
     loss_g = F.binary_cross_entropy_with_logits(disc(fake), ones)
     return loss_d, loss_g
 
@@ -59,7 +60,7 @@ def test_gan_generator_and_discriminator_in_one_graph():
             return loss_d, loss_g
 
     g = GAN()
-    for step in range(5):
+    for _step in range(5):
         z, real = torch.randn(16, 8), torch.randn(16, 16) + 2.0
         loss_d, loss_g = g(z, real)
         ref_opt_g.zero_grad()
@@ -92,6 +93,7 @@ def test_backward_inputs_must_be_parameters():
 
 # -- gradient accumulation ------------------------------------------------------------------------
 
+
 def _eager_accumulation(model, opt, x, y, n):
     opt.zero_grad()
     losses = []
@@ -103,15 +105,22 @@ def _eager_accumulation(model, opt, x, y, n):
     return torch.stack(losses).mean()
 
 
-@pytest.mark.parametrize("factory, shape", [(seed_mlp, (32, 256)), (SmallCNN, (32, 3, 16, 16))],
-                         ids=["mlp", "cnn_batchnorm"])
+@pytest.mark.parametrize(
+    "factory, shape",
+    [(seed_mlp, (32, 256)), (SmallCNN, (32, 3, 16, 16))],
+    ids=["mlp", "cnn_batchnorm"],
+)
 def test_gradient_accumulation_equals_eager_accumulation(factory, shape):
     model = factory()
     ref = copy.deepcopy(model)
     make_opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
     opt, ref_opt = make_opt(model), make_opt(ref)
-    g = make_graph(model, nn.CrossEntropyLoss(), opt,
-                   configure=lambda self: self.config.set_gradient_accumulation_steps(4))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        opt,
+        configure=lambda self: self.config.set_gradient_accumulation_steps(4),
+    )
     for _ in range(3):
         x, y = torch.randn(*shape), torch.randint(0, 10, (shape[0],))
         loss = g(x, y)
@@ -123,9 +132,14 @@ def test_gradient_accumulation_equals_eager_accumulation(factory, shape):
 
 def test_gradient_accumulation_makes_one_scaler_decision_per_step():
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.float16, scaler=graphamp.GradScaler(init_scale=256.0),
-                   configure=lambda self: self.config.set_gradient_accumulation_steps(4))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=256.0),
+        configure=lambda self: self.config.set_gradient_accumulation_steps(4),
+    )
     before = [p.detach().clone() for p in model.parameters()]
     x, y = torch.randn(32, 256), torch.randint(0, 10, (32,))
     x[20, 0] = float("inf")  # in the third micro-batch only
@@ -146,8 +160,13 @@ def test_gradient_accumulation_returns_batched_outputs_whole():
         loss.backward()
         return loss, logits
 
-    g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.0), build=build,
-                   configure=lambda self: self.config.set_gradient_accumulation_steps(2))
+    g = make_graph(
+        model,
+        None,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        build=build,
+        configure=lambda self: self.config.set_gradient_accumulation_steps(2),
+    )
     x, y = torch.randn(8, 256), torch.randint(0, 10, (8,))
     expected = model(x).detach()
     loss, logits = g(x, y)
@@ -157,8 +176,12 @@ def test_gradient_accumulation_returns_batched_outputs_whole():
 
 def test_gradient_accumulation_rejects_batches_it_cannot_split():
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
-                   configure=lambda self: self.config.set_gradient_accumulation_steps(3))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        configure=lambda self: self.config.set_gradient_accumulation_steps(3),
+    )
     with pytest.raises(InputError, match="multiple of 3"):
         g(torch.randn(8, 256), torch.randint(0, 10, (8,)))
 
@@ -180,6 +203,7 @@ def test_gradient_accumulation_needs_an_optimizer():
 
 
 # -- structured inputs ----------------------------------------------------------------------------
+
 
 def test_inputs_as_dicts_and_tuples():
     model = seed_mlp()
@@ -217,14 +241,16 @@ def test_inputs_as_dicts_and_tuples():
 
 # -- accuracy on real data ------------------------------------------------------------------------
 
+
 def test_fp16_and_bf16_reach_fp32_accuracy_on_real_data():
     """examples/accuracy.py in its tiny mode: pydoc's text and scikit-learn's digits."""
     pytest.importorskip("sklearn")
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                        "accuracy.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "accuracy.py"
+    )
     spec = importlib.util.spec_from_file_location("graphamp_accuracy_example", path)
     accuracy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(accuracy)

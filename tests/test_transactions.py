@@ -32,7 +32,7 @@ class Train(graphamp.Graph):
         self.add_optimizer(opt, lr_sch=sch)
         self.config.enable_amp(True)
         self.config.set_backend(backend)
-        self.set_grad_scaler(graphamp.GradScaler(init_scale=2.0 ** 8))
+        self.set_grad_scaler(graphamp.GradScaler(init_scale=2.0**8))
 
     def build(self, x, y):
         loss = F.cross_entropy(self.model(x), y)
@@ -84,8 +84,9 @@ def _retry(fn):
             continue
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor",
-                                                                marks=pytest.mark.inductor)])
+@pytest.mark.parametrize(
+    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+)
 def test_real_interrupts_at_random_moments_never_tear_the_state(backend):
     """A timer thread sends SIGINT at a random offset of ~500 calls (the first, compiling, call
     included); after each call the counters of the graph, of Adam's every parameter and of the
@@ -94,8 +95,10 @@ def test_real_interrupts_at_random_moments_never_tear_the_state(backend):
         warnings.simplefilter("ignore")
         model, opt, sch, g = _setup(backend)
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(32, 64, generator=gen), torch.randint(0, 8, (32,), generator=gen))
-               for _ in range(8)]
+    batches = [
+        (torch.randn(32, 64, generator=gen), torch.randint(0, 8, (32,), generator=gen))
+        for _ in range(8)
+    ]
     rng = random.Random(0)
     armed = threading.Event()
     durations, interrupted = [2e-3], 0
@@ -152,8 +155,7 @@ def test_a_scheduler_that_raises_leaves_everything_from_before_the_step():
     with pytest.raises(ZeroDivisionError):
         g(x, y)
     assert all(torch.equal(a, b) for a, b in zip(before, _state(model, opt)))
-    assert (g.step_count, sch.last_epoch, opt.param_groups[0]["lr"]) == (2, epoch_before,
-                                                                          lr_before)
+    assert (g.step_count, sch.last_epoch, opt.param_groups[0]["lr"]) == (2, epoch_before, lr_before)
     calls["n"] = 100  # the schedule is fixed: training goes on from where it was
     g(x, y)
     assert _consistent(g, model, opt, sch, before, 2) is None
@@ -196,8 +198,9 @@ def test_a_graph_called_from_another_thread_keeps_working():
     worker.start()
     worker.join()
     assert not errors and g.step_count == sch.last_epoch == 5
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler or \
-        callable(signal.getsignal(signal.SIGINT))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler or callable(
+        signal.getsignal(signal.SIGINT)
+    )
 
 
 def test_ctrl_c_during_the_first_call_leaves_the_model_as_it_was():

@@ -13,23 +13,33 @@ import warnings
 
 import pytest
 import torch
-
-import graphamp
-
 from dist_worker import POISON_STEP, STEPS, global_batches, make_model
 from test_distributed import _free_port
 from zero_worker import WIDTH, make_training, state_bytes
+
+import graphamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_zero(nproc: int, stage: int, out, *, acc=1, first=0, last=STEPS, resume=None):
     out.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", os.path.join(HERE, "zero_worker.py"), str(stage),
-           str(acc), str(first), str(last), str(out)] + ([str(resume)] if resume else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={_free_port()}",
+        os.path.join(HERE, "zero_worker.py"),
+        str(stage),
+        str(acc),
+        str(first),
+        str(last),
+        str(out),
+    ] + ([str(resume)] if resume else [])
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     (out / "stderr.txt").write_text(done.stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
@@ -61,8 +71,9 @@ def _assert_like_one_process(ranks, reference):
             torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("nproc,stage,acc", [
-    (2, 1, 1), pytest.param(4, 2, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "nproc,stage,acc", [(2, 1, 1), pytest.param(4, 2, 2, marks=pytest.mark.slow)]
+)
 def test_zero_trains_like_one_process_with_an_overflow_on_one_rank(nproc, stage, acc, tmp_path):
     reference = single_process()
     ranks = run_zero(nproc, stage, tmp_path / "run", acc=acc)
@@ -71,7 +82,9 @@ def test_zero_trains_like_one_process_with_an_overflow_on_one_rank(nproc, stage,
     full_bytes = reference[3]
     steps_bytes = 4 * 4  # four 0-dim fp32 step tensors, replicated
     for r in ranks:
-        assert r["state_bytes"] - steps_bytes <= (full_bytes - steps_bytes) / nproc + 2 * 4 * 4 * nproc
+        assert (
+            r["state_bytes"] - steps_bytes <= (full_bytes - steps_bytes) / nproc + 2 * 4 * 4 * nproc
+        )
 
 
 @pytest.mark.slow
@@ -99,10 +112,18 @@ def test_a_checkpoint_from_two_ranks_resumes_with_four_and_in_one_process(tmp_pa
 
 @pytest.mark.slow
 def test_a_model_wrapped_with_fully_shard_gets_an_error_pointing_to_enable_zero(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_free_port()}", os.path.join(HERE, "fsdp_worker.py"), str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        os.path.join(HERE, "fsdp_worker.py"),
+        str(tmp_path),
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for r in range(2):
         error = torch.load(tmp_path / f"rank{r}.pt", weights_only=True).get("error", "")

@@ -19,8 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import graphamp  # noqa: E402
 from dist_worker import global_batches, make_model  # noqa: E402
+
+import graphamp  # noqa: E402
 
 WIDTH, CLIP = 63, 1.0  # 63: parameters whose sizes do not divide by the rank count
 
@@ -50,13 +51,22 @@ def make_training(stage: int, acc: int, model: nn.Module):
 
 def state_bytes(opt) -> int:
     """Bytes of optimizer state tensors this process holds (counted)."""
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-               if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
 
 
 def main():
-    stage, acc, first, last, out_dir = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]),
-                                        int(sys.argv[4]), sys.argv[5])
+    stage, acc, first, last, out_dir = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        sys.argv[5],
+    )
     resume = sys.argv[6] if len(sys.argv) > 6 else None
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,15 +80,21 @@ def main():
         g.load_state_dict(ckpt["graph"])
     shard = 16 // world
     for x, y in global_batches()[first:last]:
-        g(x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard])
+        g(x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard])
     held = state_bytes(opt)
     full_opt = opt.state_dict()  # a collective: every rank calls it
-    result = {"params": {k: v.clone() for k, v in model.state_dict().items()},
-              "opt": full_opt, "skipped": g.history.fetch()["skipped"], "state_bytes": held}
+    result = {
+        "params": {k: v.clone() for k, v in model.state_dict().items()},
+        "opt": full_opt,
+        "skipped": g.history.fetch()["skipped"],
+        "state_bytes": held,
+    }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if rank == 0:
-        torch.save({"model": model.state_dict(), "opt": full_opt, "graph": g.state_dict()},
-                   os.path.join(out_dir, "ckpt.pt"))
+        torch.save(
+            {"model": model.state_dict(), "opt": full_opt, "graph": g.state_dict()},
+            os.path.join(out_dir, "ckpt.pt"),
+        )
     dist.destroy_process_group()
 
 

@@ -5,9 +5,23 @@ under torch.autocast and measures its decisions (the oracle the precision report
 """
 
 from .oracle import autocast_forward
-from .root import (BuildRoot, check_devices, check_not_fsdp, checkpointed_paths, fake_copy,
-                   pinned_paths)
+from .root import (
+    BuildRoot,
+    check_devices,
+    check_not_fsdp,
+    checkpointed_paths,
+    fake_copy,
+    pinned_paths,
+)
 from .trace import capture_forward
 
-__all__ = ["BuildRoot", "autocast_forward", "capture_forward", "check_devices", "fake_copy",
-           "pinned_paths", "checkpointed_paths", "check_not_fsdp"]
+__all__ = [
+    "BuildRoot",
+    "autocast_forward",
+    "capture_forward",
+    "check_devices",
+    "fake_copy",
+    "pinned_paths",
+    "checkpointed_paths",
+    "check_not_fsdp",
+]

@@ -24,14 +24,20 @@ def mutated_inputs(flat: tuple) -> list[int]:
     for i, t in enumerate(flat):
         if isinstance(t, FunctionalTensor):
             torch._sync(t)
-            if torch._functionalize_has_data_mutation(t.elem) or \
-                    torch._functionalize_has_metadata_mutation(t.elem):
+            if torch._functionalize_has_data_mutation(
+                t.elem
+            ) or torch._functionalize_has_metadata_mutation(t.elem):
                 out.append(i)
     return out
 
 
-def check_input_mutations(mutated: list[int], param_names: list[str], buffer_names: list[str],
-                          input_names: list[str], graph_name: str) -> list[int]:
+def check_input_mutations(
+    mutated: list[int],
+    param_names: list[str],
+    buffer_names: list[str],
+    input_names: list[str],
+    graph_name: str,
+) -> list[int]:
     """In-place changes to parameters or to g(...)'s arguments are errors; returns the mutated
     buffers' indexes (their new values are among the forward's outputs)."""
     n_params, n_buffers = len(param_names), len(buffer_names)
@@ -49,7 +55,9 @@ def check_input_mutations(mutated: list[int], param_names: list[str], buffer_nam
     return [i - n_params for i in mutated]
 
 
-def lift_constants(gm: fx.GraphModule, owners: dict[int, str]) -> tuple[list[torch.Tensor], list[str]]:
+def lift_constants(
+    gm: fx.GraphModule, owners: dict[int, str]
+) -> tuple[list[torch.Tensor], list[str]]:
     """Turn the tensors build() read from outside (module attributes that are neither
     parameters nor buffers, globals, helper objects' tables) into inputs after the last
     placeholder. Each call then passes the live object, so in-place changes are seen.
@@ -101,15 +109,24 @@ def detach_no_grad_values(gm: fx.GraphModule) -> None:
             continue
         with gm.graph.inserting_after(node):
             detached = gm.graph.call_function(aten.detach.default, (node,))
-        detached.meta.update(val=val, nn_module_stack=node.meta.get("nn_module_stack"),
-                             user_frame=node.meta.get("user_frame"), no_grad=False,
-                             user_detach=True)
+        detached.meta.update(
+            val=val,
+            nn_module_stack=node.meta.get("nn_module_stack"),
+            user_frame=node.meta.get("user_frame"),
+            no_grad=False,
+            user_detach=True,
+        )
         for user in users:
             user.replace_input_with(node, detached)
 
 
-def keep_changed_buffers(gm: fx.GraphModule, placeholders: list[fx.Node], n_params: int,
-                         first_buffer_output: int, mutated: list[int]) -> list[int]:
+def keep_changed_buffers(
+    gm: fx.GraphModule,
+    placeholders: list[fx.Node],
+    n_params: int,
+    first_buffer_output: int,
+    mutated: list[int],
+) -> list[int]:
     """Drop the outputs of buffers build() left unchanged; returns the changed buffers'
     indexes, in output order."""
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")

@@ -28,8 +28,14 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.overrides import TorchFunctionMode
 
 from ..errors import CaptureError
-from ..fxutil import (UserFrame, current_user_frame, is_library_file, last_node, nodes_after,
-                      tracing_graph)
+from ..fxutil import (
+    UserFrame,
+    current_user_frame,
+    is_library_file,
+    last_node,
+    nodes_after,
+    tracing_graph,
+)
 from ..ops import CAPTURE_REWRITES, capture_sdpa
 from .dtype_checks import mixed_dtypes
 
@@ -52,8 +58,13 @@ def _where(frame: UserFrame | None) -> str:
 class CaptureMode(TorchFunctionMode):
     """Active while build() is traced; see the module docstring."""
 
-    def __init__(self, module_names: dict[int, str], sdpa_policy: torch.dtype | None = None,
-                 loss_scale: torch.Tensor | None = None, mixed_dtypes_ok: bool = False):
+    def __init__(
+        self,
+        module_names: dict[int, str],
+        sdpa_policy: torch.dtype | None = None,
+        loss_scale: torch.Tensor | None = None,
+        mixed_dtypes_ok: bool = False,
+    ):
         super().__init__()
         self.module_names = module_names
         # with graphamp's AMP on, its casts reconcile fp16/bf16/fp32 inputs (promote, widening)
@@ -106,16 +117,27 @@ class CaptureMode(TorchFunctionMode):
 
     def _real_tensor_write_error(self, func, args, kwargs) -> CaptureError:
         target = kwargs.get("out", args[0] if args else None)
-        owner = next((f"{path}.{k}" if path else k for m, path in self._modules_by_id.values()
-                      for k, v in vars(m).items() if v is target), None)
-        what = f"the tensor {owner!r} (a plain attribute, not a buffer)" if owner else \
-            "a tensor that is neither a parameter, a buffer nor an argument"
+        owner = next(
+            (
+                f"{path}.{k}" if path else k
+                for m, path in self._modules_by_id.values()
+                for k, v in vars(m).items()
+                if v is target
+            ),
+            None,
+        )
+        what = (
+            f"the tensor {owner!r} (a plain attribute, not a buffer)"
+            if owner
+            else "a tensor that is neither a parameter, a buffer nor an argument"
+        )
         return CaptureError(
             f"build() changes {what} in place with {getattr(func, '__name__', func)}"
             f"{_where(current_user_frame())}. It is read as a constant of the compiled step, so "
             "the change would happen once, at capture. Make it a buffer "
             "(module.register_buffer(name, tensor)) to have the step update it, or change it "
-            "outside build()")
+            "outside build()"
+        )
 
     # -- torch functions --------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -128,7 +150,9 @@ class CaptureMode(TorchFunctionMode):
             raise CaptureError(
                 f"build() uses a torch.amp.GradScaler{_where(current_user_frame())}: its scale "
                 "would be baked into the graph and never unscaled. Fix: "
-                + _GRAD_FIXES["torch.amp"] + "; call loss.backward() on the unscaled loss")
+                + _GRAD_FIXES["torch.amp"]
+                + "; call loss.backward() on the unscaled loss"
+            )
         if func in _HOST_READS:
             culprit = _torch_function_reading()
             if culprit is not None and culprit[1] in _SAFE_ANSWERS:
@@ -140,7 +164,8 @@ class CaptureMode(TorchFunctionMode):
                 f"build() calls {getattr(func, '__name__', func)} on tensors of different dtypes "
                 f"({' and '.join(mixed)}){_where(current_user_frame())}; eager PyTorch refuses "
                 "this too. Cast them to one dtype (e.g. x.to(layer.weight.dtype)); leave mixed "
-                "precision to graphamp's AMP")
+                "precision to graphamp's AMP"
+            )
         if func is torch.Tensor.register_hook:
             raise CaptureError(
                 f"build() registers a gradient hook (Tensor.register_hook)"
@@ -148,7 +173,8 @@ class CaptureMode(TorchFunctionMode):
                 "compiled step from the captured graph, where the hook would never run. Fix: "
                 "change the gradient in a custom torch.autograd.Function's backward (graphamp "
                 "captures it with its backward), or register the hook outside build() on an "
-                "eager run")
+                "eager run"
+            )
         if func is torch.Tensor.backward:
             return self._record_backward(*args, **kwargs)
         if func is torch.autograd.backward:
@@ -224,14 +250,20 @@ class CaptureMode(TorchFunctionMode):
                 "the first call; to train on several losses, call backward() once on each or on "
                 "their sum"
             )
-        record = RecordedLoss(tensor, gradient, where, retained=bool(retain_graph),
-                              inputs=inputs)
+        record = RecordedLoss(tensor, gradient, where, retained=bool(retain_graph), inputs=inputs)
         self._backward_seen[id(tensor)] = record
         self.losses.append(record)
         return None
 
-    def _record_autograd_backward(self, tensors, grad_tensors=None, retain_graph=None,
-                                  create_graph=False, grad_variables=None, inputs=None):
+    def _record_autograd_backward(
+        self,
+        tensors,
+        grad_tensors=None,
+        retain_graph=None,
+        create_graph=False,
+        grad_variables=None,
+        inputs=None,
+    ):
         if isinstance(tensors, torch.Tensor):
             tensors = (tensors,)
         grads = grad_tensors if grad_tensors is not None else grad_variables
@@ -252,10 +284,24 @@ def _writes_real_tensor(func, args, kwargs) -> bool:
     return in_place and bool(args) and isinstance(args[0], torch.Tensor) and _is_real(args[0])
 
 
-_IN_PLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__",
-                               "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
-                               "__ixor__", "__ilshift__", "__irshift__", "__imatmul__",
-                               "__setitem__"})
+_IN_PLACE_DUNDERS = frozenset(
+    {
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+        "__imatmul__",
+        "__setitem__",
+    }
+)
 
 
 def _is_real(t: torch.Tensor) -> bool:
@@ -272,7 +318,8 @@ def _refuse_unregistered_state(module: nn.Module) -> None:
             f"build() calls a {type(module).__name__} that is not registered on the Graph"
             f"{_where(current_user_frame())}: its parameters would be constants (no gradient, no "
             "update) and its buffer updates would be lost. Register it in __init__ "
-            f"(self.<name> = module), or create it inside a registered module")
+            f"(self.<name> = module), or create it inside a registered module"
+        )
 
 
 def parameter_positions(record: RecordedLoss, position: dict[int, int]) -> frozenset[int] | None:
@@ -285,7 +332,8 @@ def parameter_positions(record: RecordedLoss, position: dict[int, int]) -> froze
             raise CaptureError(
                 f"backward(inputs=...){_where(record.where)} names a tensor that is not a "
                 "parameter of a registered module; graphamp differentiates with respect to "
-                "parameters only (pass, e.g., inputs=list(self.generator.parameters()))")
+                "parameters only (pass, e.g., inputs=list(self.generator.parameters()))"
+            )
         out.add(position[id(t)])
     return frozenset(out)
 
@@ -296,16 +344,19 @@ def _scaled_grad(scale: torch.Tensor, outputs, inputs, grad_outputs=None, *args,
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
         grad_outputs = (grad_outputs,) * len(outputs) if grad_outputs is None else (grad_outputs,)
-    seeds = [(torch.ones_like(o) if g is None else g) * scale.to(o.dtype)
-             for o, g in zip(outputs, grad_outputs)]
+    seeds = [
+        (torch.ones_like(o) if g is None else g) * scale.to(o.dtype)
+        for o, g in zip(outputs, grad_outputs)
+    ]
     grads = torch.autograd.grad(outputs, inputs, seeds, *args, **kwargs)
     return tuple(None if g is None else g / scale.to(g.dtype) for g in grads)
 
 
 # What the user writes to stop gradients. Autograd's own detaches (saved outputs unpacked when
 # build() differentiates with torch.autograd.grad) are not cuts: capture removes them.
-_GRADIENT_CUTS = frozenset({torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__,
-                            torch.Tensor.detach_})
+_GRADIENT_CUTS = frozenset(
+    {torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__, torch.Tensor.detach_}
+)
 
 _HOST_READS = {
     torch.Tensor.item: ".item()",
@@ -320,9 +371,13 @@ _HOST_READS = {
 
 # Python-level conversions of tensor subclasses (FunctionalTensor.__bool__ calls .item()):
 # the conversion the user wrote is the outermost one on the stack.
-_CONVERSIONS = {"__bool__": torch.Tensor.__bool__, "__float__": torch.Tensor.__float__,
-                "__int__": torch.Tensor.__int__, "__index__": torch.Tensor.__index__,
-                "tolist": torch.Tensor.tolist}
+_CONVERSIONS = {
+    "__bool__": torch.Tensor.__bool__,
+    "__float__": torch.Tensor.__float__,
+    "__int__": torch.Tensor.__int__,
+    "__index__": torch.Tensor.__index__,
+    "tolist": torch.Tensor.tolist,
+}
 
 
 def _host_read_error(func, culprit: tuple[str, str] | None) -> CaptureError:
@@ -331,36 +386,43 @@ def _host_read_error(func, culprit: tuple[str, str] | None) -> CaptureError:
     how = _host_read(func)
     if culprit is not None:
         module, function = culprit
-        hint = _TORCH_READ_WORKAROUNDS.get(function, "look for an argument of that torch API "
-                                           "that gives the value it computes (a hint or flag), "
-                                           "or call it outside build()")
+        hint = _TORCH_READ_WORKAROUNDS.get(
+            function,
+            "look for an argument of that torch API "
+            "that gives the value it computes (a hint or flag), "
+            "or call it outside build()",
+        )
         return CaptureError(
             f"torch's {module}.{function} reads a tensor's value on the host with {how}, "
             f"called from build(){where}. A compiled step cannot stop to read values, and "
-            f"capture has none (it runs on shapes alone). Workaround: {hint}")
+            f"capture has none (it runs on shapes alone). Workaround: {hint}"
+        )
     return CaptureError(
         f"build() reads a tensor's value on the host with {how}{where}. That would stop the "
         "compiled step to wait for the device, and capture has no values (it runs on shapes "
         "alone). Return the tensor from build() and call .item() on the result, or keep the "
-        "decision in the graph with torch.where")
+        "decision in the graph with torch.where"
+    )
 
 
 # Plumbing between a conversion and the code that asked for it (tensor subclasses, dispatch).
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_PLUMBING = tuple(os.path.join(_TORCH_DIR, d) for d in (
-    "_subclasses", "overrides.py", "_tensor.py", "utils" + os.sep + "_", "fx", "_ops.py"))
+_PLUMBING = tuple(
+    os.path.join(_TORCH_DIR, d)
+    for d in ("_subclasses", "overrides.py", "_tensor.py", "utils" + os.sep + "_", "fx", "_ops.py")
+)
 # .grad inside build(): gradients live inside the compiled step, and parameters have none while
 # it is captured. Reading or writing .grad there is optimizer or clipping code that would do
 # nothing (clip_grad_norm_ clips no gradient) or worse (a stale .grad stepped into the model).
 _GRAD_ACCESS = {torch.Tensor.grad.__get__: "reads", torch.Tensor.grad.__set__: "writes"}
 _GRAD_FIXES = {
     "clip_grad": "clip with add_optimizer(optimizer, clip_grad_max_norm=..., "
-                 "clip_grad_norm_type=...): graphamp clips after unscaling, inside the step",
+    "clip_grad_norm_type=...): graphamp clips after unscaling, inside the step",
     "torch.optim": "remove optimizer.step() / zero_grad() from build(): the optimizers added "
-                   "with add_optimizer are stepped inside the compiled step, on fresh gradients",
+    "with add_optimizer are stepped inside the compiled step, on fresh gradients",
     "torch.amp": "remove scaler.step() / unscale_() / update() from build(): call "
-                 "set_grad_scaler(scaler) in __init__ and graphamp scales, unscales, skips and "
-                 "updates inside the step",
+    "set_grad_scaler(scaler) in __init__ and graphamp scales, unscales, skips and "
+    "updates inside the step",
 }
 
 
@@ -380,12 +442,18 @@ def _grad_access_error(how: str) -> CaptureError:
     modules = _torch_modules_on_stack()
     key = next((k for k in _GRAD_FIXES for m in modules if k in m), None)
     who = next((f"torch's {m}" for m in modules if key and key in m), "build()")
-    fix = _GRAD_FIXES[key] if key else (
-        "use the gradients inside build() with torch.autograd.grad, or return what you need "
-        "from build() and act on it outside")
+    fix = (
+        _GRAD_FIXES[key]
+        if key
+        else (
+            "use the gradients inside build() with torch.autograd.grad, or return what you need "
+            "from build() and act on it outside"
+        )
+    )
     return CaptureError(
         f"{who} {how} a tensor's .grad inside build(){_where(current_user_frame())}. graphamp "
-        f"computes gradients inside the compiled step; .grad is never filled in there. Fix: {fix}")
+        f"computes gradients inside the compiled step; .grad is never filled in there. Fix: {fix}"
+    )
 
 
 def _torch_modules_on_stack() -> list[str]:
@@ -405,8 +473,8 @@ _SAFE_ANSWERS = {"_detect_is_causal_mask": False}
 # Known torch helpers that read values, and how users avoid the read.
 _TORCH_READ_WORKAROUNDS = {
     "_detect_is_causal_mask": "pass is_causal=True with a causal mask (torch then trusts the "
-                              "flag instead of comparing the mask's values), or build the "
-                              "mask outside build() and pass is_causal explicitly",
+    "flag instead of comparing the mask's values), or build the "
+    "mask outside build() and pass is_causal explicitly",
 }
 
 
@@ -416,8 +484,11 @@ def _torch_function_reading() -> tuple[str, str] | None:
     frame = sys._getframe(1)
     while frame is not None and is_library_file(frame.f_code.co_filename):
         filename, name = frame.f_code.co_filename, frame.f_code.co_name
-        if filename.startswith(_TORCH_DIR) and not filename.startswith(_PLUMBING) \
-                and not name.startswith("<"):
+        if (
+            filename.startswith(_TORCH_DIR)
+            and not filename.startswith(_PLUMBING)
+            and not name.startswith("<")
+        ):
             return frame.f_globals.get("__name__", "torch"), name
         frame = frame.f_back
     return None
@@ -432,13 +503,23 @@ def _host_read(func) -> str:
     return _HOST_READS[found]
 
 
-def _sdpa_with_autocast_policy(dtype: torch.dtype, query, key, value, attn_mask=None,
-                               dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _sdpa_with_autocast_policy(
+    dtype: torch.dtype,
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+):
     def low(t):
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
 
-    return capture_sdpa(low(query), low(key), low(value), low(attn_mask), dropout_p, is_causal,
-                        scale, enable_gqa)
+    return capture_sdpa(
+        low(query), low(key), low(value), low(attn_mask), dropout_p, is_causal, scale, enable_gqa
+    )
 
 
 def _functional_batch_norm(

@@ -36,8 +36,11 @@ def _canonical(func: Any) -> str:
 
 
 def _float_dtypes(tree: Any) -> list[torch.dtype]:
-    return [t.dtype for t in pytree.tree_leaves(tree)
-            if isinstance(t, torch.Tensor) and t.dtype.is_floating_point]
+    return [
+        t.dtype
+        for t in pytree.tree_leaves(tree)
+        if isinstance(t, torch.Tensor) and t.dtype.is_floating_point
+    ]
 
 
 class _Recorder(TorchDispatchMode):
@@ -79,24 +82,37 @@ def autocast_enabled(device_type: str, dtype: torch.dtype) -> Iterator[None]:
             torch.clear_autocast_cache()
 
 
-def autocast_forward(root: BuildRoot, inputs: FlatInputs, dtype: torch.dtype,
-                     device: torch.device | None = None) -> AutocastTrace:
+def autocast_forward(
+    root: BuildRoot, inputs: FlatInputs, dtype: torch.dtype, device: torch.device | None = None
+) -> AutocastTrace:
     """Run build() under torch.autocast on fake tensors and record what autocast did."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    target = device if device is not None else next(
-        (t.device for t in [*root.parameters(), *inputs.tensors]), torch.device("cpu"))
+    target = (
+        device
+        if device is not None
+        else next((t.device for t in [*root.parameters(), *inputs.tensors]), torch.device("cpu"))
+    )
     state = {n: fake_copy(mode, p, target) for n, p in root.named_parameters()}
     state.update({n: fake_copy(mode, b, target) for n, b in root.named_buffers()})
     devices = inputs.devices or [t.device for t in inputs.tensors]
-    fake_inputs = [fake_copy(mode, t, device if device is not None else d)
-                   for t, d in zip(inputs.tensors, devices)]
+    fake_inputs = [
+        fake_copy(mode, t, device if device is not None else d)
+        for t, d in zip(inputs.tensors, devices)
+    ]
     args, kwargs = inputs.rebuild(fake_inputs)
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     capture = CaptureMode(names, sdpa_policy=dtype)
     recorder = _Recorder(capture)
     buffer_names = [n for n, _ in root.named_buffers()]
-    with mode, autocast_enabled(target.type, dtype), capture.tracking_modules(), capture, \
-            recorder, quiet_fake_data_pointers():
-        torch.func.functional_call(root, state, (args, kwargs, buffer_names), tie_weights=True,
-                                   strict=True)
+    with (
+        mode,
+        autocast_enabled(target.type, dtype),
+        capture.tracking_modules(),
+        capture,
+        recorder,
+        quiet_fake_data_pointers(),
+    ):
+        torch.func.functional_call(
+            root, state, (args, kwargs, buffer_names), tie_weights=True, strict=True
+        )
     return AutocastTrace(target.type, dtype, recorder.ops, len(recorder.casts), recorder.casts)

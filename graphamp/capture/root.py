@@ -18,10 +18,13 @@ from ..model_pins import model_fp32_pins
 class BuildRoot(nn.Module):
     """Holds a Graph's registered modules so functional_call can swap in traced tensors."""
 
-    def __init__(self, modules: Mapping[str, nn.Module] | Iterable[tuple[str, nn.Module]],
-                 build: Callable[..., Any]):
+    def __init__(
+        self,
+        modules: Mapping[str, nn.Module] | Iterable[tuple[str, nn.Module]],
+        build: Callable[..., Any],
+    ):
         super().__init__()
-        for name, module in (modules.items() if isinstance(modules, Mapping) else modules):
+        for name, module in modules.items() if isinstance(modules, Mapping) else modules:
             self.add_module(name, module)
         self._build = build
 
@@ -47,7 +50,8 @@ def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
                 "torch.distributed.fsdp.fully_shard or another DTensor API), which graphamp "
                 "cannot capture. Register the plain model and call "
                 "self.config.enable_zero(stage=1 or 2) in the Graph's __init__: it shards the "
-                "optimizer state (and gradients) over the ranks inside the compiled step")
+                "optimizer state (and gradients) over the ranks inside the compiled step"
+            )
 
 
 def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch.device:
@@ -56,7 +60,8 @@ def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch
     if len(devices) > 1:
         raise InputError(
             f"{graph_name}: the registered modules have tensors on {sorted(map(str, devices))}; "
-            "a Graph runs on one device: move them all (model.to(device))")
+            "a Graph runs on one device: move them all (model.to(device))"
+        )
     device = next(iter(devices)) if devices else None
     for i, t in enumerate(inputs.tensors):
         if device is None:
@@ -64,7 +69,8 @@ def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch
         if t.device != device:
             raise InputError(
                 f"{graph_name}(...): input tensor {i} is on {t.device} but the graph runs on "
-                f"{device}; move the batch there (x.to({str(device)!r}))")
+                f"{device}; move the batch there (x.to({str(device)!r}))"
+            )
     return device or torch.device("cpu")
 
 
@@ -77,11 +83,13 @@ def refuse_compiled_submodules(graph_name: str, root: BuildRoot) -> None:
                 f"{graph_name}: {path!r} is a torch.compile'd module inside a registered module. "
                 "graphamp compiles the whole step itself: put the original module there "
                 f"({path} = {path}._orig_mod), or register the compiled module on the Graph "
-                "directly, where graphamp uses its original")
+                "directly, where graphamp uses its original"
+            )
 
 
-def pinned_paths(root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...],
-                 dtype: torch.dtype) -> dict[str, str]:
+def pinned_paths(
+    root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...], dtype: torch.dtype
+) -> dict[str, str]:
     """Module path -> why its ops stay fp32: every module of the types and every module at or
     below the names given to config.pin_fp32 (a name that matches no module is an error), and
     the parts the model itself declares fp32 (model_pins.py). The user's reason wins."""
@@ -98,8 +106,9 @@ def pinned_paths(root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...
     return paths
 
 
-def checkpointed_paths(root: BuildRoot, types: tuple[type, ...],
-                       names: tuple[str, ...]) -> frozenset[str]:
+def checkpointed_paths(
+    root: BuildRoot, types: tuple[type, ...], names: tuple[str, ...]
+) -> frozenset[str]:
     """The recompute regions of config.enable_activation_checkpointing: every module of the
     given types and every named module, outermost only (a marked module inside a marked
     module belongs to its parent's region). A name that matches no module is an error."""
@@ -107,12 +116,12 @@ def checkpointed_paths(root: BuildRoot, types: tuple[type, ...],
         return frozenset()
     modules = _named_modules_checked(root, names, "enable_activation_checkpointing")
     marked = [p for p, m in modules.items() if p and (isinstance(m, types) or p in names)]
-    return frozenset(p for p in marked
-                     if not any(p.startswith(q + ".") for q in marked if q != p))
+    return frozenset(p for p in marked if not any(p.startswith(q + ".") for q in marked if q != p))
 
 
-def _named_modules_checked(root: BuildRoot, names: tuple[str, ...],
-                           setter: str) -> dict[str, nn.Module]:
+def _named_modules_checked(
+    root: BuildRoot, names: tuple[str, ...], setter: str
+) -> dict[str, nn.Module]:
     modules = dict(root.named_modules())
     for wanted in names:
         if wanted not in modules:
@@ -120,7 +129,8 @@ def _named_modules_checked(root: BuildRoot, names: tuple[str, ...],
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
                 f"{setter}({wanted!r}): no registered module has that path{hint} (paths "
-                "start at the Graph's attributes, e.g. 'model.head')")
+                "start at the Graph's attributes, e.g. 'model.head')"
+            )
     return modules
 
 
@@ -136,6 +146,7 @@ def quiet_fake_data_pointers() -> Iterator[None]:
 def fake_copy(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     """A fake tensor like ``t`` (on ``device`` if given), keeping requires_grad and leafness."""
     with mode:
-        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
-                                  device=device if device is not None else t.device)
+        out = torch.empty_strided(
+            t.shape, t.stride(), dtype=t.dtype, device=device if device is not None else t.device
+        )
     return out.requires_grad_(t.requires_grad) if t.dtype.is_floating_point else out

@@ -23,22 +23,32 @@ from torch.nn.modules import module as module_globals
 from ..errors import CaptureError
 from ..fxutil import UserFrame, current_user_frame
 
-_HOOK_KINDS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
-               ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
-_GLOBAL_HOOKS = (("_global_forward_pre_hooks", "global forward pre-hook"),
-                 ("_global_forward_hooks", "global forward hook"),
-                 ("_global_backward_pre_hooks", "global backward pre-hook"),
-                 ("_global_backward_hooks", "global backward hook"))
+_HOOK_KINDS = (
+    ("_forward_pre_hooks", "forward pre-hook"),
+    ("_forward_hooks", "forward hook"),
+    ("_backward_pre_hooks", "backward pre-hook"),
+    ("_backward_hooks", "backward hook"),
+)
+_GLOBAL_HOOKS = (
+    ("_global_forward_pre_hooks", "global forward pre-hook"),
+    ("_global_forward_hooks", "global forward hook"),
+    ("_global_backward_pre_hooks", "global backward pre-hook"),
+    ("_global_backward_hooks", "global backward hook"),
+)
 
 
 # Hooks known to act only on the tensors they are given, with no Python side effect: tracing
 # them records exactly what they mean. (module, qualified name) of the hook function.
-_TRACEABLE_HOOKS = frozenset({
-    # transformers' enable_input_require_grads (gradient_checkpointing_enable, PEFT/LoRA): sets
-    # requires_grad on the embedding output
-    ("transformers.modeling_utils",
-     "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads"),
-})
+_TRACEABLE_HOOKS = frozenset(
+    {
+        # transformers' enable_input_require_grads (gradient_checkpointing_enable, PEFT/LoRA): sets
+        # requires_grad on the embedding output
+        (
+            "transformers.modeling_utils",
+            "PreTrainedModel.enable_input_require_grads.<locals>.make_inputs_require_grads",
+        ),
+    }
+)
 
 
 def refuse_hooks(graph_name: str, modules: list[tuple[str, nn.Module]]) -> None:
@@ -52,28 +62,33 @@ def refuse_hooks(graph_name: str, modules: list[tuple[str, nn.Module]]) -> None:
         for attr, kind in _HOOK_KINDS:
             for hook in getattr(module, attr).values():
                 if not _traceable(hook):
-                    raise _hook_error(graph_name, kind, repr(path) if path else "the root",
-                                      hook)
+                    raise _hook_error(graph_name, kind, repr(path) if path else "the root", hook)
 
 
 def _traceable(hook: Any) -> bool:
     target = getattr(hook, "func", hook)  # functools.partial
-    return (getattr(target, "__module__", None),
-            getattr(target, "__qualname__", None)) in _TRACEABLE_HOOKS
+    return (
+        getattr(target, "__module__", None),
+        getattr(target, "__qualname__", None),
+    ) in _TRACEABLE_HOOKS
 
 
 def _hook_error(graph_name: str, kind: str, where: str, hook: Any) -> CaptureError:
     name, defined = _describe_callable(hook)
     legacy = type(hook).__name__ in ("WeightNorm", "SpectralNorm")
-    fix = ("use torch.nn.utils.parametrizations." + ("weight_norm" if "Weight" in
-                                                     type(hook).__name__ else "spectral_norm")
-           + ", which graphamp captures" if legacy else
-           "remove it (handle.remove()) before the first call and return what it computes from "
-           "build() instead (build() may return any structure of tensors)")
+    fix = (
+        "use torch.nn.utils.parametrizations."
+        + ("weight_norm" if "Weight" in type(hook).__name__ else "spectral_norm")
+        + ", which graphamp captures"
+        if legacy
+        else "remove it (handle.remove()) before the first call and return what it computes from "
+        "build() instead (build() may return any structure of tensors)"
+    )
     return CaptureError(
         f"{graph_name}: module {where} has the {kind} {name}{defined}. graphamp captures build() "
         "once on fake tensors and the compiled step calls no Python hooks, so it would run "
-        f"once, at capture, on fake values, and never again: {fix}")
+        f"once, at capture, on fake values, and never again: {fix}"
+    )
 
 
 def _describe_callable(fn: Any) -> tuple[str, str]:
@@ -129,8 +144,9 @@ def refusing_attribute_writes(graph_name: str, watched: list[tuple[str, Any]]) -
         try:
             yield
         finally:
-            writes = [(label, obj, name) for label, obj, before in saved
-                      for name in _restore(obj, before)]
+            writes = [
+                (label, obj, name) for label, obj, before in saved for name in _restore(obj, before)
+            ]
     for label, obj, name in writes:
         if not _is_torch_internal(obj):
             raise _write_error(graph_name, label, obj, name, lines.get((id(obj), name)))
@@ -139,8 +155,11 @@ def refusing_attribute_writes(graph_name: str, watched: list[tuple[str, Any]]) -
 def _restore(obj: Any, before: dict) -> list[str]:
     """Put ``obj``'s attributes back as in ``before``; the names that had changed."""
     now = vars(obj)
-    changed = [k for k in now.keys() | before.keys()
-               if k not in now or k not in before or now[k] is not before[k]]
+    changed = [
+        k
+        for k in now.keys() | before.keys()
+        if k not in now or k not in before or now[k] is not before[k]
+    ]
     if changed:
         now.clear()
         now.update(before)
@@ -151,12 +170,14 @@ def _is_torch_internal(obj: Any) -> bool:
     return isinstance(obj, nn.Module) and type(obj).__module__.startswith("torch.")
 
 
-def _write_error(graph_name: str, label: str, obj: Any, name: str,
-                 frame: UserFrame | None) -> CaptureError:
+def _write_error(
+    graph_name: str, label: str, obj: Any, name: str, frame: UserFrame | None
+) -> CaptureError:
     where = f" at {frame}" if frame else ""
     return CaptureError(
         f"{graph_name}.build() sets the attribute {label}.{name}{where}. build() is captured once "
         "on fake tensors and the compiled step runs no Python, so the attribute would be written "
         "once, with a fake value, and never updated again (it was put back as it was). Compute "
         "it outside build() (in __init__, or from the values g(...) returns), make a tensor that "
-        "the step should update a buffer (register_buffer), or return it from build()")
+        "the step should update a buffer (register_buffer), or return it from build()"
+    )

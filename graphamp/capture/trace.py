@@ -17,16 +17,22 @@ import torch
 import torch._subclasses.fake_tensor as fake_tensor
 import torch.fx as fx
 import torch.fx.experimental.symbolic_shapes as symbolic_shapes
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import CaptureError, GraphampError
 from ..fxutil import rename_placeholders, trace_functional, user_frame_of_exception
 from ..inputs import FlatInputs
 from ..spec import TENSOR, CapturedForward
-from .cleanup import (check_input_mutations, detach_no_grad_values, drop_autograd_detaches,
-                      keep_changed_buffers, lift_constants, mutated_inputs,
-                      params_without_path_to_losses)
+from .cleanup import (
+    check_input_mutations,
+    detach_no_grad_values,
+    drop_autograd_detaches,
+    keep_changed_buffers,
+    lift_constants,
+    mutated_inputs,
+    params_without_path_to_losses,
+)
 from .functions import capturing_autograd_functions
 from .intercept import CaptureMode, parameter_positions
 from .root import BuildRoot, fake_copy, quiet_fake_data_pointers, refuse_compiled_submodules
@@ -46,8 +52,13 @@ _DATA_DEPENDENT = tuple(
 )
 
 
-def capture_forward(root: BuildRoot, inputs: FlatInputs, graph_name: str,
-                    device: torch.device | None = None, amp: bool = False) -> CapturedForward:
+def capture_forward(
+    root: BuildRoot,
+    inputs: FlatInputs,
+    graph_name: str,
+    device: torch.device | None = None,
+    amp: bool = False,
+) -> CapturedForward:
     """Trace ``root``'s build() on fake copies of its state and ``inputs``.
 
     ``amp``: graphamp's AMP will decide the dtypes, so ops given tensors of several floating
@@ -63,36 +74,55 @@ def capture_forward(root: BuildRoot, inputs: FlatInputs, graph_name: str,
     n_losses, n_grads = len(traced["losses"]), sum(r.gradient is not None for r in traced["losses"])
     n_outputs = sum(1 for x in traced["template"] if x is TENSOR)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    rename_placeholders(gm, [f"p_{n}" for n in param_names] + [f"b_{n}" for n in buffer_names]
-                        + [f"in_{n}" for n in input_names] + ["loss_scale"])
-    mutated = check_input_mutations(traced["mutated"], param_names, buffer_names, input_names,
-                                    graph_name)
+    rename_placeholders(
+        gm,
+        [f"p_{n}" for n in param_names]
+        + [f"b_{n}" for n in buffer_names]
+        + [f"in_{n}" for n in input_names]
+        + ["loss_scale"],
+    )
+    mutated = check_input_mutations(
+        traced["mutated"], param_names, buffer_names, input_names, graph_name
+    )
     constants, constant_names = lift_constants(gm, _tensor_attributes(root))
     drop_autograd_detaches(gm)
     detach_no_grad_values(gm)
-    changed = keep_changed_buffers(gm, placeholders, len(param_names),
-                                   n_outputs + n_losses + n_grads, mutated)
+    changed = keep_changed_buffers(
+        gm, placeholders, len(param_names), n_outputs + n_losses + n_grads, mutated
+    )
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     captured = CapturedForward(
-        gm=gm, param_names=param_names, buffer_names=buffer_names, input_names=input_names,
-        num_user_outputs=n_outputs, output_spec=traced["spec"],
+        gm=gm,
+        param_names=param_names,
+        buffer_names=buffer_names,
+        input_names=input_names,
+        num_user_outputs=n_outputs,
+        output_spec=traced["spec"],
         output_template=traced["template"],
         loss_frames=[r.where for r in traced["losses"]],
         loss_grad_given=[r.gradient is not None for r in traced["losses"]],
-        mutated_buffers=changed, loss_inputs=traced["loss_inputs"],
+        mutated_buffers=changed,
+        loss_inputs=traced["loss_inputs"],
         function_calls=traced["function_calls"],
-        constants=constants, constant_names=constant_names,
+        constants=constants,
+        constant_names=constant_names,
     )
     captured.unused_params = params_without_path_to_losses(captured)
     log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
     return captured
 
 
-def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
-           buffer_names: list[str], graph_name: str, device: torch.device | None,
-           amp: bool) -> tuple[fx.GraphModule, dict[str, Any]]:
+def _trace(
+    root: BuildRoot,
+    inputs: FlatInputs,
+    param_names: list[str],
+    buffer_names: list[str],
+    graph_name: str,
+    device: torch.device | None,
+    amp: bool,
+) -> tuple[fx.GraphModule, dict[str, Any]]:
     """make_fx over the functionalized forward; returns the graph and what build() reported
     (losses, return structure), with torch's errors turned into CaptureErrors."""
     module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
@@ -111,16 +141,24 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
         replacement = {id(t): v for t, v in zip([*params, *buffers], flat[:n_state])}
         args, kwargs = inputs.rebuild(list(flat[n_state:-1]))
         mode = CaptureMode(module_names, loss_scale=flat[-1], mixed_dtypes_ok=amp)
-        with refusing_attribute_writes(graph_name, watched), torch.enable_grad(), \
-                swapped(slots, replacement), mode.tracking_modules(), mode, \
-                capturing_autograd_functions(traced["function_calls"]):
+        with (
+            refusing_attribute_writes(graph_name, watched),
+            torch.enable_grad(),
+            swapped(slots, replacement),
+            mode.tracking_modules(),
+            mode,
+            capturing_autograd_functions(traced["function_calls"]),
+        ):
             out = root._build(*args, **kwargs)
             new_buffers = [root.get_buffer(n) for n in buffer_names]  # the updated values
         leaves, spec = pytree.tree_flatten(out)
-        position = {id(t): i for i, t in enumerate(flat[:len(params)])}
-        traced.update(spec=spec, losses=mode.losses,
-                      template=[TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
-                      loss_inputs=[parameter_positions(r, position) for r in mode.losses])
+        position = {id(t): i for i, t in enumerate(flat[: len(params)])}
+        traced.update(
+            spec=spec,
+            losses=mode.losses,
+            template=[TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
+            loss_inputs=[parameter_positions(r, position) for r in mode.losses],
+        )
         traced["mutated"] = mutated_inputs(flat)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         losses = [r.tensor for r in mode.losses]
@@ -130,14 +168,17 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
     # parameters require grad as the user's do: build() may differentiate (torch.autograd.grad)
     example = [p.detach().requires_grad_(p.requires_grad) for p in params] + buffers
     example += list(inputs.tensors)
-    example.append(torch.ones((), dtype=torch.float32, device=_device_of(example)))  # the loss scale
+    example.append(
+        torch.ones((), dtype=torch.float32, device=_device_of(example))
+    )  # the loss scale
     if device is not None:
         mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         example = [fake_copy(mode, t, device) for t in example]
     try:
         with _compiling_flag(), quiet_fake_data_pointers():
-            gm = trace_functional(forward, example, propagate_input_mutations=False,
-                                  allow_constants=True)
+            gm = trace_functional(
+                forward, example, propagate_input_mutations=False, allow_constants=True
+            )
     except GraphampError:
         raise
     except _DATA_DEPENDENT as e:
@@ -152,9 +193,11 @@ def _trace(root: BuildRoot, inputs: FlatInputs, param_names: list[str],
             raise CaptureError(
                 f"{graph_name}.build() uses a torch.amp.GradScaler{_at(e)}: graphamp scales, "
                 "unscales, skips and updates inside the step. Call set_grad_scaler(scaler) in "
-                "__init__ and remove scaler.scale/step/update from build()") from e
+                "__init__ and remove scaler.scale/step/update from build()"
+            ) from e
         raise CaptureError(
-            f"capturing {graph_name}.build() failed{_at(e)}: {type(e).__name__}: {e}") from e
+            f"capturing {graph_name}.build() failed{_at(e)}: {type(e).__name__}: {e}"
+        ) from e
     return gm, traced
 
 
@@ -173,8 +216,12 @@ def _raised_in(e: BaseException, filename_end: str) -> bool:
 def _tensor_attributes(root: BuildRoot) -> dict[int, str]:
     """id -> path of the plain tensor attributes of the registered modules (not parameters
     or buffers): the names lifted constants get."""
-    return {id(v): f"{path}.{k}" if path else k for path, m in root.named_modules()
-            for k, v in vars(m).items() if isinstance(v, torch.Tensor)}
+    return {
+        id(v): f"{path}.{k}" if path else k
+        for path, m in root.named_modules()
+        for k, v in vars(m).items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def _device_of(tensors: list[torch.Tensor]) -> torch.device:

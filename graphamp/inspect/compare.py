@@ -60,10 +60,19 @@ def compare(forward: fx.GraphModule, trace: AutocastTrace) -> Comparison:
         a, b = ours.get(key, []), theirs.get(key, [])
         for i, (node, op) in enumerate(zip(a, b)):
             low = _low(dtype_after_amp(node), node, trace.dtype)
-            pairs.append(OpComparison(key[1], key[0], i, node.name, low, op.dtype == trace.dtype,
-                                      str(node.meta.get("amp_reason", ""))))
-        lone_ours += [n.name for n in a[len(b):]]
-        lone_theirs += [f"{key[0]}:{key[1]}" for _ in b[len(a):]]
+            pairs.append(
+                OpComparison(
+                    key[1],
+                    key[0],
+                    i,
+                    node.name,
+                    low,
+                    op.dtype == trace.dtype,
+                    str(node.meta.get("amp_reason", "")),
+                )
+            )
+        lone_ours += [n.name for n in a[len(b) :]]
+        lone_theirs += [f"{key[0]}:{key[1]}" for _ in b[len(a) :]]
     casts = sum(1 for n in forward.graph.nodes if n.meta.get("amp_cast"))
     return Comparison(pairs, lone_ours, lone_theirs, casts, trace.casts)
 

@@ -1,15 +1,15 @@
 """g.dump(path): everything a person needs to see which op runs in which precision, and why.
 
-    00_captured.py ... 05_fold_cast_chains.py   the forward graph after capture and each pass
-    06_step.py                                    the assembled training step (what is compiled)
-    precision.csv                                 the precision report, one row per compute op
-    graph.dot / graph.svg                         the forward graph, coloured, clustered by module
-    report.html                                   one self-contained page: summary, table, picture
-                                                  (and, with overflow tracing, the overflows and
-                                                  the tightest headroom)
-    summary.json                                  the counts and timings
-    overflows.txt, ranges.csv                     with overflow tracing: g.overflow_report() and
-                                                  g.range_report()
+00_captured.py ... 05_fold_cast_chains.py   the forward graph after capture and each pass
+06_step.py                                    the assembled training step (what is compiled)
+precision.csv                                 the precision report, one row per compute op
+graph.dot / graph.svg                         the forward graph, coloured, clustered by module
+report.html                                   one self-contained page: summary, table, picture
+                                              (and, with overflow tracing, the overflows and
+                                              the tightest headroom)
+summary.json                                  the counts and timings
+overflows.txt, ranges.csv                     with overflow tracing: g.overflow_report() and
+                                              g.range_report()
 """
 
 from __future__ import annotations
@@ -28,18 +28,28 @@ from .report import COLUMNS, PrecisionReport
 RANGE_COLUMNS = ("node", "op", "module", "dtype", "activation_amax", "gradient_amax", "headroom")
 
 
-def dump_program(program: Program, report: PrecisionReport, path: str,
-                 overflows: OverflowReport | None = None, ranges: RangeReport | None = None) -> str:
+def dump_program(
+    program: Program,
+    report: PrecisionReport,
+    path: str,
+    overflows: OverflowReport | None = None,
+    ranges: RangeReport | None = None,
+) -> str:
     """Write the files listed above for ``program`` under ``path``; returns its absolute path."""
     os.makedirs(path, exist_ok=True)
     name = program.spec.name
     records = program.pass_records
     for i, record in enumerate(records):
-        header = (f"# {name}: forward graph after {record.name} "
-                  f"({record.seconds * 1e3:.1f} ms{'' if record.modified else ', no change'})\n")
+        header = (
+            f"# {name}: forward graph after {record.name} "
+            f"({record.seconds * 1e3:.1f} ms{'' if record.modified else ', no change'})\n"
+        )
         _write(path, f"{i:02d}_{record.name}.py", header + record.code)
-    _write(path, f"{len(records):02d}_step.py",
-           f"# {name}: the whole training step as compiled\n" + program.step_gm.code)
+    _write(
+        path,
+        f"{len(records):02d}_step.py",
+        f"# {name}: the whole training step as compiled\n" + program.step_gm.code,
+    )
     _write(path, "precision.csv", report.to_csv())
     dot = to_dot(program.forward, name)
     _write(path, "graph.dot", dot)
@@ -58,8 +68,9 @@ def dump_program(program: Program, report: PrecisionReport, path: str,
         "unknown_ops": report.unknown_ops,
         "autocast": report.autocast,
         "timings_s": program.timings,
-        "passes": [{"name": r.name, "ms": r.seconds * 1e3, "modified": r.modified}
-                   for r in records],
+        "passes": [
+            {"name": r.name, "ms": r.seconds * 1e3, "modified": r.modified} for r in records
+        ],
     }
     _write(path, "summary.json", json.dumps(summary, indent=2, default=str))
     forensics = ""
@@ -76,22 +87,48 @@ def _ranges_csv(rows: list[RangeRow]) -> str:
     writer = csv.writer(buf)
     writer.writerow(RANGE_COLUMNS)
     for r in rows:
-        writer.writerow([r.node, r.op, r.module, r.dtype, f"{r.activation_amax:.6g}",
-                         f"{r.gradient_amax:.6g}", f"{r.headroom:.6g}"])
+        writer.writerow(
+            [
+                r.node,
+                r.op,
+                r.module,
+                r.dtype,
+                f"{r.activation_amax:.6g}",
+                f"{r.gradient_amax:.6g}",
+                f"{r.headroom:.6g}",
+            ]
+        )
     return buf.getvalue()
 
 
 def _forensics_html(overflows: OverflowReport, ranges: RangeReport) -> str:
     """The overflow section: the last overflows as the report words them, and the values with
     the least headroom against their dtype."""
-    events = "".join(f"<pre class=\"overflow\">{html.escape(e.describe())}</pre>"
-                     for e in overflows.events[-10:]) or "<p>No overflowing step recorded.</p>"
+    events = (
+        "".join(
+            f'<pre class="overflow">{html.escape(e.describe())}</pre>'
+            for e in overflows.events[-10:]
+        )
+        or "<p>No overflowing step recorded.</p>"
+    )
     head = "".join(f"<th>{c}</th>" for c in RANGE_COLUMNS)
     body = "\n".join(
-        "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in (
-            r.node, r.op, r.module, r.dtype, f"{r.activation_amax:.4g}",
-            f"{r.gradient_amax:.4g}", f"{r.headroom:.3g}")) + "</tr>"
-        for r in ranges.tightest(30))
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(v)}</td>"
+            for v in (
+                r.node,
+                r.op,
+                r.module,
+                r.dtype,
+                f"{r.activation_amax:.4g}",
+                f"{r.gradient_amax:.4g}",
+                f"{r.headroom:.3g}",
+            )
+        )
+        + "</tr>"
+        for r in ranges.tightest(30)
+    )
     return f"""<h2>Overflow forensics</h2>
 <div class="summary"><b>{html.escape(str(overflows).splitlines()[0])}</b></div>
 {events}
@@ -108,13 +145,16 @@ def _write(path: str, filename: str, text: str) -> None:
 
 
 def _html(name: str, report, svg: str, drawn_by: str, summary: dict, forensics: str) -> str:
-    head = "".join(f"<th onclick=\"sortBy({i})\">{c}</th>" for i, c in enumerate(COLUMNS))
+    head = "".join(f'<th onclick="sortBy({i})">{c}</th>' for i, c in enumerate(COLUMNS))
     body = "\n".join(
-        f"<tr class=\"{html.escape(r['colour'])}\">"
-        + "".join(f"<td>{html.escape(str(r[c]))}</td>" for c in COLUMNS) + "</tr>"
-        for r in report.rows)
-    legend = "".join(f'<span class="key" style="background:{c}">{html.escape(t)}</span>'
-                     for t, c in LEGEND)
+        f'<tr class="{html.escape(r["colour"])}">'
+        + "".join(f"<td>{html.escape(str(r[c]))}</td>" for c in COLUMNS)
+        + "</tr>"
+        for r in report.rows
+    )
+    legend = "".join(
+        f'<span class="key" style="background:{c}">{html.escape(t)}</span>' for t, c in LEGEND
+    )
     passes = ", ".join(f"{p['name']} {p['ms']:.1f} ms" for p in summary["passes"])
     timings = ", ".join(f"{k} {v:.2f} s" for k, v in summary["timings_s"].items())
     return f"""<!doctype html>

@@ -23,8 +23,10 @@ class StepMemory:
     peak_node: str  # the node at which that peak is reached
 
     def __str__(self) -> str:
-        return (f"resident {self.resident_bytes / 2**20:.2f} MiB, peak intermediates "
-                f"{self.peak_intermediate_bytes / 2**20:.2f} MiB (at {self.peak_node})")
+        return (
+            f"resident {self.resident_bytes / 2**20:.2f} MiB, peak intermediates "
+            f"{self.peak_intermediate_bytes / 2**20:.2f} MiB (at {self.peak_node})"
+        )
 
 
 def value_bytes(value) -> int:

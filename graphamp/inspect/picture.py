@@ -15,12 +15,12 @@ from collections import defaultdict
 import networkx as nx
 import torch.fx as fx
 
-from ..fxutil import dtype_after_amp, is_compute_node, module_path, op_name
+from ..fxutil import dtype_after_amp, module_path, op_name
 from ..validate import dtype_name
 
 FILL = {  # allow / deny / infer-or-clear decided either way / cast / grad-scaler subgraph
-    "allow": "#8fd18f",   # low precision
-    "deny": "#f29b8f",    # fp32
+    "allow": "#8fd18f",  # low precision
+    "deny": "#f29b8f",  # fp32
     "cast": "#f7d46b",
     "fixed": "#c8c8c8",
     "input": "#ffffff",
@@ -28,9 +28,13 @@ FILL = {  # allow / deny / infer-or-clear decided either way / cast / grad-scale
     "grad_scaler": "#9cc3f0",
     None: "#e8e8e8",
 }
-LEGEND = [("allow: low precision", FILL["allow"]), ("deny: fp32", FILL["deny"]),
-          ("cast / parameter copy", FILL["cast"]), ("dtype fixed by the op", FILL["fixed"]),
-          ("no floating-point data", FILL[None])]
+LEGEND = [
+    ("allow: low precision", FILL["allow"]),
+    ("deny: fp32", FILL["deny"]),
+    ("cast / parameter copy", FILL["cast"]),
+    ("dtype fixed by the op", FILL["fixed"]),
+    ("no floating-point data", FILL[None]),
+]
 
 
 def _kind(node: fx.Node) -> str | None:
@@ -63,22 +67,28 @@ def _tooltip(node: fx.Node) -> str:
 
 
 def to_dot(gm: fx.GraphModule, title: str) -> str:
-    lines = [f'digraph "{title}" {{', '  rankdir=TB; node [shape=box, style="rounded,filled", '
-             'fontname="Helvetica", fontsize=10];']
+    lines = [
+        f'digraph "{title}" {{',
+        '  rankdir=TB; node [shape=box, style="rounded,filled", '
+        'fontname="Helvetica", fontsize=10];',
+    ]
     clusters: dict[str, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
         clusters[module_path(node) if node.op == "call_function" else ""].append(node)
     for i, (path, nodes) in enumerate(clusters.items()):
         indent = "  "
         if path:
-            lines.append(f'  subgraph cluster_{i} {{ label="{path}"; style=dashed; color="#999999";')
+            lines.append(
+                f'  subgraph cluster_{i} {{ label="{path}"; style=dashed; color="#999999";'
+            )
             indent = "    "
         for node in nodes:
             fill = FILL.get(_kind(node), FILL[None])
             label = _label(node).replace('"', "'")
             tip = _tooltip(node).replace('"', "'")
-            lines.append(f'{indent}"{node.name}" [label="{label}", fillcolor="{fill}", '
-                         f'tooltip="{tip}"];')
+            lines.append(
+                f'{indent}"{node.name}" [label="{label}", fillcolor="{fill}", tooltip="{tip}"];'
+            )
         if path:
             lines.append("  }")
     for node in gm.graph.nodes:
@@ -93,8 +103,9 @@ def dot_to_svg(dot: str) -> str | None:
     if exe is None:
         return None
     try:
-        done = subprocess.run([exe, "-Tsvg"], input=dot, capture_output=True, text=True,
-                              timeout=120, check=True)
+        done = subprocess.run(
+            [exe, "-Tsvg"], input=dot, capture_output=True, text=True, timeout=120, check=True
+        )
     except (subprocess.SubprocessError, OSError):
         return None
     return done.stdout
@@ -121,21 +132,27 @@ def layered_svg(gm: fx.GraphModule, max_nodes: int = 4000) -> str:
         offset = (width - len(row) * (box_w + gap_x)) / 2
         for i, node in enumerate(row):
             pos[node] = (offset + i * (box_w + gap_x) + gap_x / 2, gap_y + depth * (box_h + gap_y))
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-           f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="Helvetica" font-size="10">']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="Helvetica" font-size="10">'
+    ]
     for src, dst in g.edges:
         (x1, y1), (x2, y2) = pos[src], pos[dst]
-        out.append(f'<line x1="{x1 + box_w / 2:.0f}" y1="{y1 + box_h:.0f}" '
-                   f'x2="{x2 + box_w / 2:.0f}" y2="{y2:.0f}" stroke="#999" stroke-width="0.8"/>')
+        out.append(
+            f'<line x1="{x1 + box_w / 2:.0f}" y1="{y1 + box_h:.0f}" '
+            f'x2="{x2 + box_w / 2:.0f}" y2="{y2:.0f}" stroke="#999" stroke-width="0.8"/>'
+        )
     for node, (x, y) in pos.items():
         fill = FILL.get(_kind(node), FILL[None])
         first, _, second = _label(node).partition("\\n")
-        out.append(f'<g><title>{html.escape(_tooltip(node))}</title>'
-                   f'<rect x="{x:.0f}" y="{y:.0f}" width="{box_w}" height="{box_h}" rx="6" '
-                   f'fill="{fill}" stroke="#555"/>'
-                   f'<text x="{x + box_w / 2:.0f}" y="{y + 14:.0f}" text-anchor="middle">'
-                   f'{html.escape(first[:24])}</text>'
-                   f'<text x="{x + box_w / 2:.0f}" y="{y + 27:.0f}" text-anchor="middle" '
-                   f'fill="#444">{html.escape(second)}</text></g>')
+        out.append(
+            f"<g><title>{html.escape(_tooltip(node))}</title>"
+            f'<rect x="{x:.0f}" y="{y:.0f}" width="{box_w}" height="{box_h}" rx="6" '
+            f'fill="{fill}" stroke="#555"/>'
+            f'<text x="{x + box_w / 2:.0f}" y="{y + 14:.0f}" text-anchor="middle">'
+            f"{html.escape(first[:24])}</text>"
+            f'<text x="{x + box_w / 2:.0f}" y="{y + 27:.0f}" text-anchor="middle" '
+            f'fill="#444">{html.escape(second)}</text></g>'
+        )
     out.append("</svg>")
     return "\n".join(out)

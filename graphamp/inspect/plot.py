@@ -69,8 +69,14 @@ def plot_history(source: Any, path: str, title: str = "graphamp training") -> st
     ax_scale.set_yscale("log", base=2)
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_xlabel("step")
-    ax_scale.scatter(skipped, [rows["scale"][steps.index(s)] for s in skipped], color="#d62728",
-                     s=12, zorder=3, label=f"skipped ({len(skipped)})")
+    ax_scale.scatter(
+        skipped,
+        [rows["scale"][steps.index(s)] for s in skipped],
+        color="#d62728",
+        s=12,
+        zorder=3,
+        label=f"skipped ({len(skipped)})",
+    )
     ax_scale.legend(loc="best")
     ax_loss.set_title(title)
     fig.tight_layout()
@@ -95,14 +101,17 @@ def plot_headroom(source: Any, path: str, title: str = "graphamp headroom", top:
     plt = _pyplot()
     rows = sorted(_range_rows(source), key=lambda r: r.headroom)[:top]
     if not rows:
-        raise ConfigError("no ranges recorded: train a graph with "
-                          "config.enable_overflow_tracing() for a step first")
+        raise ConfigError(
+            "no ranges recorded: train a graph with "
+            "config.enable_overflow_tracing() for a step first"
+        )
     labels = [f"{r.node} ({r.op.replace('aten.', '')}) {r.module}"[:70] for r in rows]
     fig, ax = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
     y = range(len(rows))
     for offset, values, colour, name in (
-            (-0.2, [r.activation_amax for r in rows], "#1f77b4", "value"),
-            (0.2, [r.gradient_amax for r in rows], "#ff7f0e", "gradient (scaled)")):
+        (-0.2, [r.activation_amax for r in rows], "#1f77b4", "value"),
+        (0.2, [r.gradient_amax for r in rows], "#ff7f0e", "gradient (scaled)"),
+    ):
         headroom = [r.dtype_max / v if v > 0 else math.nan for r, v in zip(rows, values)]
         ax.barh([i + offset for i in y], headroom, height=0.4, color=colour, label=name)
     ax.axvline(1.0, color="#d62728", lw=1.5, label="overflow")

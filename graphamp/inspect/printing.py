@@ -54,7 +54,9 @@ def value_text(node: fx.Node) -> str:
 def operator_line(node: fx.Node) -> str:
     ins = ", ".join(value_text(a) for a in node.all_input_nodes)
     colour = node.meta.get("amp_colour") or "fp32"
-    return f"(OPERATOR: {op_name(node).replace('aten.', '')}({ins}) -> ({value_text(node)}), {colour})"
+    return (
+        f"(OPERATOR: {op_name(node).replace('aten.', '')}({ins}) -> ({value_text(node)}), {colour})"
+    )
 
 
 def _tensor_text(t: torch.Tensor) -> str:
@@ -84,8 +86,9 @@ def graph_repr(spec: GraphSpec, config_repr: str, program: Program | None) -> st
     return "\n".join(lines)
 
 
-def _group_operators(forward: fx.GraphModule, by_module: dict[str, list[fx.Node]],
-                     loose: list[fx.Node]) -> list[str]:
+def _group_operators(
+    forward: fx.GraphModule, by_module: dict[str, list[fx.Node]], loose: list[fx.Node]
+) -> list[str]:
     """INPUT lines; compute nodes sorted into ``by_module`` (innermost module) or ``loose``."""
     inputs = []
     for node in forward.graph.nodes:
@@ -104,11 +107,14 @@ def _optimizer_lines(spec: GraphSpec) -> list[str]:
     for i, slot in enumerate(spec.optimizers):
         opt = slot.optimizer
         group = opt.param_groups[0]
-        hyper = ", ".join(f"{k}={group[k]}" for k in ("lr", "momentum", "betas", "weight_decay")
-                          if k in group)
+        hyper = ", ".join(
+            f"{k}={group[k]}" for k in ("lr", "momentum", "betas", "weight_decay") if k in group
+        )
         clip = f", clip_grad_max_norm={slot.clip_max_norm}" if slot.clip_max_norm else ""
-        lines.append(f"{INDENT}(OPTIMIZER:{i}:{type(opt).__name__}({hyper}, "
-                     f"param_groups={len(opt.param_groups)}{clip}))")
+        lines.append(
+            f"{INDENT}(OPTIMIZER:{i}:{type(opt).__name__}({hyper}, "
+            f"param_groups={len(opt.param_groups)}{clip}))"
+        )
     return lines
 
 
@@ -118,16 +124,23 @@ def _scaler_lines(spec: GraphSpec, program: Program | None) -> list[str]:
         return []
     nodes = []
     if program is not None:
-        nodes = [n for n in program.step_gm.graph.nodes if n.op == "call_function"
-                 and n.meta.get("graphamp_subgraph") == "grad_scaler"]
+        nodes = [
+            n
+            for n in program.step_gm.graph.nodes
+            if n.op == "call_function" and n.meta.get("graphamp_subgraph") == "grad_scaler"
+        ]
     if not nodes:
         return [f"{INDENT}(GRAD_SCALER:{scaler!r})"]
-    return ([f"{INDENT}(GRAD_SCALER:{scaler!r}): ("]
-            + [f"{INDENT * 2}{operator_line(n)}" for n in nodes] + [f"{INDENT})"])
+    return (
+        [f"{INDENT}(GRAD_SCALER:{scaler!r}): ("]
+        + [f"{INDENT * 2}{operator_line(n)}" for n in nodes]
+        + [f"{INDENT})"]
+    )
 
 
-def _module_lines(path: str, module: torch.nn.Module, ops: dict[str, list[fx.Node]],
-                  depth: int) -> list[str]:
+def _module_lines(
+    path: str, module: torch.nn.Module, ops: dict[str, list[fx.Node]], depth: int
+) -> list[str]:
     pad = INDENT * depth
     extra = module.extra_repr()
     head = f"{pad}(MODULE:{path}:{type(module).__name__}({extra}))"

@@ -58,22 +58,29 @@ class PrecisionReport:
     recomputed_regions: tuple[str, ...] = ()  # activation checkpointing's regions
 
     def summary(self) -> str:
-        text = (f"converted {self.ops_low}/{self.ops_total} ops to {self.dtype} with "
-                f"{self.casts} casts")
+        text = (
+            f"converted {self.ops_low}/{self.ops_total} ops to {self.dtype} with {self.casts} casts"
+        )
         if self.parameter_copies:
-            text += (f" (+{self.parameter_copies} low-precision parameter copies made at the "
-                     "start of the step)")
+            text += (
+                f" (+{self.parameter_copies} low-precision parameter copies made at the "
+                "start of the step)"
+            )
         if self.unknown_ops:
             names = ", ".join(sorted(self.unknown_ops))
             n = sum(self.unknown_ops.values())
             text += f"; {n} unknown op{'s' if n != 1 else ''} kept fp32: {names}"
         recomputed = sum(r["recomputed"] == "yes" for r in self.rows)
         if recomputed:
-            text += (f"; {recomputed} ops recomputed in the backward "
-                     f"(activation checkpointing: {', '.join(self.recomputed_regions)})")
+            text += (
+                f"; {recomputed} ops recomputed in the backward "
+                f"(activation checkpointing: {', '.join(self.recomputed_regions)})"
+            )
         if self.autocast is not None:
-            text += (f" (torch.autocast on the same forward: {self.autocast['ops_low']} ops "
-                     f"low precision, {self.autocast['casts']} casts)")
+            text += (
+                f" (torch.autocast on the same forward: {self.autocast['ops_low']} ops "
+                f"low precision, {self.autocast['casts']} casts)"
+            )
         return text
 
     def to_csv(self) -> str:
@@ -84,10 +91,14 @@ class PrecisionReport:
         return buf.getvalue()
 
     def __str__(self) -> str:
-        widths = {c: min(max(len(c), *(len(r[c]) for r in self.rows)) if self.rows else len(c),
-                         48) for c in COLUMNS}
+        widths = {
+            c: min(max(len(c), *(len(r[c]) for r in self.rows)) if self.rows else len(c), 48)
+            for c in COLUMNS
+        }
+
         def line(r: dict) -> str:
             return "  ".join(str(r[c])[: widths[c]].ljust(widths[c]) for c in COLUMNS).rstrip()
+
         out = [line({c: c for c in COLUMNS})]
         out += [line(r) for r in self.rows]
         out.append(self.summary())
@@ -97,8 +108,9 @@ class PrecisionReport:
         return f"PrecisionReport({self.summary()})"
 
 
-def report_rows(gm: fx.GraphModule,
-                recomputed: frozenset[str] = frozenset()) -> list[dict[str, str]]:
+def report_rows(
+    gm: fx.GraphModule, recomputed: frozenset[str] = frozenset()
+) -> list[dict[str, str]]:
     """One row per compute op; ``recomputed`` names the forward nodes the step recomputes."""
     rows = []
     for node in gm.graph.nodes:
@@ -107,37 +119,46 @@ def report_rows(gm: fx.GraphModule,
         colour = node.meta.get("amp_colour")
         if colour is None and "amp_list" not in node.meta:
             colour = "fp32"  # AMP off: everything as captured
-        rows.append({
-            "node": node.name,
-            "op": op_name(node),
-            "module": module_path(node),
-            "source": _source(node),
-            "list": str(node.meta.get("amp_list", "")),
-            "colour": str(colour or "n/a"),
-            "dtype": _short_dtype(dtype_after_amp(node)),
-            "why": str(node.meta.get("amp_reason", "AMP off")),
-            "recomputed": "yes" if node.name in recomputed else "",
-        })
+        rows.append(
+            {
+                "node": node.name,
+                "op": op_name(node),
+                "module": module_path(node),
+                "source": _source(node),
+                "list": str(node.meta.get("amp_list", "")),
+                "colour": str(colour or "n/a"),
+                "dtype": _short_dtype(dtype_after_amp(node)),
+                "why": str(node.meta.get("amp_reason", "AMP off")),
+                "recomputed": "yes" if node.name in recomputed else "",
+            }
+        )
     return rows
 
 
 def autocast_counts(program: Program, trace: AutocastTrace) -> dict[str, int]:
     """Autocast's op and cast counts on the program's forward, and how often it agrees."""
     cmp = compare(program.forward, trace)
-    return {"ops_low": trace.ops_low, "ops": len(trace.ops), "casts": trace.casts,
-            "agree": sum(p.agrees for p in cmp.pairs), "compared": len(cmp.pairs)}
+    return {
+        "ops_low": trace.ops_low,
+        "ops": len(trace.ops),
+        "casts": trace.casts,
+        "agree": sum(p.agrees for p in cmp.pairs),
+        "compared": len(cmp.pairs),
+    }
 
 
 def precision_report(program: Program, trace: AutocastTrace | None = None) -> PrecisionReport:
     """The report for ``program``'s forward; with ``trace`` (the autocast oracle's run on the
     same forward), autocast's counts beside graphamp's."""
     amp = program.amp
-    copies = [n for n in program.step_gm.graph.nodes
-              if n.meta.get("graphamp_subgraph") == "recompute"]
+    copies = [
+        n for n in program.step_gm.graph.nodes if n.meta.get("graphamp_subgraph") == "recompute"
+    ]
     rows = report_rows(program.forward, frozenset(n.meta.get("fwd_node") for n in copies))
     regions = {n.meta.get("recompute_region", "") for n in copies}
     return PrecisionReport(
-        rows=rows, dtype=_short_dtype(amp.dtype) if amp is not None else "fp32",
+        rows=rows,
+        dtype=_short_dtype(amp.dtype) if amp is not None else "fp32",
         casts=amp.stats.get("casts", 0) if amp else 0,
         parameter_copies=len(amp.hoisted) if amp else 0,
         ops_low=sum(r["colour"] == "allow" for r in rows),
@@ -145,8 +166,8 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
         unknown_ops=dict(amp.unknown_ops) if amp else {},
         autocast=autocast_counts(program, trace) if trace is not None else None,
         timings=dict(program.timings),
-        recomputed_regions=tuple(sorted(r for r in regions if r)))
-
+        recomputed_regions=tuple(sorted(r for r in regions if r)),
+    )
 
 
 def log_program_summary(program: Program) -> None:
@@ -156,17 +177,25 @@ def log_program_summary(program: Program) -> None:
         log.info("%s: %s", spec.name, precision_report(program).summary())
         if spec.debug_level >= 3:
             _log_decisions(program.forward)
-    log.info("%s: captured and compiled (%s) with backend %s%s", spec.name, timing,
-             spec.config.backend,
-             ", replayed as a CUDA graph" if program.runner.uses_cuda_graph else "")
+    log.info(
+        "%s: captured and compiled (%s) with backend %s%s",
+        spec.name,
+        timing,
+        spec.config.backend,
+        ", replayed as a CUDA graph" if program.runner.uses_cuda_graph else "",
+    )
 
 
 def _log_decisions(forward: fx.GraphModule) -> None:
     for node in forward.graph.nodes:
         if is_compute_node(node) and "amp_colour" in node.meta:
             frame = node.meta.get("user_frame")
-            log.debug("  %-28s %-28s %-6s %-6s %s  [%s]", node.name, op_name(node),
-                      node.meta.get("amp_colour"), _short_dtype(dtype_after_amp(node)),
-                      node.meta.get("amp_reason", ""),
-                      f"{os.path.basename(frame.filename)}:{frame.lineno}: {frame.code}"
-                      if frame else "")
+            log.debug(
+                "  %-28s %-28s %-6s %-6s %s  [%s]",
+                node.name,
+                op_name(node),
+                node.meta.get("amp_colour"),
+                _short_dtype(dtype_after_amp(node)),
+                node.meta.get("amp_reason", ""),
+                f"{os.path.basename(frame.filename)}:{frame.lineno}: {frame.code}" if frame else "",
+            )

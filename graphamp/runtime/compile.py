@@ -21,8 +21,12 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbol
 StepFn = Callable[..., Sequence[torch.Tensor]]
 
 
-def compile_step(gm: fx.GraphModule, example: list[torch.Tensor], backend: str,
-                 inductor_options: dict | None = None) -> StepFn:
+def compile_step(
+    gm: fx.GraphModule,
+    example: list[torch.Tensor],
+    backend: str,
+    inductor_options: dict | None = None,
+) -> StepFn:
     """A callable ``fn(*flat) -> outputs`` running ``gm`` compiled with ``backend``."""
     if backend == "eager":
         return gm
@@ -48,8 +52,11 @@ def _tracing(context):
 
 
 def _has_unbacked_sizes(gm: fx.GraphModule) -> bool:
-    return any(free_unbacked_symbols(n.meta.get("val")) for n in gm.graph.nodes
-               if isinstance(n.meta.get("val"), torch.Tensor))
+    return any(
+        free_unbacked_symbols(n.meta.get("val"))
+        for n in gm.graph.nodes
+        if isinstance(n.meta.get("val"), torch.Tensor)
+    )
 
 
 def _fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:

@@ -31,7 +31,8 @@ def process_group(graph_name: str, config: ConfigSnapshot):
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             f"{graph_name}: data parallel needs an initialised process group: start with "
-            "torchrun and call torch.distributed.init_process_group(backend) first")
+            "torchrun and call torch.distributed.init_process_group(backend) first"
+        )
     return config.process_group or dist.group.WORLD
 
 
@@ -42,8 +43,10 @@ def _agree(graph_name: str, group, status: tuple, what: str) -> list:
     failed = [(r, s[1]) for r, s in enumerate(statuses) if s[0] == "error"]
     if failed:
         r, message = failed[0]
-        raise CaptureError(f"{graph_name}: rank {r} failed {what}, so every rank stops "
-                           f"(none is left waiting in a collective): {message}")
+        raise CaptureError(
+            f"{graph_name}: rank {r} failed {what}, so every rank stops "
+            f"(none is left waiting in a collective): {message}"
+        )
     return statuses
 
 
@@ -55,12 +58,16 @@ def broadcast_state(graph_name: str, root: nn.Module, group) -> None:
     statuses = _agree(graph_name, group, ("ok", layout), "to describe its model")
     if any(s[1] != layout for s in statuses):
         differ = [r for r, s in enumerate(statuses) if s[1] != statuses[0][1]]
-        first = next((a, b) for a, b in zip(statuses[0][1], statuses[differ[0]][1]) if a != b) \
-            if len(statuses[0][1]) == len(statuses[differ[0]][1]) else ("tensor count", "")
+        first = (
+            next((a, b) for a, b in zip(statuses[0][1], statuses[differ[0]][1]) if a != b)
+            if len(statuses[0][1]) == len(statuses[differ[0]][1])
+            else ("tensor count", "")
+        )
         raise CaptureError(
             f"{graph_name}: the ranks hold different models (ranks {differ} differ "
             f"from rank 0, first at {first[0]} vs {first[1]}); data parallel needs the same "
-            "model on every rank")
+            "model on every rank"
+        )
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     with torch.no_grad():
         for _, tensor in tensors:
@@ -72,8 +79,9 @@ def fingerprint(step_gm: fx.GraphModule, names: list[str]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def build_on_every_rank(graph_name: str, group, build: Callable[[], T],
-                        fingerprint_of: Callable[[T], str]) -> T:
+def build_on_every_rank(
+    graph_name: str, group, build: Callable[[], T], fingerprint_of: Callable[[T], str]
+) -> T:
     """``build()`` on this rank; every rank raises if any rank failed or built another step."""
     rank = dist.get_rank(group)
     result, error, status = None, None, None
@@ -98,7 +106,13 @@ def build_on_every_rank(graph_name: str, group, build: Callable[[], T],
         raise CaptureError(
             f"{graph_name}: the ranks captured different training steps ({groups}). Every rank "
             "must run the same build() on the same model with inputs of the same shapes; rank "
-            f"{rank} is in the group with fingerprint {status[1]}")
-    log.info("%s: rank %d built the same step as its %d peers (%s)", graph_name, rank,
-             len(statuses) - 1, status[1])
+            f"{rank} is in the group with fingerprint {status[1]}"
+        )
+    log.info(
+        "%s: rank %d built the same step as its %d peers (%s)",
+        graph_name,
+        rank,
+        len(statuses) - 1,
+        status[1],
+    )
     return result

@@ -20,9 +20,9 @@ from ..errors import CaptureError, ConfigError
 from ..forensics import ForensicsState
 from ..optimizers import OptimizerPlan, init_state
 from ..sharding import chunk_of
-from . import zero_state
 from ..spec import StepPlan
 from ..state import SharedState
+from . import zero_state
 
 Slot = tuple[dict, str]  # (the dict holding a tensor, its key): a live lookup
 _MISSING = object()
@@ -57,19 +57,25 @@ class HyperSlot:
 class Runner:
     """The runtime side of one Program (spec.StepRunner)."""
 
-    def __init__(self, plan: StepPlan, root: nn.Module, state: SharedState,
-                 device: torch.device):
+    def __init__(self, plan: StepPlan, root: nn.Module, state: SharedState, device: torch.device):
         cap = plan.captured
         self.plan = plan
         self.param_slots = _slots(root, cap.param_names, "_parameters")
         self.buffer_slots = _slots(root, cap.buffer_names, "_buffers")
-        self.hyper = [HyperSlot(opt, k, [torch.zeros((), dtype=torch.float32, device=device)
-                                         for _ in opt.hyper_names])
-                      for opt in plan.optimizers for k in range(len(opt.optimizer.param_groups))]
+        self.hyper = [
+            HyperSlot(
+                opt,
+                k,
+                [torch.zeros((), dtype=torch.float32, device=device) for _ in opt.hyper_names],
+            )
+            for opt in plan.optimizers
+            for k in range(len(opt.optimizer.param_groups))
+        ]
         for slot in self.hyper:
             slot.sync()
-        self.counters = [state.counter(opt.index, device, _has_state(opt))
-                         for opt in plan.optimizers]
+        self.counters = [
+            state.counter(opt.index, device, _has_state(opt)) for opt in plan.optimizers
+        ]
         self.scaler_state: list[torch.Tensor] = []
         if plan.scaler is not None:
             plan.scaler._materialize(device)
@@ -101,8 +107,11 @@ class Runner:
         """Tensors shaped like the step's inputs, for tracing and compiling; nothing installed
         in the user's optimizer. Detached: the step runs under no_grad, and a backend that saw
         an input requiring grad would compile it for autograd."""
-        return self.plan.layout.flatten(self._groups(_example_optimizer_state(self.plan),
-                                                     [t.detach() for t in inputs], detach=True))
+        return self.plan.layout.flatten(
+            self._groups(
+                _example_optimizer_state(self.plan), [t.detach() for t in inputs], detach=True
+            )
+        )
 
     def gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's flat inputs for this call, with every refresh applied. Changes nothing
@@ -129,11 +138,14 @@ class Runner:
         self._restart = _counters_to_restart(self.plan, self.counters, install)
         self.opt_state, self._to_install = flat, install
         self._state_dicts = [(o.optimizer, o.optimizer.state) for o in self.plan.optimizers]
-        self._state_refs = [(o.optimizer.state, p, key, t)
-                            for (o, (p, key)), t in zip(_all_state_slots(self.plan), flat)]
+        self._state_refs = [
+            (o.optimizer.state, p, key, t)
+            for (o, (p, key)), t in zip(_all_state_slots(self.plan), flat)
+        ]
 
-    def _groups(self, opt_state: list[torch.Tensor], inputs: list[torch.Tensor],
-                detach: bool = False) -> dict[str, list[torch.Tensor]]:
+    def _groups(
+        self, opt_state: list[torch.Tensor], inputs: list[torch.Tensor], detach: bool = False
+    ) -> dict[str, list[torch.Tensor]]:
         params = [d[k] for d, k in self.param_slots]
         return {
             "params": [p.detach() for p in params] if detach else params,
@@ -220,8 +232,9 @@ def _all_state_slots(plan: StepPlan) -> list[tuple]:
     return [(opt, slot) for opt in plan.optimizers for slot in opt.state_slots()]
 
 
-def _counters_to_restart(plan: StepPlan, counters: list[torch.Tensor],
-                         install: list[tuple]) -> list[torch.Tensor]:
+def _counters_to_restart(
+    plan: StepPlan, counters: list[torch.Tensor], install: list[tuple]
+) -> list[torch.Tensor]:
     """SGD momentum starts a buffer with the gradient itself on an optimizer's first step (the
     counter is 0). After the user cleared the optimizer's state, eager SGD starts again: so does
     the step. A buffer deleted for some parameters only cannot restart alone (one counter per
@@ -241,7 +254,8 @@ def _counters_to_restart(plan: StepPlan, counters: list[torch.Tensor],
                 f"{len(missing)} of its {len(slots)} parameters (optimizer.state edited): eager "
                 "SGD would restart those buffers alone, which the compiled step cannot do. Clear "
                 "the whole state (optimizer.state.clear()), or set a zero momentum_buffer "
-                "instead of deleting it")
+                "instead of deleting it"
+            )
     return restart
 
 
@@ -280,7 +294,8 @@ def materialize_optimizer_state(plan: StepPlan):
                 raise CaptureError(
                     f"optimizer {opt.index} state {key!r} has shape {tuple(t.shape)} on "
                     f"{t.device}, its parameter {tuple(p.shape)} on {p.device}: the loaded "
-                    "optimizer state does not belong to these parameters")
+                    "optimizer state does not belong to these parameters"
+                )
             if t is not existing:
                 install.append((opt.optimizer, p, key, t))
             flat.append(t)
@@ -291,8 +306,10 @@ def _zero_row(opt: OptimizerPlan, key: str, p: torch.Tensor, existing, group) ->
     try:
         return zero_state.local_state(opt.optimizer, key, p, existing, group)
     except ValueError as e:
-        raise CaptureError(f"optimizer {opt.index}: {e}: the loaded optimizer state does not "
-                           "belong to these parameters") from None
+        raise CaptureError(
+            f"optimizer {opt.index}: {e}: the loaded optimizer state does not "
+            "belong to these parameters"
+        ) from None
 
 
 def _example_optimizer_state(plan: StepPlan) -> list[Any]:
@@ -303,8 +320,7 @@ def _example_optimizer_state(plan: StepPlan) -> list[Any]:
             existing = opt.optimizer.state.get(p, {}).get(key)
             if plan.zero_stage and key != "step":
                 world = dist.get_world_size(plan.process_group)
-                out.append(torch.zeros(chunk_of(p.numel(), world), dtype=p.dtype,
-                                       device=p.device))
+                out.append(torch.zeros(chunk_of(p.numel(), world), dtype=p.dtype, device=p.device))
             elif isinstance(existing, torch.Tensor) and key != "step":
                 out.append(existing)
             else:

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from ..optimizers import OptimizerPlan
 from ..sharding import chunk_of
 
-_REGISTRY: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _ShardedOptimizer]" = \
+_REGISTRY: weakref.WeakKeyDictionary[torch.optim.Optimizer, _ShardedOptimizer] = (
     weakref.WeakKeyDictionary()
+)
 
 
 @dataclass
@@ -54,8 +55,9 @@ def is_shard(opt: torch.optim.Optimizer, t: torch.Tensor) -> bool:
     return entry is not None and entry.holds(t)
 
 
-def local_state(opt: torch.optim.Optimizer, key: str, p: torch.Tensor,
-                existing: torch.Tensor | None, group) -> torch.Tensor:
+def local_state(
+    opt: torch.optim.Optimizer, key: str, p: torch.Tensor, existing: torch.Tensor | None, group
+) -> torch.Tensor:
     """This rank's state tensor for (``p``, ``key``): ``existing`` if it is already a row, its
     row if it has ``p``'s shape, a zero row if missing."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -66,12 +68,13 @@ def local_state(opt: torch.optim.Optimizer, key: str, p: torch.Tensor,
         row = torch.zeros(chunk, dtype=p.dtype, device=p.device)
     else:
         if existing.shape != p.shape:
-            raise ValueError(f"state {key!r} has shape {tuple(existing.shape)}, its parameter "
-                             f"{tuple(p.shape)}")
+            raise ValueError(
+                f"state {key!r} has shape {tuple(existing.shape)}, its parameter {tuple(p.shape)}"
+            )
         flat = existing.detach().reshape(-1).to(device=p.device)
         padded = torch.zeros(chunk * world, dtype=flat.dtype, device=flat.device)
         padded[: flat.numel()] = flat
-        row = padded[rank * chunk:(rank + 1) * chunk].clone()
+        row = padded[rank * chunk : (rank + 1) * chunk].clone()
     _REGISTRY[opt].add(row)
     return row
 
@@ -84,7 +87,10 @@ def _gather_state_dict(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
     state = {}
     for index, values in state_dict["state"].items():
         p = params[index]
-        state[index] = {key: _gather(t, p, world, entry.group) if entry.holds(t) else t for key, t in values.items()}
+        state[index] = {
+            key: _gather(t, p, world, entry.group) if entry.holds(t) else t
+            for key, t in values.items()
+        }
     return {**state_dict, "state": state}  # new dicts: the optimizer keeps its rows
 
 

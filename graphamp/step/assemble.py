@@ -33,8 +33,9 @@ from .scaling import clip_grad_norm, count_nonfinite_norm, unscale_and_check, wr
 from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
 
-def assemble_step(plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Tensor],
-                  graph_name: str) -> fx.GraphModule:
+def assemble_step(
+    plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Tensor], graph_name: str
+) -> fx.GraphModule:
     """Trace the step into one FX graph over fake copies of ``example`` (nothing runs)."""
     step = make_step_function(plan, fwd_gm)
     # a failure here (a custom Function's backward, a bug) becomes a graphamp error, naming the
@@ -55,8 +56,11 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
         if not plan.training:
             return _eval_step(plan, fwd_gm, s)
         scale = s["scaler"][0] if plan.scaler is not None else None
-        reduce_each = (lambda grads: _scatter_per_optimizer(plan, grads)) \
-            if plan.zero_stage == 2 and plan.acc_steps > 1 else None
+        reduce_each = (
+            (lambda grads: _scatter_per_optimizer(plan, grads))
+            if plan.zero_stage == 2 and plan.acc_steps > 1
+            else None
+        )
         recorder = ProbeRecorder(plan.probes) if plan.probes is not None else None
         fwd = forward_and_gradients(plan, fwd_gm, s, scale, reduce_each, recorder)
         grads = fwd.grads
@@ -91,11 +95,20 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
 
 def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list]) -> tuple:
     cap = plan.captured
-    one = torch.ones((), dtype=torch.float32,
-                     device=s["params"][0].device if s["params"] else None)
+    one = torch.ones((), dtype=torch.float32, device=s["params"][0].device if s["params"] else None)
     user, _, _, new_buffers = cap.split_outputs(
-        run_forward(fwd_gm, [*s["params"], *s["buffers"], *s["inputs"], one, *s["constants"],
-                             *parameter_casts(plan, s["params"])]))
+        run_forward(
+            fwd_gm,
+            [
+                *s["params"],
+                *s["buffers"],
+                *s["inputs"],
+                one,
+                *s["constants"],
+                *parameter_casts(plan, s["params"]),
+            ],
+        )
+    )
     for i, value in zip(cap.mutated_buffers, new_buffers):
         s["buffers"][i].copy_(value)
     return tuple(user)
@@ -134,18 +147,25 @@ def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Te
                 opt_grads, found = unscale_and_check(opt_grads, scale)
         if opt.clip_max_norm is not None:
             with NodeTagger({"graphamp_subgraph": "clip_grad"}):
-                norm_of = (lambda g, p: global_norm(g, p, plan.process_group)) \
-                    if plan.zero_stage else None
-                opt_grads, total_norm = clip_grad_norm(opt_grads, opt.clip_max_norm,
-                                                       opt.clip_norm_type, norm_of)
+                norm_of = (
+                    (lambda g, p: global_norm(g, p, plan.process_group))
+                    if plan.zero_stage
+                    else None
+                )
+                opt_grads, total_norm = clip_grad_norm(
+                    opt_grads, opt.clip_max_norm, opt.clip_norm_type, norm_of
+                )
                 if total_norm is not None:
                     norms.append(total_norm)
                     found = count_nonfinite_norm(found, total_norm)
         updates.append(_OptimizerUpdate(opt, opt_grads, found))
     if plan.process_group is not None and any(u.found is not None for u in updates):
         with NodeTagger({"graphamp_subgraph": "data_parallel"}):
-            agreed = iter(agree_on_overflow([u.found for u in updates if u.found is not None],
-                                            plan.process_group))
+            agreed = iter(
+                agree_on_overflow(
+                    [u.found for u in updates if u.found is not None], plan.process_group
+                )
+            )
         for u in updates:
             u.found = next(agreed) if u.found is not None else None
     return updates, norms

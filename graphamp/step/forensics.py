@@ -33,16 +33,48 @@ _VIEW_LIKE = frozenset({aten._unsafe_view.default, aten.alias.default})
 # finite scalar arguments: a non-finite value there came from an input, and their headroom is
 # their inputs'. Not probed: fewer reductions per step, nothing lost. (Widening casts, and
 # where/masked_fill/pad with a finite scalar, are checked in _bounded_by_inputs.)
-_BOUNDED = frozenset(p for p in (
-    aten.relu, aten.gelu, aten.silu, aten.tanh, aten.sigmoid, aten.hardtanh, aten.clone,
-    aten.cat, aten.stack, aten.embedding, aten.index_select, aten.gather, aten.abs, aten.neg,
-    aten.max_pool2d_with_indices, aten.max_pool1d_with_indices, aten.amax, aten.amin, aten.max,
-    aten.min, aten._softmax, aten.mean, aten.where, aten.masked_fill, aten.constant_pad_nd,
-    aten._to_copy, aten.lift_fresh_copy, aten.copy, aten.detach))
+_BOUNDED = frozenset(
+    p
+    for p in (
+        aten.relu,
+        aten.gelu,
+        aten.silu,
+        aten.tanh,
+        aten.sigmoid,
+        aten.hardtanh,
+        aten.clone,
+        aten.cat,
+        aten.stack,
+        aten.embedding,
+        aten.index_select,
+        aten.gather,
+        aten.abs,
+        aten.neg,
+        aten.max_pool2d_with_indices,
+        aten.max_pool1d_with_indices,
+        aten.amax,
+        aten.amin,
+        aten.max,
+        aten.min,
+        aten._softmax,
+        aten.mean,
+        aten.where,
+        aten.masked_fill,
+        aten.constant_pad_nd,
+        aten._to_copy,
+        aten.lift_fresh_copy,
+        aten.copy,
+        aten.detach,
+    )
+)
 
 
-def plan_probes(forward: fx.GraphModule, captured: CapturedForward, trainable: list[int],
-                param_casts: list[tuple[int, torch.dtype]]) -> ProbeTable:
+def plan_probes(
+    forward: fx.GraphModule,
+    captured: CapturedForward,
+    trainable: list[int],
+    param_casts: list[tuple[int, torch.dtype]],
+) -> ProbeTable:
     """The probes of ``forward`` (the graph after the AMP passes)."""
     kinds, names = _placeholders(captured, param_casts)
     occurrence = op_occurrences(forward.graph.nodes)
@@ -54,33 +86,59 @@ def plan_probes(forward: fx.GraphModule, captured: CapturedForward, trainable: l
         if node.op == "placeholder":
             placeholders.append(node)
         kind = _kind(node, kinds, len(placeholders) - 1)
-        inputs = tuple(sorted({i for a in node.all_input_nodes for i in _probes_of(a, index, reads)}))
+        inputs = tuple(
+            sorted({i for a in node.all_input_nodes for i in _probes_of(a, index, reads)})
+        )
         if kind is None:
             reads[node] = inputs
             continue
         index[node] = len(probes)
         # a placeholder's "op" is its kind: a data fault reads "input", not an op
-        probes.append(Probe(node.name, names[len(placeholders) - 1], kind, kind,
-                            dtype_after_amp(node), "", None, (), None) if node.op == "placeholder"
-                      else _op_probe(node, kind, inputs, occurrence))
+        probes.append(
+            Probe(
+                node.name,
+                names[len(placeholders) - 1],
+                kind,
+                kind,
+                dtype_after_amp(node),
+                "",
+                None,
+                (),
+                None,
+            )
+            if node.op == "placeholder"
+            else _op_probe(node, kind, inputs, occurrence)
+        )
     output = next(n for n in forward.graph.nodes if n.op == "output")
     outs = list(output.args[0])
-    losses = outs[captured.num_user_outputs:captured.num_user_outputs + captured.num_losses]
+    losses = outs[captured.num_user_outputs : captured.num_user_outputs + captured.num_losses]
     loss_probes = sorted({i for node in losses for i in _probes_of(node, index, reads)})
-    return ProbeTable(tuple(probes),
-                      _grad_params(captured, trainable, param_casts, placeholders, index),
-                      tuple(loss_probes))
+    return ProbeTable(
+        tuple(probes),
+        _grad_params(captured, trainable, param_casts, placeholders, index),
+        tuple(loss_probes),
+    )
 
 
 def _placeholders(captured: CapturedForward, param_casts: list[tuple[int, torch.dtype]]):
     """The kind and readable name of each forward placeholder: (*params, *buffers, *inputs,
     loss_scale, *constants, *low-precision parameter copies); the loss scale is not probed."""
-    kinds = (["parameter"] * len(captured.param_names) + ["buffer"] * len(captured.buffer_names)
-             + ["input"] * captured.num_inputs + [None]
-             + ["constant"] * len(captured.constant_names) + ["parameter copy"] * len(param_casts))
-    names = [*captured.param_names, *captured.buffer_names, *captured.input_names, "loss_scale",
-             *captured.constant_names,
-             *(f"{captured.param_names[i]} ({dtype_name(dt)} copy)" for i, dt in param_casts)]
+    kinds = (
+        ["parameter"] * len(captured.param_names)
+        + ["buffer"] * len(captured.buffer_names)
+        + ["input"] * captured.num_inputs
+        + [None]
+        + ["constant"] * len(captured.constant_names)
+        + ["parameter copy"] * len(param_casts)
+    )
+    names = [
+        *captured.param_names,
+        *captured.buffer_names,
+        *captured.input_names,
+        "loss_scale",
+        *captured.constant_names,
+        *(f"{captured.param_names[i]} ({dtype_name(dt)} copy)" for i, dt in param_casts),
+    ]
     return kinds, names
 
 
@@ -89,15 +147,22 @@ def _kind(node: fx.Node, kinds: list[str | None], placeholder_index: int) -> str
     static, non-zero size (the inf norm of an empty tensor is undefined), or a view (its values
     are its base's, already probed)."""
     val = node.meta.get("val")
-    if not (isinstance(val, torch.Tensor) and val.dtype.is_floating_point
-            and val.layout == torch.strided and isinstance(val.numel(), int) and val.numel() > 0):
+    if not (
+        isinstance(val, torch.Tensor)
+        and val.dtype.is_floating_point
+        and val.layout == torch.strided
+        and isinstance(val.numel(), int)
+        and val.numel() > 0
+    ):
         return None
     if node.op == "placeholder":
         return kinds[placeholder_index] if placeholder_index < len(kinds) else None
     if node.op != "call_function":
         return None
-    if node.target in _VIEW_LIKE or (isinstance(node.target, torch._ops.OpOverload)  # noqa: SLF001
-                                     and node.target.is_view):
+    if node.target in _VIEW_LIKE or (
+        isinstance(node.target, torch._ops.OpOverload)  # noqa: SLF001
+        and node.target.is_view
+    ):
         return None
     if _bounded_by_inputs(node):
         return None
@@ -118,8 +183,12 @@ def _bounded_by_inputs(node: fx.Node) -> bool:
         src = node.args[1] if packet is aten.copy else node.args[0]
         before = dtype_after_amp(src) if isinstance(src, fx.Node) else None
         after = dtype_after_amp(node)
-        return isinstance(before, torch.dtype) and before.is_floating_point \
-            and isinstance(after, torch.dtype) and torch.finfo(after).max >= torch.finfo(before).max
+        return (
+            isinstance(before, torch.dtype)
+            and before.is_floating_point
+            and isinstance(after, torch.dtype)
+            and torch.finfo(after).max >= torch.finfo(before).max
+        )
     return True
 
 
@@ -136,20 +205,37 @@ def _op_probe(node: fx.Node, kind: str, inputs: tuple[int, ...], occurrence: dic
     if node.target is operator.getitem:  # one result of a tuple-producing op: name that op
         described = node.args[0]
         op = f"{op_name(described)}[{node.args[1]}]"
-    pin = pin_identity(described, occurrence[described.name]) \
-        if described.name in occurrence and kind == "op" else None
-    return Probe(node.name, node.name, kind, op, dtype_after_amp(node), module_path(described),
-                 described.meta.get("user_frame"), inputs, pin)
+    pin = (
+        pin_identity(described, occurrence[described.name])
+        if described.name in occurrence and kind == "op"
+        else None
+    )
+    return Probe(
+        node.name,
+        node.name,
+        kind,
+        op,
+        dtype_after_amp(node),
+        module_path(described),
+        described.meta.get("user_frame"),
+        inputs,
+        pin,
+    )
 
 
-def _grad_params(captured: CapturedForward, trainable: list[int],
-                 param_casts: list[tuple[int, torch.dtype]], placeholders: list[fx.Node],
-                 index: dict) -> tuple[GradParam, ...]:
+def _grad_params(
+    captured: CapturedForward,
+    trainable: list[int],
+    param_casts: list[tuple[int, torch.dtype]],
+    placeholders: list[fx.Node],
+    index: dict,
+) -> tuple[GradParam, ...]:
     first_cast = len(placeholders) - len(param_casts)
     out = []
     for i in trainable:
-        nodes = [placeholders[i]] + [placeholders[first_cast + j]
-                                     for j, (pos, _) in enumerate(param_casts) if pos == i]
+        nodes = [placeholders[i]] + [
+            placeholders[first_cast + j] for j, (pos, _) in enumerate(param_casts) if pos == i
+        ]
         out.append(GradParam(captured.param_names[i], tuple(index[n] for n in nodes if n in index)))
     return tuple(out)
 
@@ -235,19 +321,29 @@ class ProbeRecorder:
             return torch.stack([v if v is not None else zero for v in self.values])
 
 
-def record_overflow(state: list[torch.Tensor], recorder: ProbeRecorder, step: torch.Tensor,
-                    scale: torch.Tensor | None, any_skip: torch.Tensor | None) -> None:
+def record_overflow(
+    state: list[torch.Tensor],
+    recorder: ProbeRecorder,
+    step: torch.Tensor,
+    scale: torch.Tensor | None,
+    any_skip: torch.Tensor | None,
+) -> None:
     """Write this step's probe vector into the ring if the step overflowed (a loss or a parameter
     gradient is non-finite, or the scaler skips it), and fold it into the running ranges."""
     count, ring, ranges = state
     table = recorder.table
     with NodeTagger(_TAG):
         vector = recorder.vector(count.device)
-        sinks = [recorder.values[s] for s in (*table.losses, *(
-            table.param_slot(k) for k in range(len(table.params))))]
+        sinks = [
+            recorder.values[s]
+            for s in (*table.losses, *(table.param_slot(k) for k in range(len(table.params))))
+        ]
         sinks = [v for v in sinks if v is not None]
-        overflowed = ~torch.isfinite(torch.stack(sinks)).all() if sinks \
+        overflowed = (
+            ~torch.isfinite(torch.stack(sinks)).all()
+            if sinks
             else torch.zeros((), dtype=torch.bool, device=count.device)
+        )
         if any_skip is not None:
             overflowed = overflowed | any_skip
         used = scale.float() if scale is not None else torch.ones((), device=count.device)

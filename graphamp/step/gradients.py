@@ -60,8 +60,9 @@ def _functional_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = 
     return out if out.shape == dst.shape else out.expand(dst.shape)
 
 
-def run_forward(fwd_gm: fx.GraphModule, inputs: list,
-                recorder: ProbeRecorder | None = None) -> list:
+def run_forward(
+    fwd_gm: fx.GraphModule, inputs: list, recorder: ProbeRecorder | None = None
+) -> list:
     """The forward graph's outputs for ``inputs`` = (*params, *buffers, *batch, loss_scale,
     *constants, *low-precision parameter copies); its nodes are traced into the step tagged
     ``forward``."""
@@ -94,10 +95,14 @@ def parameter_casts(plan: StepPlan, params: list[torch.Tensor]) -> list[torch.Te
         return out
 
 
-def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list],
-                          scale: torch.Tensor | None,
-                          reduce_each: Callable[[list], list] | None = None,
-                          recorder: ProbeRecorder | None = None) -> ForwardResult:
+def forward_and_gradients(
+    plan: StepPlan,
+    fwd_gm: fx.GraphModule,
+    s: dict[str, list],
+    scale: torch.Tensor | None,
+    reduce_each: Callable[[list], list] | None = None,
+    recorder: ProbeRecorder | None = None,
+) -> ForwardResult:
     """Run the forward on each micro-batch, seed each loss with ``scale`` (None: 1) and add the
     parameter gradients up; BatchNorm statistics carry from one micro-batch to the next.
 
@@ -129,13 +134,18 @@ def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, l
                 cast_leaves.append((i, cs[j]))
         with torch.enable_grad():
             user, losses, loss_grads, new_buffers = cap.split_outputs(
-                run_forward(fwd_gm, [*ps, *current, *micro, _loss_scale(scale, params),
-                                     *s["constants"], *cs], recorder))
+                run_forward(
+                    fwd_gm,
+                    [*ps, *current, *micro, _loss_scale(scale, params), *s["constants"], *cs],
+                    recorder,
+                )
+            )
         seeds = _seeds(plan, losses, loss_grads, scale)
         micro_grads: dict[int, torch.Tensor] = total if reduce_each is None else {}
         with NodeTagger({"graphamp_subgraph": "backward"}):
-            _accumulate_grads(plan, losses, seeds, [(i, ps[i]) for i in direct], cast_leaves,
-                              params, micro_grads)
+            _accumulate_grads(
+                plan, losses, seeds, [(i, ps[i]) for i in direct], cast_leaves, params, micro_grads
+            )
         if reduce_each is not None:
             reduced = reduce_each(_in_trainable_order(plan, micro_grads, params))
             for i, g in zip(plan.trainable, reduced):
@@ -145,8 +155,12 @@ def forward_and_gradients(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, l
         for i, value in zip(cap.mutated_buffers, new_buffers):
             current[i] = value.detach()
     grads = _in_trainable_order(plan, total, params)
-    return ForwardResult(_combine_micro_outputs(users), _mean_losses(micro_losses), grads,
-                         [current[i] for i in cap.mutated_buffers])
+    return ForwardResult(
+        _combine_micro_outputs(users),
+        _mean_losses(micro_losses),
+        grads,
+        [current[i] for i in cap.mutated_buffers],
+    )
 
 
 def _in_trainable_order(plan: StepPlan, grads: dict, params: list) -> list[torch.Tensor]:
@@ -179,12 +193,12 @@ def _micro_batches(inputs: list, n: int) -> list[list]:
     """Every input split into n equal slices along dim 0 (checked on the host beforehand)."""
     if n == 1:
         return [inputs]
-    return [[t.narrow(0, k * (t.shape[0] // n), t.shape[0] // n) for t in inputs]
-            for k in range(n)]
+    return [[t.narrow(0, k * (t.shape[0] // n), t.shape[0] // n) for t in inputs] for k in range(n)]
 
 
-def _accumulate_grads(plan: StepPlan, losses: list, seeds: list, direct: list, copies: list,
-                     params: list, total: dict) -> None:
+def _accumulate_grads(
+    plan: StepPlan, losses: list, seeds: list, direct: list, copies: list, params: list, total: dict
+) -> None:
     """Add this micro-batch's parameter gradients to ``total``.
 
     ``direct`` and ``copies`` are (forward position, leaf) pairs: parameters read in their own
@@ -198,9 +212,13 @@ def _accumulate_grads(plan: StepPlan, losses: list, seeds: list, direct: list, c
         groups.setdefault(restrict, []).append(index)
     for n, (restrict, members) in enumerate(groups.items()):
         wrt = [(i, leaf) for i, leaf in [*direct, *copies] if restrict is None or i in restrict]
-        grads = torch.autograd.grad([losses[k] for k in members], [leaf for _, leaf in wrt],
-                                    [seeds[k] for k in members], allow_unused=True,
-                                    retain_graph=n + 1 < len(groups))
+        grads = torch.autograd.grad(
+            [losses[k] for k in members],
+            [leaf for _, leaf in wrt],
+            [seeds[k] for k in members],
+            allow_unused=True,
+            retain_graph=n + 1 < len(groups),
+        )
         for (i, _), g in zip(wrt, grads):
             if g is None:
                 continue
@@ -216,8 +234,11 @@ def _combine_micro_outputs(users: list[list]) -> list:
     for values in zip(*users):
         first = values[0]
         if first.dim() == 0:
-            out.append(torch.stack(values).float().mean().to(first.dtype)
-                       if first.dtype.is_floating_point else values[-1])
+            out.append(
+                torch.stack(values).float().mean().to(first.dtype)
+                if first.dtype.is_floating_point
+                else values[-1]
+            )
         else:
             out.append(torch.cat(values, dim=0))
     return out
@@ -226,5 +247,7 @@ def _combine_micro_outputs(users: list[list]) -> list:
 def _mean_losses(micro_losses: list) -> list:
     if len(micro_losses) == 1:
         return list(micro_losses[0])
-    return [torch.stack([m[i].float() for m in micro_losses]).mean(0)
-            for i in range(len(micro_losses[0]))]
+    return [
+        torch.stack([m[i].float() for m in micro_losses]).mean(0)
+        for i in range(len(micro_losses[0]))
+    ]

@@ -5,30 +5,41 @@ from __future__ import annotations
 import torch
 
 
-def record_history(history: list[torch.Tensor], losses: list[torch.Tensor],
-                   scale: torch.Tensor | None, any_skip: torch.Tensor | None,
-                   norms: list[torch.Tensor]) -> None:
+def record_history(
+    history: list[torch.Tensor],
+    losses: list[torch.Tensor],
+    scale: torch.Tensor | None,
+    any_skip: torch.Tensor | None,
+    norms: list[torch.Tensor],
+) -> None:
     """Write row ``step % capacity``: step, summed scalar loss, scale used, skipped, grad norm."""
     step, table = history
-    scalar_losses = [l for l in losses if l.numel() == 1]
+    scalar_losses = [loss for loss in losses if loss.numel() == 1]
+
     def full(value: float) -> torch.Tensor:
         return torch.full((), value, dtype=torch.float32, device=step.device)
 
     nan = full(float("nan"))
-    loss = (torch.stack([l.reshape(()).float() for l in scalar_losses]).sum()
-            if scalar_losses else nan)
+    loss = (
+        torch.stack([v.reshape(()).float() for v in scalar_losses]).sum() if scalar_losses else nan
+    )
     if norms:
-        grad_norm = norms[0].float() if len(norms) == 1 else torch.linalg.vector_norm(
-            torch.stack([n.float() for n in norms]))
+        grad_norm = (
+            norms[0].float()
+            if len(norms) == 1
+            else torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+        )
     else:
         grad_norm = nan
-    row = torch.stack([
-        step.float(),
-        loss.detach(),
-        scale.float() if scale is not None else full(1.0),
-        any_skip.float() if any_skip is not None else full(0.0),
-        grad_norm.detach(),
-    ])
+    row = torch.stack(
+        [
+            step.float(),
+            loss.detach(),
+            scale.float() if scale is not None else full(1.0),
+            any_skip.float() if any_skip is not None else full(0.0),
+            grad_norm.detach(),
+        ]
+    )
     index = torch.remainder(step, table.shape[0]).reshape(1)
     table.index_copy_(0, index, row.reshape(1, -1))
     step.copy_(step + 1)

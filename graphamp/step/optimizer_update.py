@@ -43,13 +43,17 @@ def sgd_update(t: GroupTensors, flags: dict, first_step: torch.Tensor | None):
         momentum = t.hyper["momentum"]
         new_bufs = torch._foreach_add(
             torch._foreach_mul(t.state["momentum_buffer"], momentum),
-            torch._foreach_mul(grads, 1 - t.hyper["dampening"]))
+            torch._foreach_mul(grads, 1 - t.hyper["dampening"]),
+        )
         if flags["dampening"] and first_step is not None:
             # torch starts the buffer as a copy of the first gradient (no dampening)
             new_bufs = [torch.where(first_step, g, b) for g, b in zip(grads, new_bufs)]
         state["momentum_buffer"] = new_bufs
-        grads = (torch._foreach_add(grads, torch._foreach_mul(new_bufs, momentum))
-                 if flags["nesterov"] else new_bufs)
+        grads = (
+            torch._foreach_add(grads, torch._foreach_mul(new_bufs, momentum))
+            if flags["nesterov"]
+            else new_bufs
+        )
     return torch._foreach_sub(t.params, torch._foreach_mul(grads, lr)), state
 
 
@@ -73,20 +77,23 @@ def adam_update(t: GroupTensors, flags: dict):
     exp_avg = [m.lerp(g, weight) for m, g in zip(t.state["exp_avg"], grads)]
     exp_avg_sq = torch._foreach_add(
         torch._foreach_mul(t.state["exp_avg_sq"], beta2),
-        torch._foreach_mul(torch._foreach_mul(grads, 1 - beta2), grads))
+        torch._foreach_mul(torch._foreach_mul(grads, 1 - beta2), grads),
+    )
     step_size = torch._foreach_div([lr] * n, _one_minus(torch._foreach_pow([beta1] * n, steps)))
-    bias_correction2_sqrt = torch._foreach_sqrt(
-        _one_minus(torch._foreach_pow([beta2] * n, steps)))
+    bias_correction2_sqrt = torch._foreach_sqrt(_one_minus(torch._foreach_pow([beta2] * n, steps)))
     out = {"step": steps, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     second = exp_avg_sq
     if flags["amsgrad"]:
-        second = out["max_exp_avg_sq"] = torch._foreach_maximum(t.state["max_exp_avg_sq"],
-                                                                exp_avg_sq)
+        second = out["max_exp_avg_sq"] = torch._foreach_maximum(
+            t.state["max_exp_avg_sq"], exp_avg_sq
+        )
     # a list of eps: _foreach_add with one tensor reads its value on the host (.item())
     denom = torch._foreach_add(
-        torch._foreach_div(torch._foreach_sqrt(second), bias_correction2_sqrt), [eps] * n)
+        torch._foreach_div(torch._foreach_sqrt(second), bias_correction2_sqrt), [eps] * n
+    )
     new_params = torch._foreach_sub(
-        params, torch._foreach_div(torch._foreach_mul(exp_avg, step_size), denom))
+        params, torch._foreach_div(torch._foreach_mul(exp_avg, step_size), denom)
+    )
     return new_params, out
 
 
@@ -95,8 +102,9 @@ def _one_minus(values: list[torch.Tensor]) -> list[torch.Tensor]:
     return torch._foreach_add(torch._foreach_neg(values), 1)
 
 
-def apply_update(plan: OptimizerPlan, group: GroupPlan, tensors: GroupTensors,
-                 first_step: torch.Tensor | None):
+def apply_update(
+    plan: OptimizerPlan, group: GroupPlan, tensors: GroupTensors, first_step: torch.Tensor | None
+):
     flags = dict(group.flags)
     if plan.kind == "sgd":
         return sgd_update(tensors, flags, first_step)
@@ -116,7 +124,8 @@ def densify_sparse_grads(opt: OptimizerPlan, grads: list[torch.Tensor]) -> list[
             f"optimizer {opt.index} ({type(opt.optimizer).__name__}) gets sparse gradients "
             f"(nn.Embedding(sparse=True) or F.embedding(sparse=True)), which {what} does not "
             "support in eager PyTorch either: use sparse=False, or plain SGD for those "
-            "parameters")
+            "parameters"
+        )
     return [g.to_dense() if g.is_sparse else g for g in grads]
 
 
@@ -125,9 +134,15 @@ def masked(skip: torch.Tensor | None, old: torch.Tensor, new: torch.Tensor) -> t
     return new if skip is None else torch.where(skip, old, new)
 
 
-def update_optimizer(opt: OptimizerPlan, params: list[torch.Tensor], grads: list[torch.Tensor],
-                     states: Iterator[torch.Tensor], hypers: Iterator[torch.Tensor],
-                     counter: torch.Tensor, skip: torch.Tensor | None) -> None:
+def update_optimizer(
+    opt: OptimizerPlan,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: Iterator[torch.Tensor],
+    hypers: Iterator[torch.Tensor],
+    counter: torch.Tensor,
+    skip: torch.Tensor | None,
+) -> None:
     """Trace one optimizer's masked update in place. ``params`` and ``grads`` are this
     optimizer's, in ``opt.forward_positions`` order; its state and hyperparameter tensors are
     taken from the shared iterators (in the layout's order)."""

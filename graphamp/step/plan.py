@@ -19,10 +19,15 @@ from ..spec import CapturedForward, GraphSpec, StepLayout, StepPlan
 from .forensics import plan_probes
 
 
-def build_plan(spec: GraphSpec, captured: CapturedForward, forward: fx.GraphModule,
-               param_ids: list[int], param_casts: list[tuple[int, torch.dtype]],
-               direct_use: set[int],
-               process_group=None) -> StepPlan:
+def build_plan(
+    spec: GraphSpec,
+    captured: CapturedForward,
+    forward: fx.GraphModule,
+    param_ids: list[int],
+    param_casts: list[tuple[int, torch.dtype]],
+    direct_use: set[int],
+    process_group=None,
+) -> StepPlan:
     """The StepPlan for ``captured`` (``forward``: the graph after the AMP passes);
     ``param_ids`` are ``id()`` of the forward's parameters in placeholder order (to find each
     optimizer's parameters among them)."""
@@ -30,21 +35,34 @@ def build_plan(spec: GraphSpec, captured: CapturedForward, forward: fx.GraphModu
     plans = _optimizer_plans(spec, captured, {pid: i for i, pid in enumerate(param_ids)})
     trainable = [i for opt in plans for i in opt.forward_positions]
     if spec.training and not trainable:
-        raise CaptureError(f"{spec.name}: no parameter of the optimizers requires grad and "
-                           "reaches a loss; there is nothing to train")
+        raise CaptureError(
+            f"{spec.name}: no parameter of the optimizers requires grad and "
+            "reaches a loss; there is nothing to train"
+        )
     scaler = spec.scaler if spec.training else None
     _warn_about_scaler_dtype(spec, scaler)
     zero = spec.config.zero_stage if spec.training and process_group is not None else 0
     if zero:
         _check_zero_buckets(spec, plans)
-    probes = plan_probes(forward, captured, trainable, param_casts) \
-        if spec.training and spec.config.overflow_tracing else None
-    return StepPlan(captured, spec.training, trainable, plans, scaler,
-                    layout=_layout(captured, plans, scaler, spec.training, zero, probes),
-                    param_casts=param_casts, direct_use=direct_use,
-                    acc_steps=spec.config.grad_acc_steps,
-                    process_group=process_group if spec.training else None, zero_stage=zero,
-                    probes=probes)
+    probes = (
+        plan_probes(forward, captured, trainable, param_casts)
+        if spec.training and spec.config.overflow_tracing
+        else None
+    )
+    return StepPlan(
+        captured,
+        spec.training,
+        trainable,
+        plans,
+        scaler,
+        layout=_layout(captured, plans, scaler, spec.training, zero, probes),
+        param_casts=param_casts,
+        direct_use=direct_use,
+        acc_steps=spec.config.grad_acc_steps,
+        process_group=process_group if spec.training else None,
+        zero_stage=zero,
+        probes=probes,
+    )
 
 
 def _check_zero_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
@@ -55,23 +73,27 @@ def _check_zero_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
             raise ConfigError(
                 f"{spec.name}: enable_zero shards each optimizer's parameters as one flat "
                 f"bucket, but optimizer {opt.index} holds {sorted(map(str, dtypes))}: give "
-                "parameters of each dtype their own optimizer (add_optimizer twice)")
+                "parameters of each dtype their own optimizer (add_optimizer twice)"
+            )
 
 
 def _check_losses(spec: GraphSpec, captured: CapturedForward) -> None:
     if spec.training and captured.num_losses == 0:
         raise CaptureError(
             f"{spec.name}.build() never calls backward(), but an optimizer is added: call "
-            "loss.backward() in build() (or remove add_optimizer for an eval graph)")
+            "loss.backward() in build() (or remove add_optimizer for an eval graph)"
+        )
     if not spec.training and captured.num_losses:
         where = captured.loss_frames[0]
         raise CaptureError(
             f"{spec.name}.build() calls backward(){' at ' + str(where) if where else ''} but no "
-            "optimizer is added: call self.add_optimizer(optimizer) in __init__")
+            "optimizer is added: call self.add_optimizer(optimizer) in __init__"
+        )
 
 
-def _optimizer_plans(spec: GraphSpec, captured: CapturedForward,
-                     position: dict[int, int]) -> list[OptimizerPlan]:
+def _optimizer_plans(
+    spec: GraphSpec, captured: CapturedForward, position: dict[int, int]
+) -> list[OptimizerPlan]:
     owner: dict[int, int] = {}
     plans = []
     for k, slot in enumerate(spec.optimizers):
@@ -87,8 +109,9 @@ def _optimizer_plans(spec: GraphSpec, captured: CapturedForward,
                     updated.append(p)
             flags = group_flags(kind, opt, group)
             groups.append(GroupPlan(positions, flags, state_keys(kind, dict(flags))))
-        plans.append(OptimizerPlan(k, opt, kind, groups, slot.clip_max_norm,
-                                   slot.clip_norm_type, updated))
+        plans.append(
+            OptimizerPlan(k, opt, kind, groups, slot.clip_max_norm, slot.clip_norm_type, updated)
+        )
     return plans
 
 
@@ -99,54 +122,82 @@ def _forward_position(spec, captured, position, owner, k, opt, p) -> int:
             f"{spec.name}: optimizer {k} ({type(opt).__name__}) holds a parameter of shape "
             f"{tuple(p.shape)} that belongs to no module registered on the graph. Register its "
             "module as an attribute in __init__ (self.model = model), or build the optimizer "
-            "from that module's parameters")
+            "from that module's parameters"
+        )
     i = position[id(p)]
     if i in owner and owner[i] != k:
         raise CaptureError(
             f"{spec.name}: parameter {captured.param_names[i]!r} is in optimizers {owner[i]} "
-            f"and {k}; give each parameter to one optimizer")
+            f"and {k}; give each parameter to one optimizer"
+        )
     owner[i] = k
     return i
 
 
-def _layout(cap: CapturedForward, plans: list[OptimizerPlan], scaler, training: bool,
-            zero_stage: int = 0, probes: ProbeTable | None = None) -> StepLayout:
+def _layout(
+    cap: CapturedForward,
+    plans: list[OptimizerPlan],
+    scaler,
+    training: bool,
+    zero_stage: int = 0,
+    probes: ProbeTable | None = None,
+) -> StepLayout:
     """Placeholder names of the step's inputs, group by group (spec.STEP_INPUT_GROUPS)."""
     state, hyper = [], []
     for opt in plans:
-        name_of = dict(zip(map(id, opt.params), (cap.param_names[i] for i in opt.forward_positions)))
+        name_of = dict(
+            zip(map(id, opt.params), (cap.param_names[i] for i in opt.forward_positions))
+        )
         state += [f"opt{opt.index}_{key}_{name_of[id(p)]}" for p, key in opt.state_slots()]
         for g in range(len(opt.groups)):
             hyper += [f"opt{opt.index}_group{g}_{h}" for h in opt.hyper_names]
-    return StepLayout({
-        "params": [f"p_{n}" for n in cap.param_names],
-        "buffers": [f"b_{n}" for n in cap.buffer_names],
-        "opt_state": state,
-        "hyper": hyper,
-        "counters": [f"opt{opt.index}_applied_steps" for opt in plans],
-        "scaler": (["scaler_scale", "scaler_growth_tracker", "scaler_hysteresis_tracker",
-                    "scaler_found_inf"] if scaler is not None else []),
-        "history": ["history_step", "history_table"] if training else [],
-        "shard": ["zero_rank"] if zero_stage else [],
-        "forensics": (["forensics_count", "forensics_ring", "forensics_ranges"]
-                      if probes is not None else []),
-        "constants": [f"c_{n}" for n in cap.constant_names],
-        "inputs": [f"in_{n}" for n in cap.input_names],
-    })
+    return StepLayout(
+        {
+            "params": [f"p_{n}" for n in cap.param_names],
+            "buffers": [f"b_{n}" for n in cap.buffer_names],
+            "opt_state": state,
+            "hyper": hyper,
+            "counters": [f"opt{opt.index}_applied_steps" for opt in plans],
+            "scaler": (
+                [
+                    "scaler_scale",
+                    "scaler_growth_tracker",
+                    "scaler_hysteresis_tracker",
+                    "scaler_found_inf",
+                ]
+                if scaler is not None
+                else []
+            ),
+            "history": ["history_step", "history_table"] if training else [],
+            "shard": ["zero_rank"] if zero_stage else [],
+            "forensics": (
+                ["forensics_count", "forensics_ring", "forensics_ranges"]
+                if probes is not None
+                else []
+            ),
+            "constants": [f"c_{n}" for n in cap.constant_names],
+            "inputs": [f"in_{n}" for n in cap.input_names],
+        }
+    )
 
 
 def _warn_about_scaler_dtype(spec: GraphSpec, scaler) -> None:
     config = spec.config
-    if scaler is not None and scaler.enabled and (
-            not config.amp_active or config.amp_dtype == torch.bfloat16):
+    if (
+        scaler is not None
+        and scaler.enabled
+        and (not config.amp_active or config.amp_dtype == torch.bfloat16)
+    ):
         what = "bf16" if config.amp_active else "fp32"
         warnings.warn(
             f"{spec.name}: a grad scaler is set for a {what} step, where gradients do not "
             "underflow as in fp16; loss scaling is unnecessary (it still works and still skips "
-            "non-finite steps)", stacklevel=5)
-    if spec.training and scaler is None and config.amp_active \
-            and config.amp_dtype == torch.float16:
+            "non-finite steps)",
+            stacklevel=5,
+        )
+    if spec.training and scaler is None and config.amp_active and config.amp_dtype == torch.float16:
         warnings.warn(
             f"{spec.name}: fp16 AMP without a grad scaler: small gradients underflow to zero "
             "in fp16. Add self.set_grad_scaler(graphamp.GradScaler()) or use bf16",
-            stacklevel=5)
+            stacklevel=5,
+        )

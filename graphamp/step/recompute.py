@@ -47,13 +47,13 @@ def recompute_checkpointed(gm: fx.GraphModule, regions: frozenset[str]) -> Recom
     for region, needed in by_region.items():
         members = _with_marked_inputs(needed, marked, region)
         first_use = min((u for n in needed for u in _late_users(n)), key=order.__getitem__)
-        copies = _copy_before(gm.graph, sorted(members, key=order.__getitem__), first_use,
-                              region)
+        copies = _copy_before(gm.graph, sorted(members, key=order.__getitem__), first_use, region)
         for n in needed:
             for user in _late_users(n):
                 user.replace_input_with(n, copies[n])
-        result.regions[region] = [n.meta.get("fwd_node", n.name)
-                                  for n in sorted(members, key=order.__getitem__)]
+        result.regions[region] = [
+            n.meta.get("fwd_node", n.name) for n in sorted(members, key=order.__getitem__)
+        ]
     gm.graph.lint()
     gm.recompile()
     return result
@@ -81,9 +81,11 @@ def _recomputable(node: fx.Node) -> bool:
 def _late_users(node: fx.Node) -> list[fx.Node]:
     """Users after the forward (backward, scaler, optimizer): they read saved activations.
     The step's outputs keep the forward's value (recomputing it would only add work)."""
-    return [u for u in node.users
-            if u.op == "call_function" and u.meta.get("graphamp_subgraph") not in ("forward",
-                                                                                  RECOMPUTE)]
+    return [
+        u
+        for u in node.users
+        if u.op == "call_function" and u.meta.get("graphamp_subgraph") not in ("forward", RECOMPUTE)
+    ]
 
 
 def _with_marked_inputs(needed: list[fx.Node], marked: dict, region: str) -> set[fx.Node]:
@@ -98,8 +100,7 @@ def _with_marked_inputs(needed: list[fx.Node], marked: dict, region: str) -> set
     return members
 
 
-def _copy_before(graph: fx.Graph, members: list[fx.Node], anchor: fx.Node,
-                 region: str) -> dict:
+def _copy_before(graph: fx.Graph, members: list[fx.Node], anchor: fx.Node, region: str) -> dict:
     copies: dict[fx.Node, fx.Node] = {}
     with graph.inserting_before(anchor):
         for n in members:

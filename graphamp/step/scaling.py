@@ -26,8 +26,7 @@ def unscale_and_check(grads: list[torch.Tensor], scale: torch.Tensor):
     return grads, found_inf
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float,
-                   norm_of=None):
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float, norm_of=None):
     """torch.nn.utils.clip_grad_norm_ on values: (clipped grads, total norm). ``norm_of(grads,
     norm_type)`` computes the total norm where the grads are shards (ZeRO)."""
     if not grads:
@@ -48,12 +47,14 @@ def count_nonfinite_norm(found: torch.Tensor | None, norm: torch.Tensor) -> torc
     return torch.where(torch.isfinite(norm), found, torch.ones_like(found))
 
 
-def write_scale_update(scaler: GradScaler, state: list[torch.Tensor],
-                       found_total: torch.Tensor, any_skip: torch.Tensor) -> None:
+def write_scale_update(
+    scaler: GradScaler, state: list[torch.Tensor], found_total: torch.Tensor, any_skip: torch.Tensor
+) -> None:
     """The scale update after a step, written into the scaler's state tensors in place."""
     scale_t, growth_t, hysteresis_t, found_t = state
     new_scale, new_growth, new_hysteresis = scaler.update_scale(
-        scale_t, growth_t, hysteresis_t, found_total)
+        scale_t, growth_t, hysteresis_t, found_total
+    )
     scale_t.copy_(new_scale)
     growth_t.copy_(new_growth)
     hysteresis_t.copy_(new_hysteresis)

@@ -80,4 +80,4 @@ def global_norm(shards: list[torch.Tensor], norm_type: float, group) -> torch.Te
     local = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
     if math.isinf(norm_type):
         return funcol.all_reduce(local, "max", group)
-    return funcol.all_reduce(local ** norm_type, "sum", group) ** (1.0 / norm_type)
+    return funcol.all_reduce(local**norm_type, "sum", group) ** (1.0 / norm_type)
