@@ -313,7 +313,9 @@ def test_pin_naming_a_module_that_does_not_exist():
 
 def test_pin_of_a_non_module():
     g = make_graph(seed_mlp(), nn.CrossEntropyLoss(), None)
-    with pytest.raises(ConfigError, match="nn.Module classes, qualified module names or graphamp.AmpPin"):
+    with pytest.raises(
+        ConfigError, match="nn.Module classes, qualified module names or graphamp.AmpPin"
+    ):
         g.config.pin_fp32(42)
 
 
