@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import ambient, pipeline
+from . import ambient, pipeline, schedulers
 from .autofix import Autofix
 from .config import GraphConfig
 from .dependencies import StructureKey, describe_change
@@ -175,7 +175,7 @@ class Graph:
             raise ConfigError("lr_sch must be a learning-rate scheduler of this optimizer")
         max_norm, norm_type = validate_clip(clip_grad_max_norm, clip_grad_norm_type)
         self._optimizer_slots.append(OptimizerSlot(optimizer, lr_sch, max_norm, norm_type))
-        _silence_scheduler_order_warning(optimizer)
+        schedulers.silence_order_warning(optimizer)
         hook = getattr(optimizer, "register_load_state_dict_post_hook", None)
         if hook is not None:
             hook(lambda opt: self._optimizer_state_loaded())
@@ -257,13 +257,13 @@ class Graph:
         count it has read up to move together."""
         runner = program.runner
         flat = runner.gather(inputs.tensors)
-        schedulers = [s.lr_sch for s in self._optimizer_slots if s.lr_sch is not None]
-        saved = [_scheduler_snapshot(sch) for sch in schedulers]
+        stepping = [s.lr_sch for s in self._optimizer_slots if s.lr_sch is not None]
+        saved = [schedulers.snapshot(sch) for sch in stepping]
         undo = None
         held = hold_interrupts()
         try:
             try:
-                for sch in schedulers:
+                for sch in stepping:
                     sch.step()  # sets the next step's lr; this step's is already gathered
                 undo = runner.record_step()
                 self.__dict__["_step_count"] += 1
@@ -273,7 +273,7 @@ class Graph:
                     undo()
                     self.__dict__["_step_count"] -= 1
                 for snapshot in saved:
-                    _restore_scheduler(*snapshot)
+                    schedulers.restore(snapshot)
                 raise
             # committed: from here on nothing undoes the step
             if runner.forensics is not None:
@@ -587,36 +587,6 @@ def _checked_pins(saved: Any) -> list[AmpPin]:
         return [AmpPin.from_dict(d) for d in saved]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"the saved amp_pins do not load: {type(e).__name__}: {e}") from e
-
-
-def _silence_scheduler_order_warning(optimizer: torch.optim.Optimizer) -> None:
-    """LR schedulers warn when step() runs before optimizer.step(); graphamp steps the optimizer
-    inside the compiled program, so mark it as stepped for them."""
-    # the flag torch's schedulers check
-    optimizer._opt_called = True  # type: ignore[attr-defined]  # noqa: SLF001
-
-
-def _scheduler_snapshot(sch: Any) -> tuple:
-    """What a scheduler's step() changes: its attributes (and those of the schedulers it chains)
-    and its optimizer's hyperparameters. Attributes are copied one level deep, enough for torch's
-    schedulers, which replace or extend their lists and numbers; cheaper than ``state_dict()``,
-    which is paid on every call."""
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in sch.optimizer.param_groups]
-    return _attributes(sch), groups
-
-
-def _attributes(sch: Any) -> list[tuple[Any, dict]]:
-    saved = {k: (list(v) if type(v) is list else v) for k, v in vars(sch).items()}
-    nested = [a for s in vars(sch).get("_schedulers", ()) for a in _attributes(s)]
-    return [(sch, saved), *nested]
-
-
-def _restore_scheduler(attributes: list[tuple[Any, dict]], groups: list[dict]) -> None:
-    for sch, saved in attributes:
-        vars(sch).clear()
-        vars(sch).update(saved)
-    for group, values in zip(attributes[0][0].optimizer.param_groups, groups):
-        group.update(values)
 
 
 def _checked_counters(saved: Any, n_optimizers: int) -> dict[int, int]:

@@ -115,7 +115,7 @@ class Runner:
 
     def gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's flat inputs for this call, with every refresh applied. Changes nothing
-        the user can see: optimizer state graphamp creates is installed by ``commit``."""
+        the user can see: optimizer state graphamp creates is installed by ``record_step``."""
         if self.opt_state is None or (not self._to_install and self._optimizer_state_edited()):
             self._materialize()
         for slot in self.hyper:
@@ -201,16 +201,6 @@ class Runner:
 
         return undo
 
-    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """gather, record, execute: one whole step (the Graph adds its own bookkeeping)."""
-        flat = self.gather(inputs)
-        undo = self.record_step()
-        try:
-            return self.execute(flat)
-        except BaseException:
-            undo()
-            raise
-
     def invalidate_optimizer_state(self) -> None:
         """The user loaded an optimizer state dict: gather its tensors again at the next call
         (a CUDA graph notices the new addresses and is captured again)."""
@@ -274,7 +264,7 @@ def _increment_versions(tensors: list[torch.Tensor]) -> None:
 def materialize_optimizer_state(plan: StepPlan):
     """(the optimizer state tensors in layout order, [(optimizer, parameter, key, tensor)] still
     to be installed): created in torch's format where missing; nothing is written into the
-    optimizer here (``Runner.commit`` installs them once a step has run).
+    optimizer here (``Runner.record_step`` installs them when the step is committed).
 
     Existing state (from a checkpoint or earlier eager steps) is kept; a ``step`` on the CPU is
     copied to the parameters' device, where the compiled step can update it without a sync.
