@@ -96,37 +96,23 @@ def lm_loss(logits, targets):
 
 
 def gpt2(device, smoke=False, n_batches=4) -> Workload:
-    cfg = dict(vocab=512, seq=64, layers=2, heads=4, dim=64) if smoke else {}
-    batch, seq = (2, 64) if smoke else (8, 1024)
-    vocab, layers, dim = cfg.get("vocab", 50304), cfg.get("layers", 12), cfg.get("dim", 768)
-    gen = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(n_batches):
-        idx = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device)
-        batches.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
-    model = GPT(**cfg) if cfg else None
-    n_params = sum(p.numel() for n, p in (model or GPT()).named_parameters() if n != "wpe.weight")
-    heads = cfg.get("heads", 12)
-    # nanoGPT's estimate: 6N per token plus attention 12 * layers * heads * head_dim * seq
-    flops = (6 * n_params + 12 * layers * heads * (dim // heads) * seq) * batch * seq
-    return Workload(
-        "gpt2-124m" if not smoke else "gpt-tiny",
-        lambda: GPT(**cfg),
-        lambda m, fused: torch.optim.AdamW(
-            m.parameters(),
-            lr=6e-4,
-            weight_decay=0.1,
-            betas=(0.9, 0.95),
-            **({"fused": True} if fused else {}),
-        ),
-        lm_loss,
-        batches,
-        flops,
-        f"GPT-2 {'tiny' if smoke else '124M'} (12 layers, 768 wide) batch {batch}, sequence {seq}, "
-        "AdamW, SDPA attention"
-        if not smoke
-        else "tiny GPT smoke workload",
-        batch * seq,
+    if smoke:
+        return _gpt_workload(
+            "gpt-tiny",
+            dict(vocab=512, seq=64, layers=2, heads=4, dim=64),
+            2,
+            device,
+            n_batches,
+            "tiny GPT smoke workload",
+        )
+    batch, seq = 8, 1024
+    return _gpt_workload(
+        "gpt2-124m",
+        dict(vocab=50304, seq=seq, layers=12, heads=12, dim=768),
+        batch,
+        device,
+        n_batches,
+        f"GPT-2 124M (12 layers, 768 wide) batch {batch}, sequence {seq}, AdamW, SDPA attention",
     )
 
 
@@ -135,17 +121,29 @@ def gpt2_6l(device, smoke=False, n_batches=4) -> Workload:
     and vocabulary, 6 layers, n_embd 128, 4 heads, B8 T64, AdamW (the smoke size is gpt2's)."""
     if smoke:
         return gpt2(device, smoke=True, n_batches=n_batches)
-    cfg = dict(vocab=50304, seq=64, layers=6, heads=4, dim=128)
-    batch, seq = 8, 64
+    return _gpt_workload(
+        "gpt2-6l",
+        dict(vocab=50304, seq=64, layers=6, heads=4, dim=128),
+        8,
+        device,
+        n_batches,
+        "GPT-2 layout, 6 layers, n_embd 128, 4 heads, vocab 50304, B8 T64, AdamW",
+    )
+
+
+def _gpt_workload(name, cfg, batch, device, n_batches, description) -> Workload:
+    """A GPT of ``cfg`` trained with nanoGPT's AdamW on random tokens of length cfg["seq"]."""
+    seq = cfg["seq"]
     gen = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(n_batches):
         idx = torch.randint(0, cfg["vocab"], (batch, seq + 1), generator=gen).to(device)
         batches.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
     n_params = sum(p.numel() for n, p in GPT(**cfg).named_parameters() if n != "wpe.weight")
+    # nanoGPT's estimate: 6N per token plus attention 12 * layers * heads * head_dim * seq
     flops = (6 * n_params + 12 * cfg["layers"] * cfg["dim"] * seq) * batch * seq
     return Workload(
-        "gpt2-6l",
+        name,
         lambda: GPT(**cfg),
         lambda m, fused: torch.optim.AdamW(
             m.parameters(),
@@ -157,7 +155,7 @@ def gpt2_6l(device, smoke=False, n_batches=4) -> Workload:
         lm_loss,
         batches,
         flops,
-        "GPT-2 layout, 6 layers, n_embd 128, 4 heads, vocab 50304, B8 T64, AdamW",
+        description,
         batch * seq,
     )
 
