@@ -14,7 +14,7 @@ import timeit
 import torch
 from call_overhead import make_graph, replace_compiled_step_with_noop
 
-from graphamp import ambient
+from graphamp.runtime import ambient
 
 
 def main() -> float:

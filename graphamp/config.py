@@ -14,9 +14,9 @@ from typing import Any, Iterable
 import torch
 
 from .errors import ConfigError
-from .ops import resolve_op
-from .pins import AmpPin
-from .validate import (
+from .records.ops import resolve_op
+from .records.pins import AmpPin
+from .records.validate import (
     LOW_PRECISION_DTYPES,
     OPT_LEVELS,
     check_bool,

@@ -17,14 +17,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import ambient, pipeline, schedulers
-from .autofix import Autofix
+from . import pipeline
 from .config import GraphConfig
-from .dependencies import StructureKey, describe_change
 from .errors import ConfigError, GraphDefinitionError
-from .forensics import OverflowEvent, OverflowReport, RangeReport
-from .history import TrainingHistory
-from .inputs import FlatInputs, check_arity, flatten_inputs
+from .forensics.analysis import OverflowEvent, OverflowReport, RangeReport
+from .forensics.autofix import Autofix
 from .inspect.dump import dump_program
 from .inspect.printing import graph_repr
 from .inspect.report import (
@@ -33,14 +30,18 @@ from .inspect.report import (
     log_program_summary,
     precision_report,
 )
-from .interrupts import hold_interrupts, release_interrupts
-from .optimizers import optimizer_kind, validate_clip
-from .pins import AmpPin
+from .records.history import TrainingHistory
+from .records.inputs import FlatInputs, check_arity, flatten_inputs
+from .records.optimizers import optimizer_kind, validate_clip
+from .records.pins import AmpPin
+from .records.spec import CompiledStep, GraphSpec, OptimizerSlot, Program
+from .records.state import SharedState
+from .records.validate import check_choice, check_int
+from .runtime import ambient, schedulers
+from .runtime.cache_key import StructureKey, describe_change
+from .runtime.interrupts import hold_interrupts, release_interrupts
+from .runtime.torch_scaler import as_graphamp_scaler
 from .scaler import GradScaler
-from .spec import CompiledStep, GraphSpec, OptimizerSlot, Program
-from .state import SharedState
-from .torch_scaler import as_graphamp_scaler
-from .validate import check_choice, check_int
 
 log = logging.getLogger("graphamp")
 _READY = "_graphamp_ready"

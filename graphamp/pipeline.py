@@ -28,15 +28,15 @@ from .capture import (
     pinned_paths,
 )
 from .errors import ConfigError
-from .fxutil import copy_graph_module
-from .inputs import FlatInputs
 from .passes import DEFAULT_LISTS, AmpContext, run_amp_passes
-from .pins import PinMatch, resolve_pins
+from .records.fxutil import copy_graph_module
+from .records.inputs import FlatInputs
+from .records.pins import PinMatch, resolve_pins
+from .records.spec import AutocastTrace, CapturedForward, GraphSpec, PassRecord, Program, StepPlan
+from .records.stage_errors import PASS_THROUGH as _PASS_THROUGH
+from .records.stage_errors import stage_error
+from .records.state import SharedState
 from .runtime import CudaGraphStep, Runner, compile_step, distributed
-from .spec import AutocastTrace, CapturedForward, GraphSpec, PassRecord, Program, StepPlan
-from .stage_errors import PASS_THROUGH as _PASS_THROUGH
-from .stage_errors import stage_error
-from .state import SharedState
 from .step import assemble_step, build_plan, recompute_checkpointed
 
 log = logging.getLogger("graphamp")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
-from .validate import check_bool, check_int, check_number
+from .records.validate import check_bool, check_int, check_number
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 

@@ -14,10 +14,10 @@ from models import ManualAttentionBlock, SmallCNN, TinyGPT, lm_loss, seed_mlp
 import graphamp
 from graphamp import ConfigError
 from graphamp.capture import BuildRoot, autocast_forward, capture_forward
-from graphamp.fxutil import copy_graph_module
-from graphamp.inputs import flatten_inputs
 from graphamp.inspect.compare import compare
 from graphamp.passes import AmpContext, run_amp_passes
+from graphamp.records.fxutil import copy_graph_module
+from graphamp.records.inputs import flatten_inputs
 
 CUDA = torch.device("cuda")  # fake CUDA tensors: autocast's CUDA policy, measured on any machine
 

@@ -14,9 +14,9 @@ from helpers import make_graph
 from models import seed_mlp
 
 import graphamp
-import graphamp.passes.pipeline as amp_pipeline
+import graphamp.passes.amp_pipeline as amp_pipeline
 from graphamp.passes import AmpPassError
-from graphamp.spec import STEP_INPUT_GROUPS, StepLayout
+from graphamp.records.spec import STEP_INPUT_GROUPS, StepLayout
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STAGES = ("graphamp.capture", "graphamp.passes", "graphamp.step", "graphamp.runtime")
@@ -26,8 +26,6 @@ ABOVE_STAGES = ("graphamp.graph", "graphamp.pipeline", "graphamp.inspect")
 def _module_name(path: pathlib.Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
     parts = list(rel.parts)
-    if parts[0] == "passes":
-        parts = ["graphamp", *parts]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -36,7 +34,7 @@ def _module_name(path: pathlib.Path) -> str:
 def _imports() -> dict[str, list[tuple[str, bool]]]:
     """module -> [(imported graphamp module, inside a function?)], TYPE_CHECKING blocks left out."""
     out: dict[str, list[tuple[str, bool]]] = {}
-    for path in [*ROOT.glob("graphamp/**/*.py"), *ROOT.glob("passes/**/*.py")]:
+    for path in ROOT.glob("graphamp/**/*.py"):
         mod = _module_name(path)
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         found: list[tuple[str, bool]] = []

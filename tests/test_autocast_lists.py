@@ -32,8 +32,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import graphamp
 from graphamp.capture import fake_copy
 from graphamp.errors import CaptureError
-from graphamp.fxutil import copy_graph_module, dtype_after_amp
 from graphamp.passes import AmpContext, run_amp_passes, verify_dtypes
+from graphamp.records.fxutil import copy_graph_module, dtype_after_amp
 
 LOW = object()  # "the AMP dtype": what torch's lower-precision lists expect
 

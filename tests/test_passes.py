@@ -15,9 +15,9 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphamp import passes
-from graphamp.fxutil import op_name
 from graphamp.passes import AmpContext, PrecisionLists, run_amp_passes
 from graphamp.passes.lint import AmpInvariantError, check_amp_invariants
+from graphamp.records.fxutil import op_name
 
 aten = torch.ops.aten
 SMALL = PrecisionLists(
@@ -174,7 +174,7 @@ def test_precision_hints_force_the_colour_and_spread():
         return torch.mm(a, w), b
 
     from graphamp.capture import BuildRoot, capture_forward
-    from graphamp.inputs import flatten_inputs
+    from graphamp.records.inputs import flatten_inputs
 
     root = BuildRoot({}, fn)
     cap = capture_forward(root, flatten_inputs((X, W), {}), "hints")
@@ -455,7 +455,7 @@ def test_promote_op_runs_in_the_widest_arriving_dtype():
 
 def test_mixed_promote_inputs_are_cast_to_the_widest_at_capture():
     from graphamp.capture import BuildRoot, capture_forward
-    from graphamp.inputs import flatten_inputs
+    from graphamp.records.inputs import flatten_inputs
 
     cap = capture_forward(
         BuildRoot({}, lambda a, b: torch.dot(a, b)), flatten_inputs((X16[0], X[1]), {}), "dot"
@@ -478,7 +478,7 @@ def test_equal_dtype_op_gets_mixed_inputs_cast_to_the_widest():
 
 def _captured(fn, *args, modules=None):
     from graphamp.capture import BuildRoot, capture_forward
-    from graphamp.inputs import flatten_inputs
+    from graphamp.records.inputs import flatten_inputs
 
     return capture_forward(BuildRoot(modules or {}, fn), flatten_inputs(args, {}), "g").gm
 
@@ -532,7 +532,7 @@ def test_recurrent_layers_are_kept_whole_and_their_states_follow():
 def test_verify_dtypes_checks_getitem_outputs():
     # on CUDA an LSTM cell is one _thnn_fused_lstm_cell whose cell state (output 1) is data
     from graphamp.capture import BuildRoot, capture_forward
-    from graphamp.inputs import flatten_inputs
+    from graphamp.records.inputs import flatten_inputs
 
     w_ih, w_hh = torch.randn(16, 4), torch.randn(16, 4)
     bias = torch.randn(16)  # (torch's fake kernel of the fused cell needs the biases)

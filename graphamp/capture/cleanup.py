@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..errors import CaptureError
-from ..spec import CapturedForward
+from ..records.spec import CapturedForward
 
 aten = torch.ops.aten
 

@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.checkpoint import CheckpointFunction
 
-from ..fxutil import current_user_frame, last_node, nodes_after, tracing_graph
-from ..ops import _ORIGINAL_APPLY, AUTOGRAD_FUNCTION, FunctionCall
+from ..records.fxutil import current_user_frame, last_node, nodes_after, tracing_graph
+from ..records.ops import _ORIGINAL_APPLY, AUTOGRAD_FUNCTION, FunctionCall
 
 _active = threading.local()  # .calls: the FunctionCalls of the capture running in this thread
 _patch_lock = threading.Lock()

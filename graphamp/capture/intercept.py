@@ -28,7 +28,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.overrides import TorchFunctionMode
 
 from ..errors import CaptureError
-from ..fxutil import (
+from ..records.fxutil import (
     UserFrame,
     current_user_frame,
     is_library_file,
@@ -36,7 +36,7 @@ from ..fxutil import (
     nodes_after,
     tracing_graph,
 )
-from ..ops import CAPTURE_REWRITES, capture_sdpa
+from ..records.ops import CAPTURE_REWRITES, capture_sdpa
 from .dtype_checks import mixed_dtypes
 
 aten = torch.ops.aten

@@ -24,8 +24,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..inputs import FlatInputs
-from ..spec import STRUCTURAL_OPS, AutocastTrace, OracleOp
+from ..records.inputs import FlatInputs
+from ..records.spec import STRUCTURAL_OPS, AutocastTrace, OracleOp
 from .intercept import CaptureMode
 from .root import BuildRoot, fake_copy, quiet_fake_data_pointers
 

@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import CaptureError, ConfigError, InputError
-from ..inputs import FlatInputs
-from ..model_pins import model_fp32_pins
+from ..records.inputs import FlatInputs
+from ..records.model_pins import model_fp32_pins
 
 
 class BuildRoot(nn.Module):

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.modules import module as module_globals
 
 from ..errors import CaptureError
-from ..fxutil import UserFrame, current_user_frame
+from ..records.fxutil import UserFrame, current_user_frame
 
 _HOOK_KINDS = (
     ("_forward_pre_hooks", "forward pre-hook"),

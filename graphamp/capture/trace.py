@@ -21,9 +21,9 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import CaptureError, GraphampError
-from ..fxutil import rename_placeholders, trace_functional, user_frame_of_exception
-from ..inputs import FlatInputs
-from ..spec import TENSOR, CapturedForward
+from ..records.fxutil import rename_placeholders, trace_functional, user_frame_of_exception
+from ..records.inputs import FlatInputs
+from ..records.spec import TENSOR, CapturedForward
 from .cleanup import (
     check_input_mutations,
     detach_no_grad_values,

@@ -20,8 +20,8 @@ import io
 import json
 import os
 
-from ..forensics import OverflowReport, RangeReport, RangeRow
-from ..spec import Program
+from ..forensics.analysis import OverflowReport, RangeReport, RangeRow
+from ..records.spec import Program
 from .picture import LEGEND, dot_to_svg, layered_svg, to_dot
 from .report import COLUMNS, PrecisionReport
 

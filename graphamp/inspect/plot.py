@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..forensics import RangeReport, RangeRow
-from ..history import TrainingHistory
+from ..forensics.analysis import RangeReport, RangeRow
+from ..records.history import TrainingHistory
 
 
 def _rows(source: Any) -> dict[str, list[float]]:

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..fxutil import dtype_after_amp, is_compute_node, op_name
-from ..spec import GraphSpec, Program
-from ..validate import dtype_name
+from ..records.fxutil import dtype_after_amp, is_compute_node, op_name
+from ..records.spec import GraphSpec, Program
+from ..records.validate import dtype_name
 
 INDENT = "  "
 

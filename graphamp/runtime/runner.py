@@ -17,11 +17,11 @@ import torch.nn as nn
 from torch.autograd.graph import increment_version
 
 from ..errors import CaptureError, ConfigError
-from ..forensics import ForensicsState
-from ..optimizers import OptimizerPlan, init_state
-from ..sharding import chunk_of
-from ..spec import StepPlan
-from ..state import SharedState
+from ..forensics.analysis import ForensicsState
+from ..records.optimizers import OptimizerPlan, init_state
+from ..records.sharding import chunk_of
+from ..records.spec import StepPlan
+from ..records.state import SharedState
 from . import zero_state
 
 Slot = tuple[dict, str]  # (the dict holding a tensor, its key): a live lookup

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..optimizers import OptimizerPlan
-from ..sharding import chunk_of
+from ..records.optimizers import OptimizerPlan
+from ..records.sharding import chunk_of
 
 _REGISTRY: weakref.WeakKeyDictionary[torch.optim.Optimizer, _ShardedOptimizer] = (
     weakref.WeakKeyDictionary()

@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..fxutil import NodeTagger, rename_placeholders, trace_functional
-from ..optimizers import OptimizerPlan
-from ..spec import StepPlan
+from ..records.fxutil import NodeTagger, rename_placeholders, trace_functional
+from ..records.optimizers import OptimizerPlan
+from ..records.spec import StepPlan
 from .collectives import agree_on_overflow, average_over_ranks
-from .forensics import ProbeRecorder, record_overflow
 from .gradients import forward_and_gradients, parameter_casts, run_forward
-from .history import record_history
+from .history_row import record_history
 from .optimizer_update import densify_sparse_grads, masked, update_optimizer
+from .overflow_probes import ProbeRecorder, record_overflow
 from .scaling import clip_grad_norm, count_nonfinite_norm, unscale_and_check, write_scale_update
 from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 

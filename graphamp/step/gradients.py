@@ -13,10 +13,10 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..fxutil import NodeTagger, last_node, nodes_after, tracing_graph
-from ..ops import EXPANSIONS
-from ..spec import StepPlan
-from .forensics import ProbeRecorder
+from ..records.fxutil import NodeTagger, last_node, nodes_after, tracing_graph
+from ..records.ops import EXPANSIONS
+from ..records.spec import StepPlan
+from .overflow_probes import ProbeRecorder
 
 # forward-node metadata the step's nodes inherit (dumps and reports read it)
 _COPY_META = ("amp_colour", "amp_list", "amp_reason", "nn_module_stack", "user_frame", "amp_cast")

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 
 from ..errors import CaptureError
-from ..optimizers import GroupPlan, OptimizerPlan
+from ..records.optimizers import GroupPlan, OptimizerPlan
 
 
 @dataclass

@@ -13,10 +13,10 @@ import torch
 import torch.fx as fx
 
 from ..errors import CaptureError, ConfigError
-from ..forensics import ProbeTable
-from ..optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
-from ..spec import CapturedForward, GraphSpec, StepLayout, StepPlan
-from .forensics import plan_probes
+from ..forensics.analysis import ProbeTable
+from ..records.optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
+from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
+from .overflow_probes import plan_probes
 
 
 def build_plan(

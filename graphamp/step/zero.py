@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from ..sharding import chunk_of
+from ..records.sharding import chunk_of
 
 
 def _rows(tensors: list[torch.Tensor], world: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CaptureError, CompileError, GraphampError
+from ..errors import CaptureError, CompileError, GraphampError
 from .fxutil import user_frame_of_exception
 from .spec import GraphSpec
 

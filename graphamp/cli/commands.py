@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..inspect.plot import plot_state_file
 from . import demo
-from .inspect.plot import plot_state_file
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
-from .forensics import OverflowEvent
+from ..errors import ConfigError
+from ..forensics.analysis import OverflowEvent
 from .validate import check_int
 
 HISTORY_COLUMNS = ("step", "loss", "scale", "skipped", "grad_norm")

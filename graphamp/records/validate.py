@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 OPT_LEVELS = ("O0", "O1", "O2", "O3")

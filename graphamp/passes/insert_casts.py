@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..validate import dtype_name
+from ..records.validate import dtype_name
 from .base import AmpContext, PassResult, captured_dtype, dtype_after_amp, packet_of
 from .lists import (
     ALL_OUTPUTS_FOLLOW,

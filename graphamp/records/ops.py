@@ -38,7 +38,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .fxutil import NodeTagger
 
 aten = torch.ops.aten

@@ -22,9 +22,9 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from .config import AutofixSettings, GraphConfig
-from .forensics import OverflowEvent
-from .pins import AmpPin
+from ..config import AutofixSettings, GraphConfig
+from ..records.pins import AmpPin
+from .analysis import OverflowEvent
 
 log = logging.getLogger("graphamp")
 

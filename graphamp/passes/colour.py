@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 import networkx as nx
 import torch.fx as fx
 
-from ..fxutil import op_name
+from ..records.fxutil import op_name
 from .base import (
     AmpContext,
     Classifier,

@@ -22,10 +22,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from .compat import dispatch_functionalize
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_GRAPHAMP_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-# passes/ may live beside graphamp/ (source tree) or inside it (installed).
-_PASSES_DIR = os.path.join(os.path.dirname(_GRAPHAMP_DIR.rstrip(os.sep)), "passes") + os.sep
-_LIBRARY_DIRS = (_TORCH_DIR, _GRAPHAMP_DIR, _PASSES_DIR)
+_GRAPHAMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY_DIRS = (_TORCH_DIR, _GRAPHAMP_DIR)
 _is_library_cache: dict[str, bool] = {}
 
 

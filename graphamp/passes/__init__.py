@@ -4,6 +4,7 @@ Each pass is one file with one verb-named function ``fn(gm, ctx) -> PassResult(g
 The pipeline order lives in ``pipeline.AMP_PIPELINE``; the invariants in ``README.md``.
 """
 
+from .amp_pipeline import AMP_PIPELINE, AmpPassError, run_amp_passes
 from .base import AmpContext, PassResult
 from .colour import colour_by_lists
 from .fold_casts import fold_cast_chains
@@ -11,7 +12,6 @@ from .hoist_param_casts import hoist_parameter_casts
 from .insert_casts import dtype_after_amp, insert_casts
 from .lint import AmpInvariantError, check_amp_invariants, verify_dtypes
 from .lists import DEFAULT_LISTS, PrecisionLists, resolve_op
-from .pipeline import AMP_PIPELINE, AmpPassError, run_amp_passes
 from .remove_hints import remove_hints
 
 __all__ = [

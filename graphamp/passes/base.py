@@ -9,8 +9,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
-from ..fxutil import captured_dtype, dtype_after_amp, float_dtype, is_compute_node
-from ..validate import check_low_precision_dtype, check_opt_level
+from ..records.fxutil import captured_dtype, dtype_after_amp, float_dtype, is_compute_node
+from ..records.validate import check_low_precision_dtype, check_opt_level
 from .lists import DEFAULT_LISTS, FIXED_DTYPE, PROMOTE, PrecisionLists
 
 __all__ = [

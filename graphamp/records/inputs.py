@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import InputError
+from ..errors import InputError
 from .validate import dtype_name
 
 # Non-tensor leaves must be hashable values that tracing can bake into the graph.

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, UnsupportedOptimizerError
+from ..errors import ConfigError, UnsupportedOptimizerError
 from .validate import check_number
 
 SUPPORTED = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}

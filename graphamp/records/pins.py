@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import torch.fx as fx
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .fxutil import module_path, op_name
 
 __all__ = ["AmpPin", "PinMatch", "resolve_pins"]

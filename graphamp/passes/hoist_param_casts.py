@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..validate import dtype_name
+from ..records.validate import dtype_name
 from .base import AmpContext, PassResult, captured_dtype, packet_of
 from .insert_casts import wanted_dtype
 from .lists import MIXED_ARGS

@@ -18,17 +18,17 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .config import ConfigSnapshot
-from .forensics import ProbeTable
+from ..config import ConfigSnapshot
+from ..forensics.analysis import ProbeTable
+from ..scaler import GradScaler
 from .fxutil import UserFrame
 from .inputs import FlatInputs, InputSignature
 from .ops import FunctionCall
 from .optimizers import OptimizerPlan
-from .scaler import GradScaler
 
 if TYPE_CHECKING:  # records of other stages, typed only
-    from .forensics import ForensicsState
-    from .passes import AmpContext
+    from ..forensics.analysis import ForensicsState
+    from ..passes import AmpContext
 
 __all__ = [
     "AutocastTrace",

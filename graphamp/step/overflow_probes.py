@@ -18,11 +18,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..forensics import GradParam, Probe, ProbeTable
-from ..fxutil import NodeTagger, dtype_after_amp, module_path, op_name
-from ..pins import op_occurrences, pin_identity
-from ..spec import CapturedForward
-from ..validate import dtype_name
+from ..forensics.analysis import GradParam, Probe, ProbeTable
+from ..records.fxutil import NodeTagger, dtype_after_amp, module_path, op_name
+from ..records.pins import op_occurrences, pin_identity
+from ..records.spec import CapturedForward
+from ..records.validate import dtype_name
 
 _TAG = {"graphamp_subgraph": "forensics"}
 aten = torch.ops.aten

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
-from .scaler import GradScaler
+from ..errors import ConfigError
+from ..scaler import GradScaler
 
 _TORCH_SCALER_TYPES = tuple(
     c

@@ -25,9 +25,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .fxutil import UserFrame
-from .pins import AmpPin
-from .validate import dtype_name
+from ..records.fxutil import UserFrame
+from ..records.pins import AmpPin
+from ..records.validate import dtype_name
 
 __all__ = [
     "ForensicsState",

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 
-from .model_pins import declared_patterns, declaring_models
+from ..records.model_pins import declared_patterns, declaring_models
 
 _epoch = itertools.count()
 _current = [next(_epoch)]
