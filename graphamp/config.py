@@ -2,8 +2,9 @@
 
 One config object per Graph; no globals, no environment variables. Every setter validates its
 input at once, so a bad value fails where it is written, not at the first call. The stages never
-read this mutable object: the Graph hands them ``snapshot()``, a frozen copy taken when a step is
-built (and part of the compiled-step cache key, so a setter called later rebuilds the step).
+read this mutable object: the Graph hands them ``snapshot()``, a frozen
+``records.settings.ConfigSnapshot`` taken when a step is built (and part of the compiled-step
+cache key, so a setter called later rebuilds the step).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from .errors import ConfigError
 from .records.ops import resolve_op
 from .records.pins import AmpPin
+from .records.settings import BACKENDS, AutofixSettings, ConfigSnapshot, ListOverrides
 from .records.validate import (
     LOW_PRECISION_DTYPES,
     OPT_LEVELS,
@@ -26,7 +28,6 @@ from .records.validate import (
     check_opt_level,
 )
 
-BACKENDS = ("inductor", "aot_eager", "eager")
 __all__ = [
     "AutofixSettings",
     "BACKENDS",
@@ -36,73 +37,6 @@ __all__ = [
     "LOW_PRECISION_DTYPES",
     "OPT_LEVELS",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class ListOverrides:
-    """Ops moved between the precision lists by the user (names are resolved by the AMP passes)."""
-
-    allow: tuple[Any, ...] = ()
-    deny: tuple[Any, ...] = ()
-    infer: tuple[Any, ...] = ()
-    clear: tuple[Any, ...] = ()
-    remove: tuple[Any, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class AutofixSettings:
-    """enable_amp_autofix: pin an op to fp32 once it was the first non-finite producer on
-    ``after`` skipped steps, at most ``max_pins`` times. Read on the host after each step; not
-    part of the compiled step (changing it rebuilds nothing)."""
-
-    max_pins: int
-    after: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ConfigSnapshot:
-    """The settings a compiled step was built with: frozen, hashable, read by every stage."""
-
-    amp_enabled: bool
-    amp_dtype: torch.dtype
-    amp_opt_level: str
-    list_overrides: ListOverrides
-    fp32_module_types: tuple[type, ...]
-    fp32_module_names: tuple[str, ...]
-    backend: str
-    cuda_graph: bool | None  # None: on for CUDA (the default)
-    grad_acc_steps: int
-    inductor_options: tuple[tuple[str, Any], ...]
-    data_parallel: bool
-    process_group: Any
-    overflow_tracing: bool = False  # the step records which node first went non-finite
-    amp_pins: tuple[AmpPin, ...] = ()  # single ops or modules kept fp32 (by the user or autofix)
-    checkpoint_module_types: tuple[type, ...] = ()
-    checkpoint_module_names: tuple[str, ...] = ()
-    zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded (enable_zero)
-
-    @property
-    def activation_checkpointing(self) -> bool:
-        return bool(self.checkpoint_module_types or self.checkpoint_module_names)
-
-    @property
-    def amp_active(self) -> bool:
-        """AMP is on and its opt level changes something (O0 is fp32)."""
-        return self.amp_enabled and self.amp_opt_level != "O0"
-
-    def __hash__(self) -> int:
-        # part of the cache key looked up at every call: computed once. Inductor option values
-        # may be lists or dicts, so they are hashed by their text.
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            fields = [
-                getattr(self, f.name)
-                for f in dataclasses.fields(self)
-                if f.name != "inductor_options"
-            ]
-            cached = hash((*fields, repr(self.inductor_options)))
-            object.__setattr__(self, "_hash", cached)
-        return cached
 
 
 class GraphConfig:

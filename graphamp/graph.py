@@ -20,8 +20,8 @@ import torch.nn as nn
 from . import pipeline
 from .config import GraphConfig
 from .errors import ConfigError, GraphDefinitionError
-from .forensics.analysis import OverflowEvent, OverflowReport, RangeReport
 from .forensics.autofix import Autofix
+from .forensics.reports import OverflowReport, RangeReport
 from .inspect.dump import dump_program
 from .inspect.printing import graph_repr
 from .inspect.report import (
@@ -34,6 +34,7 @@ from .records.history import TrainingHistory
 from .records.inputs import FlatInputs, check_arity, flatten_inputs
 from .records.optimizers import optimizer_kind, validate_clip
 from .records.pins import AmpPin
+from .records.probes import OverflowEvent
 from .records.spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .records.state import SharedState
 from .records.validate import check_choice, check_int

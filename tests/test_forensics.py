@@ -436,7 +436,8 @@ def test_states_saved_before_pins_existed_still_load():
 def test_analysis_follows_the_non_finite_values_to_the_loss():
     """A by-design infinity the softmax absorbs comes first in topological order; the overflow
     that reached the loss is the one reported."""
-    from graphamp.forensics.analysis import ROW_HEADER, GradParam, Probe, ProbeTable, analyse
+    from graphamp.forensics.analysis import analyse
+    from graphamp.records.probes import ROW_HEADER, GradParam, Probe, ProbeTable
 
     def op(name, inputs, dtype=torch.float16):
         return Probe(
@@ -534,7 +535,7 @@ def test_ranges_match_eager_autocast_values_and_gradients(tmp_path):
 
 
 def test_the_record_stays_on_the_device_until_asked(monkeypatch):
-    from graphamp.forensics.analysis import ForensicsState
+    from graphamp.forensics.device_record import ForensicsState
 
     reads = []
     original = ForensicsState.read_new
@@ -692,8 +693,8 @@ def test_autofix_pins_the_op_first_then_its_module_and_respects_max_pins(caplog)
     # module when the op pin did not suffice (replacing it), never past max_pins, never a data
     # fault
     from graphamp.config import GraphConfig
-    from graphamp.forensics.analysis import OverflowEvent
     from graphamp.forensics.autofix import Autofix
+    from graphamp.records.probes import OverflowEvent
 
     def event(step, pins, kind="op"):
         return OverflowEvent(

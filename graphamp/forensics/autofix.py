@@ -22,9 +22,10 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from ..config import AutofixSettings, GraphConfig
+from ..config import GraphConfig
 from ..records.pins import AmpPin
-from .analysis import OverflowEvent
+from ..records.probes import OverflowEvent
+from ..records.settings import AutofixSettings
 
 log = logging.getLogger("graphamp")
 

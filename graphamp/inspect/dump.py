@@ -20,7 +20,7 @@ import io
 import json
 import os
 
-from ..forensics.analysis import OverflowReport, RangeReport, RangeRow
+from ..forensics.reports import OverflowReport, RangeReport, RangeRow
 from ..records.spec import Program
 from .picture import LEGEND, dot_to_svg, layered_svg, to_dot
 from .report import COLUMNS, PrecisionReport

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..forensics.analysis import RangeReport, RangeRow
+from ..forensics.reports import RangeReport, RangeRow
 from ..records.history import TrainingHistory
 
 

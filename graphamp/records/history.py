@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..forensics.analysis import OverflowEvent
+from .probes import OverflowEvent
 from .validate import check_int
 
 HISTORY_COLUMNS = ("step", "loss", "scale", "skipped", "grad_norm")

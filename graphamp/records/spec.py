@@ -18,17 +18,17 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from ..config import ConfigSnapshot
-from ..forensics.analysis import ProbeTable
-from ..scaler import GradScaler
 from .fxutil import UserFrame
 from .inputs import FlatInputs, InputSignature
 from .ops import FunctionCall
 from .optimizers import OptimizerPlan
+from .probes import ProbeTable
+from .settings import ConfigSnapshot
 
 if TYPE_CHECKING:  # records of other stages, typed only
-    from ..forensics.analysis import ForensicsState
+    from ..forensics.device_record import ForensicsState
     from ..passes import AmpContext
+    from ..scaler import GradScaler
 
 __all__ = [
     "AutocastTrace",

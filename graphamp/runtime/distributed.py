@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from ..config import ConfigSnapshot
 from ..errors import CaptureError, ConfigError
+from ..records.settings import ConfigSnapshot
 
 log = logging.getLogger("graphamp")
 T = TypeVar("T")

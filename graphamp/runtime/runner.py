@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.autograd.graph import increment_version
 
 from ..errors import CaptureError, ConfigError
-from ..forensics.analysis import ForensicsState
+from ..forensics.device_record import ForensicsState
 from ..records.optimizers import OptimizerPlan, init_state
 from ..records.sharding import chunk_of
 from ..records.spec import StepPlan

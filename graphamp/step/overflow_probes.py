@@ -18,9 +18,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..forensics.analysis import GradParam, Probe, ProbeTable
 from ..records.fxutil import NodeTagger, dtype_after_amp, module_path, op_name
 from ..records.pins import op_occurrences, pin_identity
+from ..records.probes import GradParam, Probe, ProbeTable
 from ..records.spec import CapturedForward
 from ..records.validate import dtype_name
 

@@ -13,8 +13,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import CaptureError, ConfigError
-from ..forensics.analysis import ProbeTable
 from ..records.optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
+from ..records.probes import ProbeTable
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
 from .overflow_probes import plan_probes
 

@@ -6,9 +6,12 @@ step: the overflow flag never leaves the device.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from ..scaler import GradScaler
+if TYPE_CHECKING:  # the user's scaler object reaches the step through the StepPlan
+    from ..scaler import GradScaler
 
 
 def unscale_and_check(grads: list[torch.Tensor], scale: torch.Tensor):

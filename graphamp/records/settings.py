@@ -1,0 +1,86 @@
+"""The settings a compiled step is built with, as the stages read them: frozen and hashable.
+
+``config.GraphConfig`` (the user's face: verb-named setters that validate) keeps one
+``ConfigSnapshot`` and replaces it on every change; the Graph hands the current one to the
+pipeline inside the ``GraphSpec``, and it is part of the compiled-step cache key. The stages read
+this module, never ``config.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .pins import AmpPin
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+__all__ = ["AutofixSettings", "BACKENDS", "ConfigSnapshot", "ListOverrides"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ListOverrides:
+    """Ops moved between the precision lists by the user (names are resolved by the AMP passes)."""
+
+    allow: tuple[Any, ...] = ()
+    deny: tuple[Any, ...] = ()
+    infer: tuple[Any, ...] = ()
+    clear: tuple[Any, ...] = ()
+    remove: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class AutofixSettings:
+    """enable_amp_autofix: pin an op to fp32 once it was the first non-finite producer on
+    ``after`` skipped steps, at most ``max_pins`` times. Read on the host after each step; not
+    part of the compiled step (changing it rebuilds nothing)."""
+
+    max_pins: int
+    after: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSnapshot:
+    """The settings a compiled step was built with: frozen, hashable, read by every stage."""
+
+    amp_enabled: bool
+    amp_dtype: torch.dtype
+    amp_opt_level: str
+    list_overrides: ListOverrides
+    fp32_module_types: tuple[type, ...]
+    fp32_module_names: tuple[str, ...]
+    backend: str
+    cuda_graph: bool | None  # None: on for CUDA (the default)
+    grad_acc_steps: int
+    inductor_options: tuple[tuple[str, Any], ...]
+    data_parallel: bool
+    process_group: Any
+    overflow_tracing: bool = False  # the step records which node first went non-finite
+    amp_pins: tuple[AmpPin, ...] = ()  # single ops or modules kept fp32 (by the user or autofix)
+    checkpoint_module_types: tuple[type, ...] = ()
+    checkpoint_module_names: tuple[str, ...] = ()
+    zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded (enable_zero)
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return bool(self.checkpoint_module_types or self.checkpoint_module_names)
+
+    @property
+    def amp_active(self) -> bool:
+        """AMP is on and its opt level changes something (O0 is fp32)."""
+        return self.amp_enabled and self.amp_opt_level != "O0"
+
+    def __hash__(self) -> int:
+        # part of the cache key looked up at every call: computed once. Inductor option values
+        # may be lists or dicts, so they are hashed by their text.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            fields = [
+                getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if f.name != "inductor_options"
+            ]
+            cached = hash((*fields, repr(self.inductor_options)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
