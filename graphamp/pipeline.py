@@ -1,19 +1,20 @@
-"""The pipeline: the only caller of the stages, in one literal order.
+"""The pipeline: the only caller of the stages, in the order of ``STAGES``.
 
     GraphSpec + inputs ─capture─▶ CapturedForward ─amp_passes─▶ forward + AmpContext
-      ─plan─▶ StepPlan ─assemble─▶ step graph ─compile─▶ Program
+      ─plan─▶ StepPlan ─assemble─▶ step graph (─recompute─▶) ─compile─▶ Program
 
 ``Graph`` hands this module a GraphSpec (what was registered and configured), the call's
 flattened inputs and the graph's SharedState; it gets a Program back. No stage reads ``Graph``;
-each reads the record the previous stage made (``spec.py``). ``docs/architecture.md`` has the
-picture and the import rules.
+each reads the records the previous stages made (``records/spec.py``), and each is visited
+once, in order: the runtime's Runner is made last, around the compiled step.
+``docs/architecture.md`` has the picture and the import rules.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -36,12 +37,44 @@ from .records.spec import AutocastTrace, CapturedForward, GraphSpec, PassRecord,
 from .records.stage_errors import PASS_THROUGH as _PASS_THROUGH
 from .records.stage_errors import stage_error
 from .records.state import SharedState
-from .runtime import CudaGraphStep, Runner, compile_step, distributed
-from .step import assemble_step, build_plan, recompute_checkpointed
+from .runtime import Runner, compile_step, distributed
+from .runtime.compile import StepFn
+from .step import assemble_step, build_plan, example_inputs, recompute_checkpointed
 
 log = logging.getLogger("graphamp")
 
-STAGES = ("capture", "amp_passes", "plan", "assemble", "compile")
+
+class _Build:
+    """What the stages of one build have made so far; each stage reads earlier fields and sets
+    its own (an attribute is missing until its stage ran)."""
+
+    def __init__(self, spec: GraphSpec, inputs: FlatInputs, state: SharedState) -> None:
+        self.spec = spec
+        self.inputs = inputs
+        self.state = state
+        self.root = BuildRoot(spec.modules, spec.build)
+        self.process_group: Any = None  # data parallel: the group gradients are averaged over
+        self.stage = "capture"  # the stage running (named in errors)
+        self.timings: dict[str, float] = {}
+        self.records: list[PassRecord] = []
+
+    # set by the stages, in this order
+    device: torch.device
+    captured: CapturedForward
+    module_pins: dict[str, str]  # module path -> why it stays fp32 (AMP on)
+    regions: frozenset[str]  # activation checkpointing regions
+    forward: fx.GraphModule
+    amp: AmpContext | None
+    plan: StepPlan
+    example: list[torch.Tensor]
+    step_gm: fx.GraphModule
+    compiled: StepFn
+
+
+class Stage(NamedTuple):
+    name: str
+    run: Callable[[_Build], None]
+    wanted: Callable[[_Build], bool] | None = None  # None: always
 
 
 def build_program(spec: GraphSpec, inputs: FlatInputs, state: SharedState) -> Program:
@@ -50,136 +83,117 @@ def build_program(spec: GraphSpec, inputs: FlatInputs, state: SharedState) -> Pr
     Whatever a stage raises reaches the user as a graphamp error naming the stage, the user's
     line where the failure has one, and what to try; torch's exception is its ``__cause__``.
     graphamp's own errors, Ctrl-C and out-of-memory errors pass through as they are."""
-    stages = _Stages(spec.name)
+    b = _Build(spec, inputs, state)
     try:
-        return _build_program(spec, inputs, state, stages)
+        return _build_program(b)
     except _PASS_THROUGH:
         raise
     except Exception as e:  # noqa: BLE001 - every other failure becomes graphamp's
-        raise stage_error(spec, stages.current, e) from e
+        raise stage_error(spec, b.stage, e) from e
 
 
-def _build_program(
-    spec: GraphSpec, inputs: FlatInputs, state: SharedState, stages: _Stages
-) -> Program:
+def _build_program(b: _Build) -> Program:
+    spec = b.spec
     if not spec.config.data_parallel:
-        return _build(spec, inputs, state, stages)
-    group = distributed.process_group(spec.name, spec.config)
-    if not state.broadcast_done:
-        distributed.broadcast_state(spec.name, BuildRoot(spec.modules, spec.build), group)
-        state.broadcast_done = True
+        return _build(b)
+    b.process_group = group = distributed.process_group(spec.name, spec.config)
+    if not b.state.broadcast_done:
+        distributed.broadcast_state(spec.name, b.root, group)
+        b.state.broadcast_done = True
     return distributed.build_on_every_rank(
         spec.name,
         group,
-        lambda: _build(spec, inputs, state, stages, group),
+        lambda: _build(b),
         lambda p: distributed.fingerprint(p.step_gm, p.plan.layout.names),
     )
 
 
-def _build(
-    spec: GraphSpec,
-    inputs: FlatInputs,
-    state: SharedState,
-    stages: _Stages,
-    process_group: Any = None,
-) -> Program:
-    config = spec.config
+def _build(b: _Build) -> Program:
+    for stage in STAGES:
+        if stage.wanted is not None and not stage.wanted(b):
+            continue
+        b.stage = stage.name
+        start = time.perf_counter()
+        stage.run(b)
+        b.timings[stage.name] = time.perf_counter() - start
+    config = b.spec.config
+    replay = (
+        b.device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False
+    )
+    runner = Runner(
+        b.plan,
+        b.root,
+        b.state,
+        b.device,
+        b.compiled,
+        cuda_graph_batch=b.inputs.tensors if replay else None,
+        graph_name=b.spec.name,
+    )
+    return Program(
+        spec=b.spec,
+        signature=b.inputs.signature,
+        captured=b.captured,
+        forward=b.forward,
+        amp=b.amp,
+        plan=b.plan,
+        step_gm=b.step_gm,
+        runner=runner,
+        device=b.device,
+        timings=dict(b.timings),
+        pass_records=b.records,
+        example_inputs=b.inputs.as_meta(),
+    )
+
+
+# -- the stages ------------------------------------------------------------------------------------
+
+
+def _capture(b: _Build) -> None:
+    """build() traced, and the module facts the later stages need (checked once, here)."""
+    spec, config = b.spec, b.spec.config
     if config.grad_acc_steps > 1 and not spec.training:
         raise ConfigError(
             f"{spec.name}: gradient accumulation splits a training step into "
             "micro-batches, but the graph has no optimizer"
         )
-    root = BuildRoot(spec.modules, spec.build)
-    check_not_fsdp(spec.name, root)
-    device = check_devices(spec.name, root, inputs)
-    traced = (
-        inputs.micro_batch(config.grad_acc_steps, spec.name)
-        if config.grad_acc_steps > 1
-        else inputs
-    )
-    captured = stages.run(
-        "capture", capture_forward, root, traced, spec.name, None, config.amp_active
-    )
-    records = [PassRecord("captured", captured.gm.code, stages.timings["capture"], True)]
-    forward, amp = stages.run("amp_passes", _amp_passes, spec, root, captured, records)
-    plan = stages.run("plan", _plan, spec, captured, root, forward, amp, process_group)
-    runner = Runner(plan, root, state, device)
-    example = runner.example_inputs(inputs.tensors)
-    step_gm = stages.run("assemble", assemble_step, plan, forward, example, spec.name)
-    regions = checkpointed_paths(
-        root, config.checkpoint_module_types, config.checkpoint_module_names
-    )
-    if regions and spec.training:
-        recomputed = stages.run("recompute", recompute_checkpointed, step_gm, regions)
-        log.info(
-            "%s: activation checkpointing recomputes %d ops in %d regions",
-            spec.name,
-            recomputed.copies,
-            len(recomputed.regions),
+    check_not_fsdp(spec.name, b.root)
+    b.device = check_devices(spec.name, b.root, b.inputs)
+    traced = b.inputs
+    if config.grad_acc_steps > 1:
+        traced = b.inputs.micro_batch(config.grad_acc_steps, spec.name)
+    b.captured = capture_forward(b.root, traced, spec.name, None, config.amp_active)
+    b.module_pins = {}
+    if config.amp_active:
+        b.module_pins = pinned_paths(
+            b.root, config.fp32_module_types, config.fp32_module_names, config.amp_dtype
         )
-    runner.compiled = stages.run(
-        "compile", compile_step, step_gm, example, config.backend, dict(config.inductor_options)
-    )
-    if device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False:
-        _replay_as_cuda_graph(spec.name, runner, plan, inputs.tensors)
-    return Program(
-        spec,
-        inputs.signature,
-        captured,
-        forward,
-        amp,
-        plan,
-        step_gm,
-        runner,
-        device,
-        dict(stages.timings),
-        records,
-        example_inputs=inputs.as_meta(),
+    b.regions = checkpointed_paths(
+        b.root, config.checkpoint_module_types, config.checkpoint_module_names
     )
 
 
-class _Stages:
-    """Runs the stages, timing each and remembering which one is running (for errors)."""
-
-    def __init__(self, graph_name: str) -> None:
-        self.graph_name = graph_name
-        self.current = "capture"
-        self.timings: dict[str, float] = {}
-
-    def run(self, stage: str, fn: Callable, *args: Any) -> Any:
-        self.current = stage
-        start = time.perf_counter()
-        out = fn(*args)
-        self.timings[stage] = time.perf_counter() - start
-        return out
-
-
-def _amp_passes(
-    spec: GraphSpec, root: BuildRoot, captured: CapturedForward, records: list[PassRecord]
-):
-    """The AMP passes on a copy of the captured forward: (forward, AmpContext | None)."""
-    config = spec.config
+def _amp_passes(b: _Build) -> None:
+    """The AMP passes on a copy of the captured forward (AMP off: the captured forward)."""
+    spec, config, captured = b.spec, b.spec.config, b.captured
+    b.records.append(PassRecord("captured", captured.gm.code, b.timings["capture"], True))
+    b.forward, b.amp = captured.gm, None
     if not config.amp_active:
-        return captured.gm, None
-    n_params = len(captured.param_names)
+        return
     placeholders = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
-    module_pins = pinned_paths(
-        root, config.fp32_module_types, config.fp32_module_names, config.amp_dtype
-    )
-    pins = _resolve_pins(spec, root, captured)
-    amp = AmpContext(
+    pins = _resolve_pins(spec, b.root, captured)
+    b.amp = amp = AmpContext(
         dtype=config.amp_dtype,
         lists=DEFAULT_LISTS.with_overrides(config.list_overrides),
         opt_level=config.amp_opt_level,
-        pinned_paths=frozenset(module_pins) | pins.modules,
-        pin_reasons=module_pins,
+        pinned_paths=frozenset(b.module_pins) | pins.modules,
+        pin_reasons=b.module_pins,
         pinned_nodes=pins.nodes,
-        parameters=frozenset(placeholders[:n_params]),
+        parameters=frozenset(captured.layout.split(placeholders).params),
     )
 
     def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
         # python_code, not recompile: the code text without compiling it
-        records.append(PassRecord(pass_name, gm.graph.python_code("self").src, seconds, modified))
+        b.records.append(PassRecord(pass_name, gm.graph.python_code("self").src, seconds, modified))
         log.log(
             logging.DEBUG if spec.debug_level < 2 else logging.INFO,
             "%s: pass %s %.1f ms%s",
@@ -189,8 +203,7 @@ def _amp_passes(
             "" if modified else " (no change)",
         )
 
-    forward = run_amp_passes(copy_graph_module(captured.gm), amp, after_pass=record)
-    return forward, amp
+    b.forward = run_amp_passes(copy_graph_module(captured.gm), amp, after_pass=record)
 
 
 def _resolve_pins(spec: GraphSpec, root: BuildRoot, captured: CapturedForward) -> PinMatch:
@@ -210,49 +223,60 @@ def _resolve_pins(spec: GraphSpec, root: BuildRoot, captured: CapturedForward) -
     return pins
 
 
-def _plan(
-    spec: GraphSpec,
-    captured: CapturedForward,
-    root: BuildRoot,
-    forward: fx.GraphModule,
-    amp: AmpContext | None,
-    process_group: Any,
-) -> StepPlan:
-    n_params = len(captured.param_names)
-    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    index = {node.name: i for i, node in enumerate(placeholders[:n_params])}
-    param_casts = [(index[name], dtype) for name, dtype in (amp.hoisted if amp else [])]
-    direct_use = {i for i in range(n_params) if placeholders[i].users}
-    return build_plan(
-        spec,
-        captured,
-        forward,
-        [id(p) for p in root.parameters()],
-        param_casts,
-        direct_use,
-        process_group,
+def _plan(b: _Build) -> None:
+    hoisted = b.amp.hoisted if b.amp is not None else []
+    layout = b.captured.layout.with_param_copies(len(hoisted))
+    params = layout.split([n for n in b.forward.graph.nodes if n.op == "placeholder"]).params
+    index = {node.name: i for i, node in enumerate(params)}
+    b.plan = build_plan(
+        b.spec,
+        b.captured,
+        b.forward,
+        [id(p) for p in b.root.parameters()],
+        [(index[name], dtype) for name, dtype in hoisted],
+        {i for i, node in enumerate(params) if node.users},
+        b.process_group,
     )
 
 
-def _replay_as_cuda_graph(
-    name: str, runner: Runner, plan: StepPlan, inputs: list[torch.Tensor]
-) -> None:
-    compiled = runner.compiled
-    try:
-        runner.compiled = CudaGraphStep(compiled, plan.layout.n_state, runner.gather(inputs))
-        runner.uses_cuda_graph = True
-    except Exception as e:  # noqa: BLE001 - fall back, and say why
-        log.warning(
-            "%s: CUDA graph capture failed, running without it: %s: %s", name, type(e).__name__, e
-        )
-        runner.compiled = compiled
+def _assemble(b: _Build) -> None:
+    b.example = example_inputs(b.plan, b.root, b.state, b.inputs.tensors, b.device)
+    b.step_gm = assemble_step(b.plan, b.forward, b.example)
+
+
+def _recompute(b: _Build) -> None:
+    recomputed = recompute_checkpointed(b.step_gm, b.regions)
+    log.info(
+        "%s: activation checkpointing recomputes %d ops in %d regions",
+        b.spec.name,
+        recomputed.copies,
+        len(recomputed.regions),
+    )
+
+
+def _compile(b: _Build) -> None:
+    config = b.spec.config
+    b.compiled = compile_step(b.step_gm, b.example, config.backend, dict(config.inductor_options))
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("capture", _capture),
+    Stage("amp_passes", _amp_passes),
+    Stage("plan", _plan),
+    Stage("assemble", _assemble),
+    Stage("recompute", _recompute, wanted=lambda b: bool(b.regions) and b.spec.training),
+    Stage("compile", _compile),
+)
 
 
 def trace_autocast(program: Program) -> AutocastTrace:
     """What torch.autocast does on the program's forward (the precision report's oracle)."""
     root = BuildRoot(program.spec.modules, program.spec.build)
+    amp, example = program.amp, program.example_inputs
+    if amp is None or example is None:
+        raise ValueError("trace_autocast needs a program built with AMP")
     try:
-        return autocast_forward(root, program.example_inputs, program.amp.dtype, program.device)
+        return autocast_forward(root, example, amp.dtype, program.device)
     except _PASS_THROUGH:
         raise
     except Exception as e:  # noqa: BLE001 - as in build_program

@@ -16,7 +16,7 @@ from models import seed_mlp
 import graphamp
 import graphamp.passes.amp_pipeline as amp_pipeline
 from graphamp.passes import AmpPassError
-from graphamp.records.spec import STEP_INPUT_GROUPS, StepLayout
+from graphamp.records.layouts import STEP_INPUT_GROUPS, StepLayout
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STAGES = ("graphamp.capture", "graphamp.passes", "graphamp.step", "graphamp.runtime")
@@ -97,7 +97,7 @@ def test_step_layout_owns_the_order_of_the_step_inputs():
     values = {g: [object() for _ in names[g]] for g in STEP_INPUT_GROUPS}
     flat = layout.flatten(values)
     assert layout.names == [n for g in STEP_INPUT_GROUPS for n in names[g]]
-    assert layout.split(flat) == values
+    assert vars(layout.split(flat)) == values
     assert layout.n_state == len(flat) - len(names["inputs"])  # the batch comes last
     with pytest.raises(ValueError, match="'hyper' has 1 values, the layout 3"):
         layout.flatten({**values, "hyper": [object()]})

@@ -12,6 +12,7 @@ import torch.fx as fx
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..errors import CaptureError
+from ..records.layouts import ForwardLayout
 from ..records.spec import CapturedForward
 
 aten = torch.ops.aten
@@ -24,7 +25,7 @@ def mutated_inputs(flat: tuple) -> list[int]:
     for i, t in enumerate(flat):
         if isinstance(t, FunctionalTensor):
             torch._sync(t)
-            if torch._functionalize_has_data_mutation(
+            if torch._functionalize_has_data_mutation(  # type: ignore[attr-defined]  # not in torch's stubs
                 t.elem
             ) or torch._functionalize_has_metadata_mutation(t.elem):
                 out.append(i)
@@ -33,26 +34,28 @@ def mutated_inputs(flat: tuple) -> list[int]:
 
 def check_input_mutations(
     mutated: list[int],
+    layout: ForwardLayout,
     param_names: list[str],
-    buffer_names: list[str],
     input_names: list[str],
     graph_name: str,
 ) -> list[int]:
     """In-place changes to parameters or to g(...)'s arguments are errors; returns the mutated
-    buffers' indexes (their new values are among the forward's outputs)."""
-    n_params, n_buffers = len(param_names), len(buffer_names)
+    buffers' indexes (their new values are among the forward's outputs). ``mutated``: positions
+    among the traced function's flat inputs (``layout``)."""
+    groups = layout.split(range(len(layout)))
     for i in mutated:
-        if i < n_params:
+        if i in groups.params:
             raise CaptureError(
-                f"{graph_name}.build() changes parameter {param_names[i]!r} in place. Parameters "
-                "are updated only by the optimizer inside the graph; change them outside g(...)"
+                f"{graph_name}.build() changes parameter {param_names[groups.params.index(i)]!r} "
+                "in place. Parameters are updated only by the optimizer inside the graph; change "
+                "them outside g(...)"
             )
-        if i >= n_params + n_buffers:
+        if i in groups.inputs:
             raise CaptureError(
-                f"{graph_name}.build() changes its argument {input_names[i - n_params - n_buffers]!r}"
+                f"{graph_name}.build() changes its argument {input_names[groups.inputs.index(i)]!r}"
                 " in place; work on a copy (x = x.clone()) or return the new value instead"
             )
-    return [i - n_params for i in mutated]
+    return [groups.buffers.index(i) for i in mutated]
 
 
 def lift_constants(
@@ -122,17 +125,16 @@ def detach_no_grad_values(gm: fx.GraphModule) -> None:
 
 def keep_changed_buffers(
     gm: fx.GraphModule,
-    placeholders: list[fx.Node],
-    n_params: int,
+    buffers: list[fx.Node],
     first_buffer_output: int,
     mutated: list[int],
 ) -> list[int]:
-    """Drop the outputs of buffers build() left unchanged; returns the changed buffers'
-    indexes, in output order."""
+    """Drop the outputs of buffers build() left unchanged (``buffers``: the buffers'
+    placeholders); returns the changed buffers' indexes, in output order."""
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = list(output_node.args[0])
     buffer_outs = outs[first_buffer_output:]
-    changed = [i for i, node in enumerate(buffer_outs) if node is not placeholders[n_params + i]]
+    changed = [i for i, node in enumerate(buffer_outs) if node is not buffers[i]]
     unexpected = set(mutated) - set(changed)
     if unexpected:  # a copy_ into a buffer that functional_call did not see: keep its value
         raise CaptureError(f"internal: buffer update not visible for {sorted(unexpected)}")
@@ -146,8 +148,7 @@ def params_without_path_to_losses(captured: CapturedForward) -> set[int]:
     graph = captured.gm.graph
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     _, losses, _, _ = captured.split_outputs(output_node.args[0])
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    n_params = len(captured.param_names)
+    params = captured.layout.split([n for n in graph.nodes if n.op == "placeholder"]).params
     used: set[int] = set()
     for loss, restrict in zip(losses, captured.loss_inputs):
         reached: set[fx.Node] = set()
@@ -158,6 +159,6 @@ def params_without_path_to_losses(captured: CapturedForward) -> set[int]:
                 continue
             reached.add(node)
             stack.extend(node.all_input_nodes)
-        reachable = {i for i in range(n_params) if placeholders[i] in reached}
+        reachable = {i for i, p in enumerate(params) if p in reached}
         used |= reachable if restrict is None else reachable & restrict
-    return set(range(n_params)) - used
+    return set(range(len(params))) - used

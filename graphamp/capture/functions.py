@@ -20,10 +20,9 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from ..records.fxutil import current_user_frame, last_node, nodes_after, tracing_graph
 from ..records.ops import _ORIGINAL_APPLY, AUTOGRAD_FUNCTION, FunctionCall
+from .patching import SharedPatch
 
 _active = threading.local()  # .calls: the FunctionCalls of the capture running in this thread
-_patch_lock = threading.Lock()
-_patch_users = 0  # captures running in any thread: the patch is in place while > 0
 
 
 def _capturing_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -38,7 +37,7 @@ def _capturing_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     graph = tracing_graph()
     marker = last_node(graph) if graph is not None else None
     outputs = torch.ops.graphamp.autograd_function(call.tensor_args(args, kwargs), call.key)
-    if marker is not None:
+    if graph is not None and marker is not None:
         for node in nodes_after(graph, marker):
             if node.target is AUTOGRAD_FUNCTION:
                 node.meta["autograd_function"] = cls
@@ -46,20 +45,16 @@ def _capturing_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     return call.rebuild_outputs(list(outputs))
 
 
+_PATCH = SharedPatch(torch.autograd.Function, "apply", classmethod(_capturing_apply))
+
+
 @contextlib.contextmanager
 def capturing_autograd_functions(calls: list[FunctionCall]) -> Iterator[None]:
     """Within the block, custom Functions applied in this thread are recorded into ``calls``."""
-    global _patch_users
     previous = getattr(_active, "calls", None)
     _active.calls = calls
-    with _patch_lock:
-        _patch_users += 1
-        torch.autograd.Function.apply = classmethod(_capturing_apply)
     try:
-        yield
+        with _PATCH.applied():
+            yield
     finally:
         _active.calls = previous
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                torch.autograd.Function.apply = _ORIGINAL_APPLY

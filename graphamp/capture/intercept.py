@@ -14,13 +14,14 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Iterator
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
@@ -38,6 +39,7 @@ from ..records.fxutil import (
 )
 from ..records.ops import CAPTURE_REWRITES, capture_sdpa
 from .dtype_checks import mixed_dtypes
+from .scaler_refusal import called_from_torch_grad_scaler, torch_grad_scaler_error
 
 aten = torch.ops.aten
 
@@ -96,7 +98,7 @@ class CaptureMode(TorchFunctionMode):
                 h.remove()
             self._hooks = []
 
-    def _enter_module(self, module: nn.Module, args: Any) -> None:
+    def _enter_module(self, module: nn.Module, _args: Any) -> None:
         path = self.module_names.get(id(module))
         self._modules_by_id[id(module)] = (module, path or "")
         if path is None:  # a module built inside build() or not registered: name it by type
@@ -107,7 +109,7 @@ class CaptureMode(TorchFunctionMode):
         self._stack.append((path, f"{type(module).__module__}.{type(module).__qualname__}"))
         self._stack_meta = {p: (p, t) for p, t in self._stack}
 
-    def _exit_module(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _exit_module(self, module: nn.Module, _args: Any, _output: Any) -> None:
         path = self.module_names.get(id(module), f"<{type(module).__name__}>")
         if path == "" or not self._stack:
             return
@@ -142,22 +144,31 @@ class CaptureMode(TorchFunctionMode):
     # -- torch functions --------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _GRAD_ACCESS:
-            raise _grad_access_error(_GRAD_ACCESS[func])
-        if _writes_real_tensor(func, args, kwargs):
-            raise self._real_tensor_write_error(func, args, kwargs)
-        if _called_from_torch_grad_scaler():  # scale(), step(), update() of torch's own scaler
-            raise CaptureError(
-                f"build() uses a torch.amp.GradScaler{_where(current_user_frame())}: its scale "
-                "would be baked into the graph and never unscaled. Fix: "
-                + _GRAD_FIXES["torch.amp"]
-                + "; call loss.backward() on the unscaled loss"
-            )
+        self._refuse(func, args, kwargs)
         if func in _HOST_READS:
             culprit = _torch_function_reading()
             if culprit is not None and culprit[1] in _SAFE_ANSWERS:
                 return _SAFE_ANSWERS[culprit[1]]
             raise _host_read_error(func, culprit)
+        if func is torch.Tensor.backward:
+            return self._record_backward(*args, **kwargs)
+        if func is torch.autograd.backward:
+            return self._record_autograd_backward(*args, **kwargs)
+        graph = tracing_graph()
+        marker = last_node(graph) if graph is not None else None
+        out = self._call(func, args, kwargs)
+        if graph is not None and marker is not None:
+            self._tag(graph, marker, func in _GRADIENT_CUTS)
+        return out
+
+    def _refuse(self, func, args: tuple, kwargs: dict) -> None:
+        """Raise for what build() must not do inside a captured step."""
+        if called_from_torch_grad_scaler():  # scale(), unscale_(), ... of torch's own scaler
+            raise torch_grad_scaler_error(current_user_frame())
+        if func in _GRAD_ACCESS:
+            raise _grad_access_error(_GRAD_ACCESS[func])
+        if _writes_real_tensor(func, args, kwargs):
+            raise self._real_tensor_write_error(func, args, kwargs)
         mixed = mixed_dtypes(func, args, kwargs, amp=self.mixed_dtypes_ok)
         if mixed is not None:
             raise CaptureError(
@@ -175,39 +186,36 @@ class CaptureMode(TorchFunctionMode):
                 "captures it with its backward), or register the hook outside build() on an "
                 "eager run"
             )
-        if func is torch.Tensor.backward:
-            return self._record_backward(*args, **kwargs)
-        if func is torch.autograd.backward:
-            return self._record_autograd_backward(*args, **kwargs)
-        graph = tracing_graph()
+
+    def _call(self, func, args: tuple, kwargs: dict) -> Any:
+        """``func`` itself, or the form capture records it in (module docstring)."""
         if func is torch.autograd.grad and self.loss_scale is not None:
-            func = functools.partial(_scaled_grad, self.loss_scale)
-        marker = last_node(graph) if graph is not None else None
+            return _scaled_grad(self.loss_scale, *args, **kwargs)
         if func is F.batch_norm:
-            out = _functional_batch_norm(*args, **kwargs)
-        elif func is F.dropout:
-            out = _native_dropout(*args, **kwargs)
-        elif func is F.scaled_dot_product_attention and self.sdpa_policy is not None:
-            out = _sdpa_with_autocast_policy(self.sdpa_policy, *args, **kwargs)
-        elif func in CAPTURE_REWRITES:
-            out = CAPTURE_REWRITES[func](*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
-        if marker is not None:
-            where = current_user_frame()
-            stack = self._stack_meta
-            no_grad = not torch.is_grad_enabled()
-            cuts = func in _GRADIENT_CUTS
-            for node in nodes_after(graph, marker):
-                meta = node.meta
-                if "user_frame" not in meta:
-                    meta["user_frame"] = where
-                    meta["nn_module_stack"] = stack
-                    if no_grad:
-                        meta["no_grad"] = True
-                if cuts and node.target is aten.detach.default:
-                    meta["user_detach"] = True
-        return out
+            return _functional_batch_norm(*args, **kwargs)
+        if func is F.dropout:
+            return _native_dropout(*args, **kwargs)
+        if func is F.scaled_dot_product_attention and self.sdpa_policy is not None:
+            return _sdpa_with_autocast_policy(self.sdpa_policy, *args, **kwargs)
+        if func in CAPTURE_REWRITES:
+            return CAPTURE_REWRITES[func](*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _tag(self, graph: fx.Graph, marker: fx.Node, user_cut: bool) -> None:
+        """Module stack, user line and no_grad on the nodes the last call appended; the user's
+        own detaches marked as such (``user_cut``)."""
+        where = current_user_frame()
+        stack = self._stack_meta
+        no_grad = not torch.is_grad_enabled()
+        for node in nodes_after(graph, marker):
+            meta = node.meta
+            if "user_frame" not in meta:
+                meta["user_frame"] = where
+                meta["nn_module_stack"] = stack
+                if no_grad:
+                    meta["no_grad"] = True
+            if user_cut and node.target is aten.detach.default:
+                meta["user_detach"] = True
 
     def _record_backward(
         self,
@@ -354,9 +362,10 @@ def _scaled_grad(scale: torch.Tensor, outputs, inputs, grad_outputs=None, *args,
 
 # What the user writes to stop gradients. Autograd's own detaches (saved outputs unpacked when
 # build() differentiates with torch.autograd.grad) are not cuts: capture removes them.
-_GRADIENT_CUTS = frozenset(
-    {torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__, torch.Tensor.detach_}
-)
+# (Tensor.data and Tensor.grad are C descriptors; the stubs type them as tensors.)
+_DATA: Any = torch.Tensor.data
+_GRAD: Any = torch.Tensor.grad
+_GRADIENT_CUTS = frozenset({torch.Tensor.detach, torch.detach, _DATA.__get__, torch.Tensor.detach_})
 
 _HOST_READS = {
     torch.Tensor.item: ".item()",
@@ -414,28 +423,13 @@ _PLUMBING = tuple(
 # .grad inside build(): gradients live inside the compiled step, and parameters have none while
 # it is captured. Reading or writing .grad there is optimizer or clipping code that would do
 # nothing (clip_grad_norm_ clips no gradient) or worse (a stale .grad stepped into the model).
-_GRAD_ACCESS = {torch.Tensor.grad.__get__: "reads", torch.Tensor.grad.__set__: "writes"}
+_GRAD_ACCESS = {_GRAD.__get__: "reads", _GRAD.__set__: "writes"}
 _GRAD_FIXES = {
     "clip_grad": "clip with add_optimizer(optimizer, clip_grad_max_norm=..., "
     "clip_grad_norm_type=...): graphamp clips after unscaling, inside the step",
     "torch.optim": "remove optimizer.step() / zero_grad() from build(): the optimizers added "
     "with add_optimizer are stepped inside the compiled step, on fresh gradients",
-    "torch.amp": "remove scaler.step() / unscale_() / update() from build(): call "
-    "set_grad_scaler(scaler) in __init__ and graphamp scales, unscales, skips and "
-    "updates inside the step",
 }
-
-
-def _called_from_torch_grad_scaler() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None and is_library_file(frame.f_code.co_filename):
-        if frame.f_code.co_filename.endswith(_GRAD_SCALER_FILES):
-            return True
-        frame = frame.f_back
-    return False
-
-
-_GRAD_SCALER_FILES = (os.path.join("amp", "grad_scaler.py"),)
 
 
 def _grad_access_error(how: str) -> CaptureError:
@@ -458,7 +452,8 @@ def _grad_access_error(how: str) -> CaptureError:
 
 def _torch_modules_on_stack() -> list[str]:
     """Modules of the torch code between the user's frame and here, innermost first."""
-    frame, out = sys._getframe(1), []
+    frame: FrameType | None = sys._getframe(1)
+    out: list[str] = []
     while frame is not None and is_library_file(frame.f_code.co_filename):
         if frame.f_code.co_filename.startswith(_TORCH_DIR):
             out.append(frame.f_globals.get("__name__", "torch"))
@@ -481,7 +476,7 @@ _TORCH_READ_WORKAROUNDS = {
 def _torch_function_reading() -> tuple[str, str] | None:
     """(module, function) of the innermost torch code below the user's frame that asked for the
     value, or None when the user's own code did."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and is_library_file(frame.f_code.co_filename):
         filename, name = frame.f_code.co_filename, frame.f_code.co_name
         if (
@@ -496,7 +491,8 @@ def _torch_function_reading() -> tuple[str, str] | None:
 
 def _host_read(func) -> str:
     """How the user's code read a value: the outermost conversion between it and ``func``."""
-    frame, found = sys._getframe(1), func
+    frame: FrameType | None = sys._getframe(1)
+    found = func
     while frame is not None and is_library_file(frame.f_code.co_filename):
         found = _CONVERSIONS.get(frame.f_code.co_name, found)
         frame = frame.f_back

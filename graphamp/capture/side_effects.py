@@ -22,6 +22,7 @@ from torch.nn.modules import module as module_globals
 
 from ..errors import CaptureError
 from ..records.fxutil import UserFrame, current_user_frame
+from .patching import SharedPatch
 
 _HOOK_KINDS = (
     ("_forward_pre_hooks", "forward pre-hook"),
@@ -103,34 +104,27 @@ def _describe_callable(fn: Any) -> tuple[str, str]:
 # -- attributes written during capture ---------------------------------------------------------
 
 _local = threading.local()  # .lines: {(id(obj), name): UserFrame} for the capture in this thread
-_patch_lock = threading.Lock()
-_patch_users = [0, None]  # captures running (any thread); nn.Module.__setattr__ before them
 
 
 def _recording_setattr(self: nn.Module, name: str, value: Any) -> None:
     lines = getattr(_local, "lines", None)
     if lines is not None and (id(self), name) not in lines:
         lines[(id(self), name)] = current_user_frame()
-    _patch_users[1](self, name, value)
+    _PATCH.original(self, name, value)
+
+
+_PATCH = SharedPatch(nn.Module, "__setattr__", _recording_setattr)
 
 
 @contextlib.contextmanager
 def _recording_lines() -> Iterator[dict]:
     """Where each module attribute is first written during the block (this thread's writes)."""
-    with _patch_lock:
-        if _patch_users[0] == 0:
-            _patch_users[1] = nn.Module.__setattr__
-            nn.Module.__setattr__ = _recording_setattr
-        _patch_users[0] += 1
-    _local.lines = {}
-    try:
-        yield _local.lines
-    finally:
-        _local.lines = None
-        with _patch_lock:
-            _patch_users[0] -= 1
-            if _patch_users[0] == 0:
-                nn.Module.__setattr__ = _patch_users[1]
+    with _PATCH.applied():
+        _local.lines = {}
+        try:
+            yield _local.lines
+        finally:
+            _local.lines = None
 
 
 @contextlib.contextmanager
@@ -149,7 +143,7 @@ def refusing_attribute_writes(graph_name: str, watched: list[tuple[str, Any]]) -
             ]
     for label, obj, name in writes:
         if not _is_torch_internal(obj):
-            raise _write_error(graph_name, label, obj, name, lines.get((id(obj), name)))
+            raise _write_error(graph_name, label, name, lines.get((id(obj), name)))
 
 
 def _restore(obj: Any, before: dict) -> list[str]:
@@ -170,9 +164,7 @@ def _is_torch_internal(obj: Any) -> bool:
     return isinstance(obj, nn.Module) and type(obj).__module__.startswith("torch.")
 
 
-def _write_error(
-    graph_name: str, label: str, obj: Any, name: str, frame: UserFrame | None
-) -> CaptureError:
+def _write_error(graph_name: str, label: str, name: str, frame: UserFrame | None) -> CaptureError:
     where = f" at {frame}" if frame else ""
     return CaptureError(
         f"{graph_name}.build() sets the attribute {label}.{name}{where}. build() is captured once "

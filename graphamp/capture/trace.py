@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import threading
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch._subclasses.fake_tensor as fake_tensor
@@ -23,6 +22,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from ..errors import CaptureError, GraphampError
 from ..records.fxutil import rename_placeholders, trace_functional, user_frame_of_exception
 from ..records.inputs import FlatInputs
+from ..records.layouts import ForwardLayout
+from ..records.ops import FunctionCall
 from ..records.spec import TENSOR, CapturedForward
 from .cleanup import (
     check_input_mutations,
@@ -34,8 +35,10 @@ from .cleanup import (
     params_without_path_to_losses,
 )
 from .functions import capturing_autograd_functions
-from .intercept import CaptureMode, parameter_positions
+from .intercept import CaptureMode, RecordedLoss, parameter_positions
+from .patching import SharedPatch
 from .root import BuildRoot, fake_copy, quiet_fake_data_pointers, refuse_compiled_submodules
+from .scaler_refusal import raised_in_torch_grad_scaler, torch_grad_scaler_error
 from .side_effects import refuse_hooks, refusing_attribute_writes
 from .swap import state_slots, swapped
 
@@ -69,27 +72,25 @@ def capture_forward(
     """
     param_names = [n for n, _ in root.named_parameters()]
     buffer_names = [n for n, _ in root.named_buffers()]
-    gm, traced = _trace(root, inputs, param_names, buffer_names, graph_name, device, amp)
     input_names = inputs.names(root._build)
-    n_losses, n_grads = len(traced["losses"]), sum(r.gradient is not None for r in traced["losses"])
-    n_outputs = sum(1 for x in traced["template"] if x is TENSOR)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    layout = ForwardLayout(len(param_names), len(buffer_names), len(input_names))
+    traced = _trace(root, inputs, layout, graph_name, device, amp)
+    gm = traced.gm
+    placeholders = layout.split([n for n in gm.graph.nodes if n.op == "placeholder"])
     rename_placeholders(
         gm,
-        [f"p_{n}" for n in param_names]
-        + [f"b_{n}" for n in buffer_names]
-        + [f"in_{n}" for n in input_names]
-        + ["loss_scale"],
+        layout.flatten(
+            params=[f"p_{n}" for n in param_names],
+            buffers=[f"b_{n}" for n in buffer_names],
+            inputs=[f"in_{n}" for n in input_names],
+            loss_scale="loss_scale",
+        ),
     )
-    mutated = check_input_mutations(
-        traced["mutated"], param_names, buffer_names, input_names, graph_name
-    )
+    mutated = check_input_mutations(traced.mutated, layout, param_names, input_names, graph_name)
     constants, constant_names = lift_constants(gm, _tensor_attributes(root))
     drop_autograd_detaches(gm)
     detach_no_grad_values(gm)
-    changed = keep_changed_buffers(
-        gm, placeholders, len(param_names), n_outputs + n_losses + n_grads, mutated
-    )
+    changed = keep_changed_buffers(gm, placeholders.buffers, traced.num_results, mutated)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
@@ -98,14 +99,14 @@ def capture_forward(
         param_names=param_names,
         buffer_names=buffer_names,
         input_names=input_names,
-        num_user_outputs=n_outputs,
-        output_spec=traced["spec"],
-        output_template=traced["template"],
-        loss_frames=[r.where for r in traced["losses"]],
-        loss_grad_given=[r.gradient is not None for r in traced["losses"]],
+        num_user_outputs=traced.num_user_outputs,
+        output_spec=traced.output_spec,
+        output_template=traced.output_template,
+        loss_frames=[r.where for r in traced.losses],
+        loss_grad_given=[r.gradient is not None for r in traced.losses],
         mutated_buffers=changed,
-        loss_inputs=traced["loss_inputs"],
-        function_calls=traced["function_calls"],
+        loss_inputs=traced.loss_inputs,
+        function_calls=traced.function_calls,
         constants=constants,
         constant_names=constant_names,
     )
@@ -114,69 +115,50 @@ def capture_forward(
     return captured
 
 
+@dataclass
+class TracedBuild:
+    """build() traced once: the graph, and what build() did while it ran (filled by the trace).
+
+    The graph's outputs are ``(*build()'s tensors, *losses, *explicit loss gradients, *every
+    buffer's value after build())``."""
+
+    function_calls: list[FunctionCall] = field(default_factory=list)  # custom Functions applied
+    losses: list[RecordedLoss] = field(default_factory=list)  # one per backward() call
+    loss_inputs: list[frozenset[int] | None] = field(default_factory=list)  # backward(inputs=)
+    output_template: list[Any] = field(default_factory=list)  # TENSOR where a tensor goes
+    mutated: list[int] = field(default_factory=list)  # flat inputs build() changed in place
+    output_spec: pytree.TreeSpec = field(init=False)  # build()'s return structure
+    gm: fx.GraphModule = field(init=False)
+
+    @property
+    def num_user_outputs(self) -> int:
+        return sum(1 for x in self.output_template if x is TENSOR)
+
+    @property
+    def num_results(self) -> int:
+        """Outputs before the buffers' values: build()'s tensors, losses, loss gradients."""
+        explicit = sum(r.gradient is not None for r in self.losses)
+        return self.num_user_outputs + len(self.losses) + explicit
+
+
 def _trace(
     root: BuildRoot,
     inputs: FlatInputs,
-    param_names: list[str],
-    buffer_names: list[str],
+    layout: ForwardLayout,
     graph_name: str,
     device: torch.device | None,
     amp: bool,
-) -> tuple[fx.GraphModule, dict[str, Any]]:
-    """make_fx over the functionalized forward; returns the graph and what build() reported
-    (losses, return structure), with torch's errors turned into CaptureErrors."""
-    module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+) -> TracedBuild:
+    """make_fx over the functionalized forward, with torch's errors turned into CaptureErrors."""
     user_modules = [(n, m) for n, m in root.named_modules() if m is not root]
     refuse_hooks(graph_name, user_modules)
     refuse_compiled_submodules(graph_name, root)
-    watched = [(f"self.{n}", m) for n, m in user_modules]
-    owner = getattr(root._build, "__self__", None)  # the Graph (build is its bound method)
-    watched += [("self", owner)] if owner is not None and hasattr(owner, "__dict__") else []
-    params, buffers = list(root.parameters()), list(root.buffers())
-    slots = state_slots(root)
-    n_state = len(params) + len(buffers)
-    traced: dict[str, Any] = {"function_calls": []}
-
-    def forward(*flat: torch.Tensor):
-        replacement = {id(t): v for t, v in zip([*params, *buffers], flat[:n_state])}
-        args, kwargs = inputs.rebuild(list(flat[n_state:-1]))
-        mode = CaptureMode(module_names, loss_scale=flat[-1], mixed_dtypes_ok=amp)
-        with (
-            refusing_attribute_writes(graph_name, watched),
-            torch.enable_grad(),
-            swapped(slots, replacement),
-            mode.tracking_modules(),
-            mode,
-            capturing_autograd_functions(traced["function_calls"]),
-        ):
-            out = root._build(*args, **kwargs)
-            new_buffers = [root.get_buffer(n) for n in buffer_names]  # the updated values
-        leaves, spec = pytree.tree_flatten(out)
-        position = {id(t): i for i, t in enumerate(flat[: len(params)])}
-        traced.update(
-            spec=spec,
-            losses=mode.losses,
-            template=[TENSOR if isinstance(x, torch.Tensor) else x for x in leaves],
-            loss_inputs=[parameter_positions(r, position) for r in mode.losses],
-        )
-        traced["mutated"] = mutated_inputs(flat)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        losses = [r.tensor for r in mode.losses]
-        grads = [r.gradient for r in mode.losses if r.gradient is not None]
-        return (*tensors, *losses, *grads, *new_buffers)
-
-    # parameters require grad as the user's do: build() may differentiate (torch.autograd.grad)
-    example = [p.detach().requires_grad_(p.requires_grad) for p in params] + buffers
-    example += list(inputs.tensors)
-    example.append(
-        torch.ones((), dtype=torch.float32, device=_device_of(example))
-    )  # the loss scale
-    if device is not None:
-        mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-        example = [fake_copy(mode, t, device) for t in example]
+    traced = TracedBuild()
+    forward = _traced_function(root, inputs, layout, graph_name, amp, traced)
+    example = _example_inputs(root, inputs, layout, device)
     try:
         with _compiling_flag(), quiet_fake_data_pointers():
-            gm = trace_functional(
+            traced.gm = trace_functional(
                 forward, example, propagate_input_mutations=False, allow_constants=True
             )
     except GraphampError:
@@ -189,28 +171,79 @@ def _trace(
             "or return the tensor from build() and decide outside the graph"
         ) from e
     except Exception as e:
-        if _raised_in(e, _TORCH_GRAD_SCALER):
-            raise CaptureError(
-                f"{graph_name}.build() uses a torch.amp.GradScaler{_at(e)}: graphamp scales, "
-                "unscales, skips and updates inside the step. Call set_grad_scaler(scaler) in "
-                "__init__ and remove scaler.scale/step/update from build()"
-            ) from e
+        if raised_in_torch_grad_scaler(e):
+            raise torch_grad_scaler_error(user_frame_of_exception(e), graph_name) from e
         raise CaptureError(
             f"capturing {graph_name}.build() failed{_at(e)}: {type(e).__name__}: {e}"
         ) from e
-    return gm, traced
+    return traced
 
 
-_TORCH_GRAD_SCALER = os.path.join("torch", "amp", "grad_scaler.py")
+def _traced_function(
+    root: BuildRoot,
+    inputs: FlatInputs,
+    layout: ForwardLayout,
+    graph_name: str,
+    amp: bool,
+    traced: TracedBuild,
+) -> Callable[..., tuple]:
+    """build() as a function of the forward's flat inputs (``layout``, no constants yet): the
+    traced values are swapped into the user's modules while it runs; ``traced`` is filled."""
+    module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    watched = [(f"self.{n}", m) for n, m in root.named_modules() if m is not root]
+    owner = getattr(root._build, "__self__", None)  # the Graph (build is its bound method)
+    watched += [("self", owner)] if owner is not None and hasattr(owner, "__dict__") else []
+    state = [*root.parameters(), *root.buffers()]
+    buffer_names = [n for n, _ in root.named_buffers()]
+    slots = state_slots(root)
+
+    def forward(*flat: torch.Tensor) -> tuple:
+        parts = layout.split(flat)
+        replacement = {id(t): v for t, v in zip(state, [*parts.params, *parts.buffers])}
+        args, kwargs = inputs.rebuild(parts.inputs)
+        mode = CaptureMode(module_names, loss_scale=parts.loss_scale, mixed_dtypes_ok=amp)
+        with (
+            refusing_attribute_writes(graph_name, watched),
+            torch.enable_grad(),
+            swapped(slots, replacement),
+            mode.tracking_modules(),
+            mode,
+            capturing_autograd_functions(traced.function_calls),
+        ):
+            out = root._build(*args, **kwargs)
+            new_buffers = [root.get_buffer(n) for n in buffer_names]  # the updated values
+        leaves, traced.output_spec = pytree.tree_flatten(out)
+        position = {id(t): i for i, t in enumerate(parts.params)}
+        traced.losses = mode.losses
+        traced.output_template = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        traced.loss_inputs = [parameter_positions(r, position) for r in mode.losses]
+        traced.mutated = mutated_inputs(flat)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        losses = [r.tensor for r in mode.losses]
+        grads = [r.gradient for r in mode.losses if r.gradient is not None]
+        return (*tensors, *losses, *grads, *new_buffers)
+
+    return forward
 
 
-def _raised_in(e: BaseException, filename_end: str) -> bool:
-    tb = e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith(filename_end):
-            return True
-        tb = tb.tb_next
-    return False
+def _example_inputs(
+    root: BuildRoot, inputs: FlatInputs, layout: ForwardLayout, device: torch.device | None
+) -> list[torch.Tensor]:
+    """The traced function's inputs. Parameters require grad as the user's do: build() may
+    differentiate (torch.autograd.grad)."""
+    params = [p.detach().requires_grad_(p.requires_grad) for p in root.parameters()]
+    buffers = list(root.buffers())
+    at = _device_of([*params, *buffers, *inputs.tensors])
+    example = layout.flatten(
+        params=params,
+        buffers=buffers,
+        inputs=list(inputs.tensors),
+        loss_scale=torch.ones((), dtype=torch.float32, device=at),
+    )
+    if device is not None:
+        mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+        example = [fake_copy(mode, t, device) for t in example]
+    return example
 
 
 def _tensor_attributes(root: BuildRoot) -> dict[int, str]:
@@ -233,30 +266,11 @@ def _at(e: BaseException) -> str:
     return f" at {frame}" if frame else ""
 
 
-_flag_lock = threading.Lock()
-_flag_users = [0, False]  # captures running in any thread; the flag's value before the first
+# ``torch.compiler.is_compiling()`` is True while build() is captured, as under torch.compile and
+# torch.export: libraries then skip host-side checks that read tensor values (transformers'
+# padding warning, for one), which a compiled step cannot run anyway. The flag is process-wide.
+_COMPILING = SharedPatch(torch.compiler, "_is_compiling_flag", True)
 
 
-@contextlib.contextmanager
-def _compiling_flag():
-    """``torch.compiler.is_compiling()`` is True while build() is captured, as under
-    torch.compile and torch.export: libraries then skip host-side checks that read tensor values
-    (transformers' padding warning, for one), which a compiled step cannot run anyway. The flag
-    is process-wide: it is set when the first capture (in any thread) starts and put back when
-    the last one ends, on every path."""
-    compiler = torch.compiler
-    if not hasattr(compiler, "_is_compiling_flag"):
-        yield
-        return
-    with _flag_lock:
-        if _flag_users[0] == 0:
-            _flag_users[1] = compiler._is_compiling_flag
-        _flag_users[0] += 1
-        compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        with _flag_lock:
-            _flag_users[0] -= 1
-            if _flag_users[0] == 0:
-                compiler._is_compiling_flag = _flag_users[1]
+def _compiling_flag() -> contextlib.AbstractContextManager:
+    return _COMPILING.applied() if _COMPILING.available else contextlib.nullcontext()

@@ -40,18 +40,18 @@ def analyse(table: ProbeTable, row: Sequence[float]) -> OverflowEvent:
     if root is not None:
         return _backward_event(table, values, root, step, scale)
     return OverflowEvent(
-        step,
-        scale,
-        "unknown",
-        "",
-        "",
-        "",
-        "",
-        "",
-        "",
-        "",
-        "",
-        None,
+        step=step,
+        scale=scale,
+        phase="unknown",
+        kind="",
+        node="",
+        op="",
+        dtype="",
+        module="",
+        source="",
+        location="",
+        value="",
+        input_amax=None,
         note="the overflow came from outside the probed values, e.g. a "
         "non-finite gradient norm when clipping",
     )
@@ -122,22 +122,28 @@ def _forward_event(
 ) -> OverflowEvent:
     probe = table.forward[i]
     pins, note = _forward_pins(table, probe, i)
+    source, location = _where(probe)
     return OverflowEvent(
-        step,
-        scale,
-        "forward",
-        probe.kind,
-        probe.label,
-        probe.op,
-        dtype_label(probe.dtype),
-        probe.module,
-        *_where(probe),
-        _value(values[i]),
-        _largest(values, probe.inputs) if probe.inputs else None,
-        tuple(table.forward[j].label for j in probe.inputs),
-        tuple(table.forward[c].label for c in table.consumers[i]) if probe.kind == "cast" else (),
-        pins,
-        note,
+        step=step,
+        scale=scale,
+        phase="forward",
+        kind=probe.kind,
+        node=probe.label,
+        op=probe.op,
+        dtype=dtype_label(probe.dtype),
+        module=probe.module,
+        source=source,
+        location=location,
+        value=_value(values[i]),
+        input_amax=_largest(values, probe.inputs) if probe.inputs else None,
+        reads=tuple(table.forward[j].label for j in probe.inputs),
+        consumers=(
+            tuple(table.forward[c].label for c in table.consumers[i])
+            if probe.kind == "cast"
+            else ()
+        ),
+        pins=pins,
+        note=note,
     )
 
 
@@ -169,21 +175,22 @@ def _backward_event(
             ),
         )
     return OverflowEvent(
-        step,
-        scale,
-        "backward",
-        kind,
-        node,
-        op,
-        dtype_label(probe.dtype),
-        probe.module,
-        *where,
-        _value(values[slot]),
-        _largest(values, [table.backward_slot(c) for c in readers]),
-        (),
-        tuple(table.forward[c].label for c in readers),
-        pins,
-        note,
+        step=step,
+        scale=scale,
+        phase="backward",
+        kind=kind,
+        node=node,
+        op=op,
+        dtype=dtype_label(probe.dtype),
+        module=probe.module,
+        source=where[0],
+        location=where[1],
+        value=_value(values[slot]),
+        input_amax=_largest(values, [table.backward_slot(c) for c in readers]),
+        reads=(),
+        consumers=tuple(table.forward[c].label for c in readers),
+        pins=pins,
+        note=note,
     )
 
 

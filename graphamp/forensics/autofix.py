@@ -1,6 +1,6 @@
 """Self-healing AMP (``config.enable_amp_autofix``): pin to fp32 what keeps overflowing.
 
-The Graph hands each analysed overflow (``forensics.OverflowEvent``) to ``Autofix.consider``.
+The runtime hands each analysed overflow (``records.probes.OverflowEvent``) to ``Autofix.consider``.
 An event names what would have prevented it (``event.pins``: the low-precision op that produced
 the first non-finite value, or the ops that asked for an overflowing cast); events with nothing
 to pin (a data fault, an op already in fp32, a gradient overflow the loss scale explains) are
@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import TYPE_CHECKING
 
-from ..config import GraphConfig
 from ..records.pins import AmpPin
 from ..records.probes import OverflowEvent
 from ..records.settings import AutofixSettings
+
+if TYPE_CHECKING:  # the Graph's config, handed in: autofix pins through its setters
+    from ..config import GraphConfig
 
 log = logging.getLogger("graphamp")
 

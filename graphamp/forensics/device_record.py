@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from ..records.probes import RING_ROWS, ROW_HEADER, OverflowEvent, ProbeTable
+from ..records.probes import RING_ROWS, OverflowEvent, ProbeTable, record_tensors
 from .analysis import analyse
 from .reports import RangeRow, range_rows
 
@@ -23,11 +22,7 @@ class ForensicsState:
 
     def __init__(self, table: ProbeTable, device: torch.device):
         self.table = table
-        self.count = torch.zeros((), dtype=torch.int64, device=device)
-        self.ring = torch.full(
-            (RING_ROWS, ROW_HEADER + table.size), math.nan, dtype=torch.float32, device=device
-        )
-        self.ranges = torch.zeros(table.size, dtype=torch.float32, device=device)
+        self.count, self.ring, self.ranges = record_tensors(table, device)
         self.analysed = 0  # overflowing steps already turned into events
         self._host_count: torch.Tensor | None = None
         self._copied: Any = None  # the CUDA event of the last asynchronous copy of ``count``
@@ -49,7 +44,7 @@ class ForensicsState:
         """The overflow count as of a finished step, without waiting (None: not known yet)."""
         if self.count.device.type != "cuda":
             return int(self.count)
-        if self._copied is None or not self._copied.query():
+        if self._copied is None or self._host_count is None or not self._copied.query():
             return None
         return int(self._host_count)
 

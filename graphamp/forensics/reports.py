@@ -99,11 +99,14 @@ class RangeReport:
         return "\n".join(lines)
 
 
+_RANGED = ("op", "cast", "parameter copy")  # the kinds range rows are made for
+
+
 def range_rows(table: ProbeTable, ranges: Sequence[float]) -> list[RangeRow]:
     """One row per low-precision forward value (casts and parameter copies included)."""
     rows = []
     for i, probe in enumerate(table.forward):
-        if probe.low_precision and probe.kind in ("op", "cast", "parameter copy"):
+        if probe.dtype is not None and probe.low_precision and probe.kind in _RANGED:
             rows.append(
                 RangeRow(
                     probe.label,

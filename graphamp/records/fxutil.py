@@ -8,6 +8,7 @@ import operator
 import os
 import sys
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -69,6 +70,16 @@ def user_frame_of(frame: types.FrameType | None) -> UserFrame | None:
 
 def current_user_frame() -> UserFrame | None:
     return user_frame_of(sys._getframe(1))
+
+
+def warn_at_user_line(message: str) -> None:
+    """``warnings.warn(message)`` attributed to the innermost frame outside torch and graphamp
+    (the user's line that called into graphamp), however deep graphamp's own frames go."""
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level + 1)
 
 
 def user_frame_of_exception(exc: BaseException) -> UserFrame | None:

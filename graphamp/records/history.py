@@ -5,13 +5,13 @@ step overflowed and was skipped), grad_norm (the clipped optimizers' total norm;
 clipping). Nothing is copied to the host until ``fetch()`` is called.
 
 With overflow tracing on, ``overflows`` holds what went non-finite first on each overflowing
-step (``forensics.OverflowEvent``, oldest first), filled when the Graph reads the device record
+step (``probes.OverflowEvent``, oldest first), filled when the Graph reads the device record
 (``g.overflow_report()``, ``g.state_dict()``, and after every step with autofix or debug >= 1).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,7 +49,7 @@ class TrainingHistory:
                 dtype=torch.float32,
                 device=device,
             )
-            if self.table is not None:
+            if self.table is not None and self.step is not None:
                 step.copy_(self.step)
                 table.copy_(self.table)
             elif self._pending is not None:
@@ -58,11 +58,11 @@ class TrainingHistory:
                 table[: rows.shape[0]].copy_(rows[: self.capacity])
                 self._pending = None
             self.step, self.table = step, table
-        return [self.step, self.table]
+        return [cast(torch.Tensor, self.step), self.table]
 
     def fetch(self) -> dict[str, list[float]]:
         """The recorded rows in step order, as Python lists per column (one device sync)."""
-        if self.table is None:
+        if self.table is None or self.step is None:
             return {c: [] for c in HISTORY_COLUMNS}
         steps = int(self.step.item())
         table = self.table.cpu()
@@ -77,7 +77,7 @@ class TrainingHistory:
             "overflows": [e.to_dict() for e in self.overflows],
             "overflows_lost": self.overflows_lost,
         }
-        if self.table is None:
+        if self.table is None or self.step is None:
             rows = self._pending or {"step": 0, "table": torch.zeros(0, len(HISTORY_COLUMNS))}
             return {"step": rows["step"], "table": rows["table"], **overflows}
         return {
@@ -89,7 +89,7 @@ class TrainingHistory:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         step, rows, overflows, lost = self.check_state_dict(state)
         self.overflows, self.overflows_lost = overflows, lost
-        if self.table is None:
+        if self.table is None or self.step is None:
             self._pending = {"step": step, "table": rows}
             return
         self.step.fill_(step)

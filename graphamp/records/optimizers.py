@@ -50,6 +50,30 @@ def optimizer_kind(optimizer: Any) -> str:
     return kind
 
 
+def check_optimizer_slot(
+    optimizer: Any, lr_sch: Any, max_norm: Any, norm_type: Any, added: list[Any]
+) -> tuple[float | None, float]:
+    """Check what ``Graph.add_optimizer`` was given (``added``: the optimizers added before);
+    returns the clipping settings as floats."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"add_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    optimizer_kind(optimizer)  # raises for unsupported optimizers, here and now
+    if any(o is optimizer for o in added):
+        raise ConfigError("this optimizer is already added to the graph")
+    if isinstance(lr_sch, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigError(
+            "ReduceLROnPlateau cannot be passed as lr_sch: its step() needs the metric, "
+            "which graphamp does not have. Leave lr_sch out and call sch.step(metric) "
+            "yourself after g(...), outside the Graph; the lr it sets is a graph input, so "
+            "the next call uses it without recompiling"
+        )
+    if lr_sch is not None and getattr(lr_sch, "optimizer", None) is not optimizer:
+        raise ConfigError("lr_sch must be a learning-rate scheduler of this optimizer")
+    return validate_clip(max_norm, norm_type)
+
+
 def validate_clip(max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
     if max_norm is not None:
         max_norm = check_number("clip_grad_max_norm", max_norm, above=0)
@@ -85,7 +109,7 @@ def state_keys(kind: str, flags: dict) -> tuple[str, ...]:
     return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if flags["amsgrad"] else ())
 
 
-def init_state(kind: str, key: str, param: torch.Tensor) -> torch.Tensor:
+def init_state(key: str, param: torch.Tensor) -> torch.Tensor:
     """A fresh state tensor in torch's format (step on the param's device)."""
     if key == "step":
         return torch.zeros((), dtype=torch.float32, device=param.device)
@@ -119,6 +143,10 @@ class OptimizerPlan:
             i += len(group.params)
             out += [(p, key) for key in group.state_keys for p in params]
         return out
+
+    def has_state(self) -> bool:
+        """Has the optimizer stepped before (eagerly, or in a loaded checkpoint)?"""
+        return any(self.optimizer.state.get(p) for p in self.params)
 
     @property
     def forward_positions(self) -> list[int]:

@@ -16,6 +16,7 @@ device (``forensics.device_record.ForensicsState``): nothing reaches the host un
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "ProbeTable",
     "RING_ROWS",
     "ROW_HEADER",
+    "record_tensors",
 ]
 
 RING_ROWS = 16  # overflowing steps the device keeps until the host reads them
@@ -178,3 +180,14 @@ class OverflowEvent:
         values["reads"] = tuple(values.get("reads", ()))
         values["pins"] = tuple(AmpPin.from_dict(p) for p in values.get("pins", ()))
         return cls(**{k: values[k] for k in cls.__dataclass_fields__ if k in values})
+
+
+def record_tensors(table: ProbeTable, device: torch.device) -> list[torch.Tensor]:
+    """A fresh overflow record for ``table`` (step input group ``forensics``): the overflowing
+    steps' count (int64), the ring of their rows (``RING_ROWS`` x ``ROW_HEADER + table.size``,
+    NaN) and the running largest finite magnitude of each probe (zeros)."""
+    count = torch.zeros((), dtype=torch.int64, device=device)
+    ring = torch.full(
+        (RING_ROWS, ROW_HEADER + table.size), math.nan, dtype=torch.float32, device=device
+    )
+    return [count, ring, torch.zeros(table.size, dtype=torch.float32, device=device)]

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from .fxutil import UserFrame
 from .inputs import FlatInputs, InputSignature
+from .layouts import ForwardLayout, StepLayout
 from .ops import FunctionCall
 from .optimizers import OptimizerPlan
 from .probes import ProbeTable
@@ -39,9 +40,7 @@ __all__ = [
     "OracleOp",
     "PassRecord",
     "Program",
-    "STEP_INPUT_GROUPS",
     "STRUCTURAL_OPS",
-    "StepLayout",
     "StepPlan",
     "StepRunner",
 ]
@@ -103,9 +102,9 @@ class GraphSpec:
 class CapturedForward:
     """build() traced once on fake tensors: a functional aten-level forward graph.
 
-    Placeholders are ``(*parameters, *buffers, *input tensors, loss_scale, *constants)`` in
-    ``param_names``, ``buffer_names``, ``input_names``, ``constant_names`` order;
-    ``loss_scale`` (0-dim fp32) scales the gradients build() takes itself
+    Placeholders are in ``layout`` order (``ForwardLayout``: parameters, buffers, input
+    tensors, loss_scale, constants, named by ``param_names``, ``buffer_names``, ``input_names``,
+    ``constant_names``); ``loss_scale`` (0-dim fp32) scales the gradients build() takes itself
     (``torch.autograd.grad``), 1 without a scaler. Outputs are ``(*build()'s tensors, *losses,
     *explicit loss gradients, *new values of mutated buffers)``: ``split_outputs`` cuts them.
     """
@@ -138,6 +137,16 @@ class CapturedForward:
     def num_inputs(self) -> int:
         return len(self.input_names)
 
+    @property
+    def layout(self) -> ForwardLayout:
+        """The order of this forward's inputs (no parameter copies: the AMP passes add them)."""
+        return ForwardLayout(
+            len(self.param_names),
+            len(self.buffer_names),
+            len(self.input_names),
+            len(self.constant_names),
+        )
+
     def split_outputs(self, outs: Sequence[Any]) -> tuple[list, list, list, list]:
         """(build()'s tensors, losses, explicit loss gradients, new buffer values)."""
         n_out, n_loss = self.num_user_outputs, self.num_losses
@@ -161,63 +170,6 @@ TENSOR = object()  # marks where build()'s return value held a tensor
 
 # -- what the planner hands assembly and the runtime ----------------------------------------------
 
-# The compiled step's inputs, group by group, in this order; the batch comes last so the runtime
-# can tell state (kept at fixed addresses, e.g. for CUDA graphs) from per-call inputs.
-STEP_INPUT_GROUPS = (
-    "params",
-    "buffers",
-    "opt_state",
-    "hyper",
-    "counters",
-    "scaler",
-    "history",
-    "shard",
-    "forensics",
-    "constants",
-    "inputs",
-)
-
-
-class StepLayout:
-    """The one owner of the order of the compiled step's inputs.
-
-    Every group of ``STEP_INPUT_GROUPS`` has a list of placeholder names (possibly empty); the
-    step's flat inputs are the groups concatenated in that order. Whoever builds, traces or
-    calls the step goes through ``flatten`` / ``split``, never through hand-kept indexes.
-    """
-
-    def __init__(self, names: Mapping[str, Sequence[str]]):
-        unknown = set(names) - set(STEP_INPUT_GROUPS)
-        if unknown:
-            raise ValueError(f"unknown step input groups {sorted(unknown)}")
-        self.sizes = {g: len(names.get(g, ())) for g in STEP_INPUT_GROUPS}
-        self.names = [n for g in STEP_INPUT_GROUPS for n in names.get(g, ())]
-        self.n_state = len(self.names) - self.sizes["inputs"]  # tensors before the batch
-
-    def flatten(self, groups: Mapping[str, Sequence[Any]]) -> list[Any]:
-        """The step's flat inputs from ``{group: values}`` (absent groups must be empty)."""
-        flat: list[Any] = []
-        for g in STEP_INPUT_GROUPS:
-            values = groups.get(g, ())
-            if len(values) != self.sizes[g]:
-                raise ValueError(
-                    f"step input group {g!r} has {len(values)} values, the layout {self.sizes[g]}"
-                )
-            flat.extend(values)
-        return flat
-
-    def split(self, flat: Sequence[Any]) -> dict[str, list[Any]]:
-        """``{group: values}`` from the step's flat inputs."""
-        out, i = {}, 0
-        for g in STEP_INPUT_GROUPS:
-            n = self.sizes[g]
-            out[g] = list(flat[i : i + n])
-            i += n
-        return out
-
-    def __len__(self) -> int:
-        return len(self.names)
-
 
 @dataclass
 class StepPlan:
@@ -240,6 +192,11 @@ class StepPlan:
     zero_stage: int = 0  # ZeRO (step/zero.py): 0 off; 1, 2 optimizer state sharded per rank
     # overflow tracing: the values the step measures (None: tracing off, or an eval graph)
     probes: ProbeTable | None = None
+
+    @property
+    def forward_layout(self) -> ForwardLayout:
+        """The order of the inputs of the forward the step runs (after the AMP passes)."""
+        return self.captured.layout.with_param_copies(len(self.param_casts))
 
 
 # -- what a build leaves for running and inspection -------------------------------------------------
@@ -362,15 +319,15 @@ class CompiledStep:
     @classmethod
     def of(cls, program: Program) -> CompiledStep:
         return cls(
-            program.signature.describe(),
-            program.plan.training,
-            program.amp.dtype if program.amp is not None else None,
-            program.spec.config.backend,
-            program.runner.uses_cuda_graph,
-            dict(program.timings),
-            len(program.forward.graph.nodes),
-            len(program.step_gm.graph.nodes),
-            program.runner.calls,
-            program.forward,
-            program.step_gm,
+            signature=program.signature.describe(),
+            training=program.plan.training,
+            amp_dtype=program.amp.dtype if program.amp is not None else None,
+            backend=program.spec.config.backend,
+            cuda_graph=program.runner.uses_cuda_graph,
+            timings=dict(program.timings),
+            forward_nodes=len(program.forward.graph.nodes),
+            step_nodes=len(program.step_gm.graph.nodes),
+            calls=program.runner.calls,
+            forward_graph=program.forward,
+            step_graph=program.step_gm,
         )

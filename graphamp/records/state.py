@@ -19,6 +19,7 @@ class SharedState:
     history: TrainingHistory
     counters: dict[int, torch.Tensor] = field(default_factory=dict)  # optimizer index -> steps
     broadcast_done: bool = False  # data parallel: rank 0's state was broadcast once
+    step_count: int = 0  # calls of the Graph that ran (overflow-skipped steps included)
 
     def counter(self, index: int, device: torch.device, started: bool) -> torch.Tensor:
         """Optimizer ``index``'s applied-step counter on ``device`` (created once; a new one

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Callable, TypeVar
+from typing import Callable, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -115,4 +115,4 @@ def build_on_every_rank(
         len(statuses) - 1,
         status[1],
     )
-    return result
+    return cast(T, result)  # every rank built (a failure raised above)

@@ -8,8 +8,9 @@ everything to the compiled step in the order of the plan's StepLayout.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -19,11 +20,13 @@ from torch.autograd.graph import increment_version
 from ..errors import CaptureError, ConfigError
 from ..forensics.device_record import ForensicsState
 from ..records.optimizers import OptimizerPlan, init_state
-from ..records.sharding import chunk_of
 from ..records.spec import StepPlan
 from ..records.state import SharedState
 from . import zero_state
+from .compile import StepFn
+from .cudagraph import CudaGraphStep
 
+log = logging.getLogger("graphamp")
 Slot = tuple[dict, str]  # (the dict holding a tensor, its key): a live lookup
 _MISSING = object()
 
@@ -55,26 +58,29 @@ class HyperSlot:
 
 
 class Runner:
-    """The runtime side of one Program (spec.StepRunner)."""
+    """The runtime side of one Program (spec.StepRunner), made once its step is compiled.
 
-    def __init__(self, plan: StepPlan, root: nn.Module, state: SharedState, device: torch.device):
+    ``cuda_graph_batch``: replay the compiled step as a CUDA graph, captured on this batch (a
+    capture that fails is logged and the step runs without it)."""
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        root: nn.Module,
+        state: SharedState,
+        device: torch.device,
+        compiled: StepFn,
+        *,
+        cuda_graph_batch: list[torch.Tensor] | None = None,
+        graph_name: str = "",
+    ):
         cap = plan.captured
         self.plan = plan
         self.param_slots = _slots(root, cap.param_names, "_parameters")
         self.buffer_slots = _slots(root, cap.buffer_names, "_buffers")
-        self.hyper = [
-            HyperSlot(
-                opt,
-                k,
-                [torch.zeros((), dtype=torch.float32, device=device) for _ in opt.hyper_names],
-            )
-            for opt in plan.optimizers
-            for k in range(len(opt.optimizer.param_groups))
-        ]
-        for slot in self.hyper:
-            slot.sync()
+        self.hyper = _hyper_slots(plan, device)
         self.counters = [
-            state.counter(opt.index, device, _has_state(opt)) for opt in plan.optimizers
+            state.counter(opt.index, device, opt.has_state()) for opt in plan.optimizers
         ]
         self.scaler_state: list[torch.Tensor] = []
         if plan.scaler is not None:
@@ -97,21 +103,27 @@ class Runner:
         # next call by identity, without reading any tensor
         self._state_refs: list[tuple] = []
         self._state_dicts: list[tuple] = []  # (optimizer, its state dict): a replaced .state
-        self.compiled: Callable[..., Sequence[torch.Tensor]] | None = None
-        self.uses_cuda_graph = False
         self.calls = 0
         # the parameters each call updates in place (fixed per plan): version counters to bump
         self.updated_params = [p for opt in plan.optimizers for p in opt.params]
+        self.compiled = compiled
+        self.uses_cuda_graph = False
+        if cuda_graph_batch is not None:
+            self._replay_as_cuda_graph(cuda_graph_batch, graph_name)
 
-    def example_inputs(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Tensors shaped like the step's inputs, for tracing and compiling; nothing installed
-        in the user's optimizer. Detached: the step runs under no_grad, and a backend that saw
-        an input requiring grad would compile it for autograd."""
-        return self.plan.layout.flatten(
-            self._groups(
-                _example_optimizer_state(self.plan), [t.detach() for t in inputs], detach=True
+    def _replay_as_cuda_graph(self, batch: list[torch.Tensor], graph_name: str) -> None:
+        try:
+            self.compiled = CudaGraphStep(
+                self.compiled, self.plan.layout.n_state, self.gather(batch)
             )
-        )
+            self.uses_cuda_graph = True
+        except Exception as e:  # noqa: BLE001 - fall back, and say why
+            log.warning(
+                "%s: CUDA graph capture failed, running without it: %s: %s",
+                graph_name,
+                type(e).__name__,
+                e,
+            )
 
     def gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's flat inputs for this call, with every refresh applied. Changes nothing
@@ -120,7 +132,8 @@ class Runner:
             self._materialize()
         for slot in self.hyper:
             slot.sync()
-        return self.plan.layout.flatten(self._groups(self.opt_state, inputs))
+        opt_state = cast(list, self.opt_state)  # set by _materialize
+        return self.plan.layout.flatten(self._groups(opt_state, inputs))
 
     def _optimizer_state_edited(self) -> bool:
         for optimizer, state in self._state_dicts:
@@ -144,11 +157,10 @@ class Runner:
         ]
 
     def _groups(
-        self, opt_state: list[torch.Tensor], inputs: list[torch.Tensor], detach: bool = False
+        self, opt_state: list[torch.Tensor], inputs: list[torch.Tensor]
     ) -> dict[str, list[torch.Tensor]]:
-        params = [d[k] for d, k in self.param_slots]
         return {
-            "params": [p.detach() for p in params] if detach else params,
+            "params": [d[k] for d, k in self.param_slots],
             "buffers": [d[k] for d, k in self.buffer_slots],
             "opt_state": opt_state,
             "hyper": [t for slot in self.hyper for t in slot.tensors],
@@ -207,6 +219,22 @@ class Runner:
         self.opt_state = None
 
 
+def _hyper_slots(plan: StepPlan, device: torch.device) -> list[HyperSlot]:
+    """One slot per param group of every optimizer, synced with the group's values."""
+    slots = [
+        HyperSlot(
+            opt,
+            k,
+            [torch.zeros((), dtype=torch.float32, device=device) for _ in opt.hyper_names],
+        )
+        for opt in plan.optimizers
+        for k in range(len(opt.optimizer.param_groups))
+    ]
+    for slot in slots:
+        slot.sync()
+    return slots
+
+
 def _slots(root: nn.Module, names: list[str], kind: str) -> list[Slot]:
     """(the dict holding a tensor, its key): a live lookup that follows reassignment and .to()."""
     slots = []
@@ -249,10 +277,6 @@ def _counters_to_restart(
     return restart
 
 
-def _has_state(opt: OptimizerPlan) -> bool:
-    return any(opt.optimizer.state.get(p) for p in opt.params)
-
-
 def _increment_versions(tensors: list[torch.Tensor]) -> None:
     try:
         increment_version(tensors)
@@ -277,7 +301,7 @@ def materialize_optimizer_state(plan: StepPlan):
             if plan.zero_stage and key != "step":
                 t = _zero_row(opt, key, p, existing, plan.process_group)
             elif t is None:
-                t = init_state(opt.kind, key, p)
+                t = init_state(key, p)
             elif key == "step":
                 t = torch.as_tensor(t).to(device=p.device, dtype=torch.float32)
             elif t.shape != p.shape or t.device != p.device:
@@ -300,19 +324,3 @@ def _zero_row(opt: OptimizerPlan, key: str, p: torch.Tensor, existing, group) ->
             f"optimizer {opt.index}: {e}: the loaded optimizer state does not "
             "belong to these parameters"
         ) from None
-
-
-def _example_optimizer_state(plan: StepPlan) -> list[Any]:
-    """Tensors shaped like the optimizer state, for tracing and compiling; nothing installed."""
-    out = []
-    for opt in plan.optimizers:
-        for p, key in opt.state_slots():
-            existing = opt.optimizer.state.get(p, {}).get(key)
-            if plan.zero_stage and key != "step":
-                world = dist.get_world_size(plan.process_group)
-                out.append(torch.zeros(chunk_of(p.numel(), world), dtype=p.dtype, device=p.device))
-            elif isinstance(existing, torch.Tensor) and key != "step":
-                out.append(existing)
-            else:
-                out.append(init_state(opt.kind, key, p))
-    return out

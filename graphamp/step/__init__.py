@@ -6,7 +6,14 @@ one module per subgraph (gradients, scaling, optimizer_update, history, collecti
 """
 
 from .assemble import assemble_step
+from .examples import example_inputs
 from .plan import build_plan
 from .recompute import RecomputeResult, recompute_checkpointed
 
-__all__ = ["RecomputeResult", "assemble_step", "build_plan", "recompute_checkpointed"]
+__all__ = [
+    "RecomputeResult",
+    "assemble_step",
+    "build_plan",
+    "example_inputs",
+    "recompute_checkpointed",
+]

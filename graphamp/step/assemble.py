@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..records.fxutil import NodeTagger, rename_placeholders, trace_functional
+from ..records.layouts import StepInputs
 from ..records.optimizers import OptimizerPlan
 from ..records.spec import StepPlan
 from .collectives import agree_on_overflow, average_over_ranks
@@ -34,7 +35,7 @@ from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
 
 def assemble_step(
-    plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Tensor], graph_name: str
+    plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Tensor]
 ) -> fx.GraphModule:
     """Trace the step into one FX graph over fake copies of ``example`` (nothing runs)."""
     step = make_step_function(plan, fwd_gm)
@@ -55,7 +56,7 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
         s = plan.layout.split(flat)
         if not plan.training:
             return _eval_step(plan, fwd_gm, s)
-        scale = s["scaler"][0] if plan.scaler is not None else None
+        scale = s.scale
         reduce_each = (
             (lambda grads: _scatter_per_optimizer(plan, grads))
             if plan.zero_stage == 2 and plan.acc_steps > 1
@@ -79,38 +80,34 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
                 found_total = _total(updates)
                 any_skip = found_total > 0
         if recorder is not None:  # reads the step counter and scale before they are written
-            record_overflow(s["forensics"], recorder, s["history"][0], scale, any_skip)
+            record_overflow(s.forensics, recorder, s.history_step, scale, any_skip)
         with NodeTagger({"graphamp_subgraph": "history"}):
             # before the scaler state is written: a read after copy_ sees the new value
-            record_history(s["history"], fwd.losses, scale, any_skip, norms)
+            record_history(s.history, fwd.losses, scale, any_skip, norms)
         if plan.scaler is not None:
             with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
-                write_scale_update(plan.scaler, s["scaler"], found_total, any_skip)
+                write_scale_update(plan.scaler, s.scaler, found_total, any_skip)
         for i, value in zip(plan.captured.mutated_buffers, fwd.new_buffers):
-            s["buffers"][i].copy_(masked(any_skip, s["buffers"][i], value))
+            s.buffers[i].copy_(masked(any_skip, s.buffers[i], value))
         return tuple(fwd.user)
 
     return step
 
 
-def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: dict[str, list]) -> tuple:
+def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: StepInputs) -> tuple:
     cap = plan.captured
-    one = torch.ones((), dtype=torch.float32, device=s["params"][0].device if s["params"] else None)
-    user, _, _, new_buffers = cap.split_outputs(
-        run_forward(
-            fwd_gm,
-            [
-                *s["params"],
-                *s["buffers"],
-                *s["inputs"],
-                one,
-                *s["constants"],
-                *parameter_casts(plan, s["params"]),
-            ],
-        )
+    one = torch.ones((), dtype=torch.float32, device=s.params[0].device if s.params else None)
+    forward_inputs = plan.forward_layout.flatten(
+        params=s.params,
+        buffers=s.buffers,
+        inputs=s.inputs,
+        loss_scale=one,
+        constants=s.constants,
+        param_copies=parameter_casts(plan, s.params),
     )
+    user, _, _, new_buffers = cap.split_outputs(run_forward(fwd_gm, forward_inputs))
     for i, value in zip(cap.mutated_buffers, new_buffers):
-        s["buffers"][i].copy_(value)
+        s.buffers[i].copy_(value)
     return tuple(user)
 
 
@@ -171,16 +168,16 @@ def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Te
     return updates, norms
 
 
-def _update_optimizers(plan: StepPlan, s: dict[str, list], updates: list[_OptimizerUpdate]):
+def _update_optimizers(plan: StepPlan, s: StepInputs, updates: list[_OptimizerUpdate]):
     """Each optimizer's masked update (ZeRO: of this rank's rows, then all-gathered)."""
-    states, hypers = iter(s["opt_state"]), iter(s["hyper"])
-    params = s["params"]
-    for u, counter in zip(updates, s["counters"]):
+    states, hypers = iter(s.opt_state), iter(s.hyper)
+    params = s.params
+    for u, counter in zip(updates, s.counters):
         skip = u.found > 0 if u.found is not None else None
         mine = [params[i] for i in u.opt.forward_positions]
         if plan.zero_stage:
             with NodeTagger({"graphamp_subgraph": "zero"}):
-                mine = local_rows(mine, s["shard"][0], plan.process_group)
+                mine = local_rows(mine, s.zero_rank, plan.process_group)
         with NodeTagger({"graphamp_subgraph": "optimizer"}):
             update_optimizer(u.opt, mine, u.grads, states, hypers, counter, skip)
         if plan.zero_stage:

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..records.fxutil import NodeTagger, last_node, nodes_after, tracing_graph
+from ..records.layouts import StepInputs
 from ..records.ops import EXPANSIONS
 from ..records.spec import StepPlan
 from .overflow_probes import ProbeRecorder
@@ -34,7 +35,7 @@ class _ForwardRunner(fx.Interpreter):
         graph = tracing_graph()
         marker = last_node(graph) if graph is not None else None
         out = super().run_node(n)
-        if marker is not None and n.op == "call_function":
+        if graph is not None and marker is not None and n.op == "call_function":
             for new in nodes_after(graph, marker):
                 new.meta.setdefault("fwd_node", n.name)
                 for key in _COPY_META:
@@ -53,7 +54,7 @@ class _ForwardRunner(fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-def _functional_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
+def _functional_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):  # noqa: ARG001 - aten.copy's signature
     """``aten.copy`` (functionalization's form of ``copy_``) has no autograd formula; its value
     is ``src`` in ``dst``'s dtype and shape, which autograd can differentiate."""
     out = src.to(dtype=dst.dtype, device=dst.device)
@@ -63,9 +64,8 @@ def _functional_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = 
 def run_forward(
     fwd_gm: fx.GraphModule, inputs: list, recorder: ProbeRecorder | None = None
 ) -> list:
-    """The forward graph's outputs for ``inputs`` = (*params, *buffers, *batch, loss_scale,
-    *constants, *low-precision parameter copies); its nodes are traced into the step tagged
-    ``forward``."""
+    """The forward graph's outputs for ``inputs`` (``StepPlan.forward_layout``); its nodes are
+    traced into the step tagged ``forward``."""
     with NodeTagger({"graphamp_subgraph": "forward"}):
         return list(_ForwardRunner(fwd_gm, recorder).run(*inputs, enable_io_processing=False))
 
@@ -98,7 +98,7 @@ def parameter_casts(plan: StepPlan, params: list[torch.Tensor]) -> list[torch.Te
 def forward_and_gradients(
     plan: StepPlan,
     fwd_gm: fx.GraphModule,
-    s: dict[str, list],
+    s: StepInputs,
     scale: torch.Tensor | None,
     reduce_each: Callable[[list], list] | None = None,
     recorder: ProbeRecorder | None = None,
@@ -116,36 +116,29 @@ def forward_and_gradients(
     With a ``recorder`` (overflow tracing), every probed value and the gradient arriving at it
     are measured."""
     cap = plan.captured
-    params = s["params"]
-    trainable = set(plan.trainable)
-    direct = [i for i in plan.trainable if i in plan.direct_use]
+    params = s.params
     copies = parameter_casts(plan, params)
     total: dict[int, torch.Tensor] = {}
     users, micro_losses = [], []
-    current = list(s["buffers"])
-    for micro in _micro_batches(s["inputs"], plan.acc_steps):
-        ps, cs = list(params), list(copies)
-        for i in direct:  # leaves the gradients are taken with respect to
-            ps[i] = params[i].detach().requires_grad_(True)
-        cast_leaves = []
-        for j, (i, _) in enumerate(plan.param_casts):
-            if i in trainable:
-                cs[j] = copies[j].detach().requires_grad_(True)
-                cast_leaves.append((i, cs[j]))
+    current = list(s.buffers)
+    for micro in _micro_batches(s.inputs, plan.acc_steps):
+        leaves = _GradientLeaves.of(plan, params, copies)
         with torch.enable_grad():
+            forward_inputs = plan.forward_layout.flatten(
+                params=leaves.params,
+                buffers=current,
+                inputs=micro,
+                loss_scale=_loss_scale(scale, params),
+                constants=s.constants,
+                param_copies=leaves.copies,
+            )
             user, losses, loss_grads, new_buffers = cap.split_outputs(
-                run_forward(
-                    fwd_gm,
-                    [*ps, *current, *micro, _loss_scale(scale, params), *s["constants"], *cs],
-                    recorder,
-                )
+                run_forward(fwd_gm, forward_inputs, recorder)
             )
         seeds = _seeds(plan, losses, loss_grads, scale)
         micro_grads: dict[int, torch.Tensor] = total if reduce_each is None else {}
         with NodeTagger({"graphamp_subgraph": "backward"}):
-            _accumulate_grads(
-                plan, losses, seeds, [(i, ps[i]) for i in direct], cast_leaves, params, micro_grads
-            )
+            _accumulate_grads(plan, losses, seeds, leaves.wrt, params, micro_grads)
         if reduce_each is not None:
             reduced = reduce_each(_in_trainable_order(plan, micro_grads, params))
             for i, g in zip(plan.trainable, reduced):
@@ -154,13 +147,37 @@ def forward_and_gradients(
         micro_losses.append([loss.detach() for loss in losses])
         for i, value in zip(cap.mutated_buffers, new_buffers):
             current[i] = value.detach()
-    grads = _in_trainable_order(plan, total, params)
     return ForwardResult(
         _combine_micro_outputs(users),
         _mean_losses(micro_losses),
-        grads,
+        _in_trainable_order(plan, total, params),
         [current[i] for i in cap.mutated_buffers],
     )
+
+
+@dataclass
+class _GradientLeaves:
+    """One micro-batch's forward inputs that gradients are taken with respect to."""
+
+    params: list[torch.Tensor]  # the parameters, trainable ones read directly as fresh leaves
+    copies: list[torch.Tensor]  # the low-precision copies, trainable ones as fresh leaves
+    # (forward position, leaf): the parameters read in their own dtype, then the copies (whose
+    # gradient is cast back, as a cast's backward does)
+    wrt: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def of(cls, plan: StepPlan, params: list, copies: list) -> _GradientLeaves:
+        trainable = set(plan.trainable)
+        ps, cs, wrt = list(params), list(copies), []
+        for i in plan.trainable:
+            if i in plan.direct_use:
+                ps[i] = params[i].detach().requires_grad_(True)
+                wrt.append((i, ps[i]))
+        for j, (i, _) in enumerate(plan.param_casts):
+            if i in trainable:
+                cs[j] = copies[j].detach().requires_grad_(True)
+                wrt.append((i, cs[j]))
+        return cls(ps, cs, wrt)
 
 
 def _in_trainable_order(plan: StepPlan, grads: dict, params: list) -> list[torch.Tensor]:
@@ -197,13 +214,12 @@ def _micro_batches(inputs: list, n: int) -> list[list]:
 
 
 def _accumulate_grads(
-    plan: StepPlan, losses: list, seeds: list, direct: list, copies: list, params: list, total: dict
+    plan: StepPlan, losses: list, seeds: list, wrt: list, params: list, total: dict
 ) -> None:
     """Add this micro-batch's parameter gradients to ``total``.
 
-    ``direct`` and ``copies`` are (forward position, leaf) pairs: parameters read in their own
-    dtype, and their low-precision copies (whose gradient is cast back, as a cast's backward
-    does).
+    ``wrt`` are (forward position, leaf) pairs (``_GradientLeaves.wrt``); a copy's gradient is
+    cast back to its parameter's dtype.
     Losses that called backward(inputs=...) send gradients only to those parameters: one
     ``autograd.grad`` per distinct restriction, over the parameters it names.
     """
@@ -211,15 +227,15 @@ def _accumulate_grads(
     for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(losses)):
         groups.setdefault(restrict, []).append(index)
     for n, (restrict, members) in enumerate(groups.items()):
-        wrt = [(i, leaf) for i, leaf in [*direct, *copies] if restrict is None or i in restrict]
+        chosen = [(i, leaf) for i, leaf in wrt if restrict is None or i in restrict]
         grads = torch.autograd.grad(
             [losses[k] for k in members],
-            [leaf for _, leaf in wrt],
+            [leaf for _, leaf in chosen],
             [seeds[k] for k in members],
             allow_unused=True,
             retain_graph=n + 1 < len(groups),
         )
-        for (i, _), g in zip(wrt, grads):
+        for (i, _), g in zip(chosen, grads):
             if g is None:
                 continue
             g = g.to(params[i].dtype)

@@ -1,4 +1,4 @@
-"""The history row each training step writes on the device (columns: history.HISTORY_COLUMNS)."""
+"""The history row each training step writes on the device (``records.history.HISTORY_COLUMNS``)."""
 
 from __future__ import annotations
 

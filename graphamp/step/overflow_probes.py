@@ -1,8 +1,8 @@
 """The overflow-forensics subgraph (``config.enable_overflow_tracing()``): probes and the record.
 
-``plan_probes`` decides, before tracing, which values the step measures (``forensics.ProbeTable``:
-floating placeholders, then every op result that is not a view, in topological order; the
-gradient arriving at each; each parameter's gradient). While the step is traced,
+``plan_probes`` decides, before tracing, which values the step measures
+(``records.probes.ProbeTable``: floating placeholders, then every op result that is not a view,
+in topological order; the gradient arriving at each; each parameter's gradient). While the step is traced,
 ``ProbeRecorder`` reduces each of them to its largest magnitude (one reduction: NaN and inf
 survive it) - forward values as the forward runs, gradients through tensor
 hooks as autograd runs the backward. ``record_overflow`` then writes the step's vector into the
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -96,15 +97,15 @@ def plan_probes(
         # a placeholder's "op" is its kind: a data fault reads "input", not an op
         probes.append(
             Probe(
-                node.name,
-                names[len(placeholders) - 1],
-                kind,
-                kind,
-                dtype_after_amp(node),
-                "",
-                None,
-                (),
-                None,
+                node=node.name,
+                label=names[len(placeholders) - 1],
+                kind=kind,
+                op=kind,
+                dtype=dtype_after_amp(node),
+                module="",
+                source=None,
+                inputs=(),
+                pin=None,
             )
             if node.op == "placeholder"
             else _op_probe(node, kind, inputs, occurrence)
@@ -121,24 +122,27 @@ def plan_probes(
 
 
 def _placeholders(captured: CapturedForward, param_casts: list[tuple[int, torch.dtype]]):
-    """The kind and readable name of each forward placeholder: (*params, *buffers, *inputs,
-    loss_scale, *constants, *low-precision parameter copies); the loss scale is not probed."""
-    kinds = (
-        ["parameter"] * len(captured.param_names)
-        + ["buffer"] * len(captured.buffer_names)
-        + ["input"] * captured.num_inputs
-        + [None]
-        + ["constant"] * len(captured.constant_names)
-        + ["parameter copy"] * len(param_casts)
+    """The kind and readable name of each forward placeholder (in ``ForwardLayout`` order, with
+    the low-precision parameter copies); the loss scale is not probed."""
+    layout = captured.layout.with_param_copies(len(param_casts))
+    kinds: list[str | None] = layout.flatten(
+        params=["parameter"] * layout.params,
+        buffers=["buffer"] * layout.buffers,
+        inputs=["input"] * layout.inputs,
+        loss_scale=None,
+        constants=["constant"] * layout.constants,
+        param_copies=["parameter copy"] * layout.param_copies,
     )
-    names = [
-        *captured.param_names,
-        *captured.buffer_names,
-        *captured.input_names,
-        "loss_scale",
-        *captured.constant_names,
-        *(f"{captured.param_names[i]} ({dtype_name(dt)} copy)" for i, dt in param_casts),
-    ]
+    names = layout.flatten(
+        params=captured.param_names,
+        buffers=captured.buffer_names,
+        inputs=captured.input_names,
+        loss_scale="loss_scale",
+        constants=captured.constant_names,
+        param_copies=[
+            f"{captured.param_names[i]} ({dtype_name(dt)} copy)" for i, dt in param_casts
+        ],
+    )
     return kinds, names
 
 
@@ -203,7 +207,7 @@ def _op_probe(node: fx.Node, kind: str, inputs: tuple[int, ...], occurrence: dic
     described = node
     op = op_name(node)
     if node.target is operator.getitem:  # one result of a tuple-producing op: name that op
-        described = node.args[0]
+        described = cast(fx.Node, node.args[0])
         op = f"{op_name(described)}[{node.args[1]}]"
     pin = (
         pin_identity(described, occurrence[described.name])
@@ -211,15 +215,15 @@ def _op_probe(node: fx.Node, kind: str, inputs: tuple[int, ...], occurrence: dic
         else None
     )
     return Probe(
-        node.name,
-        node.name,
-        kind,
-        op,
-        dtype_after_amp(node),
-        module_path(described),
-        described.meta.get("user_frame"),
-        inputs,
-        pin,
+        node=node.name,
+        label=node.name,
+        kind=kind,
+        op=op,
+        dtype=dtype_after_amp(node),
+        module=module_path(described),
+        source=described.meta.get("user_frame"),
+        inputs=inputs,
+        pin=pin,
     )
 
 
@@ -230,11 +234,11 @@ def _grad_params(
     placeholders: list[fx.Node],
     index: dict,
 ) -> tuple[GradParam, ...]:
-    first_cast = len(placeholders) - len(param_casts)
+    groups = captured.layout.with_param_copies(len(param_casts)).split(placeholders)
     out = []
     for i in trainable:
-        nodes = [placeholders[i]] + [
-            placeholders[first_cast + j] for j, (pos, _) in enumerate(param_casts) if pos == i
+        nodes = [groups.params[i]] + [
+            groups.param_copies[j] for j, (pos, _) in enumerate(param_casts) if pos == i
         ]
         out.append(GradParam(captured.param_names[i], tuple(index[n] for n in nodes if n in index)))
     return tuple(out)
@@ -334,11 +338,8 @@ def record_overflow(
     table = recorder.table
     with NodeTagger(_TAG):
         vector = recorder.vector(count.device)
-        sinks = [
-            recorder.values[s]
-            for s in (*table.losses, *(table.param_slot(k) for k in range(len(table.params))))
-        ]
-        sinks = [v for v in sinks if v is not None]
+        slots = (*table.losses, *(table.param_slot(k) for k in range(len(table.params))))
+        sinks = [v for v in (recorder.values[s] for s in slots) if v is not None]
         overflowed = (
             ~torch.isfinite(torch.stack(sinks)).all()
             if sinks

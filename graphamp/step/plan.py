@@ -7,12 +7,11 @@ layout of the step's inputs (spec.StepLayout).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.fx as fx
 
 from ..errors import CaptureError, ConfigError
+from ..records.fxutil import warn_at_user_line
 from ..records.optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
 from ..records.probes import ProbeTable
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
@@ -50,11 +49,11 @@ def build_plan(
         else None
     )
     return StepPlan(
-        captured,
-        spec.training,
-        trainable,
-        plans,
-        scaler,
+        captured=captured,
+        training=spec.training,
+        trainable=trainable,
+        optimizers=plans,
+        scaler=scaler,
         layout=_layout(captured, plans, scaler, spec.training, zero, probes),
         param_casts=param_casts,
         direct_use=direct_use,
@@ -110,7 +109,15 @@ def _optimizer_plans(
             flags = group_flags(kind, opt, group)
             groups.append(GroupPlan(positions, flags, state_keys(kind, dict(flags))))
         plans.append(
-            OptimizerPlan(k, opt, kind, groups, slot.clip_max_norm, slot.clip_norm_type, updated)
+            OptimizerPlan(
+                index=k,
+                optimizer=opt,
+                kind=kind,
+                groups=groups,
+                clip_max_norm=slot.clip_max_norm,
+                clip_norm_type=slot.clip_norm_type,
+                params=updated,
+            )
         )
     return plans
 
@@ -189,15 +196,13 @@ def _warn_about_scaler_dtype(spec: GraphSpec, scaler) -> None:
         and (not config.amp_active or config.amp_dtype == torch.bfloat16)
     ):
         what = "bf16" if config.amp_active else "fp32"
-        warnings.warn(
+        warn_at_user_line(
             f"{spec.name}: a grad scaler is set for a {what} step, where gradients do not "
             "underflow as in fp16; loss scaling is unnecessary (it still works and still skips "
-            "non-finite steps)",
-            stacklevel=5,
+            "non-finite steps)"
         )
     if spec.training and scaler is None and config.amp_active and config.amp_dtype == torch.float16:
-        warnings.warn(
+        warn_at_user_line(
             f"{spec.name}: fp16 AMP without a grad scaler: small gradients underflow to zero "
-            "in fp16. Add self.set_grad_scaler(graphamp.GradScaler()) or use bf16",
-            stacklevel=5,
+            "in fp16. Add self.set_grad_scaler(graphamp.GradScaler()) or use bf16"
         )

@@ -1,0 +1,52 @@
+"""One attribute of torch replaced for as long as any capture needs it, in any thread.
+
+Capture replaces a few process-wide attributes while build() is traced
+(``torch.autograd.Function.apply``: ``functions.py``; ``nn.Module.__setattr__``:
+``side_effects.py``; ``torch.compiler._is_compiling_flag``: ``trace.py``). Captures may run in
+several threads at once, so each replacement is reference-counted: the first capture to enter
+installs it, the last to leave puts back what was there before, on every path. What each
+replacement does for the capture of *this* thread is the caller's business (thread-locals).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+_MISSING = object()
+
+
+class SharedPatch:
+    """``owner.name = replacement`` while at least one ``applied()`` block is open."""
+
+    def __init__(self, owner: Any, name: str, replacement: Any) -> None:
+        self.owner = owner
+        self.name = name
+        self.replacement = replacement
+        self.original: Any = _MISSING  # what the first user found (the raw class attribute)
+        self._users = 0
+        self._lock = threading.Lock()
+
+    @property
+    def available(self) -> bool:
+        """Does the attribute exist in this torch release?"""
+        return hasattr(self.owner, self.name)
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        with self._lock:
+            if self._users == 0:
+                self.original = vars(self.owner).get(self.name, _MISSING)
+                setattr(self.owner, self.name, self.replacement)
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._users == 0:
+                    if self.original is _MISSING:
+                        delattr(self.owner, self.name)
+                    else:
+                        setattr(self.owner, self.name, self.original)

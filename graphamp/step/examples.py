@@ -1,0 +1,77 @@
+"""The example inputs the step is traced and compiled with: tensors like the live ones.
+
+Assembly traces the step on fake copies of them and the backend compiles for them; nothing is
+installed in the user's optimizer. Where the live tensor exists already it is the example: the
+parameters and buffers, the optimizer state a checkpoint or eager steps left, the scaler's and
+the history's device state and the graph's shared step counters (their first call makes them
+here). What the runtime makes for each compiled step (hyperparameter tensors, the ZeRO rank,
+the overflow record, optimizer state graphamp creates) is made here with the same shape, dtype
+and device. Detached: the step runs under no_grad, and a backend that saw an input requiring
+grad would compile it for autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..records.optimizers import init_state
+from ..records.probes import record_tensors
+from ..records.sharding import chunk_of
+from ..records.spec import StepPlan
+from ..records.state import SharedState
+
+
+def example_inputs(
+    plan: StepPlan,
+    root: nn.Module,
+    state: SharedState,
+    inputs: list[torch.Tensor],
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """The step's flat inputs (``plan.layout``) for tracing and compiling."""
+    cap = plan.captured
+    params, buffers = dict(root.named_parameters()), dict(root.named_buffers())
+    n_hyper = sum(len(o.hyper_names) * len(o.optimizer.param_groups) for o in plan.optimizers)
+    scaler: list[torch.Tensor] = []
+    if plan.scaler is not None:
+        plan.scaler._materialize(device)  # the scaler's own tensors, which the step updates
+        scaler = plan.scaler.state_tensors()
+    return plan.layout.flatten(
+        {
+            "params": [params[n].detach() for n in cap.param_names],
+            "buffers": [buffers[n] for n in cap.buffer_names],
+            "opt_state": _optimizer_state(plan),
+            "hyper": [torch.zeros((), dtype=torch.float32, device=device) for _ in range(n_hyper)],
+            "counters": [state.counter(o.index, device, o.has_state()) for o in plan.optimizers],
+            "scaler": scaler,
+            "history": state.history.materialize(device) if plan.training else [],
+            "shard": [_rank(plan, device)] if plan.zero_stage else [],
+            "forensics": record_tensors(plan.probes, device) if plan.probes is not None else [],
+            "constants": cap.constants,
+            "inputs": [t.detach() for t in inputs],
+        }
+    )
+
+
+def _rank(plan: StepPlan, device: torch.device) -> torch.Tensor:
+    return torch.tensor(dist.get_rank(plan.process_group), dtype=torch.int64, device=device)
+
+
+def _optimizer_state(plan: StepPlan) -> list[Any]:
+    """Tensors shaped like the optimizer state, for tracing and compiling; nothing installed."""
+    out = []
+    for opt in plan.optimizers:
+        for p, key in opt.state_slots():
+            existing = opt.optimizer.state.get(p, {}).get(key)
+            if plan.zero_stage and key != "step":
+                world = dist.get_world_size(plan.process_group)
+                out.append(torch.zeros(chunk_of(p.numel(), world), dtype=p.dtype, device=p.device))
+            elif isinstance(existing, torch.Tensor) and key != "step":
+                out.append(existing)
+            else:
+                out.append(init_state(key, p))
+    return out
