@@ -307,7 +307,7 @@ class StaticGradScaler(GradScaler):
             min_scale=min(scale, 1.0),
         )
 
-    def update_scale(self, scale, growth_tracker, hysteresis_tracker, found_inf):
+    def update_scale(self, scale, growth_tracker, hysteresis_tracker, found_inf):  # noqa: ARG002 - GradScaler.update_scale's signature
         return scale, growth_tracker, hysteresis_tracker
 
     def __repr__(self) -> str:

@@ -1,8 +1,10 @@
-"""Builders shared by the tests: a Graph around a model, and the eager reference loop."""
+"""Builders shared by the tests: a Graph around a model, and the eager oracles it is checked
+against (a plain training step; torch.autocast, with or without a torch.amp.GradScaler)."""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -68,6 +70,72 @@ def eager_step(model, loss_fn, opt, x, y, sch=None) -> torch.Tensor:
     if sch is not None:
         sch.step()
     return loss.detach()
+
+
+# -- the eager AMP oracle: torch.autocast, with or without torch.amp.GradScaler --------------------
+
+
+def autocast_loss(
+    loss_of: Callable[[], torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    backward: bool = True,
+    device_type: str = "cpu",
+) -> torch.Tensor:
+    """Eager torch.autocast's loss (in fp32) for one forward ``loss_of()``; with ``backward``,
+    the fp32 loss is differentiated too, leaving the gradients in the parameters' ``.grad``."""
+    with torch.autocast(device_type, dtype=dtype):
+        loss = loss_of()
+    loss = loss.float()
+    if backward:
+        loss.backward()
+    return loss.detach()
+
+
+@dataclass
+class EagerStep:
+    """One eager step of ``autocast_step``."""
+
+    loss: torch.Tensor
+    scale: float | None  # the loss scale the step used (None without a scaler)
+    skipped: bool  # the scaler skipped the step (torch backs off exactly then)
+    norm: float | None  # the total gradient norm before clipping (None without clipping)
+
+
+def autocast_step(
+    loss_of: Callable[[], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    dtype: torch.dtype | None,
+    scaler=None,
+    *,
+    device_type: str = "cpu",
+    clip: float | None = None,
+    norm_type: float = 2.0,
+    after_backward: Callable[[], None] | None = None,
+) -> EagerStep:
+    """One training step as torch documents it: zero_grad; the forward ``loss_of()`` under
+    torch.autocast (``dtype`` None: autocast off); backward of the loss scaled by ``scaler`` (a
+    torch.amp.GradScaler, or None); ``after_backward()``; with ``clip``, unscale_ and
+    clip_grad_norm_ over the optimizer's parameters; step; update."""
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(device_type, dtype=dtype or torch.float16, enabled=dtype is not None):
+        loss = loss_of()
+    scale = scaler.get_scale() if scaler is not None else None
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if after_backward is not None:
+        after_backward()
+    norm = None
+    if clip is not None:
+        if scaler is not None:
+            scaler.unscale_(opt)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip, norm_type=norm_type))
+    if scaler is None:
+        opt.step()
+        return EagerStep(loss.detach(), None, False, norm)
+    scaler.step(opt)
+    scaler.update()
+    return EagerStep(loss.detach(), scale, scaler.get_scale() < scale, norm)
 
 
 def assert_state_close(a: nn.Module, b: nn.Module, rtol=1e-5, atol=1e-6, what="model"):

@@ -1,4 +1,4 @@
-"""Issue 14: PyTorch's own autocast op lists, every entry as a one-op Graph.
+"""PyTorch's own autocast op lists, every entry as a one-op Graph.
 
 ``torch.testing._internal.autocast_test_lists.AutocastTestLists`` is what torch's test_cuda.py
 checks CUDA autocast against: per list, ops with arguments and the dtype autocast must run them

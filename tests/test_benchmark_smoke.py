@@ -1,4 +1,4 @@
-"""Issue 7: the benchmark's CPU smoke mode (tiny models, few steps, aot_eager) runs end to end."""
+"""The benchmark's CPU smoke mode (tiny models, few steps, aot_eager) runs end to end."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_benchmark_smoke_mode(tmp_path):
 
 
 def test_benchmark_smoke_llama_workload(tmp_path):
-    """Issue 15: the Llama-style workload (transformers' LlamaForCausalLM from a config) at smoke
+    """The Llama-style workload (transformers' LlamaForCausalLM from a config) at smoke
     size trains under graphamp and its peer in one run, with tokens/s reported."""
     rows = bench.main(
         [

@@ -1,4 +1,4 @@
-"""Capture of what real PyTorch code does (issues 13 and 21), against the eager oracle.
+"""Capture of what real PyTorch code does, against the eager oracle.
 
 Each case trains a few steps through graphamp and the same steps eagerly, and compares
 parameters (fp32: to rounding noise; AMP: finite and close to eager autocast).
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import assert_state_close, clone_training, make_graph
+from helpers import assert_state_close, autocast_loss, clone_training, make_graph
 
 import graphamp
 
@@ -133,7 +133,7 @@ def test_a_failed_capture_leaves_the_users_model_exactly_as_it_was(name):
     model(torch.randn(2, 4, 10)).sum().backward()  # still an ordinary eager model
 
 
-# -- custom autograd Functions (issue 13) -----------------------------------------------------------
+# -- custom autograd Functions -----------------------------------------------------------
 
 
 class GradReverse(torch.autograd.Function):
@@ -207,9 +207,8 @@ def test_custom_autograd_functions_under_amp_are_one_fp32_node(dtype):
     g = make_graph(model, None, opt, build=build, amp=dtype, scaler=scaler)
     x, y = _batches(1)[0]
     loss = g(x, y)
-    with torch.autocast("cpu", dtype=dtype):
-        ref_loss = _dann_loss(ref, x, y)
-    torch.testing.assert_close(loss, ref_loss.float(), rtol=2e-2, atol=2e-2)
+    ref_loss = autocast_loss(lambda: _dann_loss(ref, x, y), dtype, backward=False)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
     rows = [
         r
         for r in g.precision_report(with_autocast=False).rows
@@ -286,7 +285,7 @@ def test_activation_checkpointing_in_user_code_trains_like_eager(reentrant):
     assert_state_close(model, ref)
 
 
-# -- gradients taken inside build(): gradient penalties (issue 13) ---------------------------------
+# -- gradients taken inside build(): gradient penalties ---------------------------------
 
 
 class Critic(nn.Module):
@@ -369,7 +368,7 @@ def test_gradient_penalty_with_a_scaler_follows_torchs_recipe():
     assert {u.target for u in scale.users} >= {torch.ops.aten.mul.Tensor, torch.ops.aten.div.Tensor}
 
 
-# -- data-dependent shapes, plain tensors, custom ops (issue 21) ------------------------------------
+# -- data-dependent shapes, plain tensors, custom ops ------------------------------------
 
 
 def _masked_ce(m, x, y):

@@ -1,4 +1,4 @@
-"""Issue 12: every change a user makes between calls is seen by the next step, or refused by a
+"""Every change a user makes between calls is seen by the next step, or refused by a
 graphamp error that names it; never ignored. Each case is compared with eager PyTorch."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from helpers import (
     assert_optimizer_close,
     assert_state_close,
     assert_unchanged,
+    autocast_step,
     make_graph,
     snapshot,
 )
@@ -57,11 +58,9 @@ class Twin:
         if self.amp is None:
             ref_loss = _eager_step(self.ref, self.ref_opt, x, y)
         else:
-            self.ref_opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=self.amp):
-                ref_loss = F.cross_entropy(self.ref(x), y)
-            ref_loss.backward()
-            self.ref_opt.step()
+            ref_loss = autocast_step(
+                lambda: F.cross_entropy(self.ref(x), y), self.ref_opt, self.amp
+            ).loss
         torch.testing.assert_close(loss, ref_loss.float().detach(), rtol=rtol, atol=atol)
 
     def check(self, rtol=1e-5, atol=1e-6):

@@ -1,4 +1,4 @@
-"""Issue 22: the world around a call. Ambient torch modes, Python side effects in forward,
+"""The world around a call. Ambient torch modes, Python side effects in forward,
 wrapped and copied objects, schedulers and optimizer-state edits: each is honoured as eager
 PyTorch would (the oracle) or refused by a graphamp error that changes nothing."""
 

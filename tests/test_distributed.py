@@ -1,4 +1,4 @@
-"""Issue 8: data parallel on torch.distributed, two CPU processes on gloo, under torchrun."""
+"""Data parallel on torch.distributed, two CPU processes on gloo, under torchrun."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def test_ranks_with_different_graphs_all_raise_and_none_hangs(tmp_path):
 
 
 def test_an_interrupted_rank_makes_the_others_raise_within_the_timeout(tmp_path):
-    """Issue 20: rank 1 stops at a step (a Ctrl-C in a notebook) and stays alive. Rank 0's call
+    """Rank 1 stops at a step (a Ctrl-C in a notebook) and stays alive. Rank 0's call
     of that step raises once the process group's timeout has passed, and leaves rank 0's state
     from before the step: it can be saved, and training resumed from it by every rank."""
     rank0 = run_ranks("interrupt", tmp_path)[0]

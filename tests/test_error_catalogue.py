@@ -1,4 +1,4 @@
-"""Issue 21, point 5: every error is graphamp's.
+"""Every error is graphamp's.
 
 A catalogue of build() bodies and model patterns that fail somewhere in the pipeline (capture,
 assembly, compilation). For each: the exception is a GraphampError, it names the line of this

@@ -1,4 +1,4 @@
-"""Issue 3: bad input raises an error naming the problem and the fix; nothing is lost."""
+"""Bad input raises an error naming the problem and the fix; nothing is lost."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 16: overflow forensics (which op went non-finite first, and where) and self-healing AMP
+"""Overflow forensics (which op went non-finite first, and where) and self-healing AMP
 (autofix pins it to fp32 and training goes on), on the classic cases: T5's feed-forward output
 layer, an exp and a large matmul in fp16, an inf in a BatchNorm CNN's batch (a data fault).
 Every case is checked against eager PyTorch: the fp32 run the healed training must follow, and
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import make_graph
+from helpers import autocast_step, make_graph
 from models import ManualAttentionBlock, SmallCNN, TinyGPT, lm_loss
 
 import graphamp
@@ -44,17 +44,10 @@ def _eager_autocast_skips(model, opt_factory, loss_of, steps: int, init_scale: f
     model = copy.deepcopy(model)
     opt = opt_factory(model)
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-    skipped = []
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_of(model)
-        scaler.scale(loss).backward()
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        skipped.append(scaler.get_scale() < before)  # torch backs off exactly on a skipped step
-    return skipped
+    return [
+        autocast_step(lambda: loss_of(model), opt, torch.float16, scaler).skipped
+        for _ in range(steps)
+    ]
 
 
 def _eager_fp32_losses(model, opt_factory, loss_of, steps: int):

@@ -1,4 +1,4 @@
-"""Issue 3: a Graph trains like eager PyTorch (fp32), for real models and optimizers."""
+"""A Graph trains like eager PyTorch (fp32), for real models and optimizers."""
 
 from __future__ import annotations
 

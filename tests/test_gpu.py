@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from helpers import make_graph
+from helpers import autocast_step, make_graph
 from models import SmallCNN, TinyGPT, lm_loss, seed_mlp
 
 import graphamp
@@ -45,13 +45,10 @@ def test_cuda_fp16_training_tracks_eager_autocast(backend):
     for step in range(20):
         x, y = batches[step % 4]
         loss = g(x, y)
-        ref_opt.zero_grad()
-        with torch.autocast("cuda", dtype=torch.float16):
-            ref_loss = lm_loss(ref(x), y)
-        scaler.scale(ref_loss).backward()
-        scaler.step(ref_opt)
-        scaler.update()
-        torch.testing.assert_close(loss, ref_loss.float(), rtol=2e-2, atol=2e-2)
+        eager = autocast_step(
+            lambda: lm_loss(ref(x), y), ref_opt, torch.float16, scaler, device_type="cuda"
+        )
+        torch.testing.assert_close(loss, eager.loss.float(), rtol=2e-2, atol=2e-2)
     assert sum(g.history.fetch()["skipped"]) == 0 and scaler.get_scale() == 1024.0
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-3, msg=n)

@@ -1,4 +1,4 @@
-"""Issue 6: print(g), debug levels, dumps, training plots, examples."""
+"""print(g), debug levels, dumps, training plots, and the examples."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 15: the optimizer tail is multi-tensor work (one node per op for a whole param group)."""
+"""The optimizer tail is multi-tensor work (one node per op for a whole param group)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 4: structure tests, one small graph per colouring rule and per cast rule.
+"""Structure tests of the AMP passes, one small graph per colouring rule and per cast rule.
 
 Graphs come from tiny functions traced with make_fx on fake tensors (so every node carries the
 fake value the passes read). Colouring tests use small explicit lists, so each rule is tested
@@ -380,7 +380,7 @@ def test_every_pass_returns_a_pass_result_and_the_pipeline_is_one_tuple():
         gm = result.graph_module
 
 
-# -- issue 14: widening, promote, composite ops ------------------------------------------------
+# -- widening, promote, composite ops ------------------------------------------------
 
 X16 = X.half()
 
@@ -545,5 +545,7 @@ def test_verify_dtypes_checks_getitem_outputs():
     assert passes.dtype_after_amp(fused)[:2] == (torch.float16, torch.float16)
     assert passes.verify_dtypes(gm) == []
     state = next(u for u in fused.users if u.args[1] == 1)
-    state.meta["amp_dtype"] = torch.float32  # what the passes said before issue 12 item 11
+    state.meta["amp_dtype"] = (
+        torch.float32
+    )  # a dtype the op does not give: verify_dtypes reports it
     assert any(state.name in m for m in passes.verify_dtypes(gm))

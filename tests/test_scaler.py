@@ -1,4 +1,4 @@
-"""Issue 5: the grad-scaler subgraph against eager torch.amp.GradScaler."""
+"""The grad-scaler subgraph against eager torch.amp.GradScaler."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from helpers import assert_optimizer_close, assert_state_close, make_graph
+from helpers import assert_optimizer_close, assert_state_close, autocast_step, make_graph
 from models import SmallCNN, seed_mlp
 
 import graphamp
@@ -40,20 +40,18 @@ def _batches(n=60, poison=INF_STEPS, shape=(32, 256), classes=10):
 
 def _eager_run(model, opt, scaler, batches, clip=None, norm_type=2.0):
     """The documented eager recipe: scale, backward, unscale_, (clip), step, update."""
-    scales, norms = [], []
-    for x, y in batches:
-        scales.append(scaler.get_scale())
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        if clip is not None:
-            scaler.unscale_(opt)
-            norms.append(
-                float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, norm_type=norm_type))
-            )
-        scaler.step(opt)
-        scaler.update()
-    return scales, norms
+    steps = [
+        autocast_step(
+            lambda: nn.functional.cross_entropy(model(x), y),
+            opt,
+            None,
+            scaler,
+            clip=clip,
+            norm_type=norm_type,
+        )
+        for x, y in batches
+    ]
+    return [s.scale for s in steps], [s.norm for s in steps if s.norm is not None]
 
 
 _quiet_graph = make_graph
@@ -115,15 +113,12 @@ def test_fp16_trajectory_with_injected_overflows():
     batches = _batches(40)
     for x, y in batches:
         g(x, y)
-    scales = []
-    for x, y in batches:
-        scales.append(ref_scaler.get_scale())
-        ref_opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.cross_entropy(ref(x), y)
-        ref_scaler.scale(loss).backward()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
+    scales = [
+        autocast_step(
+            lambda: nn.functional.cross_entropy(ref(x), y), ref_opt, torch.float16, ref_scaler
+        ).scale
+        for x, y in batches
+    ]
     assert g.history.fetch()["scale"] == scales
     assert_state_close(model, ref, rtol=2e-2, atol=2e-3)
 

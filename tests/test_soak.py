@@ -1,4 +1,4 @@
-"""Issue 12: a short soak with injected overflows, state checked on every step
+"""A short soak with injected overflows, state checked on every step
 (benchmarks/soak.py; the 10,000-step run is recorded in benchmarks/results/soak_cpu.md)."""
 
 from __future__ import annotations

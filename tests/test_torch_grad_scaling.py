@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import assert_optimizer_close
+from helpers import assert_optimizer_close, autocast_step
 
 import graphamp
 from graphamp import CaptureError, UnsupportedOptimizerError
@@ -172,17 +172,16 @@ ADAM_ATOL = 1e-4
 
 
 def eager_autocast(run: Run, data, scaler, amp, start=0):
-    scales = []
-    for i, (x, y) in enumerate(data, start):
-        scales.append(scaler.get_scale())
-        run.opt.zero_grad()
-        with torch.autocast("cpu", dtype=amp or torch.float16, enabled=amp is not None):
-            loss = F.mse_loss(run.model(x), y)
-        scaler.scale(loss).backward()
-        poison_grad(run.model, i, scaler)
-        scaler.step(run.opt)
-        scaler.update()
-    return scales
+    return [
+        autocast_step(
+            lambda: F.mse_loss(run.model(x), y),
+            run.opt,
+            amp,
+            scaler,
+            after_backward=lambda: poison_grad(run.model, i, scaler),
+        ).scale
+        for i, (x, y) in enumerate(data, start)
+    ]
 
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}

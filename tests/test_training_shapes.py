@@ -1,4 +1,4 @@
-"""Issue 8: more training shapes: two optimizers (a GAN), gradient accumulation, structured
+"""More training shapes: two optimizers (a GAN), gradient accumulation, structured
 inputs. (Several losses, train/eval switching, frozen and tied parameters, recapture and its
 cache bound are tested in test_foundation.py.)"""
 

@@ -1,4 +1,4 @@
-"""Issue 20: a step is a transaction. Ctrl-C or an error at any moment of a call leaves the
+"""A step is a transaction. Ctrl-C or an error at any moment of a call leaves the
 training state from before the step or from after it, never between."""
 
 from __future__ import annotations

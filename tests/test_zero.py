@@ -1,4 +1,4 @@
-"""Issue 17: ZeRO stages 1 and 2 on torch.distributed (gloo, CPU processes under torchrun).
+"""ZeRO stages 1 and 2 on torch.distributed (gloo, CPU processes under torchrun).
 
 Oracle: the same training in one process on the global batch (graphamp without ZeRO, which
 tests/test_scaler.py holds to torch.amp.GradScaler and torch.optim.AdamW).

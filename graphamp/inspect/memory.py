@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -73,5 +74,5 @@ def _new_bytes(node: fx.Node) -> int:
 def _owner(node: fx.Node) -> fx.Node:
     """The node whose value a getitem unpacks (itself otherwise)."""
     if node.op == "call_function" and node.target is operator.getitem:
-        return node.args[0]
+        return cast(fx.Node, node.args[0])
     return node

@@ -118,7 +118,7 @@ def layered_svg(gm: fx.GraphModule, max_nodes: int = 4000) -> str:
     keep = set(nodes)
     g.add_nodes_from(nodes)
     g.add_edges_from((s, n) for n in nodes for s in n.all_input_nodes if s in keep)
-    layer = {}
+    layer: dict[fx.Node, int] = {}
     for node in nx.topological_sort(g):
         layer[node] = 1 + max((layer[p] for p in g.predecessors(node)), default=-1)
     rows: dict[int, list[fx.Node]] = defaultdict(list)

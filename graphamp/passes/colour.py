@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from typing import Callable, Iterable
+from typing import Callable, Iterable, cast
 
 import networkx as nx
 import torch.fx as fx
@@ -100,7 +100,7 @@ def _precision_inputs(node: fx.Node) -> list[fx.Node]:
 def _producer(value: fx.Node) -> fx.Node:
     """The op behind a value: the tuple-producing op for ``getitem`` nodes."""
     if value.op == "call_function" and value.target is operator.getitem:
-        return value.args[0]
+        return cast(fx.Node, value.args[0])
     return value
 
 

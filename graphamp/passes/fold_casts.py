@@ -12,6 +12,8 @@ only the dtype); casts that also move devices or change layout are left alone.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx as fx
 
@@ -42,29 +44,40 @@ def _replace(node: fx.Node, with_node: fx.Node) -> None:
 
 def fold_cast_chains(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     graph = gm.graph
+    removed = sum(_fold(graph, node) for node in list(graph.nodes))
+    removed += _merge_duplicates(graph)
+    ctx.stats["casts_folded"] = removed
+    return PassResult(gm, removed > 0)
+
+
+def _fold(graph: fx.Graph, node: fx.Node) -> int:
+    """Remove ``node`` if it casts to the dtype its value has; read a chain's origin directly.
+    Returns how many casts were removed."""
+    target = cast_target_dtype(node)
+    if target is None or not node.args:
+        return 0
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or dtype_after_amp(src) is None:
+        return 0
+    if dtype_after_amp(src) == target:
+        _replace(node, src)
+        return 1
+    if cast_target_dtype(src) is None:
+        return 0
+    origin = cast(fx.Node, src.args[0])  # the value the inner cast casts
+    if dtype_after_amp(origin) == target:
+        _replace(node, origin)
+    else:
+        node.args = (origin, *node.args[1:])
+    if src.users:
+        return 1
+    graph.erase_node(src)
+    return 2
+
+
+def _merge_duplicates(graph: fx.Graph) -> int:
+    """One cast per (value, dtype): later duplicates read the first."""
     removed = 0
-    for node in list(graph.nodes):
-        target = cast_target_dtype(node)
-        if target is None or not node.args:
-            continue
-        src = node.args[0]
-        if not isinstance(src, fx.Node) or dtype_after_amp(src) is None:
-            continue
-        if dtype_after_amp(src) == target:
-            _replace(node, src)
-            removed += 1
-            continue
-        if cast_target_dtype(src) is not None:
-            origin = src.args[0]
-            if dtype_after_amp(origin) == target:
-                _replace(node, origin)
-            else:
-                node.args = (origin, *node.args[1:])
-            removed += 1
-            if not src.users:
-                graph.erase_node(src)
-                removed += 1
-    # one cast per (value, dtype)
     seen: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
     for node in list(graph.nodes):
         target = cast_target_dtype(node)
@@ -77,5 +90,4 @@ def fold_cast_chains(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
         else:
             _replace(node, first)
             removed += 1
-    ctx.stats["casts_folded"] = removed
-    return PassResult(gm, removed > 0)
+    return removed

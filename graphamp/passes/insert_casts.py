@@ -65,8 +65,9 @@ def compute_dtype(node: fx.Node, low: torch.dtype) -> torch.dtype | None:
     if colour == "deny" and node.meta.get("amp_widen"):
         return torch.float32
     if colour == "promote":
-        arriving = {dtype_after_amp(v) for v in node.all_input_nodes}
-        arriving = [d for d in arriving if d in AMP_DTYPES]
+        arriving = [
+            d for d in {dtype_after_amp(v) for v in node.all_input_nodes} if d in AMP_DTYPES
+        ]
         return reduce(torch.promote_types, arriving) if arriving else None
     return None
 
@@ -155,7 +156,8 @@ class _CastInserter:
         out = captured_dtype(node)
         if compute is not None and out in AMP_DTYPES:
             out = compute
-        dims, zero_dims = [], []
+        dims: list[torch.dtype] = []
+        zero_dims: list[torch.dtype] = []
         for value in node.all_input_nodes:
             current = dtype_after_amp(value)
             if current is None or isinstance(current, tuple):
@@ -197,7 +199,9 @@ class _CastInserter:
         target = compute if compute is not None else orig
         source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         follows_source = source is not None and node.kwargs.get("dtype") is None
-        if target != orig or (follows_source and dtype_after_amp(source) != target):
+        if target != orig or (
+            follows_source and source is not None and dtype_after_amp(source) != target
+        ):
             node.kwargs = {**node.kwargs, "dtype": target}
         if target != orig:
             node.meta["amp_dtype"] = target

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -14,47 +15,66 @@ from .lists import MIXED_ARGS
 
 
 class AmpInvariantError(GraphampError, RuntimeError):
-    """An AMP pass broke one of the invariants in passes/README.md (a graphamp bug)."""
+    """An AMP pass broke one of the invariants in README.md (a graphamp bug)."""
 
 
-def check_amp_invariants(gm: fx.GraphModule, ctx: AmpContext | None = None) -> None:
+def check_amp_invariants(gm: fx.GraphModule, ctx: AmpContext | None = None) -> None:  # noqa: ARG001 - the passes' (gm, ctx) signature
     graph = gm.graph
     graph.lint()
     problems: list[str] = []
-    per_value = Counter()
+    per_value: Counter = Counter()
     for node in graph.nodes:
-        target = cast_target_dtype(node)
-        if target is not None and node.meta.get("amp_cast"):
-            src = node.args[0]
-            per_value[(src, target)] += 1
-            if dtype_after_amp(src) is None:
-                problems.append(f"{node.name} casts non-float value {src.name}")
-            if dtype_after_amp(src) == target:
-                problems.append(f"{node.name} casts {src.name} to the dtype it already has")
-            if cast_target_dtype(src) is not None:
-                problems.append(f"{node.name} casts the cast {src.name} (chain not folded)")
-        if node.op == "call_function" and node.meta.get("amp_widen"):
-            low = [
-                d for d in _dtypes(dtype_after_amp(node)) if d in (torch.float16, torch.bfloat16)
-            ]
-            if low:
-                problems.append(f"{node.name} must compute in fp32 but gives {low[0]}")
+        problems += _cast_problems(node, per_value)
         if node.op == "call_function":
-            packet = getattr(node.target, "overloadpacket", None)
-            for pos in MIXED_ARGS.get(packet, ()):
-                arg = node.args[pos] if pos < len(node.args) else None
-                if isinstance(arg, fx.Node) and arg.meta.get("amp_cast"):
-                    problems.append(f"{node.name} takes a cast in fp32-only position {pos}")
+            problems += _compute_problems(node)
         if node.op == "output":
-            for value in node.all_input_nodes:
-                orig = captured_dtype(value)  # a cast records its source's captured dtype
-                if orig is not None and dtype_after_amp(value) != orig:
-                    problems.append(
-                        f"output {value.name} is {dtype_after_amp(value)}, captured as {orig}"
-                    )
+            problems += _output_problems(node)
     problems += [f"{src.name} has {n} casts to {dt}" for (src, dt), n in per_value.items() if n > 1]
     if problems:
         raise AmpInvariantError("AMP invariants broken:\n  " + "\n  ".join(problems))
+
+
+def _cast_problems(node: fx.Node, per_value: Counter) -> list[str]:
+    """An inserted cast: of a floating value, to another dtype, not of a cast; counted per
+    (value, dtype) in ``per_value``."""
+    target = cast_target_dtype(node)
+    if target is None or not node.meta.get("amp_cast"):
+        return []
+    src = cast(fx.Node, node.args[0])  # a cast's first argument is the value it casts
+    per_value[(src, target)] += 1
+    problems = []
+    if dtype_after_amp(src) is None:
+        problems.append(f"{node.name} casts non-float value {src.name}")
+    if dtype_after_amp(src) == target:
+        problems.append(f"{node.name} casts {src.name} to the dtype it already has")
+    if cast_target_dtype(src) is not None:
+        problems.append(f"{node.name} casts the cast {src.name} (chain not folded)")
+    return problems
+
+
+def _compute_problems(node: fx.Node) -> list[str]:
+    """A widened op computes in fp32; fp32-only argument positions take no cast."""
+    problems = []
+    if node.meta.get("amp_widen"):
+        low = [d for d in _dtypes(dtype_after_amp(node)) if d in (torch.float16, torch.bfloat16)]
+        if low:
+            problems.append(f"{node.name} must compute in fp32 but gives {low[0]}")
+    packet = getattr(node.target, "overloadpacket", None)
+    for pos in MIXED_ARGS.get(packet, ()):
+        arg = node.args[pos] if pos < len(node.args) else None
+        if isinstance(arg, fx.Node) and arg.meta.get("amp_cast"):
+            problems.append(f"{node.name} takes a cast in fp32-only position {pos}")
+    return problems
+
+
+def _output_problems(output: fx.Node) -> list[str]:
+    """The graph's outputs keep their captured dtypes."""
+    problems = []
+    for value in output.all_input_nodes:
+        orig = captured_dtype(value)  # a cast records its source's captured dtype
+        if orig is not None and dtype_after_amp(value) != orig:
+            problems.append(f"output {value.name} is {dtype_after_amp(value)}, captured as {orig}")
+    return problems
 
 
 def verify_dtypes(gm: fx.GraphModule) -> list[str]:

@@ -14,7 +14,7 @@ from .base import AmpContext, PassResult
 HINTS = (LOW_PRECISION_HINT, FULL_PRECISION_HINT)
 
 
-def remove_hints(gm: fx.GraphModule, ctx: AmpContext | None = None) -> PassResult:
+def remove_hints(gm: fx.GraphModule, ctx: AmpContext | None = None) -> PassResult:  # noqa: ARG001 - every pass takes (gm, ctx)
     removed = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in HINTS:

@@ -117,7 +117,9 @@ def flatten_inputs(args: tuple, kwargs: dict) -> FlatInputs:
         sig = InputSignature(("flat", len(args)), tuple(_tensor_key(a) for a in args), ())
         return FlatInputs(list(args), sig, args, kwargs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    tensors, keys, constants = [], [], []
+    tensors: list[torch.Tensor] = []
+    keys: list[TensorKey] = []
+    constants: list[Any] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)

@@ -93,7 +93,7 @@ def _sdpa_op(
 
 
 @_sdpa_op.register_fake
-def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ARG001 - the op's schema
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 

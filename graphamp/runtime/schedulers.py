@@ -1,6 +1,6 @@
 """What graphamp does to the user's lr schedulers around a step.
 
-A scheduler's ``step()`` runs inside the step's transaction (graph.py ``_step``): if anything
+A scheduler's ``step()`` runs inside the step's transaction (``calls.run_step``): if anything
 after it raises, the scheduler must be put back as it was. ``snapshot`` copies what ``step()``
 changes; ``restore`` puts it back. Both run on every call, so they copy attributes (one level
 deep, enough for torch's schedulers, which replace or extend their lists and numbers) rather
@@ -26,8 +26,8 @@ def snapshot(sch: Any) -> Snapshot:
 def restore(saved: Snapshot) -> None:
     attributes, groups = saved
     for sch, values in attributes:
-        vars(sch).clear()
-        vars(sch).update(values)
+        sch.__dict__.clear()
+        sch.__dict__.update(values)
     for group, values in zip(attributes[0][0].optimizer.param_groups, groups):
         group.update(values)
 

@@ -32,6 +32,8 @@ _TORCH_SCALER_TYPES = tuple(
 class TakenOverGradScaler(GradScaler):
     """graphamp's scaler whose settings and state live in a torch.amp.GradScaler."""
 
+    torch_scaler: Any  # the user's torch.amp.GradScaler (set first in __init__)
+
     def __init__(self, torch_scaler: Any):
         # set first: the settings below are written through to it
         self.__dict__["torch_scaler"] = torch_scaler

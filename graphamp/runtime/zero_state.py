@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ _REGISTRY: weakref.WeakKeyDictionary[torch.optim.Optimizer, _ShardedOptimizer] =
 
 @dataclass
 class _ShardedOptimizer:
-    group: object
+    group: Any  # the process group the rows are sharded over
     # the rows this module made, by id (tensors compare by value, so no WeakSet)
     shards: dict[int, weakref.ref] = field(default_factory=dict)
 
