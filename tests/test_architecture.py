@@ -1,11 +1,16 @@
-"""Issue 11: the one-way pipeline. Imports go graph -> pipeline -> stages -> records, the step's
-input order has one owner, a failing pass names itself, compiled steps have a public view."""
+"""The layout shows the pipeline. Imports go one way through the layers of docs/architecture.md;
+records import only torch; each input order has one owner; a failing pass names itself;
+compiled steps have a public view; the architecture document names only files and functions
+that exist."""
 
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import pathlib
+import re
+import sys
 
 import pytest
 import torch
@@ -16,25 +21,74 @@ from models import seed_mlp
 import graphamp
 import graphamp.passes.amp_pipeline as amp_pipeline
 from graphamp.passes import AmpPassError
-from graphamp.records.layouts import STEP_INPUT_GROUPS, StepLayout
+from graphamp.records.layouts import STEP_INPUT_GROUPS, ForwardLayout, StepLayout
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STAGES = ("graphamp.capture", "graphamp.passes", "graphamp.step", "graphamp.runtime")
-ABOVE_STAGES = ("graphamp.graph", "graphamp.pipeline", "graphamp.inspect")
+PACKAGE = ROOT / "graphamp"
+
+# What each part of graphamp may import besides itself (docs/architecture.md, "Layers"). A part
+# is a subpackage or a module at the top of graphamp/. Imports under TYPE_CHECKING are types
+# only and are left out.
+ALLOWED = {
+    "graphamp.graph": {
+        "graphamp.pipeline",
+        "graphamp.runtime",
+        "graphamp.inspect",
+        "graphamp.forensics",
+        "graphamp.config",
+        "graphamp.scaler",
+        "graphamp.records",
+        "graphamp.errors",
+    },
+    "graphamp.pipeline": {
+        "graphamp.capture",
+        "graphamp.passes",
+        "graphamp.step",
+        "graphamp.runtime",
+        "graphamp.records",
+        "graphamp.errors",
+    },
+    "graphamp.capture": {"graphamp.records", "graphamp.errors"},
+    "graphamp.passes": {"graphamp.records", "graphamp.errors"},
+    "graphamp.step": {"graphamp.records", "graphamp.errors"},
+    "graphamp.runtime": {
+        "graphamp.forensics",
+        "graphamp.scaler",
+        "graphamp.records",
+        "graphamp.errors",
+    },
+    "graphamp.inspect": {"graphamp.forensics", "graphamp.records", "graphamp.errors"},
+    "graphamp.forensics": {"graphamp.records", "graphamp.errors"},
+    "graphamp.config": {"graphamp.records", "graphamp.errors"},
+    "graphamp.scaler": {"graphamp.records", "graphamp.errors"},
+    "graphamp.records": {"graphamp.errors"},
+    "graphamp.errors": set(),
+}
+# The entry points import whatever they present.
+ENTRY_POINTS = ("graphamp", "graphamp.__main__", "graphamp.cli")
+TOP_MODULES = {
+    "__init__.py",
+    "__main__.py",
+    "graph.py",
+    "config.py",
+    "scaler.py",
+    "errors.py",
+    "pipeline.py",
+}
 
 
 def _module_name(path: pathlib.Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def _imports() -> dict[str, list[tuple[str, bool]]]:
-    """module -> [(imported graphamp module, inside a function?)], TYPE_CHECKING blocks left out."""
+    """module -> [(imported module or name, inside a function?)], TYPE_CHECKING blocks left
+    out; every import, graphamp's and others'."""
     out: dict[str, list[tuple[str, bool]]] = {}
-    for path in ROOT.glob("graphamp/**/*.py"):
+    for path in PACKAGE.glob("**/*.py"):
         mod = _module_name(path)
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         found: list[tuple[str, bool]] = []
@@ -60,35 +114,73 @@ def _imports() -> dict[str, list[tuple[str, bool]]]:
                 visit(child, inner)
 
         visit(ast.parse(path.read_text()), False)
-        out[mod] = [(t, f) for t, f in found if t.startswith("graphamp")]
+        out[mod] = found
     return out
 
 
-def _under(name: str, prefixes) -> str | None:
-    return next((p for p in prefixes if name == p or name.startswith(p + ".")), None)
+def _part(name: str) -> str:
+    """The part of graphamp a module or imported name belongs to (``graphamp.records``...)."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return name
+    if (PACKAGE / parts[1]).is_dir() or (PACKAGE / f"{parts[1]}.py").is_file():
+        return ".".join(parts[:2])
+    return "graphamp"  # a name imported from the package itself
 
 
-def test_imports_go_one_way():
+def test_imports_go_one_way_through_the_layers():
     problems = []
     for mod, targets in _imports().items():
-        stage = _under(mod, STAGES)
+        part = _part(mod)
         for target, in_function in targets:
+            if not target.startswith("graphamp"):
+                continue
             if in_function:
                 problems.append(f"{mod} imports {target} inside a function")
-            if stage and _under(target, ABOVE_STAGES):
-                problems.append(f"stage {mod} imports {target}")
-            other = _under(target, STAGES)
-            if stage and other and other != stage:
-                problems.append(f"stage {mod} imports another stage: {target}")
-            if _under(mod, ("graphamp.inspect",)) and other:
-                problems.append(f"inspection {mod} imports stage {target}")
-            if (
-                mod.startswith("graphamp.")
-                and target.startswith("graphamp.pipeline")
-                and mod not in ("graphamp.graph",)
-            ):
-                problems.append(f"only graph.py calls the pipeline, not {mod}")
+            other = _part(target)
+            if part in ENTRY_POINTS or other == part:
+                continue
+            if part not in ALLOWED:
+                problems.append(f"{mod}: {part} is not a part of the documented layers")
+            elif other not in ALLOWED[part]:
+                problems.append(f"{mod} ({part}) imports {target} ({other})")
     assert not problems, "\n".join(problems)
+
+
+def test_records_import_only_torch():
+    allowed_third_party = {"torch"}
+    problems = []
+    for mod, targets in _imports().items():
+        if _part(mod) != "graphamp.records":
+            continue
+        for target, _ in targets:
+            top = target.split(".")[0]
+            if top in sys.stdlib_module_names or top == "__future__" or top in allowed_third_party:
+                continue
+            if _part(target) in ("graphamp.records", "graphamp.errors"):
+                continue
+            problems.append(f"{mod} imports {target}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_top_of_the_package_is_the_public_face_and_the_orchestrator():
+    assert {p.name for p in PACKAGE.glob("*.py")} == TOP_MODULES
+    assert not (ROOT / "passes").exists()  # the AMP passes are graphamp/passes/
+    names = collections.Counter(
+        p.name for p in PACKAGE.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
+    assert [n for n, c in names.items() if c > 1] == []
+
+
+def test_no_library_function_is_longer_than_a_screen():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 60:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {lines}")
+    assert not long, long
 
 
 def test_step_layout_owns_the_order_of_the_step_inputs():
@@ -103,6 +195,27 @@ def test_step_layout_owns_the_order_of_the_step_inputs():
         layout.flatten({**values, "hyper": [object()]})
     with pytest.raises(ValueError, match="unknown step input groups"):
         StepLayout({"gradients": ["g"]})
+
+
+def test_forward_layout_owns_the_order_of_the_forward_inputs():
+    layout = ForwardLayout(params=2, buffers=1, inputs=2, constants=1).with_param_copies(1)
+    flat = layout.flatten(
+        params=["p0", "p1"],
+        buffers=["b0"],
+        inputs=["x", "y"],
+        loss_scale="scale",
+        constants=["c0"],
+        param_copies=["p0_low"],
+    )
+    assert flat == ["p0", "p1", "b0", "x", "y", "scale", "c0", "p0_low"] and len(layout) == 8
+    groups = layout.split(flat)
+    assert (groups.params, groups.loss_scale, groups.param_copies) == (
+        ["p0", "p1"],
+        "scale",
+        ["p0_low"],
+    )
+    with pytest.raises(ValueError, match="'buffers' has 0 values, the layout 1"):
+        layout.flatten(params=["p0", "p1"], buffers=[], inputs=["x", "y"], loss_scale="s")
 
 
 def test_a_failing_amp_pass_names_itself_and_the_passes_before_it(monkeypatch):
@@ -147,3 +260,77 @@ def test_compiled_steps_are_a_read_only_public_view():
     assert last.step_nodes == len(last.step_graph.graph.nodes) > last.forward_nodes
     with pytest.raises(dataclasses.FrozenInstanceError):
         last.calls = 0
+
+
+# -- docs/architecture.md names what exists ------------------------------------------------------
+
+
+def _definitions() -> tuple[dict[str, set[str]], set[str]]:
+    """(module stem or package name -> the names it defines: functions, classes, methods,
+    module constants, attributes set on ``self``; every function, method and class name in
+    graphamp)."""
+    by_module: dict[str, set[str]] = collections.defaultdict(set)
+    everything: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        stem = path.parent.name if path.name == "__init__.py" else path.stem
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                by_module[stem].add(node.name)
+                everything.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:  # module constants, and attributes set on self
+                    if isinstance(target, ast.Name) and node in tree.body:
+                        by_module[stem].add(target.id)
+                    elif isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self":
+                        by_module[stem].add(target.attr)
+    return by_module, everything
+
+
+def _exists(name: str) -> bool:
+    """A path from the repository root or from graphamp/, or a bare file name (module names
+    are unique in graphamp/, so it names one file)."""
+    if any((base / name).exists() for base in (ROOT, PACKAGE)):
+        return True
+    return "/" not in name and len(list(PACKAGE.rglob(name))) == 1
+
+
+def _resolves(parts: list[str], by_module: dict, classes: set, everything: set) -> bool:
+    """Does a dotted name starting at a graphamp module, package or class name something that
+    exists? (Names starting elsewhere, ``torch.`` or ``g.``, are not graphamp's to check.)"""
+    head, rest = parts[0], parts[1:]
+    if head in classes and head not in by_module:
+        return all(p in everything for p in rest)  # Class.method
+    if head not in by_module:
+        return True
+    names = by_module[head]
+    for i, part in enumerate(rest):
+        if part in by_module and part not in names:  # a module of a package: go on in it
+            names = by_module[part]
+            continue
+        return part in names and all(p in everything for p in rest[i + 1 :])
+    return True
+
+
+def _named_in_the_document() -> list[str]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def test_the_architecture_document_names_only_files_and_functions_that_exist():
+    by_module, everything = _definitions()
+    classes = {n for n in everything if n[:1].isupper()}
+    missing = []
+    for token in _named_in_the_document():
+        name = token.strip().removesuffix("()")
+        if re.fullmatch(r"[\w./-]+\.(py|md)|[\w./-]+/", name):  # a file or a folder
+            if not _exists(name):
+                missing.append(token)
+        elif re.fullmatch(r"\w+(\.\w+)+", name):  # module.function, Class.method, pkg.module
+            if not _resolves(name.split("."), by_module, classes, everything):
+                missing.append(token)
+        elif token.endswith("()") and re.fullmatch(r"\w+", name):  # a function by name
+            if name not in everything:
+                missing.append(token)
+    assert not missing, f"docs/architecture.md names what does not exist: {missing}"

@@ -1,7 +1,7 @@
-"""graphamp's AMP passes, installed as ``graphamp.passes``.
+"""graphamp's AMP passes (``graphamp.passes``).
 
 Each pass is one file with one verb-named function ``fn(gm, ctx) -> PassResult(gm, modified)``.
-The pipeline order lives in ``pipeline.AMP_PIPELINE``; the invariants in ``README.md``.
+The pipeline order lives in ``amp_pipeline.AMP_PIPELINE``; the invariants in ``README.md``.
 """
 
 from .amp_pipeline import AMP_PIPELINE, AmpPassError, run_amp_passes
