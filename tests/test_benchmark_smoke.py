@@ -13,6 +13,7 @@ import bench  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.mark.slow
 def test_benchmark_smoke_mode(tmp_path):
     rows = bench.main(["--smoke", "--workload", "mlp", "gpt2", "--out", str(tmp_path)])
     variants = {(r["workload"], r["variant"]) for r in rows}
@@ -27,6 +28,7 @@ def test_benchmark_smoke_mode(tmp_path):
     assert "| graphamp_fp16 |" in table and "## gpt-tiny" in table
 
 
+@pytest.mark.slow
 def test_benchmark_smoke_llama_workload(tmp_path):
     """The Llama-style workload (transformers' LlamaForCausalLM from a config) at smoke
     size trains under graphamp and its peer in one run, with tokens/s reported."""

@@ -58,7 +58,7 @@ def single_process_reference():
     return model.state_dict(), g.history.fetch()["skipped"], g.grad_scaler.get_scale()
 
 
-@pytest.mark.parametrize("mode", ["train", "ddp"])
+@pytest.mark.parametrize("mode", ["train", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_data_parallel_ranks_agree_and_equal_one_process(mode, tmp_path):
     ranks = run_ranks(mode, tmp_path)
     for k in ranks[0]["params"]:
@@ -71,6 +71,7 @@ def test_data_parallel_ranks_agree_and_equal_one_process(mode, tmp_path):
         torch.testing.assert_close(ranks[0]["params"][k], v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_data_parallel_with_bf16_amp(tmp_path):
     ranks = run_ranks("bf16", tmp_path)
     for k in ranks[0]["params"]:
@@ -78,6 +79,7 @@ def test_data_parallel_with_bf16_amp(tmp_path):
         assert torch.isfinite(ranks[0]["params"][k]).all()
 
 
+@pytest.mark.slow
 def test_ranks_with_different_graphs_all_raise_and_none_hangs(tmp_path):
     ranks = run_ranks("mismatch", tmp_path)
     for r in ranks:
@@ -87,6 +89,7 @@ def test_ranks_with_different_graphs_all_raise_and_none_hangs(tmp_path):
         assert "0.weight" in r["error"]
 
 
+@pytest.mark.slow
 def test_an_interrupted_rank_makes_the_others_raise_within_the_timeout(tmp_path):
     """Rank 1 stops at a step (a Ctrl-C in a notebook) and stays alive. Rank 0's call
     of that step raises once the process group's timeout has passed, and leaves rank 0's state

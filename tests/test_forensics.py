@@ -229,6 +229,7 @@ def _sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.5)
 
 
+@pytest.mark.slow
 def test_t5_wo_overflow_is_found_and_healed_while_eager_autocast_keeps_skipping():
     model = _tiny_t5()
     reference = copy.deepcopy(model)

@@ -216,11 +216,11 @@ def test_plot_of_an_untrained_graph_says_why(mlp_graph, tmp_path):
 
 EXAMPLES = [
     "oneflow_mlp",
-    "resnet_autocast_to_graph",
-    "clip_after_unscale",
-    "apex_opt_levels",
-    "bf16_no_scaler",
-    "overflow_forensics",
+    pytest.param("resnet_autocast_to_graph", marks=pytest.mark.slow),
+    pytest.param("clip_after_unscale", marks=pytest.mark.slow),
+    pytest.param("apex_opt_levels", marks=pytest.mark.slow),
+    pytest.param("bf16_no_scaler", marks=pytest.mark.slow),
+    pytest.param("overflow_forensics", marks=pytest.mark.slow),
 ]
 
 

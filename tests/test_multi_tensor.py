@@ -214,7 +214,7 @@ def _train_state(per_param: bool, backend: str, monkeypatch) -> list[torch.Tenso
     return tensors
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_training_is_bitwise_the_per_parameter_update(backend, monkeypatch):
     ref = _train_state(True, backend, monkeypatch)
     monkeypatch.undo()

@@ -110,6 +110,9 @@ MODELS = {
 }
 
 
+_LARGE = {"resnet18", "resnet50", "mobilenet_v3"}  # the slowest: whole-suite runs only
+
+
 def _train_step_grads(model, loss_fn, x, y, dtype):
     """graphamp's loss and the gradient it applied (SGD lr 1: update = gradient)."""
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -123,7 +126,10 @@ def _train_step_grads(model, loss_fn, x, y, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in _LARGE else n for n in sorted(MODELS)],
+)
 def test_real_model_agrees_with_eager_autocast(name, dtype):
     library = "transformers" if name.startswith("hf_") else "torchvision"
     if {"transformers": transformers, "torchvision": torchvision}[library] is None:

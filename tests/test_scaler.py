@@ -518,6 +518,7 @@ RESUME_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_resume_in_a_fresh_process_is_bitwise_identical(tmp_path):
     script = tmp_path / "resume.py"
     script.write_text(RESUME_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))

@@ -242,6 +242,7 @@ def test_inputs_as_dicts_and_tuples():
 # -- accuracy on real data ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fp16_and_bf16_reach_fp32_accuracy_on_real_data():
     """examples/accuracy.py in its tiny mode: pydoc's text and scikit-learn's digits."""
     pytest.importorskip("sklearn")

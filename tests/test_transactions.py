@@ -85,7 +85,8 @@ def _retry(fn):
 
 
 @pytest.mark.parametrize(
-    "backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+    "backend",
+    ["aot_eager", pytest.param("inductor", marks=[pytest.mark.inductor, pytest.mark.slow])],
 )
 def test_real_interrupts_at_random_moments_never_tear_the_state(backend):
     """A timer thread sends SIGINT at a random offset of ~500 calls (the first, compiling, call
@@ -203,6 +204,7 @@ def test_a_graph_called_from_another_thread_keeps_working():
     )
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_first_call_leaves_the_model_as_it_was():
     """Interrupts land at spread-out moments of capture, AMP passes and compile: every time the
     model still holds its own real tensors, nothing trained, and the next call works."""

@@ -72,6 +72,9 @@ class ProgramKey(NamedTuple):
     structure: Structure
 
 
+_new_tuple = tuple.__new__
+
+
 class StructureKey:
     """Computes a Graph's ``Structure`` at every call (see the module docstring)."""
 
@@ -103,14 +106,18 @@ class StructureKey:
         # Programs exist only for models whose hooks are all traceable (side_effects.py), so
         # the number of hooks is all the key needs.
         declared = tuple(declared_patterns(m) for m in self._declaring)
-        return Structure(
-            self._fingerprint,
-            (sizes_and_modes, declared),
-            tuple(slot.structure() for slot in optimizers),
-            config,
-            (id(scaler), scaler.settings()) if scaler is not None else None,
-            modes,
-            sum(map(len, self._hook_dicts)),
+        # tuple.__new__: the NamedTuple without its Python-level constructor (every call)
+        return _new_tuple(
+            Structure,
+            (
+                self._fingerprint,  # modules
+                (sizes_and_modes, declared),  # module_modes
+                tuple(slot.structure() for slot in optimizers),  # optimizers
+                config,  # config
+                (id(scaler), scaler.settings()) if scaler is not None else None,  # grad_scaler
+                modes,  # torch_modes
+                sum(map(len, self._hook_dicts)),  # hooks
+            ),
         )
 
     def _refresh(self, roots: tuple) -> None:

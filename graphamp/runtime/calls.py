@@ -69,7 +69,7 @@ def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
     structure = run.structure(
         run.modules, run.optimizers, run.config.snapshot(), run.scaler, ambient.mode_key()
     )
-    key = ProgramKey(inputs.signature, structure)
+    key = tuple.__new__(ProgramKey, (inputs.signature, structure))  # no Python-level __init__
     program = run.programs.get(key)
     if program is None:
         program = run.compile(inputs, key, args, kwargs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, cast
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -128,11 +128,11 @@ class Runner:
     def gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's flat inputs for this call, with every refresh applied. Changes nothing
         the user can see: optimizer state graphamp creates is installed by ``record_step``."""
-        if self.opt_state is None or (not self._to_install and self._optimizer_state_edited()):
-            self._materialize()
+        opt_state = self.opt_state
+        if opt_state is None or (not self._to_install and self._optimizer_state_edited()):
+            opt_state = self._materialize()
         for slot in self.hyper:
             slot.sync()
-        opt_state = cast(list, self.opt_state)  # set by _materialize
         return self.plan.layout.flatten(self._groups(opt_state, inputs))
 
     def _optimizer_state_edited(self) -> bool:
@@ -145,7 +145,7 @@ class Runner:
                 return True
         return False
 
-    def _materialize(self) -> None:
+    def _materialize(self) -> list[torch.Tensor]:
         """Look the optimizer state up again (first call, a load, or the user's edit)."""
         flat, install = materialize_optimizer_state(self.plan)
         self._restart = _counters_to_restart(self.plan, self.counters, install)
@@ -155,6 +155,7 @@ class Runner:
             (o.optimizer.state, p, key, t)
             for (o, (p, key)), t in zip(_all_state_slots(self.plan), flat)
         ]
+        return flat
 
     def _groups(
         self, opt_state: list[torch.Tensor], inputs: list[torch.Tensor]
