@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import FakeTensor
 
-from graphamp.fxutil import trace_functional
+from graphamp.records.fxutil import trace_functional
 from graphamp.runtime.compile import compile_step
 
 HERE = os.path.dirname(os.path.abspath(__file__))

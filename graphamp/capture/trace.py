@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import CaptureError, GraphampError
 from ..records.fxutil import rename_placeholders, trace_functional, user_frame_of_exception
+from ..records.guards import AttributeRead
 from ..records.inputs import FlatInputs
 from ..records.layouts import ForwardLayout
 from ..records.ops import FunctionCall
@@ -37,6 +38,7 @@ from .cleanup import (
 from .functions import capturing_autograd_functions
 from .intercept import CaptureMode, RecordedLoss, parameter_positions
 from .patching import SharedPatch
+from .reads import recording_attribute_reads, watched_objects
 from .root import BuildRoot, fake_copy, quiet_fake_data_pointers, refuse_compiled_submodules
 from .scaler_refusal import raised_in_torch_grad_scaler, torch_grad_scaler_error
 from .side_effects import refuse_hooks, refusing_attribute_writes
@@ -109,6 +111,7 @@ def capture_forward(
         function_calls=traced.function_calls,
         constants=constants,
         constant_names=constant_names,
+        attribute_reads=tuple(traced.attribute_reads),
     )
     captured.unused_params = params_without_path_to_losses(captured)
     log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
@@ -123,6 +126,7 @@ class TracedBuild:
     buffer's value after build())``."""
 
     function_calls: list[FunctionCall] = field(default_factory=list)  # custom Functions applied
+    attribute_reads: list[AttributeRead] = field(default_factory=list)  # what build() read
     losses: list[RecordedLoss] = field(default_factory=list)  # one per backward() call
     loss_inputs: list[frozenset[int] | None] = field(default_factory=list)  # backward(inputs=)
     output_template: list[Any] = field(default_factory=list)  # TENSOR where a tensor goes
@@ -190,9 +194,11 @@ def _traced_function(
     """build() as a function of the forward's flat inputs (``layout``, no constants yet): the
     traced values are swapped into the user's modules while it runs; ``traced`` is filled."""
     module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-    watched = [(f"self.{n}", m) for n, m in root.named_modules() if m is not root]
+    user_modules = [(n, m) for n, m in root.named_modules() if m is not root]
+    watched = [(f"self.{n}", m) for n, m in user_modules]
     owner = getattr(root._build, "__self__", None)  # the Graph (build is its bound method)
     watched += [("self", owner)] if owner is not None and hasattr(owner, "__dict__") else []
+    reading = watched_objects(user_modules, owner)
     state = [*root.parameters(), *root.buffers()]
     buffer_names = [n for n, _ in root.named_buffers()]
     slots = state_slots(root)
@@ -204,6 +210,7 @@ def _traced_function(
         mode = CaptureMode(module_names, loss_scale=parts.loss_scale, mixed_dtypes_ok=amp)
         with (
             refusing_attribute_writes(graph_name, watched),
+            recording_attribute_reads(reading) as reads,
             torch.enable_grad(),
             swapped(slots, replacement),
             mode.tracking_modules(),
@@ -212,6 +219,7 @@ def _traced_function(
         ):
             out = root._build(*args, **kwargs)
             new_buffers = [root.get_buffer(n) for n in buffer_names]  # the updated values
+        traced.attribute_reads = reads
         leaves, traced.output_spec = pytree.tree_flatten(out)
         position = {id(t): i for i, t in enumerate(parts.params)}
         traced.losses = mode.losses

@@ -64,9 +64,13 @@ class FlatInputs:
         args, kwargs = self.rebuild(metas)
         return FlatInputs(metas, self.signature, args, kwargs, [t.device for t in self.tensors])
 
-    def micro_batch(self, n: int, graph_name: str) -> FlatInputs:
-        """The first of n equal slices along dim 0 of every tensor (gradient accumulation)."""
-        sliced = []
+    def with_tensors(self, tensors: list[torch.Tensor]) -> FlatInputs:
+        """The same call with other tensors in place of its tensor leaves (fakes, for a build)."""
+        args, kwargs = self.rebuild(tensors)
+        return FlatInputs(tensors, self.signature, args, kwargs)
+
+    def check_micro_batches(self, n: int, graph_name: str) -> None:
+        """InputError unless every tensor splits into n equal slices along dim 0."""
         for i, t in enumerate(self.tensors):
             if t.dim() == 0 or t.shape[0] % n:
                 raise InputError(
@@ -74,7 +78,15 @@ class FlatInputs:
                     f"tensor argument along dim 0, but tensor argument {i} has shape "
                     f"{tuple(t.shape)}; pass batches whose first dimension is a multiple of {n}"
                 )
-            sliced.append(t[: t.shape[0] // n])
+
+    def micro_batch(self, n: int) -> FlatInputs:
+        """The first of n equal slices along dim 0 of every tensor (gradient accumulation;
+        ``check_micro_batches`` first). On fakes with a symbolic batch size the slice's size is
+        that symbol // n; asking whether it divides by n makes the ShapeEnv keep that as a guard,
+        so a later batch that does not divide is not served by this program."""
+        if any(t.shape[0] % n != 0 for t in self.tensors):
+            raise ValueError("micro_batch: call check_micro_batches first")
+        sliced = [t[: t.shape[0] // n] for t in self.tensors]
         args, kwargs = self.rebuild(sliced)
         return FlatInputs(sliced, self.signature, args, kwargs)
 

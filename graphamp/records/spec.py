@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .fxutil import UserFrame
+from .guards import AttributeRead, Guards
 from .inputs import FlatInputs, InputSignature
 from .layouts import ForwardLayout, StepLayout
 from .ops import FunctionCall
@@ -128,6 +129,8 @@ class CapturedForward:
     # every call (in-place changes are seen), and their names (attribute paths where known)
     constants: list[torch.Tensor] = field(default_factory=list)
     constant_names: list[str] = field(default_factory=list)
+    # the Python attributes build() read, with their values: the program assumes them (guards)
+    attribute_reads: tuple[AttributeRead, ...] = ()
 
     @property
     def num_losses(self) -> int:
@@ -250,6 +253,8 @@ class Program:
     timings: dict[str, float] = field(default_factory=dict)  # stage name -> seconds
     pass_records: list[PassRecord] = field(default_factory=list)
     example_inputs: FlatInputs | None = None  # meta copies, to rerun build() on fakes later
+    guards: Guards | None = None  # what it assumes; the runtime checks it before every call
+    serial: int = 0  # its number in the Graph's cache (set when it is kept)
 
 
 # -- what the autocast oracle measures (read by the inspection modules) ----------------------------

@@ -10,7 +10,6 @@ registers or sets is what the next call sees. ``call`` is the one function a cal
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -18,12 +17,14 @@ import torch
 import torch.nn as nn
 
 from ..forensics.autofix import Autofix
-from ..records.inputs import FlatInputs, flatten_inputs
+from ..records.guards import BuildRequest
+from ..records.inputs import FlatInputs, check_arity, flatten_inputs
 from ..records.spec import OptimizerSlot, Program
 from ..records.state import SharedState
 from . import ambient, interrupts, schedulers
-from .cache_key import ProgramKey, StructureKey
+from .cache_key import StructureKey, log_rebuild, numbers_baked_in, warn_about_numbers
 from .overflows import read_overflows, watch_overflows
+from .programs import ProgramCache, marked_dynamic
 
 if TYPE_CHECKING:  # the user's objects, held and called, never constructed here
     from ..config import GraphConfig
@@ -31,8 +32,8 @@ if TYPE_CHECKING:  # the user's objects, held and called, never constructed here
 
 log = logging.getLogger("graphamp")
 
-# the Graph's miss path: capture and compile a step for these inputs, keep it in the cache
-Compile = Callable[[FlatInputs, ProgramKey, tuple, dict], Program]
+# the Graph's miss path: capture and compile a step for these inputs (the pipeline)
+Compile = Callable[[FlatInputs, BuildRequest], Program]
 
 
 @dataclass(eq=False)
@@ -45,12 +46,12 @@ class GraphRuntime:
     config: GraphConfig  # the Graph's config: snapshot() at every call; autofix settings
     state: SharedState  # step count, optimizer step counters, history
     compile: Compile
-    programs: OrderedDict[ProgramKey, Program] = field(default_factory=OrderedDict)  # LRU first
+    build: Callable[..., Any]  # the Graph's bound build(): its signature names the inputs
+    programs: ProgramCache = field(default_factory=ProgramCache)
     structure: StructureKey = field(default_factory=StructureKey)
     autofix: Autofix = field(default_factory=Autofix)
     scaler: GradScaler | None = None  # set_grad_scaler's (disabled ones included)
     debug_level: int = 0
-    last_key: ProgramKey | None = None  # the key of the last call (why a step is rebuilt)
     warned_numbers: bool = False  # the baked-in numbers warning is given once
 
 
@@ -69,14 +70,37 @@ def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
     structure = run.structure(
         run.modules, run.optimizers, run.config.snapshot(), run.scaler, ambient.mode_key()
     )
-    key = tuple.__new__(ProgramKey, (inputs.signature, structure))  # no Python-level __init__
-    program = run.programs.get(key)
+    key = (inputs.signature, structure)
+    program = run.programs.find(key, inputs)
     if program is None:
-        program = run.compile(inputs, key, args, kwargs)
-    else:
-        run.programs.move_to_end(key)
-    run.last_key = key
+        program = _build(run, inputs, key, args, kwargs)
     return program.captured.unflatten_outputs(run_step(run, program, inputs))
+
+
+def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple, args: tuple, kwargs: dict) -> Program:
+    """No cached step serves this call: say why, choose the dimensions to make symbolic, build
+    one (the Graph's pipeline) and keep it."""
+    check_arity(run.build, args, kwargs, run.name)
+    names = inputs.names(run.build)
+    change = run.programs.why_rebuilt(key, inputs, names)
+    config = run.config
+    marked = marked_dynamic(inputs.tensors)
+    dynamic = run.programs.dynamic_dims(key, marked, config.dynamic_shapes)
+    log_rebuild(run.name, change, dynamic, run.programs.family_dynamic(key), names)
+    baked = numbers_baked_in(run.programs.values(), inputs, run.build)
+    if baked is not None and not run.warned_numbers:
+        run.warned_numbers = True
+        warn_about_numbers(run.name, *baked)
+    run.programs.count_build(run.name, key[1], str(change or "first call"), config.recompile_limit)
+    program = run.compile(inputs, BuildRequest(structure=key[1], dynamic=dynamic))
+    for dropped in run.programs.keep(key, program, config.max_cached_graphs):
+        read_overflows(run, dropped)  # its device record goes with it
+        log.info(
+            "%s: dropped the least recently used compiled step (cache holds %d)",
+            run.name,
+            config.max_cached_graphs,
+        )
+    return program
 
 
 def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[torch.Tensor]:
@@ -118,17 +142,3 @@ def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[to
         if held:
             interrupts.release_interrupts()  # a Ctrl-C that arrived meanwhile is raised here
     return outputs
-
-
-def keep_program(run: GraphRuntime, key: ProgramKey, program: Program) -> None:
-    """Cache a new compiled step; drop the least recently used beyond
-    ``config.max_cached_graphs`` (its overflow record is read first: it goes with it)."""
-    run.programs[key] = program
-    while len(run.programs) > run.config.max_cached_graphs:
-        _, dropped = run.programs.popitem(last=False)
-        read_overflows(run, dropped)
-        log.info(
-            "%s: dropped the least recently used compiled step (cache holds %d)",
-            run.name,
-            run.config.max_cached_graphs,
-        )

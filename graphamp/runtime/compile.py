@@ -44,11 +44,28 @@ def compile_step(
     # AOTAutograd's tensorify_python_scalars (KeyError on the symbol).
     fake_mode = _fake_mode_of(gm)
     fakes = _example_fakes(gm, example, fake_mode)
+    if any(isinstance(f, FakeTensor) and f._has_symbolic_sizes_strides for f in fakes):
+        _views_as_reshapes(gm)
     options = {}
     if backend == "inductor":
         options = {**default_inductor_options(gm, example), **(inductor_options or {})}
     with _inductor_config(options), tracing(TracingContext(fake_mode)):
         return compiler(gm, fakes)
+
+
+def _views_as_reshapes(gm: fx.GraphModule) -> None:
+    """Every ``view`` of a step with symbolic sizes becomes a ``reshape``, in place.
+
+    The backend traces the step again with its own decompositions, which can lay an
+    intermediate out differently from assembly's trace once sizes are symbolic (seen on GPT-2's
+    attention with inductor: strides (64*s, 32, 1, 64) where assembly had (64*s, 32*s, 1, 32)),
+    and a ``view`` recorded for one layout fails on the other. ``reshape`` is that same view
+    wherever a view is possible, and a copy where not; the graph holds no in-place write to a
+    view (it is functional until its final copies into the state), so values are unchanged."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
 
 
 def _inductor_config(options: dict):
