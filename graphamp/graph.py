@@ -328,15 +328,16 @@ class Graph:
         return dump_program(program, report, path, self.overflow_report(), self.range_report())
 
     def _require_program(self) -> Program:
-        if not self._programs:
+        program = self._programs.last()
+        if program is None:
             raise RuntimeError(
                 f"{type(self).__name__} has not run yet: call it once "
                 "(g(x, y)) so there is a captured graph to inspect"
             )
-        return next(reversed(self._programs.values()))
+        return program
 
     def __repr__(self) -> str:
-        program = next(reversed(self._programs.values())) if self._programs else None
+        program = self._programs.last()
         return graph_repr(self._spec(), repr(self.config), program)
 
 

@@ -32,10 +32,12 @@ class InputSignature:
     tensors: tuple[TensorKey, ...]
     constants: tuple[Any, ...]
 
-    def describe(self) -> str:
-        parts = [
-            f"{'x'.join(map(str, s)) or 'scalar'} {dtype_name(d)}" for s, d, _, _ in self.tensors
-        ]
+    def describe(self, dynamic: frozenset[tuple[int, int]] = frozenset()) -> str:
+        """ "4x128 float32, 4 int64"; a dynamic dimension (tensor, dim) shows as "?"."""
+        parts = []
+        for i, (shape, dtype, _, _) in enumerate(self.tensors):
+            sizes = "x".join("?" if (i, d) in dynamic else str(n) for d, n in enumerate(shape))
+            parts.append(f"{sizes or 'scalar'} {dtype_name(dtype)}")
         return ", ".join(parts) or "no tensors"
 
 

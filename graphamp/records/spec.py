@@ -256,6 +256,11 @@ class Program:
     guards: Guards | None = None  # what it assumes; the runtime checks it before every call
     serial: int = 0  # its number in the Graph's cache (set when it is kept)
 
+    @property
+    def dynamic(self) -> frozenset[tuple[int, int]]:
+        """The batch dimensions (tensor index, dim) it traced as symbols."""
+        return self.guards.shapes.dynamic if self.guards is not None else frozenset()
+
 
 # -- what the autocast oracle measures (read by the inspection modules) ----------------------------
 
@@ -310,6 +315,7 @@ class CompiledStep:
     """
 
     signature: str  # the input signature it was built for, e.g. "128x256 float32, 128 int64"
+    dynamic: tuple[tuple[int, int], ...]  # (tensor argument, dimension) pairs it serves any size of
     training: bool
     amp_dtype: torch.dtype | None  # None when AMP is off
     backend: str
@@ -324,7 +330,8 @@ class CompiledStep:
     @classmethod
     def of(cls, program: Program) -> CompiledStep:
         return cls(
-            signature=program.signature.describe(),
+            signature=program.signature.describe(program.dynamic),
+            dynamic=tuple(sorted(program.dynamic)),
             training=program.plan.training,
             amp_dtype=program.amp.dtype if program.amp is not None else None,
             backend=program.spec.config.backend,

@@ -24,7 +24,7 @@ from ..records.state import SharedState
 from . import ambient, interrupts, schedulers
 from .cache_key import StructureKey, log_rebuild, numbers_baked_in, warn_about_numbers
 from .overflows import read_overflows, watch_overflows
-from .programs import ProgramCache, marked_dynamic
+from .programs import ProgramCache, marked_dynamic, precision_differences
 
 if TYPE_CHECKING:  # the user's objects, held and called, never constructed here
     from ..config import GraphConfig
@@ -92,7 +92,18 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple, args: tuple, kwarg
         run.warned_numbers = True
         warn_about_numbers(run.name, *baked)
     run.programs.count_build(run.name, key[1], str(change or "first call"), config.recompile_limit)
+    sibling = run.programs.family_member(key)
     program = run.compile(inputs, BuildRequest(structure=key[1], dynamic=dynamic))
+    if sibling is not None and program.amp is not None and sibling.amp is not None:
+        differ = precision_differences(sibling, program)
+        if differ:
+            log.info(
+                "%s: the new step's precision decisions differ from the step for %s, which "
+                "should not happen (sizes must not decide precision): %s",
+                run.name,
+                sibling.signature.describe(sibling.dynamic),
+                "; ".join(differ[:5]),
+            )
     for dropped in run.programs.keep(key, program, config.max_cached_graphs):
         read_overflows(run, dropped)  # its device record goes with it
         log.info(

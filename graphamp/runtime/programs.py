@@ -13,11 +13,12 @@ traced as a symbol from then on.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..errors import RecompileLimitError
+from ..records.fxutil import is_compute_node, module_path, op_name
 from ..records.guards import Change, Structure, family
 from ..records.inputs import FlatInputs, InputSignature
 from ..records.spec import Program
@@ -116,6 +117,18 @@ class ProgramCache(Mapping[int, Program]):
                 dims |= {(i, d) for d, (a, b) in enumerate(zip(old[0], new[0])) if a != b}
         return frozenset(dims)
 
+    def family_member(self, key: Key) -> Program | None:
+        """The most recently used program of this call's family (same structure; signatures
+        that differ in sizes only)."""
+        signature, structure = key
+        mine = family(signature)
+        for serial in reversed(self._programs):
+            guards = self._programs[serial].guards
+            if guards is not None and guards.structure == structure:
+                if family(guards.signature) == mine:
+                    return self._programs[serial]
+        return None
+
     def family_dynamic(self, key: Key) -> frozenset[tuple[int, int]]:
         """The dimensions already dynamic in programs of this call's family."""
         signature, structure = key
@@ -154,6 +167,24 @@ class ProgramCache(Mapping[int, Program]):
         self._programs.clear()
         self._memo.clear()
         self._last = 0
+
+
+def precision_differences(old: Program, new: Program) -> list[str]:
+    """The precision decisions of ``new``'s forward that ``old``'s does not make (op, module,
+    colour, counted), for low-precision and fp32-forced ops: empty when the two agree. A
+    dynamic step is traced from the same build(), so this should be empty: sizes must not
+    decide precision."""
+    before, after = _decisions(old), _decisions(new)
+    differ = sorted((after - before) + (before - after))
+    return [f"{op} in {module or 'build()'}: {colour}" for op, module, colour in differ]
+
+
+def _decisions(program: Program) -> Counter:
+    return Counter(
+        (op_name(n), module_path(n), n.meta["amp_colour"])
+        for n in program.forward.graph.nodes
+        if is_compute_node(n) and n.meta.get("amp_colour") in ("allow", "deny")
+    )
 
 
 def marked_dynamic(tensors: list) -> frozenset[tuple[int, int]]:
