@@ -77,16 +77,17 @@ def _recording(original: Any) -> Any:
     return __getattribute__
 
 
-_MODULE_READS = SharedPatch(nn.Module, "__getattribute__", _recording(object.__getattribute__))
-_config_patches: dict[type, SharedPatch] = {}
+_patches: dict[type, SharedPatch] = {}
 
 
-def _config_patch(cls: type) -> SharedPatch:
-    """transformers' config class defines its own ``__getattribute__``: wrap that one."""
-    patch = _config_patches.get(cls)
+def _patch_for(cls: type) -> SharedPatch:
+    """The recording ``__getattribute__`` of ``cls`` (made once per class): it wraps the one
+    the class has, its own (transformers' configs define one) or inherited."""
+    patch = _patches.get(cls)
     if patch is None:
-        own = vars(cls).get("__getattribute__", object.__getattribute__)
-        patch = _config_patches[cls] = SharedPatch(cls, "__getattribute__", _recording(own))
+        patch = _patches[cls] = SharedPatch(
+            cls, "__getattribute__", _recording(cls.__getattribute__)
+        )
     return patch
 
 
@@ -97,11 +98,17 @@ def transformers_config_class() -> type | None:
     return getattr(module, "PreTrainedConfig", None) or getattr(module, "PretrainedConfig", None)
 
 
-def watched_objects(modules: list[tuple[str, nn.Module]], graph: Any) -> dict[int, tuple]:
-    """{id(obj): (label, names left out)} for the registered modules (``self.<path>``), the
-    Graph (``self``) and the transformers configs the modules hold."""
+def watched_objects(
+    modules: list[tuple[str, nn.Module]], graph: Any
+) -> tuple[dict[int, tuple], list[type]]:
+    """({id(obj): (label, names left out)}, the classes to intercept reads on) for the
+    registered modules (``self.<path>``), the Graph (``self``) and the transformers configs the
+    modules hold."""
     watch: dict[int, tuple] = {}
+    classes: list[type] = [nn.Module]
     config_class = transformers_config_class()
+    if config_class is not None:
+        classes.append(config_class)
     for path, module in modules:
         watch[id(module)] = (f"self.{path}", _MODULE_OWN)
         if config_class is None:
@@ -111,21 +118,21 @@ def watched_objects(modules: list[tuple[str, nn.Module]], graph: Any) -> dict[in
                 watch[id(value)] = (f"self.{path}.{attr}", frozenset())
     if graph is not None and hasattr(graph, "__dict__"):
         watch[id(graph)] = ("self", frozenset(getattr(graph, "_graphamp_own", ())))
-    return watch
+        classes.append(type(graph))
+    return watch, classes
 
 
 @contextlib.contextmanager
-def recording_attribute_reads(watch: dict[int, tuple]) -> Iterator[list[AttributeRead]]:
+def recording_attribute_reads(
+    watch: dict[int, tuple], classes: list[type]
+) -> Iterator[list[AttributeRead]]:
     """Inside the block, instance attributes this thread reads on the watched objects are
-    recorded; the list yielded holds them (in first-read order) when the block ends."""
+    recorded; the list yielded holds them (in first-read order) when the block ends.
+    ``classes``: where the reads are intercepted (``watched_objects`` gives both)."""
     reads: list[AttributeRead] = []
-    patches = [_MODULE_READS]
-    config_class = transformers_config_class()
-    if config_class is not None:
-        patches.append(_config_patch(config_class))
     with contextlib.ExitStack() as stack:
-        for patch in patches:
-            stack.enter_context(patch.applied())
+        for cls in classes:
+            stack.enter_context(_patch_for(cls).applied())
         _local.watch, _local.reads = watch, {}
         try:
             yield reads

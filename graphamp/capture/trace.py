@@ -198,7 +198,7 @@ def _traced_function(
     watched = [(f"self.{n}", m) for n, m in user_modules]
     owner = getattr(root._build, "__self__", None)  # the Graph (build is its bound method)
     watched += [("self", owner)] if owner is not None and hasattr(owner, "__dict__") else []
-    reading = watched_objects(user_modules, owner)
+    reading, classes = watched_objects(user_modules, owner)
     state = [*root.parameters(), *root.buffers()]
     buffer_names = [n for n, _ in root.named_buffers()]
     slots = state_slots(root)
@@ -210,7 +210,7 @@ def _traced_function(
         mode = CaptureMode(module_names, loss_scale=parts.loss_scale, mixed_dtypes_ok=amp)
         with (
             refusing_attribute_writes(graph_name, watched),
-            recording_attribute_reads(reading) as reads,
+            recording_attribute_reads(reading, classes) as reads,
             torch.enable_grad(),
             swapped(slots, replacement),
             mode.tracking_modules(),
