@@ -44,8 +44,7 @@ def compile_step(
     # AOTAutograd's tensorify_python_scalars (KeyError on the symbol).
     fake_mode = _fake_mode_of(gm)
     fakes = _example_fakes(gm, example, fake_mode)
-    if any(isinstance(f, FakeTensor) and f._has_symbolic_sizes_strides for f in fakes):
-        _views_as_reshapes(gm)
+    _views_as_reshapes(gm)
     options = {}
     if backend == "inductor":
         options = {**default_inductor_options(gm, example), **(inductor_options or {})}
@@ -54,12 +53,14 @@ def compile_step(
 
 
 def _views_as_reshapes(gm: fx.GraphModule) -> None:
-    """Every ``view`` of a step with symbolic sizes becomes a ``reshape``, in place.
+    """Every ``view`` of the step becomes a ``reshape``, in place.
 
     The backend traces the step again with its own decompositions, which can lay an
-    intermediate out differently from assembly's trace once sizes are symbolic (seen on GPT-2's
-    attention with inductor: strides (64*s, 32, 1, 64) where assembly had (64*s, 32*s, 1, 32)),
-    and a ``view`` recorded for one layout fails on the other. ``reshape`` is that same view
+    intermediate out differently from assembly's trace, and a ``view`` recorded for one layout
+    fails on the other. Seen with inductor on GPT-2's attention: with symbolic sizes (strides
+    (64*s, 32, 1, 64) where assembly had (64*s, 32*s, 1, 32)), and with static ones on
+    transformers' GPT-2 given an attention mask under bf16 AMP ("Cannot view a tensor with
+    shape [8, 4, 32, 8] and strides (1024, 32, 1, 128) as (32, 32, 8)"). ``reshape`` is that same view
     wherever a view is possible, and a copy where not; the graph holds no in-place write to a
     view (it is functional until its final copies into the state), so values are unchanged."""
     for node in gm.graph.nodes:
