@@ -17,10 +17,18 @@ import graphamp
 from graphamp.inspect.memory import step_memory
 
 
-def _train(base, *, ckpt=None, amp=None, steps=2, dropout_seed=None, backend="aot_eager"):
+def _train(
+    base, *, ckpt=None, amp=None, steps=2, dropout_seed=None, backend="aot_eager", accumulate=1
+):
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    configure = (lambda g: g.config.enable_activation_checkpointing(*ckpt)) if ckpt else None
+
+    def configure(g):
+        if ckpt:
+            g.config.enable_activation_checkpointing(*ckpt)
+        if accumulate > 1:
+            g.config.set_gradient_accumulation_steps(accumulate)
+
     g = make_graph(
         model,
         lm_loss,
@@ -62,6 +70,25 @@ def test_checkpointed_blocks_train_bitwise_like_no_checkpointing_with_less_memor
     before, after = step_memory(_step_gm(g_plain)), step_memory(_step_gm(g_ckpt))
     assert after.resident_bytes == before.resident_bytes
     assert after.peak_intermediate_bytes < before.peak_intermediate_bytes, (before, after)
+
+
+def test_checkpointing_with_gradient_accumulation_recomputes_each_micro_batch_bitwise():
+    """Each micro-batch's forward is its own instance of a checkpointed region: it is copied
+    before that micro-batch's backward (not all micro-batches before the first backward)."""
+    base = _gpt()
+    plain, _ = _train(base, accumulate=2, backend="eager")
+    ckpt, g = _train(base, ckpt=(Block,), accumulate=2, backend="eager")
+    _assert_equal_states(plain, ckpt)
+    gm = _step_gm(g)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    copies = [n for n in gm.graph.nodes if n.meta.get("graphamp_subgraph") == "recompute"]
+    assert {n.meta["micro_batch"] for n in copies} == {0, 1}
+    for c in copies:  # its inputs come from its own micro-batch (or are shared inputs)
+        assert all(
+            a.meta.get("micro_batch", c.meta["micro_batch"]) == c.meta["micro_batch"]
+            for a in c.all_input_nodes
+        ), c
+        assert all(order[a] < order[c] for a in c.all_input_nodes)
 
 
 def test_recomputed_regions_keep_their_precision_and_are_reported(tmp_path):
