@@ -325,6 +325,12 @@ def test_non_finite_or_out_of_range_scaler_settings_raise(make, message):
         ("_growth_tracker", -1, "_growth_tracker"),
         ("growth_factor", 0.5, "growth_factor"),
         ("growth_interval", 0, "growth_interval"),
+        ("scale", 2.0**30, r"outside \[min_scale, max_scale\]"),  # as init_scale is checked
+        ("min_scale", 1024.0, r"outside \[min_scale, max_scale\]"),
+        ("scale", 0.0, "loaded scale must be a positive number"),  # min_scale is 1
+        ("_hysteresis_tracker", 2, "greater than its hysteresis"),
+        ("hysteresis", 0, "hysteresis must be a positive int"),
+        ("max_scale", math.nan, "max_scale"),
     ],
 )
 def test_invalid_loaded_scaler_states_raise_and_change_nothing(key, value, message):

@@ -348,7 +348,9 @@ def record_overflow(
         if any_skip is not None:
             overflowed = overflowed | any_skip
         used = scale.float() if scale is not None else torch.ones((), device=count.device)
-        row = torch.cat([torch.stack([step.float(), used]), vector]).unsqueeze(0)
+        # float64: the step number stays exact (float32 would round it past 2**24 steps)
+        row = torch.cat([torch.stack([step.double(), used.double()]), vector.double()])
+        row = row.unsqueeze(0)
         slot = torch.remainder(count, ring.shape[0]).reshape(1)
         ring.index_copy_(0, slot, torch.where(overflowed, row, ring.index_select(0, slot)))
         count.copy_(count + overflowed.to(count.dtype))
