@@ -1,5 +1,12 @@
 """A Graph's own state as a state dict: step count, scaler, optimizer step counters, history
-(with the overflow events), AMP pins; and loading one back, every part checked first."""
+(with the overflow events), AMP pins and autofix's partial counts; and loading one back, every
+part checked first.
+
+A checkpoint is the state: loading restores exactly the pins and counts that were saved, so a
+resumed run pins at the same step as an uninterrupted one, and pins autofix made after the
+checkpoint are dropped. The one exception is a pin written in code (``config.pin_fp32(AmpPin(...))``,
+which has no ``step``): the code that built the Graph set it, so a load never removes it (it is
+kept beside the saved pins)."""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ConfigError
+from ..forensics.autofix import Autofix
 from ..records.pins import AmpPin
 from ..records.spec import OptimizerSlot
 from ..records.validate import check_int
@@ -33,6 +41,7 @@ def graph_state_dict(run: GraphRuntime) -> dict[str, Any]:
         "optimizer_steps": {k: int(v.item()) for k, v in state.counters.items()},
         "history": state.history.state_dict(),  # with the overflow events
         "amp_pins": [pin.to_dict() for pin in run.config.amp_pins],
+        "autofix_counts": run.autofix.state_dict(),
         "ranges": [row.to_dict() for row in ranges],  # for `python -m graphamp plot`
     }
 
@@ -59,6 +68,7 @@ def load_graph_state(run: GraphRuntime, saved: Any) -> None:
     # states saved before pins existed have no "amp_pins"; "ranges" are not loaded (they
     # belong to the compiled step that measured them)
     pins = _checked_pins(saved.get("amp_pins", ()))
+    counts = Autofix.check_state_dict(saved.get("autofix_counts", ()))
     # everything checked: now apply
     if scaler is not None and saved["grad_scaler"] is not None:
         scaler.load_state_dict(saved["grad_scaler"])
@@ -70,8 +80,10 @@ def load_graph_state(run: GraphRuntime, saved: Any) -> None:
             device = _first_param_device(run.optimizers, k)
             run.state.counters[k] = torch.full((), v, dtype=torch.int64, device=device)
     run.state.history.load_state_dict(saved["history"])
-    if pins:
-        run.config.pin_fp32(*pins)
+    in_code = [p for p in run.config.amp_pins if p.step is None and p not in pins]
+    run.config.clear_amp_pins()  # the same places again: the compiled steps stay valid
+    run.config.pin_fp32(*pins, *in_code)
+    run.autofix.load_counts(counts)
 
 
 def _checked_pins(saved: Any) -> list[AmpPin]:
