@@ -175,7 +175,7 @@ def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Te
 
 def _update_optimizers(plan: StepPlan, s: StepInputs, updates: list[_OptimizerUpdate]):
     """Each optimizer's masked update (ZeRO: of this rank's rows, then all-gathered)."""
-    states, hypers = iter(s.opt_state), iter(s.hyper)
+    states, hypers, fresh = iter(s.opt_state), iter(s.hyper), iter(s.momentum_fresh)
     params = s.params
     for u, counter in zip(updates, s.counters):
         skip = u.found > 0 if u.found is not None else None
@@ -184,7 +184,7 @@ def _update_optimizers(plan: StepPlan, s: StepInputs, updates: list[_OptimizerUp
             with NodeTagger({"graphamp_subgraph": "zero"}):
                 mine = local_rows(mine, s.zero_rank, plan.process_group)
         with NodeTagger({"graphamp_subgraph": "optimizer"}):
-            update_optimizer(u.opt, mine, u.grads, states, hypers, counter, skip)
+            update_optimizer(u.opt, mine, u.grads, states, hypers, counter, skip, fresh)
         if plan.zero_stage:
             with NodeTagger({"graphamp_subgraph": "zero"}):
                 full = [params[i] for i in u.opt.forward_positions]
