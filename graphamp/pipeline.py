@@ -189,6 +189,7 @@ def _amp_passes(b: _Build) -> None:
         pin_reasons=b.module_pins,
         pinned_nodes=pins.nodes,
         parameters=frozenset(captured.layout.split(placeholders).params),
+        user_outputs=captured.num_user_outputs,
     )
 
     def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
