@@ -541,6 +541,35 @@ def test_two_threads_calling_a_cold_graph_capture_once_and_both_train():
 # -- 9-10. clear errors instead of internal ones, and calls that do nothing in a graph -------------
 
 
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_uint8_class_labels_train_as_in_eager(amp):
+    """eager's losses take class indices as int64 or uint8; capture's decompositions (a gather)
+    take int64 only: uint8 labels train like eager's, in nn.CrossEntropyLoss and F.nll_loss."""
+
+    def build(self, x, y):
+        logits = self.model(x)
+        loss = nn.CrossEntropyLoss()(logits, y) + F.nll_loss(logits.log_softmax(-1), target=y)
+        loss.backward()
+        return loss
+
+    model = seed_mlp()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    g = make_graph(model, None, opt, amp=amp, build=build)
+    for x, y in _batches(2):
+        y = y.to(torch.uint8)
+        loss = g(x, y)
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            logits = ref(x)
+            ref_loss = F.cross_entropy(logits, y) + F.nll_loss(logits.log_softmax(-1), y)
+        ref_loss.backward()
+        ref_opt.step()
+        tol = {} if amp is None else {"rtol": 2e-2, "atol": 2e-2}
+        torch.testing.assert_close(loss, ref_loss.float().detach(), **tol)
+    assert_state_close(model, ref, **({} if amp is None else {"rtol": 2e-2, "atol": 2e-2}))
+
+
 def test_a_module_used_in_build_but_not_registered_is_named():
     model, other = seed_mlp(), nn.Linear(10, 10)
 
