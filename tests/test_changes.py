@@ -538,6 +538,45 @@ def test_two_threads_calling_a_cold_graph_capture_once_and_both_train():
     assert not torch.compiler.is_compiling()
 
 
+def test_graphs_compiling_at_once_in_several_threads_train_as_when_built_alone():
+    """torch's tracing keeps process-wide state and capture installs process-wide hooks: builds
+    in different threads take turns, so three Graphs (fp32, bf16, fp16 AMP) started at once all
+    train exactly as each does when built alone."""
+    amps = [None, torch.bfloat16, torch.float16]
+
+    def train(k: int) -> dict:
+        torch.manual_seed(k)
+        model = seed_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = graphamp.GradScaler(init_scale=256.0) if amps[k] == torch.float16 else None
+        g = make_graph(model, nn.CrossEntropyLoss(), opt, amp=amps[k], scaler=scaler)
+        for x, y in _batches(2):
+            g(x, y)
+        return {n: v.clone() for n, v in model.state_dict().items()}
+
+    alone = [train(k) for k in range(3)]
+    together: dict[int, dict] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def run(k: int) -> None:
+        try:
+            start.wait()
+            together[k] = train(k)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for k in range(3):
+        for n, v in alone[k].items():
+            assert torch.equal(together[k][n], v), (k, n)
+
+
 # -- 9-10. clear errors instead of internal ones, and calls that do nothing in a graph -------------
 
 

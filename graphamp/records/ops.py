@@ -374,6 +374,7 @@ WHOLE_OP_FUNCTIONS = {
     torch.rms_norm: aten.rms_norm,
 }
 
+
 def _int64_class_indices(func: Callable) -> Callable:
     """``func`` (a loss taking class indices) with a uint8 target read as int64: eager's kernels
     take int64 or uint8 class indices, the decompositions fake tensors run (a gather) int64
