@@ -697,6 +697,7 @@ def test_debug_1_logs_each_overflow_as_it_happens(caplog):
     assert [e.step for e in g.overflow_report().events] == [0, 1]
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_the_overflow_record_is_part_of_the_step_transaction(monkeypatch):
     import signal
 

@@ -17,6 +17,9 @@ import torch.nn.functional as F
 
 import graphamp
 
+# the interrupts these tests send must raise, however pytest was started (conftest.py)
+pytestmark = pytest.mark.usefixtures("sigint_raises")
+
 
 def _mlp(layers: int = 7, width: int = 64) -> nn.Module:
     mods = []
