@@ -12,9 +12,11 @@ once, in order: the runtime's Runner is made last, around the compiled step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -98,12 +100,30 @@ def build_program(
     line where the failure has one, and what to try; torch's exception is its ``__cause__``.
     graphamp's own errors, Ctrl-C and out-of-memory errors pass through as they are."""
     b = _Build(spec, inputs, state, request)
+    with _one_build_at_a_time(spec.name):
+        try:
+            return _build_program(b)
+        except _PASS_THROUGH:
+            raise
+        except Exception as e:  # noqa: BLE001 - every other failure becomes graphamp's
+            raise stage_error(spec, b.stage, e) from e
+
+
+# torch's tracing (make_fx, fake tensors, the backends' compilers) keeps process-wide state,
+# and capture installs process-wide hooks and patches: two builds in two threads would trip
+# over each other's. Builds take turns (steady calls, which trace nothing, do not wait).
+_BUILD_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(name: str) -> Iterator[None]:
+    if not _BUILD_LOCK.acquire(blocking=False):
+        log.info("%s: waiting for another Graph's capture and compile to finish", name)
+        _BUILD_LOCK.acquire()
     try:
-        return _build_program(b)
-    except _PASS_THROUGH:
-        raise
-    except Exception as e:  # noqa: BLE001 - every other failure becomes graphamp's
-        raise stage_error(spec, b.stage, e) from e
+        yield
+    finally:
+        _BUILD_LOCK.release()
 
 
 def _build_program(b: _Build) -> Program:
@@ -229,6 +249,7 @@ def _amp_passes(b: _Build) -> None:
         pin_reasons=b.module_pins,
         pinned_nodes=pins.nodes,
         parameters=frozenset(captured.layout.split(placeholders).params),
+        user_outputs=captured.num_user_outputs,
     )
 
     def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
@@ -316,7 +337,8 @@ def trace_autocast(program: Program) -> AutocastTrace:
     if amp is None or example is None:
         raise ValueError("trace_autocast needs a program built with AMP")
     try:
-        return autocast_forward(root, example, amp.dtype, program.device)
+        with _one_build_at_a_time(program.spec.name):
+            return autocast_forward(root, example, amp.dtype, program.device)
     except _PASS_THROUGH:
         raise
     except Exception as e:  # noqa: BLE001 - as in build_program

@@ -16,6 +16,7 @@ into the other), plus graphamp's fields.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -186,19 +187,55 @@ class GradScaler:
         missing = [k for k in _TORCH_KEYS if k not in state]
         if missing:
             raise ConfigError(f"grad scaler state dict lacks {missing}; it holds {sorted(state)}")
-        values = {
-            "scale": check_number("the loaded scale", state["scale"], above=0),
+        if not self.dynamic:  # a static scaler takes the scale of any state
+            return {}, self._checked_values(state, None)
+        if state.get("static"):  # the scale only: this scaler's schedule and bounds stay
+            return {}, self._checked_values(state, self._bounds())
+        settings = self._checked_settings(state)
+        return settings, self._checked_values(state, settings)
+
+    def _bounds(self) -> dict[str, Any]:
+        return {"min_scale": self.min_scale, "max_scale": self.max_scale, "hysteresis": None}
+
+    def _checked_values(self, state: dict, settings: dict[str, Any] | None) -> dict[str, Any]:
+        """The scale and trackers of ``state``, checked against the ``settings`` they will run
+        with, as the constructor checks init_scale: within [min_scale, max_scale], and positive
+        except where min_scale is 0 (a long run of overflows with no floor underflows to 0, in
+        torch too); a static scaler (``settings`` None) takes any positive scale. The hysteresis
+        tracker is at most ``hysteresis``; states saved before it stopped at 0 go below 0 and
+        load as 0, which backs off the same."""
+        low, high = (
+            (0.0, math.inf) if settings is None else (settings["min_scale"], settings["max_scale"])
+        )
+        if settings is not None and low == 0:
+            scale = check_number("the loaded scale", state["scale"], at_least=0)
+        else:
+            scale = check_number("the loaded scale", state["scale"], above=0)
+        if not low <= scale <= high:
+            raise ConfigError(
+                f"the loaded scale ({scale}) lies outside [min_scale, max_scale] = [{low}, "
+                f"{high}] of this scaler: make it with bounds that include it (for torch's "
+                "semantics, set_grad_scaler(torch.amp.GradScaler(...)))"
+            )
+        hysteresis = settings["hysteresis"] if settings is not None else None
+        tracker = state.get("_hysteresis_tracker", hysteresis or self.hysteresis)
+        tracker = check_int("the loaded _hysteresis_tracker", tracker, at_least=-(2**62))
+        if hysteresis is not None and tracker > hysteresis:
+            raise ConfigError(
+                f"the loaded _hysteresis_tracker ({tracker}) is greater than its hysteresis "
+                f"({hysteresis}): a run never produces that"
+            )
+        return {
+            "scale": scale,
             "growth_tracker": check_int(
                 "the loaded _growth_tracker", state["_growth_tracker"], at_least=0
             ),
-            "hysteresis_tracker": check_int(
-                "the loaded _hysteresis_tracker",
-                state.get("_hysteresis_tracker", self.hysteresis),
-                at_least=0,
-            ),
+            "hysteresis_tracker": max(tracker, 0),
         }
-        if state.get("static") or not self.dynamic:
-            return {}, values
+
+    def _checked_settings(self, state: dict) -> dict[str, Any]:
+        """A dynamic scaler's schedule from ``state``, checked as the constructor checks it
+        (graphamp's own fields default to this scaler's where a torch state lacks them)."""
         settings = {
             "growth_factor": check_number(
                 "the loaded growth_factor", state["growth_factor"], above=1
@@ -227,7 +264,7 @@ class GradScaler:
                 f"the loaded min_scale ({settings['min_scale']}) is greater than "
                 f"its max_scale ({settings['max_scale']})"
             )
-        return settings, values
+        return settings
 
     def settings(self) -> tuple:
         """What the traced update depends on (part of the compiled step's cache key)."""
@@ -281,9 +318,11 @@ class GradScaler:
         new_scale = torch.where(overflow, scale_on_overflow, scale_on_success)
         zero = torch.zeros_like(growth_tracker)
         new_growth = torch.where(overflow | grow, zero, successful)
+        # the tracker stops at 0: below it every overflow backs off anyway, and the state a
+        # run produces stays one the constructor's settings describe (it loads back)
         new_hysteresis = torch.where(
             overflow,
-            hysteresis_left,
+            torch.clamp(hysteresis_left, min=0),
             torch.where(
                 grow, torch.full_like(hysteresis_tracker, self.hysteresis), hysteresis_tracker
             ),

@@ -1,5 +1,6 @@
 import logging
 import os
+import signal
 import sys
 
 import pytest
@@ -13,6 +14,25 @@ def _seed_and_quiet():
     torch.manual_seed(0)
     yield
     logging.getLogger("graphamp").handlers.clear()
+
+
+@pytest.fixture
+def sigint_raises():
+    """Ctrl-C raises KeyboardInterrupt in this test, as in an interactive shell, whatever the
+    parent set: ``nohup`` and ``&`` start pytest with SIGINT ignored, which graphamp's handler
+    then honours (it passes a held-back interrupt to the handler it replaced). graphamp's
+    handler is installed again in front of Python's default one, and both are put back after."""
+    from graphamp.runtime import interrupts
+
+    deferral = interrupts._deferral  # the process's one SIGINT deferral
+    saved = (signal.getsignal(signal.SIGINT), deferral.installed, deferral.previous)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    deferral.installed, deferral.previous = False, None  # the next step installs it again
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        deferral.installed, deferral.previous = saved[1], saved[2]
 
 
 def pytest_collection_modifyitems(config, items):

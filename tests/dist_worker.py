@@ -5,7 +5,9 @@
 MODE: train (config.enable_data_parallel), ddp (the model registered wrapped in DDP), bf16,
 mismatch (rank 1 builds a different model: every rank must raise, none may hang),
 interrupt (rank 1 is interrupted before a step and stays alive: rank 0 must get an error within
-the process group's timeout, with its state from before that step).
+the process group's timeout, with its state from before that step), autofix (fp16 with AMP
+autofix; only rank 1's shard overflows the first layer's matmul: every rank must pin it at the
+same step and go on together).
 """
 
 import datetime
@@ -41,14 +43,43 @@ def make_model(seed, width=64):
     return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, 4))
 
 
+def overflowing_model(seed):
+    """make_model with first-layer weights ~1e4 (fine in fp16): its matmul overflows fp16 on
+    ``autofix_batches``' second half only."""
+    model = make_model(seed)
+    with torch.no_grad():
+        model[0].weight.mul_(1e5)
+    return model
+
+
+def autofix_batches():
+    """The global batches with the first half of each (rank 0's shard) scaled down to 1e-3 and
+    the second half (rank 1's) up by 10: only rank 1's |x @ W| exceeds fp16's 65504."""
+    out = []
+    for x, y in global_batches(poison=False):
+        x = x.clone()
+        x[: GLOBAL_BATCH // 2] *= 1e-3
+        x[GLOBAL_BATCH // 2 :] *= 10.0
+        out.append((x, y))
+    return out
+
+
+def configure_autofix(g):
+    g.config.enable_amp(True)
+    g.config.enable_amp_autofix(after=2)
+
+
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     warnings.simplefilter("ignore")
     # different initial weights per rank: graphamp must broadcast rank 0's
-    model = make_model(seed=rank, width=64 if mode != "mismatch" or rank == 0 else 48)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if mode == "autofix":
+        model = overflowing_model(seed=rank)
+    else:
+        model = make_model(seed=rank, width=64 if mode != "mismatch" or rank == 0 else 48)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6 if mode == "autofix" else 0.1, momentum=0.9)
     registered = nn.parallel.DistributedDataParallel(model) if mode == "ddp" else model
 
     class DP(graphamp.Graph):
@@ -63,6 +94,8 @@ def main():
                 self.config.enable_amp(True, dtype=torch.bfloat16)
             else:
                 self.set_grad_scaler(graphamp.GradScaler(init_scale=256.0))
+            if mode == "autofix":
+                configure_autofix(self)
 
         def build(self, x, y):
             loss = nn.functional.cross_entropy(self.model(x), y)
@@ -76,9 +109,11 @@ def main():
         return interrupted_rank(g, model, rank, shard, out_dir)
     try:
         # without a scaler (bf16) nothing would skip the poisoned step
-        for x, y in global_batches(poison=mode != "bf16"):
+        batches = autofix_batches() if mode == "autofix" else global_batches(poison=mode != "bf16")
+        for x, y in batches:
             g(x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard])
         result["params"] = {k: v.clone() for k, v in model.state_dict().items()}
+        result["pins"] = [(p.describe(), p.step) for p in g.config.amp_pins]
         result["skipped"] = g.history.fetch()["skipped"]
         result["scale"] = g.grad_scaler.get_scale() if g.grad_scaler else None
     except graphamp.GraphampError as e:

@@ -372,9 +372,16 @@ def _eval_graph(build, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_deny_ops_widen_fp16_inputs_so_reductions_do_not_overflow(dtype):
     x = torch.full((8192,), 10.0, dtype=torch.float16)
-    # the sum (81,920) overflows fp16; computed in fp32 as under autocast, the mean is exact
+    # the sum (81,920) overflows fp16; computed in fp32 as under autocast, the mean is exact,
+    # and both are returned in fp32 as autocast returns its fp32 ops' results (CUDA autocast:
+    # sum is on its fp32 list), not cast back to the fp16 they were captured in
     mean = _eval_graph(lambda x: torch.sum(x) / x.numel(), dtype)(x)
-    assert mean.dtype == torch.float16 and mean.item() == 10.0
+    assert mean.dtype == torch.float32 and mean.item() == 10.0
+    total = _eval_graph(lambda x: x.sum(), dtype)(x)
+    assert total.dtype == torch.float32 and total.item() == 81920.0
+    assert torch.isinf(x.sum())  # eager fp16 (no autocast) overflows
+    halved = _eval_graph(lambda x: x * 0.5, dtype)(x)  # not widened: the captured dtype
+    assert halved.dtype == torch.float16
     a, b = torch.full((64,), 300.0, dtype=torch.float16), torch.zeros(64, dtype=torch.float16)
     rms = _eval_graph(lambda a, b: torch.sqrt(nn.functional.mse_loss(a, b)), dtype)(a, b)
     assert rms.item() == 300.0  # the squared error 90,000 is out of fp16's range

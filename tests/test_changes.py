@@ -261,6 +261,103 @@ def test_a_parameter_removed_from_a_param_group_stops_training():
     assert_state_close(t.model, t.ref)
 
 
+def _damped(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5)
+
+
+def _join_later(t: Twin, how: str) -> None:
+    """The first layer, frozen so far, starts training (on both twins)."""
+    for m, opt in ((t.model, t.opt), (t.ref, t.ref_opt)):
+        m[0].requires_grad_(True)
+        if how == "add_param_group":
+            opt.add_param_group({"params": list(m[0].parameters())})
+
+
+@pytest.mark.parametrize("how", ["add_param_group", "unfreeze"])
+def test_sgd_dampened_momentum_of_parameters_that_join_later_starts_from_their_gradient(how):
+    """torch starts a parameter's momentum buffer as a copy of its first gradient, whenever
+    that comes: a group added with add_param_group, or a frozen layer unfrozen mid-run. The
+    other parameters' buffers keep going (dampened)."""
+    model = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    model[0].requires_grad_(False)
+    make_opt = (lambda m: _damped(m[2].parameters())) if how == "add_param_group" else None
+    t = Twin(model, make_opt or (lambda m: _damped(m.parameters())))
+    data = _batches()
+    t.step(*data[0])
+    t.step(*data[1])
+    _join_later(t, how)
+    t.step(*data[2])
+    t.check()
+    t.step(*data[3])
+    t.check()
+
+
+def test_a_skipped_first_step_keeps_a_buffer_unstarted_across_a_checkpoint(tmp_path):
+    """With a scaler, the joining layer's first step overflows and is skipped: torch leaves its
+    buffer missing, so the next applied step starts it from the gradient. graphamp keeps the
+    same per-parameter fact in g.state_dict(): a run resumed from a checkpoint taken right after
+    the skipped step goes on like the uninterrupted run and like eager."""
+    model = nn.Sequential(nn.Linear(256, 64), nn.ReLU(), nn.Linear(64, 10))
+    model[0].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _damped(model.parameters()), _damped(ref.parameters())
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt, scaler=graphamp.GradScaler(init_scale=256.0))
+    data = _batches(4)
+    data[2][0][0, 0] = float("inf")  # the first step of the joining layer overflows
+
+    def eager(x, y):
+        return autocast_step(lambda: F.cross_entropy(ref(x), y), ref_opt, None, ref_scaler)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp32 with a scaler: "unnecessary"
+        for x, y in data[:2]:
+            g(x, y)
+            eager(x, y)
+        ref[0].requires_grad_(True)
+        model[0].requires_grad_(True)
+        g(*data[2])
+        assert eager(*data[2]).skipped and "momentum_buffer" not in ref_opt.state[ref[0].weight]
+        path = tmp_path / "ckpt.pt"
+        torch.save(
+            {"model": model.state_dict(), "opt": opt.state_dict(), "g": g.state_dict()}, path
+        )
+        saved = torch.load(path, weights_only=True)
+        assert saved["g"]["momentum_fresh"] == {0: [0, 1]}  # the first layer's weight and bias
+        resumed_model = copy.deepcopy(model)
+        resumed_opt = _damped(resumed_model.parameters())
+        resumed = make_graph(
+            resumed_model, nn.CrossEntropyLoss(), resumed_opt, scaler=graphamp.GradScaler()
+        )
+        resumed.load_state_dict(saved["g"])  # before the optimizer's state: either order works
+        resumed_model.load_state_dict(saved["model"])
+        resumed_opt.load_state_dict(saved["opt"])
+        for step in (g, eager, resumed):
+            step(*data[3])
+    assert_state_close(model, ref)
+    assert_optimizer_close(opt, ref_opt)
+    assert_state_close(resumed_model, model, rtol=0, atol=0)
+    assert_optimizer_close(resumed_opt, opt, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({5: [0]}, "names optimizer 5"),
+        ({0: [99]}, "names parameter 99"),
+        ({0: [-1]}, "position of optimizer 0 must be an int >= 0"),
+        ([0], "momentum_fresh must be a dict"),
+    ],
+)
+def test_a_loaded_momentum_start_that_names_nothing_is_refused(value, message):
+    t = Twin(seed_mlp(), lambda m: _damped(m.parameters()))
+    t.step(*_batches(1)[0])
+    good = t.g.state_dict()
+    with pytest.raises(ConfigError, match=message):
+        t.g.load_state_dict({**good, "momentum_fresh": value})
+    assert t.g.state_dict()["momentum_fresh"] == good["momentum_fresh"] == {}
+
+
 # -- 4-6. scalers and loads ------------------------------------------------------------------------
 
 
@@ -325,6 +422,12 @@ def test_non_finite_or_out_of_range_scaler_settings_raise(make, message):
         ("_growth_tracker", -1, "_growth_tracker"),
         ("growth_factor", 0.5, "growth_factor"),
         ("growth_interval", 0, "growth_interval"),
+        ("scale", 2.0**30, r"outside \[min_scale, max_scale\]"),  # as init_scale is checked
+        ("min_scale", 1024.0, r"outside \[min_scale, max_scale\]"),
+        ("scale", 0.0, "loaded scale must be a positive number"),  # min_scale is 1
+        ("_hysteresis_tracker", 2, "greater than its hysteresis"),
+        ("hysteresis", 0, "hysteresis must be a positive int"),
+        ("max_scale", math.nan, "max_scale"),
     ],
 )
 def test_invalid_loaded_scaler_states_raise_and_change_nothing(key, value, message):
@@ -435,7 +538,75 @@ def test_two_threads_calling_a_cold_graph_capture_once_and_both_train():
     assert not torch.compiler.is_compiling()
 
 
+def test_graphs_compiling_at_once_in_several_threads_train_as_when_built_alone():
+    """torch's tracing keeps process-wide state and capture installs process-wide hooks: builds
+    in different threads take turns, so three Graphs (fp32, bf16, fp16 AMP) started at once all
+    train exactly as each does when built alone."""
+    amps = [None, torch.bfloat16, torch.float16]
+
+    def train(k: int) -> dict:
+        torch.manual_seed(k)
+        model = seed_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = graphamp.GradScaler(init_scale=256.0) if amps[k] == torch.float16 else None
+        g = make_graph(model, nn.CrossEntropyLoss(), opt, amp=amps[k], scaler=scaler)
+        for x, y in _batches(2):
+            g(x, y)
+        return {n: v.clone() for n, v in model.state_dict().items()}
+
+    alone = [train(k) for k in range(3)]
+    together: dict[int, dict] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def run(k: int) -> None:
+        try:
+            start.wait()
+            together[k] = train(k)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for k in range(3):
+        for n, v in alone[k].items():
+            assert torch.equal(together[k][n], v), (k, n)
+
+
 # -- 9-10. clear errors instead of internal ones, and calls that do nothing in a graph -------------
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_uint8_class_labels_train_as_in_eager(amp):
+    """eager's losses take class indices as int64 or uint8; capture's decompositions (a gather)
+    take int64 only: uint8 labels train like eager's, in nn.CrossEntropyLoss and F.nll_loss."""
+
+    def build(self, x, y):
+        logits = self.model(x)
+        loss = nn.CrossEntropyLoss()(logits, y) + F.nll_loss(logits.log_softmax(-1), target=y)
+        loss.backward()
+        return loss
+
+    model = seed_mlp()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    g = make_graph(model, None, opt, amp=amp, build=build)
+    for x, y in _batches(2):
+        y = y.to(torch.uint8)
+        loss = g(x, y)
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            logits = ref(x)
+            ref_loss = F.cross_entropy(logits, y) + F.nll_loss(logits.log_softmax(-1), y)
+        ref_loss.backward()
+        ref_opt.step()
+        tol = {} if amp is None else {"rtol": 2e-2, "atol": 2e-2}
+        torch.testing.assert_close(loss, ref_loss.float().detach(), **tol)
+    assert_state_close(model, ref, **({} if amp is None else {"rtol": 2e-2, "atol": 2e-2}))
 
 
 def test_a_module_used_in_build_but_not_registered_is_named():

@@ -17,10 +17,18 @@ import graphamp
 from graphamp.inspect.memory import step_memory
 
 
-def _train(base, *, ckpt=None, amp=None, steps=2, dropout_seed=None, backend="aot_eager"):
+def _train(
+    base, *, ckpt=None, amp=None, steps=2, dropout_seed=None, backend="aot_eager", accumulate=1
+):
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    configure = (lambda g: g.config.enable_activation_checkpointing(*ckpt)) if ckpt else None
+
+    def configure(g):
+        if ckpt:
+            g.config.enable_activation_checkpointing(*ckpt)
+        if accumulate > 1:
+            g.config.set_gradient_accumulation_steps(accumulate)
+
     g = make_graph(
         model,
         lm_loss,
@@ -62,6 +70,25 @@ def test_checkpointed_blocks_train_bitwise_like_no_checkpointing_with_less_memor
     before, after = step_memory(_step_gm(g_plain)), step_memory(_step_gm(g_ckpt))
     assert after.resident_bytes == before.resident_bytes
     assert after.peak_intermediate_bytes < before.peak_intermediate_bytes, (before, after)
+
+
+def test_checkpointing_with_gradient_accumulation_recomputes_each_micro_batch_bitwise():
+    """Each micro-batch's forward is its own instance of a checkpointed region: it is copied
+    before that micro-batch's backward (not all micro-batches before the first backward)."""
+    base = _gpt()
+    plain, _ = _train(base, accumulate=2, backend="eager")
+    ckpt, g = _train(base, ckpt=(Block,), accumulate=2, backend="eager")
+    _assert_equal_states(plain, ckpt)
+    gm = _step_gm(g)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    copies = [n for n in gm.graph.nodes if n.meta.get("graphamp_subgraph") == "recompute"]
+    assert {n.meta["micro_batch"] for n in copies} == {0, 1}
+    for c in copies:  # its inputs come from its own micro-batch (or are shared inputs)
+        assert all(
+            a.meta.get("micro_batch", c.meta["micro_batch"]) == c.meta["micro_batch"]
+            for a in c.all_input_nodes
+        ), c
+        assert all(order[a] < order[c] for a in c.all_input_nodes)
 
 
 def test_recomputed_regions_keep_their_precision_and_are_reported(tmp_path):
@@ -114,3 +141,56 @@ def test_unknown_module_name_is_a_config_error_naming_the_fix():
         g(idx, idx)
     with pytest.raises(graphamp.errors.ConfigError, match="nn.Module classes"):
         g.config.enable_activation_checkpointing(3)
+
+
+class _ReentrantOnInputs(torch.nn.Module):
+    """torch.utils.checkpoint(use_reentrant=True) straight on the batch: the classic pitfall
+    (transformers' enable_input_require_grads exists for it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.inner, torch.relu(x), use_reentrant=True))
+
+
+@pytest.mark.parametrize("grad_input", [False, True], ids=["plain_input", "input_requires_grad"])
+def test_reentrant_checkpoint_without_inputs_that_require_grad_trains_like_eager(grad_input):
+    """eager: the checkpoint's output does not require grad, so the wrapped layer gets no
+    gradient (AdamW then leaves it alone, weight decay included), and torch warns. graphamp:
+    the same warning and the same training. An input that requires grad trains both layers."""
+    import warnings
+
+    from helpers import assert_optimizer_close, assert_state_close
+
+    torch.manual_seed(0)
+    model = _ReentrantOnInputs()
+    ref, initial = copy.deepcopy(model), model.inner.weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = make_graph(model, torch.nn.functional.cross_entropy, opt)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(2):
+        x, y = torch.randn(4, 8, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+        x.requires_grad_(grad_input)
+        with warnings.catch_warnings(record=True) as ours:
+            warnings.simplefilter("always")
+            g(x, y)
+        with warnings.catch_warnings(record=True) as theirs:
+            warnings.simplefilter("always")
+            ref_opt.zero_grad()
+            torch.nn.functional.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+        said = "None of the inputs have requires_grad=True. Gradients will be None"
+        assert any(said in str(w.message) for w in theirs) == (not grad_input)
+        # once, at capture (the compiled step runs no Python; Python's default filter shows
+        # torch's warning once too)
+        assert any(said in str(w.message) for w in ours) == (not grad_input and step == 0)
+    assert_state_close(model, ref)
+    assert_optimizer_close(opt, ref_opt)
+    trained = not torch.equal(model.inner.weight, initial)
+    assert trained == grad_input

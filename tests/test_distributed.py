@@ -11,7 +11,16 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from dist_worker import INTERRUPTED_STEP, POISON_STEP, TIMEOUT_S, global_batches, make_model
+from dist_worker import (
+    INTERRUPTED_STEP,
+    POISON_STEP,
+    TIMEOUT_S,
+    autofix_batches,
+    configure_autofix,
+    global_batches,
+    make_model,
+    overflowing_model,
+)
 from helpers import make_graph
 
 import graphamp
@@ -69,6 +78,39 @@ def test_data_parallel_ranks_agree_and_equal_one_process(mode, tmp_path):
     assert skipped == expected_skips and ranks[0]["scale"] == ranks[1]["scale"] == scale
     for k, v in params.items():
         torch.testing.assert_close(ranks[0]["params"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_autofix_pins_on_every_rank_when_one_ranks_data_overflows(tmp_path):
+    """Only rank 1's shard overflows fp16 in the first layer's matmul. Every rank records the
+    same overflowing steps, pins the same op after the same step and rebuilds with the others
+    (none waits in a collective until the timeout); the ranks stay bitwise equal and train like
+    one process on the whole batch, which pins the same op at the same step."""
+    ranks = run_ranks("autofix", tmp_path)
+    assert "error" not in ranks[0] and "error" not in ranks[1], ranks
+    # the first layer after its 2nd overflow; then the second, which reads its fp32 output
+    # (~5e5) in fp16, after 2 more
+    pins = [("aten.addmm in model.0", 1), ("aten.addmm in model.2", 3)]
+    assert ranks[0]["pins"] == ranks[1]["pins"] == pins
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    for k in ranks[0]["params"]:
+        assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k
+    model = overflowing_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = make_graph(
+            model,
+            nn.CrossEntropyLoss(),
+            opt,
+            scaler=graphamp.GradScaler(init_scale=256.0),
+            configure=configure_autofix,
+        )
+        for x, y in autofix_batches():
+            g(x, y)
+    assert [(p.describe(), p.step) for p in g.config.amp_pins] == ranks[0]["pins"]
+    assert g.history.fetch()["skipped"] == ranks[0]["skipped"]
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(ranks[0]["params"][k], v, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -257,3 +257,94 @@ def test_ctrl_c_during_the_build_is_not_wrapped():
     g = make_graph(model, None, opt, build=build)
     with pytest.raises(KeyboardInterrupt):
         g(torch.randn(6, 8), torch.randint(0, 4, (6,)))
+
+
+# -- loading a state: every part checked as its constructor checks it ------------------------------
+
+
+def _pin(**fields):
+    return [
+        {"module": "model.3", "op": "aten.addmm", "index": 0, "reason": "", "step": 1, **fields}
+    ]
+
+
+# case -> (the part of g.state_dict() replaced, its bad value (from the good state), the message)
+LOAD_CASES = {
+    "not a dict": (None, lambda good: [good], "a Graph state dict is a dict"),
+    "a part missing": (None, lambda good: {"step": 1}, "lacks"),
+    "step": ("step", lambda good: -1, "saved step must be an int >= 0"),
+    "scale out of bounds": (
+        "grad_scaler",
+        lambda good: {**good, "scale": 2.0**30},
+        r"outside \[min_scale, max_scale\]",
+    ),
+    "hysteresis tracker": (
+        "grad_scaler",
+        lambda good: {**good, "_hysteresis_tracker": 5},
+        "greater than its hysteresis",
+    ),
+    "growth factor": ("grad_scaler", lambda good: {**good, "growth_factor": 0.5}, "growth_factor"),
+    "optimizer counter": ("optimizer_steps", lambda good: {3: 1}, "optimizer 3"),
+    "history": (
+        "history",
+        lambda good: {**good, "table": torch.zeros(3, 2)},
+        "history's table",
+    ),
+    "pin step": ("amp_pins", lambda good: _pin(step=-1), r"AmpPin\(step=...\)"),
+    "pin reason": ("amp_pins", lambda good: _pin(reason=3), r"AmpPin\(reason=...\)"),
+    "pin index": ("amp_pins", lambda good: _pin(index=True), r"AmpPin\(index=...\)"),
+    "autofix count": (
+        "autofix_counts",
+        lambda good: [{"pins": _pin(), "count": 0}],
+        "autofix count must be a positive int",
+    ),
+    "momentum start": ("momentum_fresh", lambda good: {0: [99]}, "names parameter 99"),
+}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (
+            a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.nan_to_num(), b.nan_to_num())
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def trained_graph():
+    """An AMP graph with a scaler, SGD momentum with dampening and autofix, after two steps."""
+    model, _ = _model_and_optimizer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    scaler = graphamp.GradScaler(init_scale=256.0, hysteresis=2)
+    g = make_graph(
+        model,
+        F.cross_entropy,
+        opt,
+        amp=torch.float16,
+        scaler=scaler,
+        configure=lambda g: g.config.enable_amp_autofix(after=3),
+    )
+    for _ in range(2):
+        g(torch.randn(6, 8), torch.randint(0, 4, (6,)))
+    return g, model, opt, scaler
+
+
+@pytest.mark.parametrize("case", sorted(LOAD_CASES))
+def test_every_bad_state_load_is_a_config_error_that_changes_nothing(case, trained_graph):
+    g, model, opt, scaler = trained_graph
+    part, bad, message = LOAD_CASES[case]
+    good = g.state_dict()
+    state = bad(good) if part is None else {**good, part: bad(good[part])}
+    before = _snapshot(model, opt, scaler)
+    with pytest.raises(graphamp.ConfigError, match=message) as info:
+        g.load_state_dict(state)
+    assert isinstance(info.value, graphamp.GraphampError)
+    _assert_unchanged(before, model, opt, scaler)
+    assert _same(g.state_dict(), good), "the graph's own state changed"
+    assert g.config.amp_pins == ()

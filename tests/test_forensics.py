@@ -416,6 +416,63 @@ def test_pins_survive_a_resume_and_can_be_cleared(tmp_path):
     assert resumed.config.amp_pins == () and resumed.history.fetch()["skipped"][-1] == 1.0
 
 
+def test_a_resumed_run_pins_when_an_uninterrupted_one_does_and_a_load_restores_the_saved_pins():
+    """autofix after=3: the uninterrupted run pins after its third overflowing step. A run saved
+    after two of them and resumed in a new Graph pins after the same step (the partial count is
+    in the state). Loading that checkpoint back into the first Graph, which has pinned since,
+    restores exactly what was saved: no autofix pin, the count of 2; a pin written in code
+    stays, and the Graph pins again after one more overflowing step."""
+    batch = _batch()
+    whole, model, _ = _overflowing_graph("matmul", after=3)
+    in_code = AmpPin("model.head", "aten.addmm", 0)
+    whole.config.pin_fp32(in_code)
+    states = []
+    for _ in range(4):
+        states.append((copy.deepcopy(model.state_dict()), whole.state_dict()))
+        whole(*batch)
+    pin = AmpPin("model.fc", "aten.addmm", 0)
+    assert whole.config.amp_pins == (in_code, pin) and whole.config.amp_pins[1].step == 2
+    assert whole.history.fetch()["skipped"] == [1.0, 1.0, 1.0, 0.0]
+
+    model_state, graph_state = states[2]  # after two overflowing steps
+    assert graph_state["autofix_counts"] == [{"pins": [pin.to_dict()], "count": 2}]
+    resumed, model2, _ = _overflowing_graph("matmul", after=3)
+    resumed.config.pin_fp32(in_code)
+    model2.load_state_dict(model_state)
+    resumed.load_state_dict(graph_state)
+    for _ in range(2):
+        resumed(*batch)
+    assert resumed.config.amp_pins == whole.config.amp_pins
+    assert resumed.config.amp_pins[1].step == 2
+    assert resumed.history.fetch()["skipped"] == whole.history.fetch()["skipped"]
+
+    model.load_state_dict(model_state)  # back to the checkpoint in the Graph that pinned since
+    whole.load_state_dict(graph_state)
+    assert whole.config.amp_pins == (in_code,)
+    assert whole.state_dict()["autofix_counts"] == graph_state["autofix_counts"]
+    whole(*batch)  # the third overflowing step again: pinned after it, as the first time
+    assert whole.config.amp_pins == (in_code, pin)
+
+
+@pytest.mark.parametrize(
+    "part, value, message",
+    [
+        ("amp_pins", [{"module": "model.fc", "op": "aten.addmm", "index": 1.5}], "index"),
+        ("amp_pins", [{"module": "model.fc", "op": "aten.mm", "step": -1}], "step"),
+        ("autofix_counts", [{"pins": [], "count": 0}], "autofix count"),
+        ("autofix_counts", {"pins": 3}, "autofix counts must be a list"),
+    ],
+)
+def test_loaded_pins_and_counts_are_checked_as_their_constructors_check(part, value, message):
+    g, _, _ = _overflowing_graph("matmul", after=3)
+    g(*_batch())
+    good = g.state_dict()
+    with pytest.raises(graphamp.ConfigError, match=message):
+        g.load_state_dict({**good, part: value})
+    assert g.state_dict()["autofix_counts"] == good["autofix_counts"]
+    assert g.config.amp_pins == ()
+
+
 def test_states_saved_before_pins_existed_still_load():
     g, _, _ = _overflowing_graph("matmul")
     g(*_batch())
@@ -640,6 +697,7 @@ def test_debug_1_logs_each_overflow_as_it_happens(caplog):
     assert [e.step for e in g.overflow_report().events] == [0, 1]
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_the_overflow_record_is_part_of_the_step_transaction(monkeypatch):
     import signal
 

@@ -56,7 +56,7 @@ def test_update_math_is_one_foreach_node_per_op_whatever_the_parameter_count(mak
 # (torch's single-tensor math, capturable): the multi-tensor form must give the same bits.
 
 
-def _sgd_per_param(t, flags, first_step):
+def _sgd_per_param(t, flags, fresh):
     lr = t.hyper["lr"]
     new_params, new_bufs = [], []
     for i, (p, g) in enumerate(zip(t.params, t.grads)):
@@ -67,8 +67,8 @@ def _sgd_per_param(t, flags, first_step):
         if flags["momentum"]:
             momentum = t.hyper["momentum"]
             buf = momentum * t.state["momentum_buffer"][i] + (1 - t.hyper["dampening"]) * g
-            if flags["dampening"] and first_step is not None:
-                buf = torch.where(first_step, g, buf)
+            if fresh is not None:
+                buf = torch.where(fresh[i], g, buf)
             new_bufs.append(buf)
             g = g + momentum * buf if flags["nesterov"] else buf
         new_params.append(p - lr * g)
@@ -135,13 +135,13 @@ def _group(kind: str, amsgrad: bool, gen: torch.Generator):
         dict(maximize=False, weight_decay=True, momentum=True, dampening=False, nesterov=True),
     ],
 )
-@pytest.mark.parametrize("first", [True, False])
-def test_sgd_multi_tensor_is_bitwise_the_per_parameter_update(flags, first):
+@pytest.mark.parametrize("fresh", [None, (True, False, True, False)])
+def test_sgd_multi_tensor_is_bitwise_the_per_parameter_update(flags, fresh):
     from graphamp.step.optimizer_update import sgd_update
 
     t = _group("sgd", False, torch.Generator().manual_seed(1))
-    first_step = torch.tensor(first)
-    got, ref = sgd_update(t, flags, first_step), _sgd_per_param(t, flags, first_step)
+    fresh = [torch.tensor(f) for f in fresh] if fresh and flags["dampening"] else None
+    got, ref = sgd_update(t, flags, fresh), _sgd_per_param(t, flags, fresh)
     _assert_bitwise(got, ref)
 
 

@@ -19,6 +19,7 @@ from models import SmallCNN, seed_mlp
 
 import graphamp
 from graphamp import ConfigError
+from graphamp.runtime.torch_scaler import TakenOverGradScaler
 
 # Many tests run the scaler on fp32 steps, where its trajectory must equal torch's exactly (no
 # fp16 rounding decides which steps overflow); graphamp rightly warns that this is unneeded.
@@ -591,3 +592,148 @@ def test_invalid_static_scale_raises():
 def test_loading_a_state_dict_without_scaler_keys_raises():
     with pytest.raises(ConfigError, match="lacks"):
         graphamp.GradScaler().load_state_dict({"scale": 2.0})
+
+
+# -- every state a run produces loads back ------------------------------------------------------
+
+
+def _advance(scaler, flags) -> None:
+    """The step's scale update (``update_scale``, as traced into the step) run eagerly on the
+    scaler's own state tensors, one overflow flag per step."""
+    scaler._materialize(torch.device("cpu"))
+    scale, growth, hysteresis, found = scaler.state_tensors()
+    for overflow in flags:
+        found.fill_(float(overflow))
+        new = scaler.update_scale(scale, growth, hysteresis, found)
+        for t, v in zip((scale, growth, hysteresis), new):
+            t.copy_(v)
+
+
+def _random_flags(rng, n: int) -> list[bool]:
+    """Bursts of overflows between clean stretches: consecutive overflows, growths, both."""
+    flags: list[bool] = []
+    while len(flags) < n:
+        flags += [rng.random() < 0.5] * rng.randint(1, 6)
+    return flags[:n]
+
+
+def test_every_state_a_run_produces_loads_back_and_continues_the_same():
+    """Property-style: 200 random schedules (hysteresis, bounds, factors, intervals) each run
+    through random bursts of overflows and clean steps; after every step the saved state loads
+    into a fresh scaler made the same way, and both then run the rest of the sequence to the
+    same state. Includes runs of consecutive overflows (the hysteresis tracker at 0) and
+    scalers without a floor whose scale underflows to 0."""
+    import random
+
+    rng = random.Random(0)
+    for case in range(200):
+        min_scale = rng.choice([0.0, 1.0, 2.0**-3])
+        max_scale = rng.choice([2.0**24, math.inf, 2.0**9])
+        kwargs = {
+            "init_scale": rng.choice([2.0**8, 2.0**9, 1.0, 2.0**-3]),
+            "growth_factor": rng.choice([2.0, 1.5, 3.0]),
+            "backoff_factor": rng.choice([0.5, 0.25, 0.9]),
+            "growth_interval": rng.randint(1, 4),
+            "hysteresis": rng.randint(1, 3),
+            "min_scale": min_scale,
+            "max_scale": max_scale,
+        }
+        kwargs["init_scale"] = min(max(kwargs["init_scale"], min_scale), max_scale)
+        flags = _random_flags(rng, 40) + ([True] * 160 if case % 20 == 0 else [])
+        cut = rng.randint(1, len(flags) - 1)
+        whole = graphamp.GradScaler(**kwargs)
+        _advance(whole, flags[:cut])
+        state = whole.state_dict()
+        resumed = graphamp.GradScaler(**kwargs)
+        resumed.load_state_dict(state)  # it loads ...
+        assert resumed.state_dict() == state, (case, kwargs, flags[:cut])
+        _advance(whole, flags[cut:])
+        _advance(resumed, flags[cut:])
+        assert resumed.state_dict() == whole.state_dict(), (case, kwargs, flags)  # ... and runs on
+        assert 0 <= whole.state_dict()["_hysteresis_tracker"] <= kwargs["hysteresis"]
+
+
+def test_a_torch_scalers_state_after_its_scale_underflowed_loads_everywhere():
+    """torch.amp.GradScaler backs off without a floor: after enough overflows its scale is 0.
+    That state loads into graphamp's scaler without a floor, into a taken-over torch scaler and
+    back into torch; a scaler with a floor refuses it by name and is left as it was."""
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    graph_scaler = graphamp.GradScaler(init_scale=2.0**16, min_scale=0.0, max_scale=math.inf)
+    taken = TakenOverGradScaler(torch.amp.GradScaler("cpu", init_scale=2.0**16))
+    for s in (graph_scaler, taken):
+        _advance(s, [True] * 200)
+    weight = nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([weight], lr=0.1)
+    for _ in range(200):  # torch's documented recipe, every step overflowing
+        opt.zero_grad()
+        theirs.scale((weight * float("inf")).sum()).backward()
+        theirs.step(opt)
+        theirs.update()
+    assert theirs.get_scale() == graph_scaler.get_scale() == taken.get_scale() == 0.0
+    for state in (theirs.state_dict(), graph_scaler.state_dict(), taken.state_dict()):
+        for target in (
+            graphamp.GradScaler(min_scale=0.0),
+            TakenOverGradScaler(torch.amp.GradScaler("cpu")),
+            torch.amp.GradScaler("cpu"),
+        ):
+            target.load_state_dict(state)
+            assert target.get_scale() == 0.0
+    floored = graphamp.GradScaler(init_scale=8.0)
+    before = floored.state_dict()
+    with pytest.raises(ConfigError, match="loaded scale"):
+        floored.load_state_dict(theirs.state_dict())
+    assert floored.state_dict() == before
+
+
+def test_a_graph_resumes_from_a_state_saved_after_consecutive_overflows():
+    """Through real steps: three overflowing batches in a row, the graph's state saved, loaded
+    into a new Graph over a copy of the model, and both go on to the same scales and weights."""
+    kwargs = {"init_scale": 2.0**8, "growth_interval": 2, "hysteresis": 2}
+    model = seed_mlp()
+    twin = copy.deepcopy(model)
+    data = _batches(8, poison={1, 2, 3})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = _quiet_graph(model, nn.CrossEntropyLoss(), opt, scaler=graphamp.GradScaler(**kwargs))
+    for x, y in data[:4]:
+        g(x, y)
+    saved = g.state_dict()
+    assert saved["grad_scaler"]["_hysteresis_tracker"] == 0
+    twin.load_state_dict(model.state_dict())
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05)
+    twin_opt.load_state_dict(opt.state_dict())
+    h = _quiet_graph(twin, nn.CrossEntropyLoss(), twin_opt, scaler=graphamp.GradScaler(**kwargs))
+    h.load_state_dict(saved)
+    for x, y in data[4:]:
+        g(x, y)
+        h(x, y)
+    assert g.grad_scaler.state_dict() == h.grad_scaler.state_dict()
+    assert g.history.fetch()["scale"][4:] == h.history.fetch()["scale"][4:]
+    assert_state_close(model, twin, rtol=0, atol=0)
+
+
+def test_history_step_numbers_stay_exact_past_float32s_integers():
+    """Step numbers past 2**24 (float32 rounds 2**24 + 1 to 2**24) stay exact in the history and
+    in the overflow record; a saved table loads into a history of another capacity with its
+    last rows in step order."""
+    from graphamp.records.history import TrainingHistory
+
+    model = seed_mlp()
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        scaler=graphamp.GradScaler(init_scale=2.0**8),
+        configure=lambda g: g.config.enable_overflow_tracing(),
+    )
+    start = 2**24 + 1
+    table = torch.full((g.history.capacity, 5), float("nan"), dtype=torch.float64)
+    g.history.load_state_dict({"step": start, "table": table})
+    for x, y in _batches(3, poison={1}):
+        g(x, y)
+    rows = g.history.fetch()
+    assert rows["step"][-3:] == [start, start + 1, start + 2]
+    assert [e.step for e in g.overflow_report().events] == [start + 1]
+    small = TrainingHistory(capacity=2)
+    small.load_state_dict(g.history.state_dict())
+    assert small.fetch()["step"] == [start + 1, start + 2]
+    assert small.fetch()["skipped"] == [1.0, 0.0]

@@ -144,6 +144,42 @@ def test_hf_llama_with_gradient_checkpointing_trains_like_eager():
     )
 
 
+def test_hf_llama_checkpointed_by_graphamp_with_gradient_accumulation_trains_like_eager():
+    """graphamp's own checkpointing of every decoder layer, two micro-batches per step: eager
+    accumulation (the mean of the micro-batches' losses) step for step."""
+    torch.manual_seed(0)
+    model = _llama(checkpointing=False)
+    layer = type(model.model.layers[0])
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+    def configure(g):
+        g.config.enable_activation_checkpointing(layer)
+        g.config.set_gradient_accumulation_steps(2)
+
+    g = make_graph(model, None, opt, build=_llama_build, configure=configure)
+    for x, y in _tokens(n=2, batch=4, seq=8):
+        loss = _quiet(lambda: g(x, y))
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses = []
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            micro = _causal_lm_loss(ref, xs, ys)
+            (micro / 2).backward()
+            ref_losses.append(micro.detach())
+        ref_opt.step()
+        torch.testing.assert_close(loss, torch.stack(ref_losses).mean(), rtol=1e-5, atol=1e-6)
+    assert_state_close(model, ref)
+    report = g.precision_report(with_autocast=False)
+    assert report.recomputed_regions == ("model.model.layers.0",)  # its one decoder layer
+
+
+def _llama_build(self, x, y):
+    loss = _causal_lm_loss(self.model, x, y)
+    loss.backward()
+    return loss
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_hf_llama_checkpointed_in_low_precision_is_close_to_autocast(dtype):

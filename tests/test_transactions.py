@@ -17,6 +17,9 @@ import torch.nn.functional as F
 
 import graphamp
 
+# the interrupts these tests send must raise, however pytest was started (conftest.py)
+pytestmark = pytest.mark.usefixtures("sigint_raises")
+
 
 def _mlp(layers: int = 7, width: int = 64) -> nn.Module:
     mods = []
@@ -202,6 +205,37 @@ def test_a_graph_called_from_another_thread_keeps_working():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler or callable(
         signal.getsignal(signal.SIGINT)
     )
+
+
+@pytest.mark.parametrize("before", ["ignored", "a handler"])
+def test_a_ctrl_c_during_a_step_goes_once_to_the_handler_set_before_graphamps(before, monkeypatch):
+    """``nohup`` and ``&`` start Python with SIGINT ignored; a program may install its own
+    handler. graphamp's handler goes in front at the first step, holds a Ctrl-C that arrives
+    while a step commits, and then hands it to that handler once, after the step: ignored stays
+    ignored, and a handler runs once per signal and sees the step done."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, sch, g = _setup("aot_eager")
+    seen: list[int] = []
+    theirs = signal.SIG_IGN if before == "ignored" else (lambda s, f: seen.append(g.step_count))
+    signal.signal(signal.SIGINT, theirs)
+    x, y = torch.randn(32, 64), torch.randint(0, 8, (32,))
+    g(x, y)
+    assert signal.getsignal(signal.SIGINT) is not theirs  # graphamp's now receives the signal
+    runner = g._programs[next(iter(g._programs))].runner  # noqa: SLF001 - interrupt inside it
+    compiled = runner.compiled
+
+    def interrupted(*flat):
+        os.kill(os.getpid(), signal.SIGINT)  # lands while the step commits
+        return compiled(*flat)
+
+    monkeypatch.setattr(runner, "compiled", interrupted)
+    before_state = _state(model, opt)
+    g(x, y)
+    g(x, y)
+    assert g.step_count == sch.last_epoch == 3
+    assert not any(torch.equal(a, b) for a, b in zip(before_state, _state(model, opt)))
+    assert seen == ([] if before == "ignored" else [2, 3])
 
 
 @pytest.mark.slow

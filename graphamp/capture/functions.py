@@ -6,7 +6,8 @@ replaced by ``_capturing_apply``: a user's Function becomes one ``graphamp.autog
 node (``ops.FunctionCall``), which step assembly expands by calling the Function again under
 autograd. Functions defined inside torch run as usual (custom ops' autograd, for one), except
 reentrant activation checkpointing, whose meaning is simply ``function(*args)``: it is traced
-inline, with gradients.
+inline, with gradients when an input requires grad, and as eager without (no gradient inside,
+torch's warning).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 from typing import Any, Iterator
 
 import torch
-from torch.utils.checkpoint import CheckpointFunction
+from torch.utils.checkpoint import CheckpointFunction, check_backward_validity
 
 from ..records.fxutil import current_user_frame, last_node, nodes_after, tracing_graph
 from ..records.ops import _ORIGINAL_APPLY, AUTOGRAD_FUNCTION, FunctionCall
@@ -31,7 +32,13 @@ def _capturing_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         return _ORIGINAL_APPLY.__get__(None, cls)(*args, **kwargs)
     if cls is CheckpointFunction:  # checkpoint(function, *args, use_reentrant=True)
         function, _preserve_rng_state, *inputs = args
-        return function(*inputs)
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            return function(*inputs)
+        # eager: the Function's output then does not require grad, so nothing inside gets a
+        # gradient, and torch warns (its own check, its own words)
+        check_backward_validity(inputs)
+        with torch.no_grad():
+            return function(*inputs)
     call = FunctionCall(cls, args, kwargs)
     calls.append(call)
     graph = tracing_graph()

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from ..records.pins import AmpPin
 from ..records.probes import OverflowEvent
 from ..records.settings import AutofixSettings
+from ..records.validate import check_int
 
 if TYPE_CHECKING:  # the Graph's config, handed in: autofix pins through its setters
     from ..config import GraphConfig
@@ -39,6 +41,36 @@ class Autofix:
     def __init__(self) -> None:
         self.counts: Counter[tuple[AmpPin, ...]] = Counter()
         self._warned: set[tuple[AmpPin, ...]] = set()
+
+    def state_dict(self) -> list[dict]:
+        """The partial counts (fixes named by fewer than ``after`` overflowing steps so far), in
+        plain values: a resumed run pins at the same step as an uninterrupted one."""
+        return [
+            {"pins": [pin.to_dict() for pin in pins], "count": count}
+            for pins, count in self.counts.items()
+        ]
+
+    @staticmethod
+    def check_state_dict(saved: Any) -> Counter[tuple[AmpPin, ...]]:
+        """The counts ``state_dict`` saved; ConfigError if they do not load."""
+        if not isinstance(saved, (list, tuple)):
+            raise ConfigError(
+                f"the saved autofix counts must be a list, got {type(saved).__name__}"
+            )
+        counts: Counter[tuple[AmpPin, ...]] = Counter()
+        try:
+            for entry in saved:
+                pins = tuple(AmpPin.from_dict(d) for d in entry["pins"])
+                counts[pins] = check_int("a saved autofix count", entry["count"], at_least=1)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(
+                f"the saved autofix counts do not load: {type(e).__name__}: {e}"
+            ) from e
+        return counts
+
+    def load_counts(self, counts: Counter[tuple[AmpPin, ...]]) -> None:
+        """Replace the counts with checked saved ones (``check_state_dict``)."""
+        self.counts = Counter(counts)
 
     def consider(
         self, graph: str, events: list[OverflowEvent], config: GraphConfig

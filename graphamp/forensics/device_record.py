@@ -40,11 +40,16 @@ class ForensicsState:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
-    def poll(self) -> int | None:
-        """The overflow count as of a finished step, without waiting (None: not known yet)."""
+    def poll(self, wait: bool = False) -> int | None:
+        """The overflow count as of a finished step (CUDA: the step before the last one queued
+        with ``start_poll``), without waiting unless ``wait`` (None: not known yet)."""
         if self.count.device.type != "cuda":
             return int(self.count)
-        if self._copied is None or self._host_count is None or not self._copied.query():
+        if self._copied is None or self._host_count is None:
+            return None
+        if wait:
+            self._copied.synchronize()
+        elif not self._copied.query():
             return None
         return int(self._host_count)
 

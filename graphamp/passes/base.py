@@ -36,6 +36,10 @@ class AmpContext:
     pinned_nodes: Mapping[str, str] = field(default_factory=dict)  # node name -> why it is fp32
     # placeholder names of parameters (hoist_parameter_casts may give them shadows)
     parameters: frozenset[str] = frozenset()
+    # the graph's first outputs are build()'s results: where an op computed one wider than it
+    # was captured (fp32 from low-precision inputs, as autocast's fp32 ops do) it is returned
+    # wide, so it cannot overflow where autocast's does not (insert_casts.fix_outputs)
+    user_outputs: int = 0
     # filled by the passes
     stats: dict[str, Any] = field(default_factory=dict)
     unknown_ops: dict[str, int] = field(default_factory=dict)
@@ -128,3 +132,19 @@ class Classifier:
                     f": {self.ctx.pin_reasons[pinned]}" if pinned in self.ctx.pin_reasons else ""
                 )
         return category, why
+
+
+def output_values(output: fx.Node) -> list[fx.Node]:
+    """The nodes an output node returns, in order (its nested tuples flattened); a captured
+    forward returns one flat tuple: ``CapturedForward.split_outputs`` order."""
+    out: list[fx.Node] = []
+
+    def walk(arg: Any) -> None:
+        if isinstance(arg, fx.Node):
+            out.append(arg)
+        elif isinstance(arg, (list, tuple)):
+            for a in arg:
+                walk(a)
+
+    walk(output.args)
+    return out

@@ -24,7 +24,8 @@ Rules (each checked by ``lint.check_amp_invariants``):
   PyTorch does: no cast node;
 - factories get their ``dtype`` rewritten instead of a cast;
 - graph outputs (user results, losses, buffer updates) are returned in their captured dtype, so
-  a widened or lowered value is cast back once for the output.
+  a lowered value is cast back once for the output, and so is a widened one, except among
+  build()'s results: those stay fp32, as autocast returns its fp32 ops' results.
 
 Writes ``meta["amp_dtype"]`` (the floating dtype a value has after the pass; a tuple for
 tuple-producing ops) and marks inserted casts with ``meta["amp_cast"] = True``.
@@ -39,8 +40,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..records.validate import dtype_name
-from .base import AmpContext, PassResult, captured_dtype, dtype_after_amp, packet_of
+from ..records.validate import LOW_PRECISION_DTYPES, dtype_name
+from .base import (
+    AmpContext,
+    PassResult,
+    captured_dtype,
+    dtype_after_amp,
+    output_values,
+    packet_of,
+)
 from .lists import (
     ALL_OUTPUTS_FOLLOW,
     EQUAL_DTYPES,
@@ -87,6 +95,7 @@ class _CastInserter:
     def __init__(self, gm: fx.GraphModule, ctx: AmpContext):
         self.graph = gm.graph
         self.low = ctx.dtype
+        self.user_outputs = ctx.user_outputs
         self.casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         self.anchor = placeholders[-1] if placeholders else None
@@ -207,10 +216,19 @@ class _CastInserter:
             node.meta["amp_dtype"] = target
 
     def fix_outputs(self, output: fx.Node) -> None:
+        """Each output in its captured dtype (losses, buffer updates, and build()'s results
+        computed in low precision: cast back up), except build()'s results an op computed
+        wider than captured: those stay fp32, as autocast's fp32 ops return them, so a sum of
+        many fp16 values does not overflow on the way out."""
+        position = iter(range(len(output_values(output))))
+
         def restore(value: fx.Node) -> fx.Node:
+            is_result = next(position) < self.user_outputs
             orig = captured_dtype(value)
             current = dtype_after_amp(value)
             if orig is None or current == orig or isinstance(orig, tuple):
+                return value
+            if is_result and orig in LOW_PRECISION_DTYPES and current == torch.float32:
                 return value
             return self.cast(value, orig, output)
 

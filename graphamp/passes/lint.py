@@ -9,7 +9,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import GraphampError
-from .base import AmpContext, captured_dtype, dtype_after_amp
+from ..records.validate import LOW_PRECISION_DTYPES
+from .base import AmpContext, captured_dtype, dtype_after_amp, output_values
 from .fold_casts import cast_target_dtype
 from .lists import MIXED_ARGS
 
@@ -18,8 +19,9 @@ class AmpInvariantError(GraphampError, RuntimeError):
     """An AMP pass broke one of the invariants in README.md (a graphamp bug)."""
 
 
-def check_amp_invariants(gm: fx.GraphModule, ctx: AmpContext | None = None) -> None:  # noqa: ARG001 - the passes' (gm, ctx) signature
+def check_amp_invariants(gm: fx.GraphModule, ctx: AmpContext | None = None) -> None:
     graph = gm.graph
+    user_outputs = ctx.user_outputs if ctx is not None else 0
     graph.lint()
     problems: list[str] = []
     per_value: Counter = Counter()
@@ -28,7 +30,7 @@ def check_amp_invariants(gm: fx.GraphModule, ctx: AmpContext | None = None) -> N
         if node.op == "call_function":
             problems += _compute_problems(node)
         if node.op == "output":
-            problems += _output_problems(node)
+            problems += _output_problems(node, user_outputs)
     problems += [f"{src.name} has {n} casts to {dt}" for (src, dt), n in per_value.items() if n > 1]
     if problems:
         raise AmpInvariantError("AMP invariants broken:\n  " + "\n  ".join(problems))
@@ -67,13 +69,16 @@ def _compute_problems(node: fx.Node) -> list[str]:
     return problems
 
 
-def _output_problems(output: fx.Node) -> list[str]:
-    """The graph's outputs keep their captured dtypes."""
+def _output_problems(output: fx.Node, user_outputs: int) -> list[str]:
+    """The graph's outputs keep their captured dtypes; build()'s results (the first
+    ``user_outputs``) may instead be wider: fp32 where they were captured in low precision."""
     problems = []
-    for value in output.all_input_nodes:
+    for i, value in enumerate(output_values(output)):
         orig = captured_dtype(value)  # a cast records its source's captured dtype
-        if orig is not None and dtype_after_amp(value) != orig:
-            problems.append(f"output {value.name} is {dtype_after_amp(value)}, captured as {orig}")
+        now = dtype_after_amp(value)
+        widened = i < user_outputs and orig in LOW_PRECISION_DTYPES and now == torch.float32
+        if orig is not None and now != orig and not widened:
+            problems.append(f"output {value.name} is {now}, captured as {orig}")
     return problems
 
 

@@ -184,7 +184,7 @@ class Guards:
         for size in self.state_sizes:
             if not size.holds():
                 now = size.namespace.get(size.name)
-                shown = tuple(now.shape) if now is not None else "missing"
+                shown = str(tuple(now.shape)) if now is not None else "missing"
                 return Change(
                     "state size", f"{size.label} changed shape from {tuple(size.shape)} to {shown}"
                 )

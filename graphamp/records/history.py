@@ -2,7 +2,9 @@
 
 Columns: step, loss (sum of scalar losses), scale (the loss scale used), skipped (1.0 when the
 step overflowed and was skipped), grad_norm (the clipped optimizers' total norm; NaN without
-clipping). Nothing is copied to the host until ``fetch()`` is called.
+clipping). The table is float64, so the step column is exact for 2**53 steps (fp32 values are
+stored exactly). Nothing is copied to the host until ``fetch()`` is called. A saved table loads
+into a history of any capacity: its last steps keep their places in the ring.
 
 With overflow tracing on, ``overflows`` holds what went non-finite first on each overflowing
 step (``probes.OverflowEvent``, oldest first), filled when the Graph reads the device record
@@ -46,7 +48,7 @@ class TrainingHistory:
             table = torch.full(
                 (self.capacity, len(HISTORY_COLUMNS)),
                 float("nan"),
-                dtype=torch.float32,
+                dtype=torch.float64,
                 device=device,
             )
             if self.table is not None and self.step is not None:
@@ -54,18 +56,19 @@ class TrainingHistory:
                 table.copy_(self.table)
             elif self._pending is not None:
                 step.fill_(int(self._pending["step"]))
-                rows = torch.as_tensor(self._pending["table"], dtype=torch.float32)
-                table[: rows.shape[0]].copy_(rows[: self.capacity])
+                table.copy_(self._pending["table"])
                 self._pending = None
             self.step, self.table = step, table
         return [cast(torch.Tensor, self.step), self.table]
 
     def fetch(self) -> dict[str, list[float]]:
         """The recorded rows in step order, as Python lists per column (one device sync)."""
-        if self.table is None or self.step is None:
+        if self.table is not None and self.step is not None:
+            steps, table = int(self.step.item()), self.table.cpu()
+        elif self._pending is not None:  # loaded, not run yet
+            steps, table = int(self._pending["step"]), self._pending["table"]
+        else:
             return {c: [] for c in HISTORY_COLUMNS}
-        steps = int(self.step.item())
-        table = self.table.cpu()
         n = min(steps, self.capacity)
         start = steps % self.capacity if steps > self.capacity else 0
         order = [(start + i) % self.capacity for i in range(n)]
@@ -78,8 +81,8 @@ class TrainingHistory:
             "overflows_lost": self.overflows_lost,
         }
         if self.table is None or self.step is None:
-            rows = self._pending or {"step": 0, "table": torch.zeros(0, len(HISTORY_COLUMNS))}
-            return {"step": rows["step"], "table": rows["table"], **overflows}
+            rows = self._pending or {"step": 0, "table": _ring(0, torch.zeros(0), self.capacity)}
+            return {"step": rows["step"], "table": rows["table"].clone(), **overflows}
         return {
             "step": int(self.step.item()),
             "table": self.table.detach().cpu().clone(),
@@ -89,12 +92,12 @@ class TrainingHistory:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         step, rows, overflows, lost = self.check_state_dict(state)
         self.overflows, self.overflows_lost = overflows, lost
+        table = _ring(step, rows, self.capacity)
         if self.table is None or self.step is None:
-            self._pending = {"step": step, "table": rows}
+            self._pending = {"step": step, "table": table}
             return
         self.step.fill_(step)
-        self.table.fill_(float("nan"))
-        self.table[: rows.shape[0]].copy_(rows[: self.capacity])
+        self.table.copy_(table)
 
     @staticmethod
     def check_state_dict(state: Any) -> tuple[int, torch.Tensor, list[OverflowEvent], int]:
@@ -128,4 +131,16 @@ class TrainingHistory:
             raise ConfigError(
                 f"the history's overflow records do not load: {type(e).__name__}: {e}"
             ) from e
-        return step, table.detach().to(torch.float32), overflows, lost
+        return step, table.detach().to("cpu", torch.float64), overflows, lost
+
+
+def _ring(step: int, saved: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A table of ``capacity`` rows (float64, NaN where nothing was written) holding the last
+    steps of ``saved``, a ring of its own length at ``step``: row ``s % capacity`` is step
+    ``s``, whatever capacity the saving graph had."""
+    out = torch.full((capacity, len(HISTORY_COLUMNS)), float("nan"), dtype=torch.float64)
+    n = min(step, saved.shape[0], capacity)
+    if n:
+        steps = torch.arange(step - n, step)
+        out[steps % capacity] = saved[steps % saved.shape[0]].to(torch.float64)
+    return out

@@ -116,6 +116,9 @@ class StepInputs(Generic[T]):
     opt_state: list[T]  # OptimizerPlan.state_slots() order, optimizer by optimizer
     hyper: list[T]  # per param group: OptimizerPlan.hyper_names
     counters: list[T]  # one applied-step counter per optimizer
+    # per parameter of SGD groups with momentum and dampening (OptimizerPlan.fresh_params):
+    # True until its momentum buffer's first applied step (then it starts from the gradient)
+    momentum_fresh: list[T]
     scaler: list[T]  # scale, growth tracker, hysteresis tracker, found_inf (or none)
     history: list[T]  # step, table (training graphs)
     shard: list[T]  # ZeRO: this rank's index

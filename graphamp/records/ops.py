@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -374,8 +374,26 @@ WHOLE_OP_FUNCTIONS = {
     torch.rms_norm: aten.rms_norm,
 }
 
+
+def _int64_class_indices(func: Callable) -> Callable:
+    """``func`` (a loss taking class indices) with a uint8 target read as int64: eager's kernels
+    take int64 or uint8 class indices, the decompositions fake tensors run (a gather) int64
+    only. The values, and the loss, are the same."""
+
+    def call(input: torch.Tensor, target: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if target is None:
+            target = kwargs.pop("target")
+        if isinstance(target, torch.Tensor) and target.dtype == torch.uint8:
+            target = target.long()
+        return func(input, target, *args, **kwargs)
+
+    return call
+
+
 # What the capture mode turns user-level calls into.
 CAPTURE_REWRITES = {
+    F.cross_entropy: _int64_class_indices(F.cross_entropy),
+    F.nll_loss: _int64_class_indices(F.nll_loss),
     low_precision: lambda x: torch.ops.graphamp.low_precision(x),
     full_precision: lambda x: torch.ops.graphamp.full_precision(x),
     F.scaled_dot_product_attention: capture_sdpa,

@@ -109,6 +109,17 @@ def state_keys(kind: str, flags: dict) -> tuple[str, ...]:
     return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if flags["amsgrad"] else ())
 
 
+def starts_from_gradient(kind: str, flags: dict) -> bool:
+    """Does the step need to know, per parameter, whether its momentum buffer has started?
+
+    torch's SGD starts each parameter's momentum buffer as a copy of its first gradient (not
+    dampened), whenever that parameter first gets one: a group added later, a layer unfrozen
+    mid-run, a state cleared or deleted. With dampening 0 a zero buffer gives the same first
+    step, so only SGD with momentum and dampening needs a flag per parameter
+    (``StepInputs.momentum_fresh``)."""
+    return kind == "sgd" and bool(flags["momentum"]) and bool(flags["dampening"])
+
+
 def init_state(key: str, param: torch.Tensor) -> torch.Tensor:
     """A fresh state tensor in torch's format (step on the param's device)."""
     if key == "step":
@@ -142,6 +153,17 @@ class OptimizerPlan:
             params = self.params[i : i + len(group.params)]
             i += len(group.params)
             out += [(p, key) for key in group.state_keys for p in params]
+        return out
+
+    def fresh_params(self) -> list[torch.Tensor]:
+        """The parameters that need a momentum-start flag (``starts_from_gradient``), group by
+        group: the order of this optimizer's ``StepInputs.momentum_fresh``."""
+        out, i = [], 0
+        for group in self.groups:
+            params = self.params[i : i + len(group.params)]
+            i += len(group.params)
+            if starts_from_gradient(self.kind, dict(group.flags)):
+                out += params
         return out
 
     def has_state(self) -> bool:

@@ -45,6 +45,11 @@ class AmpPin:
             raise ConfigError(f"AmpPin(op=...) takes an op name like 'aten.mm', got {self.op!r}")
         if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
             raise ConfigError(f"AmpPin(index=...) must be an int >= 0, got {self.index!r}")
+        if not isinstance(self.reason, str):
+            raise ConfigError(f"AmpPin(reason=...) takes a string, got {self.reason!r}")
+        step = self.step
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+            raise ConfigError(f"AmpPin(step=...) must be None or an int >= 0, got {step!r}")
 
     def describe(self) -> str:
         where = self.module or "code outside any module"
@@ -65,9 +70,8 @@ class AmpPin:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AmpPin:
-        return cls(
-            d["module"], d.get("op"), int(d.get("index", 0)), d.get("reason", ""), d.get("step")
-        )
+        """What ``to_dict`` wrote, checked as the constructor checks its arguments."""
+        return cls(d["module"], d.get("op"), d.get("index", 0), d.get("reason", ""), d.get("step"))
 
 
 def pin_identity(node: fx.Node, occurrence: int) -> AmpPin:

@@ -185,9 +185,9 @@ class OverflowEvent:
 def record_tensors(table: ProbeTable, device: torch.device) -> list[torch.Tensor]:
     """A fresh overflow record for ``table`` (step input group ``forensics``): the overflowing
     steps' count (int64), the ring of their rows (``RING_ROWS`` x ``ROW_HEADER + table.size``,
-    NaN) and the running largest finite magnitude of each probe (zeros)."""
+    NaN; float64, so the step number in each row is exact for 2**53 steps) and the running largest finite magnitude of each probe (zeros)."""
     count = torch.zeros((), dtype=torch.int64, device=device)
     ring = torch.full(
-        (RING_ROWS, ROW_HEADER + table.size), math.nan, dtype=torch.float32, device=device
+        (RING_ROWS, ROW_HEADER + table.size), math.nan, dtype=torch.float64, device=device
     )
     return [count, ring, torch.zeros(table.size, dtype=torch.float32, device=device)]

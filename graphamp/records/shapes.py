@@ -44,10 +44,10 @@ def fake_batch(
 ) -> list[torch.Tensor]:
     """A fake of each batch tensor: same dtype, device, sizes and strides (symbolic where
     ``dynamic`` says), sharing memory with nothing."""
-    out = []
+    out: list[torch.Tensor] = []
     for i, t in enumerate(tensors):
         stand_in = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        context = StatelessSymbolicContext(
+        context: StatelessSymbolicContext = StatelessSymbolicContext(
             dynamic_sizes=[
                 DimDynamic.DYNAMIC if (i, d) in dynamic else DimDynamic.STATIC
                 for d in range(t.dim())

@@ -10,23 +10,49 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .history import TrainingHistory
+
+
+@dataclass
+class MomentumStart:
+    """Whether one parameter's SGD momentum buffer has started (``starts_from_gradient``).
+
+    ``flag`` is a step input (0-dim bool on the parameter's device) that every compiled step of
+    the Graph reads and writes: True until the buffer's first applied step. It belongs to the
+    buffer ``buffer``: a buffer the user (or a loaded optimizer state) put in its place has
+    started. ``buffer`` None means "whichever buffer is there next" (a loaded graph state)."""
+
+    flag: torch.Tensor
+    buffer: torch.Tensor | None = None
 
 
 @dataclass
 class SharedState:
     history: TrainingHistory
     counters: dict[int, torch.Tensor] = field(default_factory=dict)  # optimizer index -> steps
+    # parameter -> its MomentumStart (by identity; dropped with the parameter)
+    momentum: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     broadcast_done: bool = False  # data parallel: rank 0's state was broadcast once
     step_count: int = 0  # calls of the Graph that ran (overflow-skipped steps included)
 
     def counter(self, index: int, device: torch.device, started: bool) -> torch.Tensor:
         """Optimizer ``index``'s applied-step counter on ``device`` (created once; a new one
-        starts at 1 if the optimizer already has state, so Adam-style bias corrections and
-        SGD's first-step dampening rule continue rather than restart)."""
+        starts at 1 if the optimizer already has state): steps applied, skipped ones not
+        counted. Saved in the graph's state dict; the update math reads per-parameter state."""
         counter = self.counters.get(index)
         if counter is None or counter.device != device:
             counter = torch.full((), int(started), dtype=torch.int64, device=device)
             self.counters[index] = counter
         return counter
+
+    def momentum_start(self, param: torch.Tensor) -> MomentumStart:
+        """``param``'s MomentumStart, made (not started, no buffer yet) on first use."""
+        start = self.momentum.get(param)
+        if start is None:
+            flag = torch.zeros((), dtype=torch.bool, device=param.device)
+            start = self.momentum[param] = MomentumStart(flag)
+        elif start.flag.device != param.device:  # the parameter moved (.to()): so does its flag
+            start.flag = start.flag.to(param.device)
+        return start

@@ -1,5 +1,12 @@
 """A Graph's own state as a state dict: step count, scaler, optimizer step counters, history
-(with the overflow events), AMP pins; and loading one back, every part checked first."""
+(with the overflow events), AMP pins and autofix's partial counts; and loading one back, every
+part checked first.
+
+A checkpoint is the state: loading restores exactly the pins and counts that were saved, so a
+resumed run pins at the same step as an uninterrupted one, and pins autofix made after the
+checkpoint are dropped. The one exception is a pin written in code (``config.pin_fp32(AmpPin(...))``,
+which has no ``step``): the code that built the Graph set it, so a load never removes it (it is
+kept beside the saved pins)."""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import ConfigError
+from ..forensics.autofix import Autofix
 from ..records.pins import AmpPin
 from ..records.spec import OptimizerSlot
 from ..records.validate import check_int
@@ -33,6 +41,8 @@ def graph_state_dict(run: GraphRuntime) -> dict[str, Any]:
         "optimizer_steps": {k: int(v.item()) for k, v in state.counters.items()},
         "history": state.history.state_dict(),  # with the overflow events
         "amp_pins": [pin.to_dict() for pin in run.config.amp_pins],
+        "autofix_counts": run.autofix.state_dict(),
+        "momentum_fresh": _fresh_momentum(run),
         "ranges": [row.to_dict() for row in ranges],  # for `python -m graphamp plot`
     }
 
@@ -59,6 +69,8 @@ def load_graph_state(run: GraphRuntime, saved: Any) -> None:
     # states saved before pins existed have no "amp_pins"; "ranges" are not loaded (they
     # belong to the compiled step that measured them)
     pins = _checked_pins(saved.get("amp_pins", ()))
+    counts = Autofix.check_state_dict(saved.get("autofix_counts", ()))
+    fresh = _checked_fresh(saved.get("momentum_fresh", {}), run.optimizers)
     # everything checked: now apply
     if scaler is not None and saved["grad_scaler"] is not None:
         scaler.load_state_dict(saved["grad_scaler"])
@@ -70,8 +82,11 @@ def load_graph_state(run: GraphRuntime, saved: Any) -> None:
             device = _first_param_device(run.optimizers, k)
             run.state.counters[k] = torch.full((), v, dtype=torch.int64, device=device)
     run.state.history.load_state_dict(saved["history"])
-    if pins:
-        run.config.pin_fp32(*pins)
+    in_code = [p for p in run.config.amp_pins if p.step is None and p not in pins]
+    run.config.clear_amp_pins()  # the same places again: the compiled steps stay valid
+    run.config.pin_fp32(*pins, *in_code)
+    run.autofix.load_counts(counts)
+    _load_fresh(run, fresh)
 
 
 def _checked_pins(saved: Any) -> list[AmpPin]:
@@ -109,3 +124,53 @@ def _first_param_device(slots: list[OptimizerSlot], k: int) -> torch.device:
             for p in group["params"]:
                 return p.device
     return torch.device("cpu")
+
+
+def _flat_params(slot: OptimizerSlot) -> list[torch.Tensor]:
+    return [p for group in slot.optimizer.param_groups for p in group["params"]]
+
+
+def _fresh_momentum(run: GraphRuntime) -> dict[int, list[int]]:
+    """Per optimizer, the positions (in its param_groups, flattened) of the parameters whose
+    SGD momentum buffer has not started yet (``runtime/momentum.py``)."""
+    out = {}
+    for k, slot in enumerate(run.optimizers):
+        starts = [run.state.momentum.get(p) for p in _flat_params(slot)]
+        fresh = [i for i, s in enumerate(starts) if s is not None and bool(s.flag)]
+        if fresh:
+            out[k] = fresh
+    return out
+
+
+def _checked_fresh(saved: Any, slots: list[OptimizerSlot]) -> dict[int, set[int]]:
+    if not isinstance(saved, dict):
+        raise ConfigError(f"momentum_fresh must be a dict, got {type(saved).__name__}")
+    out: dict[int, set[int]] = {}
+    for k, positions in saved.items():
+        k = check_int("a momentum_fresh key", k, at_least=0)
+        if k >= len(slots) or not isinstance(positions, (list, tuple)):
+            raise ConfigError(
+                f"the saved momentum_fresh names optimizer {k} with {positions!r}: this graph "
+                f"has {len(slots)} optimizer(s), and each entry is a list of positions"
+            )
+        n = len(_flat_params(slots[k]))
+        out[k] = set()
+        for i in positions:
+            if check_int(f"a momentum_fresh position of optimizer {k}", i, at_least=0) >= n:
+                raise ConfigError(
+                    f"the saved momentum_fresh names parameter {i} of optimizer {k}, which "
+                    f"has {n}: the state belongs to other param groups"
+                )
+            out[k].add(i)
+    return out
+
+
+def _load_fresh(run: GraphRuntime, fresh: dict[int, set[int]]) -> None:
+    """The saved flags; the others are left to the buffers (set where one is missing). Each
+    belongs to whichever buffer the next lookup finds (the optimizer state may load later)."""
+    for k, slot in enumerate(run.optimizers):
+        for i, p in enumerate(_flat_params(slot)):
+            if i in fresh.get(k, ()) or p in run.state.momentum:
+                start = run.state.momentum_start(p)
+                start.flag.fill_(i in fresh.get(k, ()))
+                start.buffer = None

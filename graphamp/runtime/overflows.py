@@ -23,7 +23,10 @@ def watch_overflows(run: GraphRuntime, program: Program) -> None:
     forensics = program.runner.forensics
     if forensics is None or (run.config.autofix is None and run.debug_level < 1):
         return
-    count = forensics.poll()  # CUDA: as of the step before, whose copy has landed
+    # CUDA: the count as of the step before, if its copy has landed. Data parallel waits for
+    # it: every rank must read (and pin) at the same call, or one rank would rebuild while the
+    # others wait in the step's collectives
+    count = forensics.poll(wait=program.plan.process_group is not None)
     forensics.start_poll()  # queue this step's count behind it (CUDA; no wait)
     if count is None or count <= forensics.analysed:
         return

@@ -17,12 +17,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import increment_version
 
-from ..errors import CaptureError, ConfigError
+from ..errors import CaptureError
 from ..forensics.device_record import ForensicsState
 from ..records.optimizers import OptimizerPlan, init_state
 from ..records.spec import StepPlan
 from ..records.state import SharedState
-from . import zero_state
+from . import momentum, zero_state
 from .compile import StepFn
 from .cudagraph import CudaGraphsBySize, CudaGraphStep
 
@@ -81,6 +81,7 @@ class Runner:
         self.param_slots = _slots(root, cap.param_names, "_parameters")
         self.buffer_slots = _slots(root, cap.buffer_names, "_buffers")
         self.hyper = _hyper_slots(plan, device)
+        self.shared = state
         self.counters = [
             state.counter(opt.index, device, opt.has_state()) for opt in plan.optimizers
         ]
@@ -99,7 +100,8 @@ class Runner:
         self.forensics = ForensicsState(plan.probes, device) if plan.probes is not None else None
         self.opt_state: list[torch.Tensor] | None = None
         self._to_install: list[tuple] = []  # optimizer state made at gather, installed at commit
-        self._restart: list[torch.Tensor] = []  # counters to zero at commit (state was cleared)
+        self.momentum_fresh: list[torch.Tensor] = []  # momentum.py: the step's flags
+        self._flag_writes: list[momentum.FlagWrite] = []  # made at gather, applied at commit
         # (optimizer.state, parameter, key, tensor) for every state tensor in use: a user's
         # edit of optimizer.state (clear, a replaced tensor, a deleted entry) is seen at the
         # next call by identity, without reading any tensor
@@ -176,13 +178,13 @@ class Runner:
     def _materialize(self) -> list[torch.Tensor]:
         """Look the optimizer state up again (first call, a load, or the user's edit)."""
         flat, install = materialize_optimizer_state(self.plan)
-        self._restart = _counters_to_restart(self.plan, self.counters, install)
+        slots = _all_state_slots(self.plan)
+        self.momentum_fresh, self._flag_writes = momentum.momentum_flags(
+            self.plan, self.shared, slots, flat
+        )
         self.opt_state, self._to_install = flat, install
         self._state_dicts = [(o.optimizer, o.optimizer.state) for o in self.plan.optimizers]
-        self._state_refs = [
-            (o.optimizer.state, p, key, t)
-            for (o, (p, key)), t in zip(_all_state_slots(self.plan), flat)
-        ]
+        self._state_refs = [(o.optimizer.state, p, key, t) for (o, (p, key)), t in zip(slots, flat)]
         return flat
 
     def _groups(
@@ -194,6 +196,7 @@ class Runner:
             "opt_state": opt_state,
             "hyper": [t for slot in self.hyper for t in slot.tensors],
             "counters": self.counters,
+            "momentum_fresh": self.momentum_fresh,
             "scaler": self.scaler_state,
             "history": self.history,
             "shard": self.shard,
@@ -218,10 +221,8 @@ class Runner:
             optimizer.state[p][key] = t
             installed.append((optimizer, p, key, previous))
         pending, self._to_install = self._to_install, []
-        restarted = [(c, c.clone()) for c in self._restart]
-        for counter in self._restart:
-            counter.zero_()  # SGD's first-step rule again, as eager after optimizer.state.clear()
-        self._restart = []
+        writes, self._flag_writes = self._flag_writes, []
+        undo_flags = momentum.commit(writes)
         self.calls += 1
         if self.plan.training:
             _increment_versions(self.updated_params)
@@ -235,9 +236,8 @@ class Runner:
                 else:
                     optimizer.state[p][key] = previous
             self._to_install = pending
-            for counter, old in restarted:
-                counter.copy_(old)
-            self._restart = [c for c, _ in restarted]
+            undo_flags()
+            self._flag_writes = writes
             self.calls -= 1
 
         return undo
@@ -277,33 +277,6 @@ def _slots(root: nn.Module, names: list[str], kind: str) -> list[Slot]:
 def _all_state_slots(plan: StepPlan) -> list[tuple]:
     """(optimizer plan, (parameter, key)) in the layout order of the state tensors."""
     return [(opt, slot) for opt in plan.optimizers for slot in opt.state_slots()]
-
-
-def _counters_to_restart(
-    plan: StepPlan, counters: list[torch.Tensor], install: list[tuple]
-) -> list[torch.Tensor]:
-    """SGD momentum starts a buffer with the gradient itself on an optimizer's first step (the
-    counter is 0). After the user cleared the optimizer's state, eager SGD starts again: so does
-    the step. A buffer deleted for some parameters only cannot restart alone (one counter per
-    optimizer): equal to eager when dampening is 0, refused otherwise."""
-    fresh = {(id(o), id(p)) for o, p, _, _ in install}
-    restart = []
-    for opt, counter in zip(plan.optimizers, counters):
-        slots = opt.state_slots()
-        if opt.kind != "sgd" or not slots:
-            continue
-        missing = [(p, k) for p, k in slots if (id(opt.optimizer), id(p)) in fresh]
-        if len(missing) == len(slots):
-            restart.append(counter)
-        elif missing and any(g["dampening"] != 0 for g in opt.optimizer.param_groups):
-            raise ConfigError(
-                f"optimizer {opt.index} (SGD, dampening != 0) lost the momentum_buffer of "
-                f"{len(missing)} of its {len(slots)} parameters (optimizer.state edited): eager "
-                "SGD would restart those buffers alone, which the compiled step cannot do. Clear "
-                "the whole state (optimizer.state.clear()), or set a zero momentum_buffer "
-                "instead of deleting it"
-            )
-    return restart
 
 
 def _increment_versions(tensors: list[torch.Tensor]) -> None:

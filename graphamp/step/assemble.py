@@ -25,7 +25,7 @@ from ..records.fxutil import NodeTagger, rename_placeholders, trace_functional
 from ..records.layouts import StepInputs
 from ..records.optimizers import OptimizerPlan
 from ..records.spec import StepPlan
-from .collectives import agree_on_overflow, average_over_ranks
+from .collectives import agree_on_overflow, agree_on_probes, average_over_ranks
 from .gradients import forward_and_gradients, parameter_casts, run_forward
 from .history_row import record_history
 from .optimizer_update import densify_sparse_grads, masked, update_optimizer
@@ -80,7 +80,12 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
                 found_total = _total(updates)
                 any_skip = found_total > 0
         if recorder is not None:  # reads the step counter and scale before they are written
-            record_overflow(s.forensics, recorder, s.history_step, scale, any_skip)
+            agree = (
+                (lambda v: agree_on_probes(v, plan.process_group))
+                if plan.process_group is not None
+                else None
+            )
+            record_overflow(s.forensics, recorder, s.history_step, scale, any_skip, agree)
         with NodeTagger({"graphamp_subgraph": "history"}):
             # before the scaler state is written: a read after copy_ sees the new value
             record_history(s.history, fwd.losses, scale, any_skip, norms)
@@ -170,7 +175,7 @@ def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Te
 
 def _update_optimizers(plan: StepPlan, s: StepInputs, updates: list[_OptimizerUpdate]):
     """Each optimizer's masked update (ZeRO: of this rank's rows, then all-gathered)."""
-    states, hypers = iter(s.opt_state), iter(s.hyper)
+    states, hypers, fresh = iter(s.opt_state), iter(s.hyper), iter(s.momentum_fresh)
     params = s.params
     for u, counter in zip(updates, s.counters):
         skip = u.found > 0 if u.found is not None else None
@@ -179,7 +184,7 @@ def _update_optimizers(plan: StepPlan, s: StepInputs, updates: list[_OptimizerUp
             with NodeTagger({"graphamp_subgraph": "zero"}):
                 mine = local_rows(mine, s.zero_rank, plan.process_group)
         with NodeTagger({"graphamp_subgraph": "optimizer"}):
-            update_optimizer(u.opt, mine, u.grads, states, hypers, counter, skip)
+            update_optimizer(u.opt, mine, u.grads, states, hypers, counter, skip, fresh)
         if plan.zero_stage:
             with NodeTagger({"graphamp_subgraph": "zero"}):
                 full = [params[i] for i in u.opt.forward_positions]

@@ -47,6 +47,11 @@ def example_inputs(
             "opt_state": _optimizer_state(plan),
             "hyper": [torch.zeros((), dtype=torch.float32, device=device) for _ in range(n_hyper)],
             "counters": [state.counter(o.index, device, o.has_state()) for o in plan.optimizers],
+            "momentum_fresh": [
+                torch.zeros((), dtype=torch.bool, device=p.device)
+                for o in plan.optimizers
+                for p in o.fresh_params()
+            ],
             "scaler": scaler,
             "history": state.history.materialize(device) if plan.training else [],
             "shard": [_rank(plan, device)] if plan.zero_stage else [],

@@ -20,6 +20,7 @@ from ..records.spec import StepPlan
 from .overflow_probes import ProbeRecorder
 
 # forward-node metadata the step's nodes inherit (dumps and reports read it)
+MICRO_BATCH = "micro_batch"  # meta key: which micro-batch's forward made a node
 _COPY_META = ("amp_colour", "amp_list", "amp_reason", "nn_module_stack", "user_frame", "amp_cast")
 
 
@@ -121,9 +122,10 @@ def forward_and_gradients(
     total: dict[int, torch.Tensor] = {}
     users, micro_losses = [], []
     current = list(s.buffers)
-    for micro in _micro_batches(s.inputs, plan.acc_steps):
+    for k, micro in enumerate(_micro_batches(s.inputs, plan.acc_steps)):
         leaves = _GradientLeaves.of(plan, params, copies)
-        with torch.enable_grad():
+        # each micro-batch's forward is its own instance of every checkpointed region
+        with torch.enable_grad(), NodeTagger({MICRO_BATCH: k}):
             forward_inputs = plan.forward_layout.flatten(
                 params=leaves.params,
                 buffers=current,

@@ -23,6 +23,8 @@ def record_history(
     loss = (
         torch.stack([v.reshape(()).float() for v in scalar_losses]).sum() if scalar_losses else nan
     )
+    # the table is float64: the step column is exact for 2**53 steps (float32: 2**24, a
+    # few days of fast steps); the fp32 values above are stored exactly
     if norms:
         grad_norm = (
             norms[0].float()
@@ -33,11 +35,11 @@ def record_history(
         grad_norm = nan
     row = torch.stack(
         [
-            step.float(),
-            loss.detach(),
-            scale.float() if scale is not None else full(1.0),
-            any_skip.float() if any_skip is not None else full(0.0),
-            grad_norm.detach(),
+            step.double(),
+            loss.detach().double(),
+            scale.double() if scale is not None else full(1.0).double(),
+            any_skip.double() if any_skip is not None else full(0.0).double(),
+            grad_norm.detach().double(),
         ]
     )
     index = torch.remainder(step, table.shape[0]).reshape(1)

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 
 from ..errors import CaptureError
-from ..records.optimizers import GroupPlan, OptimizerPlan
+from ..records.optimizers import GroupPlan, OptimizerPlan, starts_from_gradient
 
 
 @dataclass
@@ -31,8 +31,11 @@ class GroupTensors:
     hyper: dict[str, torch.Tensor]
 
 
-def sgd_update(t: GroupTensors, flags: dict, first_step: torch.Tensor | None):
-    """torch.optim.SGD's update on the whole group. Returns (new params, new state)."""
+def sgd_update(t: GroupTensors, flags: dict, fresh: list[torch.Tensor] | None = None):
+    """torch.optim.SGD's update on the whole group. Returns (new params, new state).
+
+    ``fresh`` (with dampening): per parameter, True where its momentum buffer has not started
+    (``records.optimizers.starts_from_gradient``)."""
     lr, grads = t.hyper["lr"], t.grads
     if flags["maximize"]:
         grads = torch._foreach_neg(grads)
@@ -45,9 +48,9 @@ def sgd_update(t: GroupTensors, flags: dict, first_step: torch.Tensor | None):
             torch._foreach_mul(t.state["momentum_buffer"], momentum),
             torch._foreach_mul(grads, 1 - t.hyper["dampening"]),
         )
-        if flags["dampening"] and first_step is not None:
-            # torch starts the buffer as a copy of the first gradient (no dampening)
-            new_bufs = [torch.where(first_step, g, b) for g, b in zip(grads, new_bufs)]
+        if fresh is not None:
+            # torch starts a buffer as a copy of the parameter's first gradient (no dampening)
+            new_bufs = [torch.where(f, g, b) for f, g, b in zip(fresh, grads, new_bufs)]
         state["momentum_buffer"] = new_bufs
         grads = (
             torch._foreach_add(grads, torch._foreach_mul(new_bufs, momentum))
@@ -103,11 +106,11 @@ def _one_minus(values: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def apply_update(
-    plan: OptimizerPlan, group: GroupPlan, tensors: GroupTensors, first_step: torch.Tensor | None
+    plan: OptimizerPlan, group: GroupPlan, tensors: GroupTensors, fresh: list[torch.Tensor] | None
 ):
     flags = dict(group.flags)
     if plan.kind == "sgd":
-        return sgd_update(tensors, flags, first_step)
+        return sgd_update(tensors, flags, fresh)
     return adam_update(tensors, flags)
 
 
@@ -142,24 +145,28 @@ def update_optimizer(
     hypers: Iterator[torch.Tensor],
     counter: torch.Tensor,
     skip: torch.Tensor | None,
+    fresh_flags: Iterator[torch.Tensor],
 ) -> None:
     """Trace one optimizer's masked update in place. ``params`` and ``grads`` are this
-    optimizer's, in ``opt.forward_positions`` order; its state and hyperparameter tensors are
-    taken from the shared iterators (in the layout's order)."""
-    first_step = counter == 0
+    optimizer's, in ``opt.forward_positions`` order; its state, hyperparameter and
+    momentum-start tensors are taken from the shared iterators (in the layout's order)."""
     offset = 0
     for group in opt.groups:
         idx = range(offset, offset + len(group.params))
         offset += len(group.params)
         hyper = {name: next(hypers) for name in opt.hyper_names}
         state = {key: [next(states) for _ in idx] for key in group.state_keys}
+        starts = starts_from_gradient(opt.kind, dict(group.flags))
+        fresh = [next(fresh_flags) for _ in idx] if starts else None
         if not idx:
             continue
         tensors = GroupTensors([params[i] for i in idx], [grads[i] for i in idx], state, hyper)
-        new_params, new_state = apply_update(opt, group, tensors, first_step)
+        new_params, new_state = apply_update(opt, group, tensors, fresh)
         for old, new in zip(tensors.params, new_params):
             old.copy_(masked(skip, old, new))
         for key, values in new_state.items():
             for old, new in zip(tensors.state[key], values):
                 old.copy_(masked(skip, old, new))
+        for flag in fresh or ():  # the buffer has started, unless the step is skipped
+            flag.copy_(masked(skip, flag, torch.zeros_like(flag)))
     counter.copy_(masked(skip, counter, counter + 1))

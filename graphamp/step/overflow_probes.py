@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
-from typing import cast
+from typing import Callable, cast
 
 import torch
 import torch.fx as fx
@@ -331,24 +331,33 @@ def record_overflow(
     step: torch.Tensor,
     scale: torch.Tensor | None,
     any_skip: torch.Tensor | None,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Write this step's probe vector into the ring if the step overflowed (a loss or a parameter
-    gradient is non-finite, or the scaler skips it), and fold it into the running ranges."""
+    gradient is non-finite, or the scaler skips it), and fold it into the running ranges.
+
+    ``agree`` (data parallel) makes the vector every rank's: then every rank records the same
+    overflowing steps with the same rows, so autofix pins the same ops at the same step on every
+    rank, even when only one rank's data overflowed."""
     count, ring, ranges = state
     table = recorder.table
     with NodeTagger(_TAG):
         vector = recorder.vector(count.device)
+        if agree is not None:
+            vector = agree(vector)
         slots = (*table.losses, *(table.param_slot(k) for k in range(len(table.params))))
-        sinks = [v for v in (recorder.values[s] for s in slots) if v is not None]
+        sinks = [s for s in slots if recorder.values[s] is not None]
         overflowed = (
-            ~torch.isfinite(torch.stack(sinks)).all()
+            ~torch.isfinite(vector[sinks]).all()
             if sinks
             else torch.zeros((), dtype=torch.bool, device=count.device)
         )
         if any_skip is not None:
             overflowed = overflowed | any_skip
         used = scale.float() if scale is not None else torch.ones((), device=count.device)
-        row = torch.cat([torch.stack([step.float(), used]), vector]).unsqueeze(0)
+        # float64: the step number stays exact (float32 would round it past 2**24 steps)
+        row = torch.cat([torch.stack([step.double(), used.double()]), vector.double()])
+        row = row.unsqueeze(0)
         slot = torch.remainder(count, ring.shape[0]).reshape(1)
         ring.index_copy_(0, slot, torch.where(overflowed, row, ring.index_select(0, slot)))
         count.copy_(count + overflowed.to(count.dtype))

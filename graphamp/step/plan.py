@@ -150,12 +150,13 @@ def _layout(
     probes: ProbeTable | None = None,
 ) -> StepLayout:
     """Placeholder names of the step's inputs, group by group (spec.STEP_INPUT_GROUPS)."""
-    state, hyper = [], []
+    state, hyper, fresh = [], [], []
     for opt in plans:
         name_of = dict(
             zip(map(id, opt.params), (cap.param_names[i] for i in opt.forward_positions))
         )
         state += [f"opt{opt.index}_{key}_{name_of[id(p)]}" for p, key in opt.state_slots()]
+        fresh += [f"opt{opt.index}_momentum_fresh_{name_of[id(p)]}" for p in opt.fresh_params()]
         for g in range(len(opt.groups)):
             hyper += [f"opt{opt.index}_group{g}_{h}" for h in opt.hyper_names]
     return StepLayout(
@@ -165,6 +166,7 @@ def _layout(
             "opt_state": state,
             "hyper": hyper,
             "counters": [f"opt{opt.index}_applied_steps" for opt in plans],
+            "momentum_fresh": fresh,
             "scaler": (
                 [
                     "scaler_scale",

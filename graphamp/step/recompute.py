@@ -21,16 +21,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from .gradients import MICRO_BATCH
+
 RECOMPUTE = "recompute"  # meta["graphamp_subgraph"] of the copies
 
 
 @dataclass
 class RecomputeResult:
     regions: dict[str, list[str]] = field(default_factory=dict)  # region -> forward node names
-
-    @property
-    def copies(self) -> int:
-        return sum(len(v) for v in self.regions.values())
+    copies: int = 0  # nodes copied (each micro-batch recomputes its own instance of a region)
 
 
 def recompute_checkpointed(gm: fx.GraphModule, regions: frozenset[str]) -> RecomputeResult:
@@ -39,21 +38,27 @@ def recompute_checkpointed(gm: fx.GraphModule, regions: frozenset[str]) -> Recom
     if not regions:
         return result
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    marked = {n: r for n in gm.graph.nodes if (r := _region(n, regions)) and _recomputable(n)}
-    by_region: dict[str, list[fx.Node]] = {}
-    for n, r in marked.items():
+    # an instance of a region: its module path and the micro-batch whose forward ran it (under
+    # gradient accumulation each micro-batch's forward and backward come before the next one's)
+    marked = {
+        n: (r, n.meta.get(MICRO_BATCH, 0))
+        for n in gm.graph.nodes
+        if (r := _region(n, regions)) and _recomputable(n)
+    }
+    by_instance: dict[tuple[str, int], list[fx.Node]] = {}
+    for n, instance in marked.items():
         if _late_users(n):
-            by_region.setdefault(r, []).append(n)
-    for region, needed in by_region.items():
-        members = _with_marked_inputs(needed, marked, region)
+            by_instance.setdefault(instance, []).append(n)
+    for (region, _), needed in by_instance.items():
+        members = sorted(_with_marked_inputs(needed, marked), key=order.__getitem__)
         first_use = min((u for n in needed for u in _late_users(n)), key=order.__getitem__)
-        copies = _copy_before(gm.graph, sorted(members, key=order.__getitem__), first_use, region)
+        copies = _copy_before(gm.graph, members, first_use, region)
+        result.copies += len(copies)
         for n in needed:
             for user in _late_users(n):
                 user.replace_input_with(n, copies[n])
-        result.regions[region] = [
-            n.meta.get("fwd_node", n.name) for n in sorted(members, key=order.__getitem__)
-        ]
+        named = result.regions.setdefault(region, [])  # each micro-batch recomputes the same
+        named += [f for n in members if (f := n.meta.get("fwd_node", n.name)) not in named]
     gm.graph.lint()
     gm.recompile()
     return result
@@ -88,15 +93,17 @@ def _late_users(node: fx.Node) -> list[fx.Node]:
     ]
 
 
-def _with_marked_inputs(needed: list[fx.Node], marked: dict, region: str) -> set[fx.Node]:
-    """``needed`` and every node of the same region they are computed from."""
+def _with_marked_inputs(needed: list[fx.Node], marked: dict) -> set[fx.Node]:
+    """``needed`` (nodes of one region instance) and every node of that instance they are
+    computed from."""
+    instance = marked[needed[0]]
     members, todo = set(), list(needed)
     while todo:
         n = todo.pop()
         if n in members:
             continue
         members.add(n)
-        todo.extend(a for a in n.all_input_nodes if marked.get(a) == region)
+        todo.extend(a for a in n.all_input_nodes if marked.get(a) == instance)
     return members
 
 
