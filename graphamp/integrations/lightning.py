@@ -136,23 +136,25 @@ class GraphampModule(pl.LightningModule):
         """What Lightning's automatic optimization does with ``configure_optimizers``'
         schedulers: each steps on its interval, every ``frequency`` steps or epochs."""
         trainer = self.trainer
+        steps = self.graph.step_count if self.graph is not None else 0
         for config in trainer.lr_scheduler_configs:
             if config.interval != interval:
                 continue
-            count = self.graph.step_count if interval == "step" else trainer.current_epoch + 1
+            count = steps if interval == "step" else trainer.current_epoch + 1
             if count % config.frequency:
                 continue
+            scheduler: Any = config.scheduler
             if not config.reduce_on_plateau:
-                config.scheduler.step()
+                scheduler.step()
                 continue
-            metric = trainer.callback_metrics.get(config.monitor)
+            metric = trainer.callback_metrics.get(str(config.monitor))
             if metric is None:
                 raise ConfigError(
                     f"{type(self).__name__}: the ReduceLROnPlateau scheduler monitors "
                     f"{config.monitor!r}, which nothing logged; log it with self.log or change "
                     "the scheduler's 'monitor'"
                 )
-            config.scheduler.step(metric)
+            scheduler.step(metric)
 
 
 def _amp_dtype(precision: str) -> torch.dtype | None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -78,6 +78,11 @@ class TrainerStep(Graph):
     def build(self, inputs: dict, num_items: torch.Tensor | None) -> torch.Tensor:
         n = num_items[0] if num_items is not None else None
         loss = self.trainer.compute_loss(self.model, inputs, num_items_in_batch=n)
+        if not isinstance(loss, torch.Tensor):
+            raise ConfigError(
+                f"{type(self.trainer).__name__}.compute_loss returned a "
+                f"{type(loss).__name__}; with return_outputs=False it returns the loss tensor"
+            )
         if self.trainer.loss_is_scaled_for_the_step(n):
             # the Trainer sums such losses over micro-batches; graphamp averages them
             loss = loss * self.config.grad_acc_steps
@@ -98,7 +103,7 @@ class Trainer(transformers.Trainer):
     ):
         self.configure_graph = configure_graph
         self.graph: TrainerStep | None = None  # made with the optimizer, when training starts
-        self._micro_batches: list[dict] = []
+        self._micro_batches: list[Mapping[str, Any]] = []
         self._step_size: int | None = None  # micro-batches in the current optimizer step
         self._num_items: Any = None
         self._skipped_since_log = 0
@@ -109,7 +114,7 @@ class Trainer(transformers.Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
         try:
-            self.graph = TrainerStep(self, self.model, _torch_optimizer(optimizer))
+            self.graph = TrainerStep(self, self._model(), _torch_optimizer(optimizer))
         except UnsupportedOptimizerError as e:
             raise refuse_optimizer(self.args.optim, e) from e
         if self.configure_graph is not None:
@@ -117,7 +122,7 @@ class Trainer(transformers.Trainer):
         return optimizer
 
     def get_train_dataloader(self) -> Any:
-        dataset = self.train_dataset
+        dataset: Any = self.train_dataset
         refuse_ragged_accumulation(self.args, len(dataset) if hasattr(dataset, "__len__") else None)
         return super().get_train_dataloader()
 
@@ -155,6 +160,11 @@ class Trainer(transformers.Trainer):
         return (self.model_accepts_loss_kwargs and num_items is not None) or (
             self.compute_loss_func is not None
         )
+
+    def _model(self) -> nn.Module:
+        if not isinstance(self.model, nn.Module):
+            raise ConfigError("graphamp's Trainer needs a model (an nn.Module) before training")
+        return self.model
 
     def _graph_for(self, model: nn.Module) -> TrainerStep:
         graph = self.graph
