@@ -299,6 +299,12 @@ def test_an_optimizer_without_an_in_graph_update_fails_when_training_starts(tmp_
 
 
 def test_a_ragged_last_batch_with_accumulation_fails_when_training_starts(tmp_path):
+    """10 examples in batches of 4: the third batch has 2. Refused when training reaches it
+    (20 steps of 2 micro-batches), not when it stops before (max_steps=1)."""
+    short = GraphampTrainer(
+        model=_gpt2(), args=_args(tmp_path, max_steps=1), train_dataset=_lm_data(10)
+    )
+    short.get_train_dataloader()
     trainer = GraphampTrainer(model=_gpt2(), args=_args(tmp_path), train_dataset=_lm_data(10))
     with pytest.raises(ConfigError, match="dataloader_drop_last=True"):
         trainer.train()

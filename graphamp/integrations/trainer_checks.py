@@ -92,21 +92,19 @@ def refuse_unsupported(trainer: Any) -> None:
 
 def refuse_ragged_accumulation(args: Any, n_examples: int | None) -> None:
     """With gradient accumulation, graphamp splits one batch into equal micro-batches: a last
-    batch smaller than the others cannot be one of them."""
+    batch smaller than the others cannot be one of them (refused if training reaches it)."""
     steps, batch = args.gradient_accumulation_steps, args.per_device_train_batch_size
-    if (
-        steps > 1
-        and not args.dataloader_drop_last
-        and n_examples is not None
-        and n_examples % batch
-    ):
-        raise ConfigError(
-            f"graphamp's Trainer does not support gradient_accumulation_steps={steps} with a "
-            f"last batch of {n_examples % batch} examples (the dataset's {n_examples} examples "
-            f"are not a multiple of per_device_train_batch_size={batch}): graphamp runs an "
-            "optimizer step's micro-batches as equal slices of one batch. Set "
-            "dataloader_drop_last=True, or make the dataset a multiple of the batch size"
-        )
+    if steps == 1 or args.dataloader_drop_last or n_examples is None or n_examples % batch == 0:
+        return
+    if 0 < args.max_steps and args.max_steps * steps <= n_examples // batch:
+        return  # training stops before the epoch's last batch
+    raise ConfigError(
+        f"graphamp's Trainer does not support gradient_accumulation_steps={steps} with a "
+        f"last batch of {n_examples % batch} examples (the dataset's {n_examples} examples "
+        f"are not a multiple of per_device_train_batch_size={batch}): graphamp runs an "
+        "optimizer step's micro-batches as equal slices of one batch. Set "
+        "dataloader_drop_last=True, or make the dataset a multiple of the batch size"
+    )
 
 
 def refuse_optimizer(optim: Any, error: Exception) -> UnsupportedOptimizerError:
