@@ -54,6 +54,29 @@ from .trainer_checks import refuse_optimizer, refuse_ragged_accumulation, refuse
 
 log = logging.getLogger("graphamp")
 
+# The Trainer's own methods this subclass overrides or calls (module docstring); tested with
+# transformers 5.24. A release without one of them fails here, by name, not mid-training.
+_TRAINER_HOOKS = (
+    "training_step",
+    "create_optimizer",
+    "get_batch_samples",
+    "compute_loss",
+    "autocast_smart_context_manager",
+    "_build_accelerator_args",
+    "_clip_grad_norm",
+    "_get_grad_norm",
+    "_save_scaler",
+    "_load_scaler",
+    "_prepare_inputs",
+)
+_missing = [name for name in _TRAINER_HOOKS if not hasattr(transformers.Trainer, name)]
+if _missing:
+    raise ImportError(
+        f"graphamp's Trainer needs transformers.Trainer's {', '.join(_missing)}, which "
+        f"transformers {transformers.__version__} does not have; it is tested with transformers "
+        "5.24 (pip install 'transformers>=5,<6')"
+    )
+
 STATE_FILE = "graphamp_state.pt"  # graphamp's state in each checkpoint folder
 _AMP_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
