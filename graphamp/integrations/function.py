@@ -94,12 +94,17 @@ def _named_modules(model: Any) -> dict[str, nn.Module]:
             raise ConfigError(
                 f"graphamp.training_step: {name!r} is a {type(module).__name__}, not an nn.Module"
             )
-        if not isinstance(name, str) or not name.isidentifier() or hasattr(Graph, name):
+        if not isinstance(name, str) or not name.isidentifier() or _graph_owns(name):
             raise ConfigError(
                 f"graphamp.training_step: {name!r} cannot name a module (an identifier that is "
                 "not one of Graph's own attributes, such as 'model' or 'generator')"
             )
     return dict(named)
+
+
+def _graph_owns(name: str) -> bool:
+    """A Graph's own attribute: its methods and properties, its config, its private state."""
+    return name.startswith("_") or name == "config" or hasattr(Graph, name)
 
 
 def _as_list(what: str, value: Any) -> list:
