@@ -185,6 +185,48 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tmp_path):
     assert resumed.graph.step_count == whole.graph.step_count == STEPS
 
 
+@pytest.mark.slow
+def test_overflows_are_logged_skipped_and_hold_the_lr_schedule(tmp_path):
+    """fp16 with a scale too large for the first steps: each step the scaler skips halves the
+    logged loss_scale, is counted in skipped_steps (since the last log: logging_steps=2), and
+    leaves the lr schedule where it was (as accelerate's scaler does)."""
+    top = 2.0**24  # graphamp.GradScaler's max_scale
+
+    def configure(g):
+        _aot_eager(g)
+        g.set_grad_scaler(GradScaler(init_scale=top))
+
+    steps, warmup = 8, 3
+    overrides = dict(max_steps=steps, warmup_steps=warmup, lr_scheduler_type="linear")
+    trainer, logs = _train(
+        GraphampTrainer,
+        _gpt2(),
+        _args(tmp_path, "fp16", logging_steps=2, **overrides),
+        _lm_data(),
+        configure_graph=configure,
+    )
+    skipped = [bool(s) for s in trainer.graph.history.fetch()["skipped"]]
+    assert len(skipped) == steps and any(skipped) and not all(skipped), skipped
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    schedule = transformers.get_scheduler(
+        "linear", reference, num_warmup_steps=warmup, num_training_steps=steps
+    )
+    lrs = [schedule.get_last_lr()[0]]
+    for _ in range(steps):
+        schedule.step()
+        lrs.append(schedule.get_last_lr()[0])
+    assert len(logs) == steps // 2
+    for j, row in enumerate(logs):
+        done = 2 * j + 2  # steps run when this row was logged
+        assert row["skipped_steps"] == sum(skipped[done - 2 : done]), (row, skipped)
+        assert row["loss_scale"] == top * 0.5 ** sum(skipped[:done]), (row, skipped)
+        # the Trainer logs the lr the row's last step ran with: the schedule after the steps
+        # taken before it
+        taken = done - 1 - sum(skipped[: done - 1])
+        assert row["learning_rate"] == pytest.approx(lrs[taken], rel=1e-6), (row, skipped)
+    assert trainer.state.global_step == steps  # a skipped step is still a Trainer step
+
+
 # -- DataCollatorWithPadding and the evaluation loop ------------------------------------------
 
 WORDS = "the a cat dog sat on mat ran fast slow big small red blue".split()

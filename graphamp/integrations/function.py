@@ -63,10 +63,10 @@ def training_step(
             raise ConfigError(
                 f"graphamp.training_step(...) decorates a step function, got {type(fn).__name__}"
             )
-        graph_type = type(
-            fn.__name__, (Graph,), {"__module__": fn.__module__, "__doc__": fn.__doc__}
-        )
-        g = graph_type()
+        # the function is the class's build() (a staticmethod: it takes no self), so the Graph
+        # sees it from __init__ on, as it sees a subclass's build()
+        body = {"__module__": fn.__module__, "__doc__": fn.__doc__, "build": staticmethod(fn)}
+        g = type(fn.__name__, (Graph,), body)()
         for name, module in modules.items():
             setattr(g, name, module)
         for opt, sch in zip(optimizers, schedulers):
@@ -75,7 +75,6 @@ def training_step(
             g.config.enable_amp(True, dtype=amp)
         if scaler is not None:
             g.set_grad_scaler(scaler)
-        g.build = fn  # the instance's build(): the pipeline calls it with g's arguments
         return g
 
     return make
