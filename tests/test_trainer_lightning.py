@@ -150,6 +150,48 @@ def test_bf16_mixed_runs_the_step_in_bf16_within_the_project_bounds(tmp_path):
     assert ours.graph.config.amp_dtype == torch.bfloat16 and report.ops_low > 0
 
 
+class Natural(Ours):
+    """The pattern Lightning users write: forward on the module, self(x) and self.device in
+    the loss, a validation loop that logs."""
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self(x.to(self.device)), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+
+@pytest.mark.slow
+def test_lightnings_bookkeeping_between_steps_compiles_nothing_new(tmp_path):
+    """Lightning writes attributes on the module between steps (its trainer, the hook it is
+    in, logged metrics, the epoch's state), switches to eval and back for validation and crosses
+    an epoch: 40 steps, one compiled step. What graphamp captures is training_loss: it reads the
+    model's settings and self.device, none of Lightning's bookkeeping."""
+    module = Natural()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        val_check_interval=5,
+        limit_val_batches=2,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _loader(), _loader())
+    assert "val_loss" in trainer.callback_metrics and trainer.global_step == 2 * STEPS
+    assert module.graph.step_count == 2 * STEPS
+    assert [s.calls for s in module.graph.compiled_steps] == [2 * STEPS]
+
+
 def test_true_half_precision_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="precision='bf16-true'.*-mixed"):
         _fit(Ours(), tmp_path, precision="bf16-true", max_steps=1)
