@@ -185,6 +185,33 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tmp_path):
     assert resumed.graph.step_count == whole.graph.step_count == STEPS
 
 
+def _sgd_step_lr(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["polynomial", "optimizers=(SGD, StepLR)"])
+def test_other_schedules_and_a_users_optimizer_follow_the_stock_trainer(schedule, tmp_path):
+    """The lr is a graph input whatever sets it: a schedule type the Trainer builds, or an
+    optimizer and scheduler the user passes in Trainer(optimizers=...)."""
+    overrides = dict(max_steps=6, gradient_accumulation_steps=1, warmup_steps=2)
+    if schedule == "polynomial":
+        overrides["lr_scheduler_type"] = "polynomial"
+    runs = []
+    for trainer_type in (transformers.Trainer, GraphampTrainer):
+        model = _gpt2()
+        extra = {"optimizers": _sgd_step_lr(model)} if schedule.startswith("optim") else {}
+        args = _args(tmp_path / trainer_type.__module__, **overrides)
+        runs.append(_train(trainer_type, model, args, _lm_data(), **extra)[1])
+    stock, ours = runs
+    assert len(ours) == len(stock) == 6
+    assert len({row["learning_rate"] for row in ours}) > 2  # the schedule moved
+    for a, b in zip(ours, stock):
+        assert _rel(a["loss"], b["loss"]) < 1e-5, (a, b)
+        assert a["learning_rate"] == pytest.approx(b["learning_rate"], rel=1e-7), (a, b)
+
+
 @pytest.mark.slow
 def test_overflows_are_logged_skipped_and_hold_the_lr_schedule(tmp_path):
     """fp16 with a scale too large for the first steps: each step the scaler skips halves the
