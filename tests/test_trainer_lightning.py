@@ -13,6 +13,7 @@ import torch.nn.functional as F
 L = pytest.importorskip("lightning.pytorch")
 
 from graphamp import CaptureError, ConfigError  # noqa: E402
+from graphamp.integrations import lightning as integration  # noqa: E402
 from graphamp.integrations.lightning import CHECKPOINT_KEY, GraphampModule  # noqa: E402
 
 STEPS = 20
@@ -195,6 +196,16 @@ def test_lightnings_bookkeeping_between_steps_compiles_nothing_new(tmp_path):
 def test_true_half_precision_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="precision='bf16-true'.*-mixed"):
         _fit(Ours(), tmp_path, precision="bf16-true", max_steps=1)
+
+
+def test_a_parallel_strategy_is_refused_by_name():
+    """DDP's gradient sync is not in graphamp's step: refused before the first step (tested on
+    the Trainer's strategy, without starting processes)."""
+    single = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    integration._refuse_parallel(single.strategy)
+    ddp = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
+    with pytest.raises(ConfigError, match="strategy=DDPStrategy.*devices=1.*enable_data_parallel"):
+        integration._refuse_parallel(ddp.strategy)
 
 
 def test_a_module_without_training_loss_says_what_to_write(tmp_path):

@@ -27,7 +27,8 @@ write there is refused at capture, and a read would be a value the step depends 
 Kept from Lightning: its Trainer, data, logging (``train_loss``, ``loss_scale``,
 ``skipped_steps``), callbacks, validation and checkpoints (graphamp's state rides in the
 checkpoint under ``"graphamp"``). ``Trainer(precision=...)``: ``"32-true"``, ``"16-mixed"``
-(graphamp's AMP and GradScaler) or ``"bf16-mixed"``. Clipping: ``self.clip_grad_max_norm``
+(graphamp's AMP and GradScaler) or ``"bf16-mixed"``; one device (a parallel strategy is
+refused: its gradient sync is not in graphamp's step). Clipping: ``self.clip_grad_max_norm``
 (Lightning refuses ``Trainer(gradient_clip_val=...)`` with manual optimization); graphamp's own
 options: override ``configure_graph(graph)``.
 """
@@ -121,6 +122,7 @@ class GraphampModule(pl.LightningModule):
             self.graph.load_state_dict(self._graph_state)
 
     def _make_graph(self) -> LightningStep:
+        _refuse_parallel(self.trainer.strategy)
         graph = LightningStep(self, str(self.trainer.precision))
         self.configure_graph(graph)
         if self._graph_state is not None:
@@ -155,6 +157,19 @@ class GraphampModule(pl.LightningModule):
                     "the scheduler's 'monitor'"
                 )
             scheduler.step(metric)
+
+
+def _refuse_parallel(strategy: Any) -> None:
+    """One process on one device: a strategy that shards or spreads the step (DDP, FSDP,
+    DeepSpeed) would see graphamp's step bypass its gradient sync, training each process apart."""
+    if not isinstance(strategy, pl.strategies.SingleDeviceStrategy):
+        raise ConfigError(
+            f"GraphampModule trains one process on one device, got Trainer(strategy="
+            f"{type(strategy).__name__}): its gradient sync is not in graphamp's step. Use "
+            "Trainer(devices=1); for data parallel or sharded optimizer state, train with a "
+            "graphamp.Graph and config.enable_data_parallel() or config.enable_zero(stage=1|2) "
+            "(docs/distributed.md)"
+        )
 
 
 def _amp_dtype(precision: str) -> torch.dtype | None:
