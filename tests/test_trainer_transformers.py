@@ -356,6 +356,58 @@ def test_an_unsupported_option_fails_when_the_trainer_is_made(option, named, tmp
         GraphampTrainer(model=_gpt2(), args=_args(tmp_path, **option), train_dataset=_lm_data(8))
 
 
+# One setting per refusal that makes it (and only it) apply; the plain run applies none.
+REFUSED_SETTINGS = [
+    {"torch_compile": True},
+    {"deepspeed": "ds_config.json"},
+    {"fsdp": "full_shard"},
+    {"parallelism_config": object()},
+    {"world_size": 2},
+    {"n_gpu": 2},
+    {"is_model_parallel": True},
+    {"fp16_full_eval": True},
+    {"neftune_noise_alpha": 5.0},
+    {"debug": "underflow_overflow"},
+    {"use_liger_kernel": True},
+]
+
+
+def _stand_in_trainer(**settings):
+    """What the refusals read of a Trainer: its args, and is_model_parallel."""
+    from types import SimpleNamespace
+
+    args = dict(
+        torch_compile=False,
+        deepspeed=None,
+        fsdp=None,
+        parallelism_config=None,
+        world_size=1,
+        n_gpu=1,
+        fp16_full_eval=False,
+        bf16_full_eval=False,
+        neftune_noise_alpha=None,
+        debug="",
+        use_liger_kernel=False,
+    )
+    model_parallel = settings.pop("is_model_parallel", False)
+    args.update(settings)
+    return SimpleNamespace(args=SimpleNamespace(**args), is_model_parallel=model_parallel)
+
+
+def test_every_refusal_names_its_argument_and_what_to_do_instead():
+    """The table of trainer_checks.py, each entry on a stand-in Trainer (a real one cannot be
+    made with deepspeed, fsdp or two processes here); the one-device run passes."""
+    from graphamp.integrations.trainer_checks import REFUSALS, refuse_unsupported
+
+    refuse_unsupported(_stand_in_trainer())
+    assert len(REFUSED_SETTINGS) == len(REFUSALS)  # a new refusal gets its case here
+    for settings, refusal in zip(REFUSED_SETTINGS, REFUSALS):
+        with pytest.raises(ConfigError) as raised:
+            refuse_unsupported(_stand_in_trainer(**settings))
+        message = str(raised.value)
+        assert refusal.argument in message and refusal.why_and_instead in message, settings
+
+
 def test_an_optimizer_without_an_in_graph_update_fails_when_training_starts(tmp_path):
     model = _gpt2()
     before = copy.deepcopy(model.state_dict())
