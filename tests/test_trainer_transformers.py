@@ -296,6 +296,10 @@ def _bert():
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         num_labels=2,
+        # BERT's forward sets config.problem_type on its first call when it is None: a setting
+        # the step reads and then writes, which costs one recapture (graphamp guards what build()
+        # reads); set as a user's config would have it after its first batch
+        problem_type="single_label_classification",
     )
     return transformers.BertForSequenceClassification(config)
 
@@ -303,9 +307,11 @@ def _bert():
 @pytest.mark.slow
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_data_collator_with_padding_and_the_evaluation_loop(accumulation, tmp_path):
-    """Batches padded to their own longest sentence (3 to 5 words: a handful of lengths, each
-    compiled once until dynamic shapes land). With accumulation, a step's micro-batches are
-    padded again to the longest of the step: masked and unlabelled, the loss is the same."""
+    """Batches padded to their own longest sentence (3 to 5 words). The first length compiles
+    a step; the first change of length makes the sequence dimension symbolic in one more
+    compile, which serves every later length: at most two compiles. With accumulation, a
+    step's micro-batches are padded again to the longest of the step: masked and unlabelled,
+    the loss is the same."""
     tokenizer = _tokenizer()
     train, evaluation = _sentences(tokenizer, 48), _sentences(tokenizer, 12)
     runs = []
@@ -335,8 +341,9 @@ def test_data_collator_with_padding_and_the_evaluation_loop(accumulation, tmp_pa
     assert len(losses) == len(stock) and len(our_eval) == len(stock_eval) > 0
     for a, b in zip(losses + our_eval, stock + stock_eval):
         assert _rel(a, b) < 1e-5, (losses, stock, our_eval, stock_eval)
-    lengths = {s.signature.split(",")[0] for s in ours.graph.compiled_steps}
-    assert len(lengths) == len(ours.graph.compiled_steps) > 1  # one program per padded length
+    steps = ours.graph.compiled_steps
+    assert len(steps) == 2 and sum(s.calls for s in steps) == len(losses), steps
+    assert "?" not in steps[0].signature and steps[1].signature.startswith(f"{4 * accumulation}x?")
 
 
 # -- what graphamp's Trainer refuses, at start --------------------------------------------------
