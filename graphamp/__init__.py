@@ -20,6 +20,7 @@ from .errors import (
     UnsupportedOptimizerError,
 )
 from .graph import Graph
+from .integrations.function import training_step
 from .records.ops import full_precision, low_precision
 from .records.pins import AmpPin
 from .scaler import GradScaler, StaticGradScaler
@@ -44,4 +45,5 @@ __all__ = [
     "full_precision",
     "low_precision",
     "passes",
+    "training_step",
 ]

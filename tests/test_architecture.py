@@ -30,6 +30,15 @@ PACKAGE = ROOT / "graphamp"
 # is a subpackage or a module at the top of graphamp/. Imports under TYPE_CHECKING are types
 # only and are left out.
 ALLOWED = {
+    # graphamp inside other loops: a Graph made from a function, the transformers Trainer,
+    # Lightning. They build Graphs, so they sit above graph.py; only __init__ imports them.
+    "graphamp.integrations": {
+        "graphamp.graph",
+        "graphamp.config",
+        "graphamp.scaler",
+        "graphamp.records",
+        "graphamp.errors",
+    },
     "graphamp.graph": {
         "graphamp.pipeline",
         "graphamp.runtime",
@@ -144,6 +153,23 @@ def test_imports_go_one_way_through_the_layers():
                 problems.append(f"{mod}: {part} is not a part of the documented layers")
             elif other not in ALLOWED[part]:
                 problems.append(f"{mod} ({part}) imports {target} ({other})")
+    assert not problems, "\n".join(problems)
+
+
+# The trainers graphamp plugs into are imported by their own integration module only (which
+# the user imports), so graphamp imports without them.
+TRAINER_LIBRARIES = {"transformers", "accelerate", "lightning", "pytorch_lightning"}
+TRAINER_MODULES = {"graphamp.integrations.transformers", "graphamp.integrations.lightning"}
+
+
+def test_only_the_integrations_import_the_trainers():
+    problems = []
+    for mod, targets in _imports().items():
+        for target, _ in targets:
+            if target.split(".")[0] in TRAINER_LIBRARIES and mod not in TRAINER_MODULES:
+                problems.append(f"{mod} imports {target}")
+            if any(target == m or target.startswith(m + ".") for m in TRAINER_MODULES):
+                problems.append(f"{mod} imports {target}: only the user imports it")
     assert not problems, "\n".join(problems)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import logging
 import os
@@ -214,8 +215,17 @@ def test_plot_of_an_untrained_graph_says_why(mlp_graph, tmp_path):
         plot_history(mlp_graph, str(tmp_path / "x.png"))
 
 
+def _needs(module: str):
+    return pytest.mark.skipif(
+        importlib.util.find_spec(module) is None, reason=f"{module} is not installed"
+    )
+
+
 EXAMPLES = [
     "oneflow_mlp",
+    "training_step",
+    pytest.param("hf_trainer", marks=[pytest.mark.slow, _needs("transformers")]),
+    pytest.param("lightning_module", marks=[pytest.mark.slow, _needs("lightning")]),
     pytest.param("resnet_autocast_to_graph", marks=pytest.mark.slow),
     pytest.param("clip_after_unscale", marks=pytest.mark.slow),
     pytest.param("apex_opt_levels", marks=pytest.mark.slow),

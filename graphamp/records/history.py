@@ -61,6 +61,15 @@ class TrainingHistory:
             self.step, self.table = step, table
         return [cast(torch.Tensor, self.step), self.table]
 
+    def latest(self) -> dict[str, torch.Tensor]:
+        """The last step's row as 0-dim tensors on the device, read without a host sync (what
+        the trainer integrations log); empty before the first step."""
+        if self.table is None or self.step is None:
+            return {}
+        index = torch.remainder(self.step - 1, self.capacity).reshape(1)
+        row = self.table.index_select(0, index)[0]
+        return {c: row[i] for i, c in enumerate(HISTORY_COLUMNS)}
+
     def fetch(self) -> dict[str, list[float]]:
         """The recorded rows in step order, as Python lists per column (one device sync)."""
         if self.table is not None and self.step is not None:

@@ -1,0 +1,182 @@
+"""A LightningModule whose training step runs through graphamp, under Lightning's Trainer.
+
+Two changes to a LightningModule::
+
+    from graphamp.integrations.lightning import GraphampModule
+
+    class LitModel(GraphampModule):          # instead of L.LightningModule
+        def training_loss(self, batch):      # instead of training_step: the forward and the loss
+            x, y = batch
+            return F.cross_entropy(self.model(x), y)
+
+Why a module pattern (and not a precision plugin or a strategy): Lightning's automatic
+optimization runs ``training_step`` and ``backward`` eagerly inside a closure that a plugin or
+strategy must call, and a ``training_step`` logs, which a compiled step cannot replay. Lightning's
+own pattern for a step done elsewhere is manual optimization, and this base class is that
+pattern written once: ``training_step`` runs graphamp's step (forward, backward, clipping, scaler,
+optimizer update as one program) on ``training_loss``, then logs with ``self.log`` and steps
+the optimizers (which counts Lightning's steps; they find no gradients and change nothing) and
+the lr schedulers Lightning was given, by their interval and frequency.
+
+What graphamp captures is ``training_loss`` alone, on the registered LightningModule: the
+model and the loss, never Lightning's bookkeeping (``self.log``, the trainer, the loop's
+attributes Lightning writes on the module), which stays in ``training_step``, outside the
+captured step. Keep ``training_loss`` free of ``self.log`` and of reads of ``self.trainer``: a
+write there is refused at capture, and a read would be a value the step depends on.
+
+Kept from Lightning: its Trainer, data, logging (``train_loss``, ``loss_scale``,
+``skipped_steps``), callbacks, validation and checkpoints (graphamp's state rides in the
+checkpoint under ``"graphamp"``). ``Trainer(precision=...)``: ``"32-true"``, ``"16-mixed"``
+(graphamp's AMP and GradScaler) or ``"bf16-mixed"``; one device (a parallel strategy is
+refused: its gradient sync is not in graphamp's step). Clipping: ``self.clip_grad_max_norm``
+(Lightning refuses ``Trainer(gradient_clip_val=...)`` with manual optimization); graphamp's own
+options: override ``configure_graph(graph)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from ..errors import ConfigError
+from ..graph import Graph
+from ..scaler import GradScaler
+
+CHECKPOINT_KEY = "graphamp"
+_PRECISIONS = {"32-true": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+class LightningStep(Graph):
+    """The step graphamp compiles for a GraphampModule: ``training_loss``, backward, update."""
+
+    def __init__(self, module: GraphampModule, precision: str):
+        super().__init__()
+        self.module = module
+        for optimizer in module.trainer.optimizers:
+            self.add_optimizer(optimizer, clip_grad_max_norm=module.clip_grad_max_norm)
+        dtype = _amp_dtype(precision)
+        if dtype is not None:
+            self.config.enable_amp(True, dtype=dtype)
+        if dtype == torch.float16:
+            self.set_grad_scaler(GradScaler())
+
+    def build(self, batch: Any) -> torch.Tensor:
+        loss = self.module.training_loss(batch)
+        loss.backward()
+        return loss
+
+
+class GraphampModule(pl.LightningModule):
+    """A LightningModule trained by graphamp (module docstring). Write ``training_loss``."""
+
+    clip_grad_max_norm: float | None = None  # set in __init__ to clip after unscaling
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False  # the step is graphamp's
+        self.graph: LightningStep | None = None  # made at the first training step
+        self._graph_state: dict | None = None  # from a checkpoint, loaded into the new graph
+        self._skipped: torch.Tensor | None = None
+
+    def training_loss(self, batch: Any) -> torch.Tensor:
+        raise NotImplementedError(
+            f"{type(self).__name__} must define training_loss(self, batch): the forward and the "
+            "loss of one batch (graphamp calls backward and updates the parameters)"
+        )
+
+    def configure_graph(self, graph: Graph) -> None:
+        """Set graphamp's own options on the step's Graph when it is made (for instance
+        ``graph.config.set_backend("aot_eager")``, ``graph.config.pin_fp32(...)``)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # noqa: ARG002 - Lightning's signature
+        loss = self.graphamp_step(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def graphamp_step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step through graphamp; call it from your own ``training_step`` to log
+        more. Logs ``loss_scale`` and ``skipped_steps`` (device values, no host sync)."""
+        graph = self.graph if self.graph is not None else self._make_graph()
+        loss = graph(batch)
+        for optimizer in self._lightning_optimizers():
+            optimizer.step()  # Lightning counts the step; no gradients, so nothing changes
+        self._step_schedulers("step")
+        row = graph.history.latest()
+        self._skipped = row["skipped"] if self._skipped is None else self._skipped + row["skipped"]
+        self.log("loss_scale", row["scale"])
+        self.log("skipped_steps", self._skipped)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self._step_schedulers("epoch")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.graph is not None:
+            checkpoint[CHECKPOINT_KEY] = self.graph.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._graph_state = checkpoint.get(CHECKPOINT_KEY)
+        if self.graph is not None and self._graph_state is not None:
+            self.graph.load_state_dict(self._graph_state)
+
+    def _make_graph(self) -> LightningStep:
+        _refuse_parallel(self.trainer.strategy)
+        graph = LightningStep(self, str(self.trainer.precision))
+        self.configure_graph(graph)
+        if self._graph_state is not None:
+            graph.load_state_dict(self._graph_state)
+        self.graph = graph
+        return graph
+
+    def _lightning_optimizers(self) -> list:
+        optimizers = self.optimizers()
+        return list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+
+    def _step_schedulers(self, interval: str) -> None:
+        """What Lightning's automatic optimization does with ``configure_optimizers``'
+        schedulers: each steps on its interval, every ``frequency`` steps or epochs."""
+        trainer = self.trainer
+        steps = self.graph.step_count if self.graph is not None else 0
+        for config in trainer.lr_scheduler_configs:
+            if config.interval != interval:
+                continue
+            count = steps if interval == "step" else trainer.current_epoch + 1
+            if count % config.frequency:
+                continue
+            scheduler: Any = config.scheduler
+            if not config.reduce_on_plateau:
+                scheduler.step()
+                continue
+            metric = trainer.callback_metrics.get(str(config.monitor))
+            if metric is None:
+                raise ConfigError(
+                    f"{type(self).__name__}: the ReduceLROnPlateau scheduler monitors "
+                    f"{config.monitor!r}, which nothing logged; log it with self.log or change "
+                    "the scheduler's 'monitor'"
+                )
+            scheduler.step(metric)
+
+
+def _refuse_parallel(strategy: Any) -> None:
+    """One process on one device: a strategy that shards or spreads the step (DDP, FSDP,
+    DeepSpeed) would see graphamp's step bypass its gradient sync, training each process apart."""
+    if not isinstance(strategy, pl.strategies.SingleDeviceStrategy):
+        raise ConfigError(
+            f"GraphampModule trains one process on one device, got Trainer(strategy="
+            f"{type(strategy).__name__}): its gradient sync is not in graphamp's step. Use "
+            "Trainer(devices=1); for data parallel or sharded optimizer state, train with a "
+            "graphamp.Graph and config.enable_data_parallel() or config.enable_zero(stage=1|2) "
+            "(docs/distributed.md)"
+        )
+
+
+def _amp_dtype(precision: str) -> torch.dtype | None:
+    if precision not in _PRECISIONS:
+        raise ConfigError(
+            f"GraphampModule trains with Trainer(precision='32-true', '16-mixed' or "
+            f"'bf16-mixed'), got precision={precision!r}: true half precision casts the model "
+            "itself, which graphamp's fp32 master weights cannot share; use the '-mixed' form"
+        )
+    return _PRECISIONS[precision]

@@ -1,0 +1,117 @@
+"""What graphamp's Trainer cannot honour, refused when the Trainer is made or training starts.
+
+Each entry names the ``TrainingArguments`` field (or the situation) and the alternative; the
+Trainer raises ``ConfigError`` with it instead of ignoring the option. Kept apart from the
+Trainer so the list reads as one table.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+from ..errors import ConfigError, UnsupportedOptimizerError
+
+_PARALLEL = (
+    "graphamp's Trainer trains one process on one device. For data parallel or sharded "
+    "optimizer state, train with a graphamp.Graph and config.enable_data_parallel() or "
+    "config.enable_zero(stage=1|2) (docs/distributed.md)"
+)
+
+
+class Refusal(NamedTuple):
+    argument: str  # what the user set, as they wrote it
+    applies: Callable[[Any], bool]  # (the trainer) -> the option is in use
+    why_and_instead: str
+
+
+REFUSALS = (
+    Refusal(
+        "torch_compile=True",
+        lambda t: bool(getattr(t.args, "torch_compile", False)),
+        "graphamp compiles the whole training step itself. Set torch_compile=False; choose "
+        "graphamp's backend with Trainer(..., configure_graph=lambda g: "
+        "g.config.set_backend('inductor'))",
+    ),
+    Refusal("deepspeed", lambda t: bool(getattr(t.args, "deepspeed", None)), _PARALLEL),
+    Refusal("fsdp", lambda t: bool(getattr(t.args, "fsdp", None)), _PARALLEL),
+    Refusal(
+        "parallelism_config",
+        lambda t: getattr(t.args, "parallelism_config", None) is not None,
+        _PARALLEL,
+    ),
+    Refusal("a distributed launch (world_size > 1)", lambda t: t.args.world_size > 1, _PARALLEL),
+    Refusal(
+        "several GPUs in one process (n_gpu > 1, DataParallel)",
+        lambda t: t.args.n_gpu > 1,
+        "graphamp trains on one device per process: make one GPU visible to the process",
+    ),
+    Refusal(
+        "a model spread over several devices (model parallel)",
+        lambda t: bool(getattr(t, "is_model_parallel", False)),
+        "graphamp trains a model on one device: load it on one device",
+    ),
+    Refusal(
+        "fp16_full_eval / bf16_full_eval",
+        lambda t: bool(
+            getattr(t.args, "fp16_full_eval", False) or getattr(t.args, "bf16_full_eval", False)
+        ),
+        "they cast the model itself to half precision, which graphamp's fp32 master weights "
+        "cannot share. Evaluation already runs under the training's mixed precision (fp16=True "
+        "or bf16=True)",
+    ),
+    Refusal(
+        "neftune_noise_alpha",
+        lambda t: getattr(t.args, "neftune_noise_alpha", None) is not None,
+        "NEFTune adds its noise in a forward hook on the embeddings, which a compiled step "
+        "cannot run. Leave neftune_noise_alpha unset",
+    ),
+    Refusal(
+        "debug='underflow_overflow'",
+        lambda t: "underflow_overflow" in str(getattr(t.args, "debug", "")),
+        "it watches activations with forward hooks, which a compiled step cannot run. Use "
+        "graphamp's overflow tracing instead: Trainer(..., configure_graph=lambda g: "
+        "g.config.enable_overflow_tracing()), then trainer.graph.overflow_report()",
+    ),
+    Refusal(
+        "use_liger_kernel=True",
+        lambda t: bool(getattr(t.args, "use_liger_kernel", False)),
+        "Liger replaces the model's layers with its own Triton kernels; graphamp captures and "
+        "compiles the model's own ops. Leave use_liger_kernel off",
+    ),
+)
+
+
+def refuse_unsupported(trainer: Any) -> None:
+    """ConfigError naming the first option in use that graphamp's Trainer cannot honour."""
+    for refusal in REFUSALS:
+        if refusal.applies(trainer):
+            raise ConfigError(
+                f"graphamp's Trainer does not support {refusal.argument}: {refusal.why_and_instead}"
+            )
+
+
+def refuse_ragged_accumulation(args: Any, n_examples: int | None) -> None:
+    """With gradient accumulation, graphamp splits one batch into equal micro-batches: a last
+    batch smaller than the others cannot be one of them (refused if training reaches it)."""
+    steps, batch = args.gradient_accumulation_steps, args.per_device_train_batch_size
+    if steps == 1 or args.dataloader_drop_last or n_examples is None or n_examples % batch == 0:
+        return
+    if 0 < args.max_steps and args.max_steps * steps <= n_examples // batch:
+        return  # training stops before the epoch's last batch
+    raise ConfigError(
+        f"graphamp's Trainer does not support gradient_accumulation_steps={steps} with a "
+        f"last batch of {n_examples % batch} examples (the dataset's {n_examples} examples "
+        f"are not a multiple of per_device_train_batch_size={batch}): graphamp runs an "
+        "optimizer step's micro-batches as equal slices of one batch. Set "
+        "dataloader_drop_last=True, or make the dataset a multiple of the batch size"
+    )
+
+
+def refuse_optimizer(optim: Any, error: Exception) -> UnsupportedOptimizerError:
+    """The error for an optimizer graphamp has no in-graph update for."""
+    name = getattr(optim, "value", optim)  # TrainingArguments holds an OptimizerNames enum
+    return UnsupportedOptimizerError(
+        f"graphamp's Trainer cannot train with optim={name!r}: {error} Use "
+        "optim='adamw_torch', 'adamw_torch_fused' or 'sgd' (or pass a torch.optim SGD, Adam "
+        "or AdamW through Trainer(optimizers=(optimizer, scheduler)))"
+    )

@@ -1,0 +1,221 @@
+"""graphamp's GraphampModule under Lightning's Trainer against a stock LightningModule: the
+same model, data, optimizer, schedule and clipping; fp32 losses equal, checkpoints resume."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning.pytorch")
+
+from graphamp import CaptureError, ConfigError  # noqa: E402
+from graphamp.integrations import lightning as integration  # noqa: E402
+from graphamp.integrations.lightning import CHECKPOINT_KEY, GraphampModule  # noqa: E402
+
+STEPS = 20
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
+
+
+def _loader():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS * 8, 16, generator=g)
+    y = (x[:, :4] * 3).argmax(1)
+    data = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)
+
+
+def _optimizers(module):
+    opt = torch.optim.AdamW(module.parameters(), lr=3e-2, weight_decay=0.1)
+    sch = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+
+
+class Stock(L.LightningModule):
+    """The LightningModule a user has: automatic optimization."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return _optimizers(self)
+
+
+class Ours(GraphampModule):
+    """The same module on graphamp: training_loss instead of training_step, clipping here."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _model()
+        self.clip_grad_max_norm = 1.0
+
+    def training_loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def configure_graph(self, graph):
+        graph.config.set_backend("aot_eager")
+
+    def configure_optimizers(self):
+        return _optimizers(self)
+
+
+class Losses(L.Callback):
+    """Lightning's logged values after every training batch (what a logger would see)."""
+
+    def __init__(self):
+        self.rows = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        metrics = trainer.callback_metrics
+        self.rows.append({k: float(v) for k, v in metrics.items()})
+
+
+def _fit(module, tmp_path, epochs=1, ckpt_path=None, **trainer_args):
+    losses = Losses()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[losses, *trainer_args.pop("callbacks", [])],
+        **trainer_args,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _loader(), ckpt_path=ckpt_path)
+    return trainer, losses.rows
+
+
+@pytest.mark.slow
+def test_losses_equal_stock_lightning_over_20_steps(tmp_path):
+    stock, ours = Stock(), Ours()
+    _, expected = _fit(stock, tmp_path / "stock", gradient_clip_val=1.0)
+    trainer, rows = _fit(ours, tmp_path / "ours")
+    assert len(rows) == len(expected) == STEPS and trainer.global_step == STEPS
+    for a, b in zip(rows, expected):
+        assert abs(a["train_loss"] - b["train_loss"]) <= 1e-5 * abs(b["train_loss"]), (a, b)
+        assert (a["loss_scale"], a["skipped_steps"]) == (1.0, 0.0)
+    for p, q in zip(ours.model.parameters(), stock.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert ours.graph.step_count == STEPS and len(ours.graph.compiled_steps) == 1
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_as_an_uninterrupted_run(tmp_path):
+    """Two epochs straight, against one epoch, a checkpoint, and the second epoch resumed in a
+    new module and Trainer: graphamp's state rides in Lightning's checkpoint."""
+    whole = Ours()
+    _, straight = _fit(whole, tmp_path / "straight", epochs=2)
+    first = Ours()
+    saver = L.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    _fit(first, tmp_path / "first", epochs=1, callbacks=[saver])
+    checkpoint = torch.load(saver.last_model_path, weights_only=False)
+    assert checkpoint[CHECKPOINT_KEY]["step"] == STEPS
+    resumed = Ours()
+    trainer, rows = _fit(resumed, tmp_path / "resumed", epochs=2, ckpt_path=saver.last_model_path)
+    assert trainer.global_step == 2 * STEPS and resumed.graph.step_count == 2 * STEPS
+    assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in straight[STEPS:]]
+    for p, q in zip(resumed.parameters(), whole.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.slow
+def test_bf16_mixed_runs_the_step_in_bf16_within_the_project_bounds(tmp_path):
+    """Trainer(precision="bf16-mixed") turns on graphamp's bf16 AMP (Lightning's autocast
+    around training_step is switched off for graphamp's call); losses within 8% of the stock
+    module's under Lightning's own bf16 autocast (tests/test_real_models.py's bound)."""
+    stock, ours = Stock(), Ours()
+    _, expected = _fit(stock, tmp_path / "stock", gradient_clip_val=1.0, precision="bf16-mixed")
+    _, rows = _fit(ours, tmp_path / "ours", precision="bf16-mixed")
+    for a, b in zip(rows, expected):
+        assert abs(a["train_loss"] - b["train_loss"]) <= 8e-2 * abs(b["train_loss"]), (a, b)
+    report = ours.graph.precision_report(with_autocast=False)
+    assert ours.graph.config.amp_dtype == torch.bfloat16 and report.ops_low > 0
+
+
+class Natural(Ours):
+    """The pattern Lightning users write: forward on the module, self(x) and self.device in
+    the loss, a validation loop that logs."""
+
+    def forward(self, x):
+        return self.model(x)
+
+    def training_loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self(x.to(self.device)), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+
+@pytest.mark.slow
+def test_lightnings_bookkeeping_between_steps_compiles_nothing_new(tmp_path):
+    """Lightning writes attributes on the module between steps (its trainer, the hook it is
+    in, logged metrics, the epoch's state), switches to eval and back for validation and crosses
+    an epoch: 40 steps, one compiled step. What graphamp captures is training_loss: it reads the
+    model's settings and self.device, none of Lightning's bookkeeping."""
+    module = Natural()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        val_check_interval=5,
+        limit_val_batches=2,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, _loader(), _loader())
+    assert "val_loss" in trainer.callback_metrics and trainer.global_step == 2 * STEPS
+    assert module.graph.step_count == 2 * STEPS
+    assert [s.calls for s in module.graph.compiled_steps] == [2 * STEPS]
+
+
+def test_true_half_precision_is_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match="precision='bf16-true'.*-mixed"):
+        _fit(Ours(), tmp_path, precision="bf16-true", max_steps=1)
+
+
+def test_a_parallel_strategy_is_refused_by_name():
+    """DDP's gradient sync is not in graphamp's step: refused before the first step (tested on
+    the Trainer's strategy, without starting processes)."""
+    single = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    integration._refuse_parallel(single.strategy)
+    ddp = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
+    with pytest.raises(ConfigError, match="strategy=DDPStrategy.*devices=1.*enable_data_parallel"):
+        integration._refuse_parallel(ddp.strategy)
+
+
+def test_a_module_without_training_loss_says_what_to_write(tmp_path):
+    class Missing(GraphampModule):
+        def __init__(self):
+            super().__init__()
+            self.model = _model()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    with pytest.raises(CaptureError, match="must define training_loss"):
+        _fit(Missing(), tmp_path, max_steps=1)
