@@ -61,6 +61,7 @@ class GraphConfig:
         self.autofix: AutofixSettings | None = None
         self.dynamic_shapes: bool | None = None  # automatic (set_dynamic_shapes)
         self.recompile_limit = 8
+        self.progress = True  # not part of the snapshot: it changes no compiled step
 
     def snapshot(self) -> ConfigSnapshot:
         """The current settings, frozen (the same object until a setter changes something)."""
@@ -292,6 +293,13 @@ class GraphConfig:
         compile raises RecompileLimitError naming what kept changing between calls (torch.compile
         stops compiling after 8 by default too)."""
         self.recompile_limit = check_int("recompile limit", n, at_least=1)
+
+    # -- first call ------------------------------------------------------------------------------
+    def set_progress(self, mode: bool) -> None:
+        """Whether a first call draws a progress line on stderr while a long compile runs
+        (default on; only ever on a terminal). The per-stage INFO lines on the ``graphamp``
+        logger are its level's business (``Graph.debug(0)`` hides them)."""
+        self.progress = check_bool("set_progress(mode)", mode)
 
     def __repr__(self) -> str:
         amp = f"{self.amp_dtype} {self.amp_opt_level}" if self.amp_active else "off"

@@ -43,6 +43,7 @@ from .records.stage_errors import stage_error
 from .records.state import SharedState
 from .runtime import Runner, compile_step, distributed
 from .runtime.compile import StepFn
+from .runtime.progress import CompileProgress, cache_outcome, inductor_cache_counts, log_stage
 from .step import assemble_step, build_plan, example_inputs, recompute_checkpointed
 
 log = logging.getLogger("graphamp")
@@ -82,12 +83,14 @@ class _Build:
     example: list[torch.Tensor]
     step_gm: fx.GraphModule
     compiled: StepFn
+    compile_detail: str  # what the compile stage's log line says besides its seconds
 
 
 class Stage(NamedTuple):
     name: str
     run: Callable[[_Build], None]
     wanted: Callable[[_Build], bool] | None = None  # None: always
+    describe: Callable[[_Build], str] | None = None  # what its INFO line says it made
 
 
 def build_program(
@@ -149,7 +152,8 @@ def _build(b: _Build) -> Program:
         b.stage = stage.name
         start = time.perf_counter()
         stage.run(b)
-        b.timings[stage.name] = time.perf_counter() - start
+        b.timings[stage.name] = seconds = time.perf_counter() - start
+        log_stage(b.spec.name, stage.name, seconds, stage.describe(b) if stage.describe else "")
     config = b.spec.config
     replay = (
         b.device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False
@@ -317,16 +321,40 @@ def _recompute(b: _Build) -> None:
 
 def _compile(b: _Build) -> None:
     config = b.spec.config
-    b.compiled = compile_step(b.step_gm, b.example, config.backend, dict(config.inductor_options))
+    b.compile_detail = f"{_nodes(b.step_gm)} nodes, {config.backend}"
+    label = f"{b.spec.name}: compiling the step ({b.compile_detail})"
+    inductor = config.backend == "inductor"
+    before = inductor_cache_counts() if inductor else {}
+    with CompileProgress(label, show=b.spec.progress and config.backend != "eager"):
+        b.compiled = compile_step(
+            b.step_gm, b.example, config.backend, dict(config.inductor_options)
+        )
+    if inductor:  # whether a restart was served from inductor's caches
+        b.compile_detail += ", " + (cache_outcome(before, inductor_cache_counts()) or "no cache")
+
+
+def _nodes(gm: fx.GraphModule) -> int:
+    return len(gm.graph.nodes)
+
+
+def _passes_detail(b: _Build) -> str:
+    if b.amp is None:
+        return f"{_nodes(b.forward)} nodes, AMP off"
+    return f"{_nodes(b.forward)} nodes, {b.amp.stats.get('casts', 0)} casts"
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("capture", _capture),
-    Stage("amp_passes", _amp_passes),
+    Stage("capture", _capture, describe=lambda b: f"{_nodes(b.captured.gm)} nodes"),
+    Stage("amp_passes", _amp_passes, describe=_passes_detail),
     Stage("plan", _plan),
-    Stage("assemble", _assemble),
-    Stage("recompute", _recompute, wanted=lambda b: bool(b.regions) and b.spec.training),
-    Stage("compile", _compile),
+    Stage("assemble", _assemble, describe=lambda b: f"{_nodes(b.step_gm)} nodes"),
+    Stage(
+        "recompute",
+        _recompute,
+        wanted=lambda b: bool(b.regions) and b.spec.training,
+        describe=lambda b: f"{_nodes(b.step_gm)} nodes",
+    ),
+    Stage("compile", _compile, describe=lambda b: b.compile_detail),
 )
 
 
