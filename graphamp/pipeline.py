@@ -43,7 +43,8 @@ from .records.stage_errors import stage_error
 from .records.state import SharedState
 from .runtime import Runner, compile_step, distributed
 from .runtime.compile import StepFn
-from .runtime.progress import CompileProgress, cache_outcome, inductor_cache_counts, log_stage
+from .runtime.inductor_cache import compile_from_cache
+from .runtime.progress import CompileProgress, log_stage
 from .step import assemble_step, build_plan, example_inputs, recompute_checkpointed
 
 log = logging.getLogger("graphamp")
@@ -323,14 +324,14 @@ def _compile(b: _Build) -> None:
     config = b.spec.config
     b.compile_detail = f"{_nodes(b.step_gm)} nodes, {config.backend}"
     label = f"{b.spec.name}: compiling the step ({b.compile_detail})"
-    inductor = config.backend == "inductor"
-    before = inductor_cache_counts() if inductor else {}
+
+    def compile_once() -> StepFn:
+        return compile_step(b.step_gm, b.example, config.backend, dict(config.inductor_options))
+
     with CompileProgress(label, show=b.spec.progress and config.backend != "eager"):
-        b.compiled = compile_step(
-            b.step_gm, b.example, config.backend, dict(config.inductor_options)
-        )
-    if inductor:  # whether a restart was served from inductor's caches
-        b.compile_detail += ", " + (cache_outcome(before, inductor_cache_counts()) or "no cache")
+        b.compiled, caches = compile_from_cache(b.spec.name, config.backend, compile_once)
+    if config.backend == "inductor":  # whether a restart was served from inductor's caches
+        b.compile_detail += ", " + (caches or "no cache")
 
 
 def _nodes(gm: fx.GraphModule) -> int:

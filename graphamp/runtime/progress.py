@@ -2,8 +2,8 @@
 silent prompt.
 
 - One INFO line per stage on the ``graphamp`` logger, with its seconds and what it made (node
-  counts; for the compile, the backend and whether inductor's caches served it). The logger's
-  level decides whether they are shown (``Graph.debug(1)`` shows them).
+  counts; for the compile, the backend and what inductor's caches did: ``inductor_cache.py``).
+  The logger's level decides whether they are shown (``Graph.debug(1)`` shows them).
 - On a terminal, a tqdm-style line on stderr while the compile runs: it appears once the compile
   has taken ``SHOW_AFTER_S`` (a compile that finishes sooner is not expected to be long and says
   nothing), counts the seconds from a thread, and ends with the total. Never on a non-terminal
@@ -29,25 +29,6 @@ _SPINNER = "|/-\\"
 def log_stage(graph_name: str, stage: str, seconds: float, detail: str) -> None:
     """One INFO line for a finished stage: ``GPT: compile 31.20 s (3912 nodes, inductor)``."""
     log.info("%s: %s %.2f s%s", graph_name, stage, seconds, f" ({detail})" if detail else "")
-
-
-def inductor_cache_counts() -> dict[str, int]:
-    """inductor's FX-graph cache and AOTAutograd's cache counters, as torch keeps them for the
-    whole process (the compile stage reports the change over its own run)."""
-    from torch._dynamo.utils import counters
-
-    return {
-        key: value
-        for group in ("inductor", "aot_autograd")
-        for key, value in counters[group].items()
-        if key.startswith(("fxgraph_cache_", "autograd_cache_"))
-    }
-
-
-def cache_outcome(before: dict[str, int], after: dict[str, int]) -> str:
-    """What the caches did during one compile, e.g. ``fxgraph_cache_hit, autograd_cache_hit``."""
-    changed = sorted(k for k, v in after.items() if v != before.get(k, 0))
-    return ", ".join(changed)
 
 
 class CompileProgress:
