@@ -295,6 +295,14 @@ class GraphConfig:
         self.recompile_limit = check_int("recompile limit", n, at_least=1)
 
     # -- first call ------------------------------------------------------------------------------
+    def set_outline_blocks(self, mode: bool = True) -> None:
+        """Compile each distinct repeated block once (off by default; experimental): the
+        forward and backward of N identical blocks of a ModuleList or Sequential (transformer
+        layers, equal ResNet blocks) become N calls of one shared subgraph of the step, which
+        stays one program. Blocks are found automatically; precision decisions are unchanged.
+        Bitwise against the inlined step in the CPU tests; not yet tried on CUDA (README)."""
+        self._set(outline_blocks=check_bool("set_outline_blocks(mode)", mode))
+
     def set_progress(self, mode: bool) -> None:
         """Whether a first call draws a progress line on stderr while a long compile runs
         (default on; only ever on a terminal). The per-stage INFO lines on the ``graphamp``

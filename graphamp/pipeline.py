@@ -45,7 +45,14 @@ from .runtime import Runner, compile_step, distributed
 from .runtime.compile import StepFn
 from .runtime.inductor_cache import compile_from_cache
 from .runtime.progress import CompileProgress, log_stage
-from .step import assemble_step, build_plan, example_inputs, recompute_checkpointed
+from .step import (
+    OutlineResult,
+    assemble_step,
+    build_plan,
+    example_inputs,
+    outline_blocks,
+    recompute_checkpointed,
+)
 
 log = logging.getLogger("graphamp")
 
@@ -84,6 +91,7 @@ class _Build:
     example: list[torch.Tensor]
     step_gm: fx.GraphModule
     compiled: StepFn
+    outline: OutlineResult  # repeated blocks outlined (config.set_outline_blocks)
     compile_detail: str  # what the compile stage's log line says besides its seconds
 
 
@@ -307,7 +315,23 @@ def _plan(b: _Build) -> None:
 
 def _assemble(b: _Build) -> None:
     b.example = example_inputs(b.plan, b.root, b.state, b.batch.tensors, b.device)
-    b.step_gm = assemble_step(b.plan, b.forward, b.example)
+    b.step_gm = assemble_step(b.plan, b.forward, b.example, _outlining(b))
+
+
+def _outlining(b: _Build) -> bool:
+    return b.spec.config.outline_blocks and b.spec.training and not b.regions
+
+
+def _outline(b: _Build) -> None:
+    """Repeated blocks as shared subgraphs, on a copy: if outlining fails, the inlined step is
+    compiled (and the INFO line says why)."""
+    outlined = copy_graph_module(b.step_gm)
+    try:
+        b.outline = outline_blocks(outlined)
+    except Exception as e:  # noqa: BLE001 - outlining is an optimisation; the step is correct without it
+        b.outline = OutlineResult(left_inline=[f"all ({type(e).__name__}: {e})"])
+        return
+    b.step_gm = outlined
 
 
 def _recompute(b: _Build) -> None:
@@ -338,6 +362,17 @@ def _nodes(gm: fx.GraphModule) -> int:
     return len(gm.graph.nodes)
 
 
+def _outline_detail(b: _Build) -> str:
+    o = b.outline
+    text = f"{_nodes(b.step_gm)} nodes, {o.blocks} blocks, {o.distinct} distinct regions"
+    text += f", {o.outlined} regions outlined"
+    if o.left_inline:
+        text += f"; inline: {', '.join(o.left_inline[:4])}" + (
+            " ..." if len(o.left_inline) > 4 else ""
+        )
+    return text
+
+
 def _passes_detail(b: _Build) -> str:
     if b.amp is None:
         return f"{_nodes(b.forward)} nodes, AMP off"
@@ -355,6 +390,7 @@ STAGES: tuple[Stage, ...] = (
         wanted=lambda b: bool(b.regions) and b.spec.training,
         describe=lambda b: f"{_nodes(b.step_gm)} nodes",
     ),
+    Stage("outline", _outline, wanted=_outlining, describe=lambda b: _outline_detail(b)),
     Stage("compile", _compile, describe=lambda b: b.compile_detail),
 )
 

@@ -12,6 +12,9 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._functorch._aot_autograd.logging_utils import (
+    setup_stacktrace_preservation_hooks_from_tensors,
+)
 
 from ..records.fxutil import NodeTagger, last_node, nodes_after, tracing_graph
 from ..records.layouts import StepInputs
@@ -103,6 +106,7 @@ def forward_and_gradients(
     scale: torch.Tensor | None,
     reduce_each: Callable[[list], list] | None = None,
     recorder: ProbeRecorder | None = None,
+    record_origins: bool = False,
 ) -> ForwardResult:
     """Run the forward on each micro-batch, seed each loss with ``scale`` (None: 1) and add the
     parameter gradients up; BatchNorm statistics carry from one micro-batch to the next.
@@ -113,9 +117,8 @@ def forward_and_gradients(
 
     ``reduce_each`` (ZeRO stage 2) maps each micro-batch's gradients, in ``plan.trainable``
     order, to what is summed over micro-batches (the rank's shards): full gradients then live
-    for one micro-batch only.
-    With a ``recorder`` (overflow tracing), every probed value and the gradient arriving at it
-    are measured."""
+    for one micro-batch only. With a ``recorder`` (overflow tracing), every probed value and the
+    gradient arriving at it are measured. ``record_origins``: see ``assemble_step``."""
     cap = plan.captured
     params = s.params
     copies = parameter_casts(plan, params)
@@ -140,6 +143,8 @@ def forward_and_gradients(
         seeds = _seeds(plan, losses, loss_grads, scale)
         micro_grads: dict[int, torch.Tensor] = total if reduce_each is None else {}
         with NodeTagger({"graphamp_subgraph": "backward"}):
+            if record_origins:  # backward nodes get their forward op's seq_nr
+                setup_stacktrace_preservation_hooks_from_tensors(losses)
             _accumulate_grads(plan, losses, seeds, leaves.wrt, params, micro_grads)
         if reduce_each is not None:
             reduced = reduce_each(_in_trainable_order(plan, micro_grads, params))
