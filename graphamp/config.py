@@ -300,7 +300,8 @@ class GraphConfig:
         forward and backward of N identical blocks of a ModuleList or Sequential (transformer
         layers, equal ResNet blocks) become N calls of one shared subgraph of the step, which
         stays one program. Blocks are found automatically; precision decisions are unchanged.
-        Bitwise against the inlined step in the CPU tests; not yet tried on CUDA (README)."""
+        Bitwise against the inlined step with aot_eager in the CPU tests; not applied with
+        inductor yet (its results differed in a test), not tried on CUDA (README)."""
         self._set(outline_blocks=check_bool("set_outline_blocks(mode)", mode))
 
     def set_progress(self, mode: bool) -> None:

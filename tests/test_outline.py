@@ -159,8 +159,11 @@ def test_outlining_is_off_by_default_and_part_of_the_cache_key():
 
 @pytest.mark.slow
 @pytest.mark.inductor
-def test_outlined_step_is_bitwise_the_inlined_one_with_inductor():
-    inlined = _train("block_stack", outline=False, backend="inductor")
-    outlined = _train("block_stack", outline=True, backend="inductor")
-    _assert_bitwise(inlined, outlined)
-    assert len(_calls(outlined[0])) == 5 and len(set(_calls(outlined[0]))) == 2
+def test_outlining_is_not_applied_with_inductor(caplog):
+    """With inductor the outlined step of the block stack computed other losses than the
+    inlined one (a loss of 2.4470 against 2.4581; not understood yet), so the switch
+    leaves an inductor step inlined and says so."""
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        g, *_ = _train("block_stack", outline=True, backend="inductor", steps=1)
+    assert _calls(g) == []
+    assert any("not applied with inductor yet" in r.getMessage() for r in caplog.records)

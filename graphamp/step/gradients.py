@@ -143,9 +143,7 @@ def forward_and_gradients(
         seeds = _seeds(plan, losses, loss_grads, scale)
         micro_grads: dict[int, torch.Tensor] = total if reduce_each is None else {}
         with NodeTagger({"graphamp_subgraph": "backward"}):
-            if record_origins:  # backward nodes get their forward op's seq_nr
-                setup_stacktrace_preservation_hooks_from_tensors(losses)
-            _accumulate_grads(plan, losses, seeds, leaves.wrt, params, micro_grads)
+            _accumulate_grads(plan, losses, seeds, leaves.wrt, params, micro_grads, record_origins)
         if reduce_each is not None:
             reduced = reduce_each(_in_trainable_order(plan, micro_grads, params))
             for i, g in zip(plan.trainable, reduced):
@@ -221,7 +219,13 @@ def _micro_batches(inputs: list, n: int) -> list[list]:
 
 
 def _accumulate_grads(
-    plan: StepPlan, losses: list, seeds: list, wrt: list, params: list, total: dict
+    plan: StepPlan,
+    losses: list,
+    seeds: list,
+    wrt: list,
+    params: list,
+    total: dict,
+    record_origins: bool,
 ) -> None:
     """Add this micro-batch's parameter gradients to ``total``.
 
@@ -230,6 +234,8 @@ def _accumulate_grads(
     Losses that called backward(inputs=...) send gradients only to those parameters: one
     ``autograd.grad`` per distinct restriction, over the parameters it names.
     """
+    if record_origins:  # backward nodes get their forward op's seq_nr (assemble_step)
+        setup_stacktrace_preservation_hooks_from_tensors(losses)
     groups: dict = {}
     for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(losses)):
         groups.setdefault(restrict, []).append(index)

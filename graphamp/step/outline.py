@@ -134,8 +134,8 @@ def _attribute_gradient_sums(backward: list[fx.Node], block_of: dict[fx.Node, st
         for node in backward:
             if node in block_of:
                 continue
-            before = {block_of.get(a) for a in node.all_input_nodes} - {None}
-            after = {block_of.get(u) for u in node.users} - {None}
+            before = {block_of[a] for a in node.all_input_nodes if a in block_of}
+            after = {block_of[u] for u in node.users if u in block_of}
             if len(before) == 1 and after and after <= before:
                 block_of[node] = before.pop()
                 changed = True
