@@ -61,6 +61,7 @@ class GraphConfig:
         self.autofix: AutofixSettings | None = None
         self.dynamic_shapes: bool | None = None  # automatic (set_dynamic_shapes)
         self.recompile_limit = 8
+        self.progress = True  # not part of the snapshot: it changes no compiled step
 
     def snapshot(self) -> ConfigSnapshot:
         """The current settings, frozen (the same object until a setter changes something)."""
@@ -292,6 +293,22 @@ class GraphConfig:
         compile raises RecompileLimitError naming what kept changing between calls (torch.compile
         stops compiling after 8 by default too)."""
         self.recompile_limit = check_int("recompile limit", n, at_least=1)
+
+    # -- first call ------------------------------------------------------------------------------
+    def set_outline_blocks(self, mode: bool = True) -> None:
+        """Compile each distinct repeated block once (off by default; experimental): the
+        forward and backward of N identical blocks of a ModuleList or Sequential (transformer
+        layers, equal ResNet blocks) become N calls of one shared subgraph of the step, which
+        stays one program. Blocks are found automatically; precision decisions are unchanged.
+        Bitwise against the inlined step with aot_eager in the CPU tests; not applied with
+        inductor yet (its results differed in a test), not tried on CUDA (README)."""
+        self._set(outline_blocks=check_bool("set_outline_blocks(mode)", mode))
+
+    def set_progress(self, mode: bool) -> None:
+        """Whether a first call draws a progress line on stderr while a long compile runs
+        (default on; only ever on a terminal). The per-stage INFO lines on the ``graphamp``
+        logger are its level's business (``Graph.debug(0)`` hides them)."""
+        self.progress = check_bool("set_progress(mode)", mode)
 
     def __repr__(self) -> str:
         amp = f"{self.amp_dtype} {self.amp_opt_level}" if self.amp_active else "off"

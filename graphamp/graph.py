@@ -241,6 +241,7 @@ class Graph:
             config=self.config.snapshot(),
             history_capacity=self._state.history.capacity,
             debug_level=self._run.debug_level,
+            progress=self.config.progress,
         )
 
     def _check_ready(self) -> None:

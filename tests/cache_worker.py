@@ -1,7 +1,10 @@
 """One process of tests/test_compile_cache.py: train a few steps with inductor on the inductor
 cache directory the test set (TORCHINDUCTOR_CACHE_DIR), save what came out.
 
-    python tests/cache_worker.py CASE OUT.pt
+    python tests/cache_worker.py CASE[,CASE...] OUT.pt
+
+Cases run one after the other in this process, each with a fresh Graph and seed; each case's
+entry holds its losses, its model's state and what inductor's caches did while it ran.
 """
 
 from __future__ import annotations
@@ -28,9 +31,40 @@ def _masked_ce(g, x, y):
     return loss
 
 
+def _small_mlp(hidden: int = 64, act: type[nn.Module] = nn.ReLU) -> nn.Module:
+    return nn.Sequential(nn.Linear(32, hidden), act(), nn.Linear(hidden, 4))
+
+
+# the base step, and steps that differ from it in one thing each: none may be served the base's
+# cache entry. "other_torch" is the base step under another torch build's key.
+VARIANTS = {
+    "base": {},
+    "wider": {"hidden": 96},
+    "gelu": {"act": nn.GELU},
+    "fp16": {"amp": torch.float16},
+    "pinned": {"configure": lambda g: g.config.pin_fp32("model.2")},
+    "other_torch": {},
+}
+
+
+def _variant(name: str, gen: torch.Generator):
+    spec = dict(VARIANTS[name])
+    model = _small_mlp(spec.pop("hidden", 64), spec.pop("act", nn.ReLU))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    spec.setdefault("amp", torch.bfloat16)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt, backend="inductor", **spec)
+    batches = [
+        (torch.randn(16, 32, generator=gen), torch.randint(0, 4, (16,), generator=gen))
+        for _ in range(3)
+    ]
+    return g, batches
+
+
 def case(name: str):
     """(graph, batches) of a case."""
     gen = torch.Generator().manual_seed(1)
+    if name in VARIANTS:
+        return _variant(name, gen)
     if name == "fp16_scaler_adamw":
         model = seed_mlp()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -56,26 +90,38 @@ def case(name: str):
     raise ValueError(name)
 
 
-def main(name: str, out: str) -> None:
+def _cache_counters() -> dict[str, int]:
     import torch._dynamo.utils
 
+    counters = torch._dynamo.utils.counters
+    return {
+        k: v
+        for k, v in {**counters["inductor"], **counters["aot_autograd"]}.items()
+        if "cache" in k
+    }
+
+
+def run_case(name: str) -> dict:
+    if name == "other_torch":  # what a restart after a torch upgrade looks like to inductor
+        from torch._inductor.codecache import torch_key
+
+        torch_key.clear()
+        torch_key.set(b"another torch build")
     torch.manual_seed(0)
+    before = _cache_counters()
     g, batches = case(name)
     losses = [g(x, y).detach().clone() for x, y in batches]
-    counters = torch._dynamo.utils.counters
-    torch.save(
-        {
-            "losses": losses,
-            "state": {k: v.clone() for k, v in g.model.state_dict().items()},
-            "cache": {
-                k: v
-                for k, v in {**counters["inductor"], **counters["aot_autograd"]}.items()
-                if "cache" in k
-            },
-            "programs": len(g.compiled_steps),
-        },
-        out,
-    )
+    after = _cache_counters()
+    return {
+        "losses": losses,
+        "state": {k: v.clone() for k, v in g.model.state_dict().items()},
+        "cache": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)},
+        "programs": len(g.compiled_steps),
+    }
+
+
+def main(names: str, out: str) -> None:
+    torch.save({"cases": {name: run_case(name) for name in names.split(",")}}, out)
 
 
 if __name__ == "__main__":

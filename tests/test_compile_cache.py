@@ -8,9 +8,11 @@ AOTAutograd's tensorify_python_scalars).
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from graphamp.records.fxutil import trace_functional
 from graphamp.runtime.compile import compile_step
+from graphamp.runtime.inductor_cache import rebuild_if_cache_unreadable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -74,30 +77,48 @@ def test_aot_eager_compiles_in_the_tracing_context_and_matches_the_graph():
         assert torch.equal(a, b)
 
 
-def _run_worker(case: str, cache_dir, out) -> dict:
+def _worker(cases: str, cache_dir, out) -> subprocess.Popen:
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
     }
-    done = subprocess.run(
-        [sys.executable, os.path.join(HERE, "cache_worker.py"), case, str(out)],
-        capture_output=True,
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "cache_worker.py"), cases, str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=900,
         env=env,
         stdin=subprocess.DEVNULL,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(out, weights_only=True)
+
+
+def _results(worker: subprocess.Popen, out) -> tuple[dict, str]:
+    """Each case's results, and the worker's stderr."""
+    _, stderr = worker.communicate(timeout=900)
+    assert worker.returncode == 0, stderr[-3000:]
+    return torch.load(out, weights_only=True)["cases"], stderr
+
+
+def _run_worker(cases: str, cache_dir, out) -> dict:
+    return _results(_worker(cases, cache_dir, out), out)[0]
+
+
+def _assert_same_run(a: dict, b: dict) -> None:
+    assert len(a["losses"]) == len(b["losses"])
+    for x, y in zip(a["losses"], b["losses"]):
+        assert torch.equal(x, y), (x, y)
+    assert a["state"].keys() == b["state"].keys()
+    for key, value in a["state"].items():
+        assert torch.equal(value, b["state"][key]), key
 
 
 @pytest.mark.inductor
 @pytest.mark.parametrize("case", ["fp16_scaler_adamw", "masked_bf16_sgd"])
 def test_restart_hits_inductor_and_aot_autograd_caches(case, tmp_path):
     cache_dir = tmp_path / "inductor-cache"
-    cold = _run_worker(case, cache_dir, tmp_path / "cold.pt")
-    warm = _run_worker(case, cache_dir, tmp_path / "warm.pt")
+    cold = _run_worker(case, cache_dir, tmp_path / "cold.pt")[case]
+    warm = _run_worker(case, cache_dir, tmp_path / "warm.pt")[case]
     assert cold["cache"].get("fxgraph_cache_miss") == 1, cold["cache"]
     assert cold["cache"].get("autograd_cache_saved") == 1, cold["cache"]
     assert warm["cache"].get("fxgraph_cache_hit") == 1, warm["cache"]
@@ -105,7 +126,120 @@ def test_restart_hits_inductor_and_aot_autograd_caches(case, tmp_path):
     assert not any("bypass" in k for k in {**cold["cache"], **warm["cache"]})
     assert cold["programs"] == warm["programs"] == 1
     # the program loaded from the cache computes what the freshly compiled one did, bitwise
-    for a, b in zip(cold["losses"], warm["losses"]):
-        assert torch.equal(a, b)
-    for key, value in cold["state"].items():
-        assert torch.equal(value, warm["state"][key]), key
+    _assert_same_run(cold, warm)
+
+
+CHANGED = ("wider", "gelu", "fp16", "pinned", "other_torch")
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_a_changed_model_config_pin_or_torch_never_hits_a_stale_entry(tmp_path):
+    """After the base step is cached, each change (a layer size, an activation, the AMP dtype,
+    an fp32 pin, another torch build) misses inductor's caches and computes, bitwise, what the
+    same step computes in a fresh process on an empty cache directory."""
+    shared = tmp_path / "shared"
+    base = _run_worker("base", shared, tmp_path / "base.pt")["base"]
+    changed = _run_worker(",".join(CHANGED), shared, tmp_path / "changed.pt")
+    fresh = _run_worker(",".join(CHANGED), tmp_path / "empty", tmp_path / "fresh.pt")
+    for name in CHANGED:
+        cache = changed[name]["cache"]
+        assert cache.get("fxgraph_cache_miss") == 1, (name, cache)
+        assert "fxgraph_cache_hit" not in cache and "autograd_cache_hit" not in cache, (name, cache)
+        _assert_same_run(changed[name], fresh[name])
+        # a stale hit would have been visible: every changed model or config computes other
+        # numbers than the base; the other torch build compiles the base's step again
+        differs = not torch.equal(changed[name]["losses"][-1], base["losses"][-1])
+        assert differs == (name != "other_torch"), name
+
+
+def _damage(cache_dir, how: str) -> int:
+    """Scribble over (half of each file, then garbage) or empty every file of the cache."""
+    damaged = 0
+    for root, _, files in os.walk(cache_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                data = f.read()
+            with open(path, "wb") as f:
+                f.write(
+                    data[: len(data) // 2] + b"\x00damaged\xff" * 4 if how == "scribbled" else b""
+                )
+            damaged += 1
+    return damaged
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+@pytest.mark.parametrize("how", ["scribbled", "emptied"])
+def test_a_damaged_cache_is_compiled_around_with_a_warning(how, tmp_path):
+    cache_dir = tmp_path / "cache"
+    cold = _run_worker("base", cache_dir, tmp_path / "cold.pt")["base"]
+    assert _damage(cache_dir, how) > 0
+    warm, stderr = _results(_worker("base", cache_dir, tmp_path / "warm.pt"), tmp_path / "warm.pt")
+    assert "compiling it again in a fresh directory" in stderr, stderr[-3000:]
+    assert str(cache_dir) in stderr
+    _assert_same_run(cold, warm["base"])
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_two_processes_writing_one_cache_directory_at_once(tmp_path):
+    cache_dir = tmp_path / "cache"
+    outs = [tmp_path / "one.pt", tmp_path / "two.pt"]
+    workers = [_worker("base,gelu", cache_dir, out) for out in outs]
+    one, two = (_results(w, out)[0] for w, out in zip(workers, outs))
+    for name in ("base", "gelu"):
+        _assert_same_run(one[name], two[name])
+    # and what they left behind serves a third process, bitwise
+    third = _run_worker("base,gelu", cache_dir, tmp_path / "three.pt")
+    for name in ("base", "gelu"):
+        assert third[name]["cache"].get("fxgraph_cache_hit") == 1, third[name]["cache"]
+        _assert_same_run(one[name], third[name])
+
+
+def test_a_failed_compile_is_retried_once_in_a_fresh_cache_directory(caplog, monkeypatch, tmp_path):
+    """The retry itself, without a damaged directory to make (the slow tests above make them)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the fresh directory goes
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/graphamp-test-cache")
+    dirs = []
+
+    def compile_once():
+        dirs.append(cache_dir())
+        if len(dirs) == 1:
+            raise RuntimeError("Failed to import a damaged file")
+        return "compiled"
+
+    with caplog.at_level(logging.WARNING, logger="graphamp"):
+        assert rebuild_if_cache_unreadable("G", compile_once) == "compiled"
+    assert dirs[0] == "/nonexistent/graphamp-test-cache"
+    assert os.path.dirname(dirs[1]) == str(tmp_path) and os.path.isdir(dirs[1])
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "G: compiling the step failed (RuntimeError: Failed to import" in warning
+    assert "/nonexistent/graphamp-test-cache" in warning
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/nonexistent/graphamp-test-cache"
+
+
+def test_a_failure_the_retry_repeats_is_raised_and_out_of_memory_is_not_retried(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise ValueError(f"compiler bug {len(calls)}")
+
+    with pytest.raises(ValueError, match="compiler bug 2"):
+        rebuild_if_cache_unreadable("G", broken)
+    calls.clear()
+
+    def out_of_memory():
+        calls.append(1)
+        raise torch.OutOfMemoryError("no memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        rebuild_if_cache_unreadable("G", out_of_memory)
+    assert len(calls) == 1

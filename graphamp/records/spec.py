@@ -89,6 +89,7 @@ class GraphSpec:
     config: ConfigSnapshot  # frozen: a later setter changes the cache key, not this build
     history_capacity: int  # rows of the on-device history table
     debug_level: int  # 0..3, as set by Graph.debug
+    progress: bool = True  # config.set_progress: a progress line on a terminal while compiling
 
     @property
     def training(self) -> bool:

@@ -7,13 +7,16 @@ one module per subgraph (gradients, scaling, optimizer_update, history, collecti
 
 from .assemble import assemble_step
 from .examples import example_inputs
+from .outline import OutlineResult, outline_blocks
 from .plan import build_plan
 from .recompute import RecomputeResult, recompute_checkpointed
 
 __all__ = [
+    "OutlineResult",
     "RecomputeResult",
     "assemble_step",
     "build_plan",
     "example_inputs",
+    "outline_blocks",
     "recompute_checkpointed",
 ]

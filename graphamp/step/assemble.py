@@ -16,10 +16,12 @@ history (and recompute, added after tracing by ``recompute.py``).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 
 from ..records.fxutil import NodeTagger, rename_placeholders, trace_functional
 from ..records.layouts import StepInputs
@@ -35,13 +37,20 @@ from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
 
 def assemble_step(
-    plan: StepPlan, fwd_gm: fx.GraphModule, example: list[torch.Tensor]
+    plan: StepPlan,
+    fwd_gm: fx.GraphModule,
+    example: list[torch.Tensor],
+    record_origins: bool = False,
 ) -> fx.GraphModule:
-    """Trace the step into one FX graph over fake copies of ``example`` (nothing runs)."""
-    step = make_step_function(plan, fwd_gm)
+    """Trace the step into one FX graph over fake copies of ``example`` (nothing runs).
+
+    ``record_origins``: every backward node also carries the autograd ``seq_nr`` of the forward
+    op it differentiates (what ``outline.py`` finds a block's backward by)."""
+    step = make_step_function(plan, fwd_gm, record_origins)
     # a failure here (a custom Function's backward, a bug) becomes a graphamp error, naming the
     # user's line, in pipeline.build_program
-    gm = trace_functional(step, example, propagate_input_mutations=True)
+    with fx_traceback.preserve_node_meta() if record_origins else nullcontext():
+        gm = trace_functional(step, example, propagate_input_mutations=True)
     rename_placeholders(gm, plan.layout.names)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
@@ -49,7 +58,7 @@ def assemble_step(
     return gm
 
 
-def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
+def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: bool = False):
     """The functional step over the flat inputs of ``plan.layout``, one subgraph per call."""
 
     def step(*flat):
@@ -63,7 +72,7 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule):
             else None
         )
         recorder = ProbeRecorder(plan.probes) if plan.probes is not None else None
-        fwd = forward_and_gradients(plan, fwd_gm, s, scale, reduce_each, recorder)
+        fwd = forward_and_gradients(plan, fwd_gm, s, scale, reduce_each, recorder, record_origins)
         grads = fwd.grads
         if recorder is not None and reduce_each is None:  # whole gradients, before any scatter
             recorder.observe_param_grads(grads)

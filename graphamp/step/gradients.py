@@ -12,6 +12,9 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._functorch._aot_autograd.logging_utils import (
+    setup_stacktrace_preservation_hooks_from_tensors,
+)
 
 from ..records.fxutil import NodeTagger, last_node, nodes_after, tracing_graph
 from ..records.layouts import StepInputs
@@ -103,6 +106,7 @@ def forward_and_gradients(
     scale: torch.Tensor | None,
     reduce_each: Callable[[list], list] | None = None,
     recorder: ProbeRecorder | None = None,
+    record_origins: bool = False,
 ) -> ForwardResult:
     """Run the forward on each micro-batch, seed each loss with ``scale`` (None: 1) and add the
     parameter gradients up; BatchNorm statistics carry from one micro-batch to the next.
@@ -113,9 +117,8 @@ def forward_and_gradients(
 
     ``reduce_each`` (ZeRO stage 2) maps each micro-batch's gradients, in ``plan.trainable``
     order, to what is summed over micro-batches (the rank's shards): full gradients then live
-    for one micro-batch only.
-    With a ``recorder`` (overflow tracing), every probed value and the gradient arriving at it
-    are measured."""
+    for one micro-batch only. With a ``recorder`` (overflow tracing), every probed value and the
+    gradient arriving at it are measured. ``record_origins``: see ``assemble_step``."""
     cap = plan.captured
     params = s.params
     copies = parameter_casts(plan, params)
@@ -140,7 +143,7 @@ def forward_and_gradients(
         seeds = _seeds(plan, losses, loss_grads, scale)
         micro_grads: dict[int, torch.Tensor] = total if reduce_each is None else {}
         with NodeTagger({"graphamp_subgraph": "backward"}):
-            _accumulate_grads(plan, losses, seeds, leaves.wrt, params, micro_grads)
+            _accumulate_grads(plan, losses, seeds, leaves.wrt, params, micro_grads, record_origins)
         if reduce_each is not None:
             reduced = reduce_each(_in_trainable_order(plan, micro_grads, params))
             for i, g in zip(plan.trainable, reduced):
@@ -216,7 +219,13 @@ def _micro_batches(inputs: list, n: int) -> list[list]:
 
 
 def _accumulate_grads(
-    plan: StepPlan, losses: list, seeds: list, wrt: list, params: list, total: dict
+    plan: StepPlan,
+    losses: list,
+    seeds: list,
+    wrt: list,
+    params: list,
+    total: dict,
+    record_origins: bool,
 ) -> None:
     """Add this micro-batch's parameter gradients to ``total``.
 
@@ -225,6 +234,8 @@ def _accumulate_grads(
     Losses that called backward(inputs=...) send gradients only to those parameters: one
     ``autograd.grad`` per distinct restriction, over the parameters it names.
     """
+    if record_origins:  # backward nodes get their forward op's seq_nr (assemble_step)
+        setup_stacktrace_preservation_hooks_from_tensors(losses)
     groups: dict = {}
     for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(losses)):
         groups.setdefault(restrict, []).append(index)

@@ -1,0 +1,97 @@
+"""A compile that fails on an unreadable entry of inductor's cache directory is rebuilt.
+
+graphamp keeps no cache of its own on disk: a restart is served by inductor's FX-graph cache and
+AOTAutograd's cache in ``TORCHINDUCTOR_CACHE_DIR`` (see ``compile.py``). Their keys hold the
+whole step graph, its inputs' metadata, the inductor configuration and torch's build, so a
+changed model, config, pin or torch never matches an old entry. What they do not survive is a
+damaged file: inductor skips a corrupt cache entry itself, but the generated code next to it is
+written once per content hash and imported as found, so a truncated or scribbled-over ``.py``
+or ``.so`` fails the compile (measured with torch 2.14.1: ``Failed to import ...py``,
+``UnicodeDecodeError``; an emptied one: ``module ... has no attribute 'call'``). A failed compile
+is retried once in a fresh private cache directory, with a warning naming the directory; a
+failure the retry repeats is raised as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, TypeVar
+
+import torch
+
+from ..errors import GraphampError
+
+log = logging.getLogger("graphamp")
+
+T = TypeVar("T")
+
+
+def compile_from_cache(
+    graph_name: str, backend: str, compile_once: Callable[[], T]
+) -> tuple[T, str]:
+    """``compile_once()`` (rebuilt if inductor's cache directory has a damaged file), and what
+    inductor's caches did meanwhile, for the compile's log line (e.g. ``fxgraph_cache_hit,
+    autograd_cache_hit``; ``""`` for the other backends, which keep no cache)."""
+    if backend != "inductor":
+        return compile_once(), ""
+    before = inductor_cache_counts()
+    compiled = rebuild_if_cache_unreadable(graph_name, compile_once)
+    after = inductor_cache_counts()
+    return compiled, ", ".join(sorted(k for k, v in after.items() if v != before.get(k, 0)))
+
+
+def inductor_cache_counts() -> dict[str, int]:
+    """inductor's FX-graph cache and AOTAutograd's cache counters, as torch keeps them for the
+    whole process (the compile stage reports the change over its own run)."""
+    from torch._dynamo.utils import counters
+
+    return {
+        key: value
+        for group in ("inductor", "aot_autograd")
+        for key, value in counters[group].items()
+        if key.startswith(("fxgraph_cache_", "autograd_cache_"))
+    }
+
+
+def rebuild_if_cache_unreadable(graph_name: str, compile_once: Callable[[], T]) -> T:
+    """``compile_once()``; if it fails, warn and run it once more outside the cache directory
+    (in a fresh temporary one, kept: the program may load from it later).
+
+    Any failure is retried, not only the errors a damaged file raised in the cases tried
+    (``UnicodeDecodeError``, ``Failed to import``, an imported module without ``call``):
+    which error a damaged file gives depends on where it is damaged. A failure that is the
+    compiler's own is raised by the retry as it was. Running out of memory is not retried."""
+    try:
+        return compile_once()
+    except (GraphampError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged file can raise anything
+        cause = e
+    from torch._inductor.utils import fresh_cache
+
+    log.warning(
+        "%s: compiling the step failed (%s: %s); compiling it again in a fresh directory, in "
+        "case a damaged file in inductor's cache directory %s caused it. If the retry "
+        "succeeds, delete that directory (or set TORCHINDUCTOR_CACHE_DIR to another one): "
+        "until then every restart compiles from scratch",
+        graph_name,
+        type(cause).__name__,
+        _first_line(cause),
+        cache_directory(),
+    )
+    with fresh_cache(delete=False):
+        return compile_once()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def cache_directory() -> str:
+    """The directory inductor's caches use now (``TORCHINDUCTOR_CACHE_DIR``, or inductor's
+    default under the temporary directory)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.abspath(cache_dir())

@@ -1,0 +1,169 @@
+"""Issue 31, item 2: repeated blocks compiled once (``config.set_outline_blocks``, off by default).
+
+Each model trains two steps with outlining off and on, from the same seed: losses, parameters
+and optimizer state must agree bitwise, and the outlined step must call shared subgraphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+import transformers
+from helpers import make_graph
+from models import Block, TinyGPT, lm_loss
+
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
+
+def _hf_gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_layer=3,
+        n_embd=32,
+        n_head=2,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    config._attn_implementation = "eager"
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _hf_loss(out, y):
+    return lm_loss(out.logits, y)
+
+
+def _tokens(gen):
+    idx = torch.randint(0, 64, (4, 17), generator=gen)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _images(gen):
+    return torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+
+
+class _BlockStack(nn.Module):
+    """Three transformer blocks on float inputs: no embedding, whose backward inductor
+    computes with atomic adds on the CPU (its gradient is not bitwise repeatable even between
+    two compiles of the same inlined step, so it cannot show what outlining changes)."""
+
+    def __init__(self, dim: int = 32, seq: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(16, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, 4) for _ in range(3))
+        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 10))
+
+    def forward(self, x):
+        x = self.inp(x) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _features(gen):
+    x = torch.randn(4, 8, 16, generator=gen)
+    return x, torch.randint(0, 10, (4, 8), generator=gen)
+
+
+MODELS = {
+    "block_stack": (_BlockStack, lm_loss, _features),
+    "tiny_gpt": (lambda: TinyGPT(layers=3), lm_loss, _tokens),
+    "hf_gpt2": (_hf_gpt2, _hf_loss, _tokens),
+    "resnet18": (
+        lambda: torchvision.models.resnet18(num_classes=10),
+        nn.CrossEntropyLoss(),
+        _images,
+    ),
+}
+
+
+def _train(name: str, outline: bool, backend: str = "aot_eager", steps: int = 2):
+    make_model, loss_fn, batch = MODELS[name]
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = make_graph(
+        model,
+        loss_fn,
+        opt,
+        backend=backend,
+        amp=torch.bfloat16,
+        configure=(lambda g: g.config.set_outline_blocks(True)) if outline else None,
+    )
+    gen = torch.Generator().manual_seed(1)
+    losses = [g(*batch(gen)).detach().clone() for _ in range(steps)]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return g, losses, state, moments
+
+
+def _assert_bitwise(a, b) -> None:
+    _, losses_a, state_a, moments_a = a
+    _, losses_b, state_b, moments_b = b
+    for x, y in zip(losses_a, losses_b, strict=True):
+        assert torch.equal(x, y), (x, y)
+    for key, value in state_a.items():
+        assert torch.equal(value, state_b[key]), key
+    for x, y in zip(moments_a, moments_b, strict=True):
+        assert torch.equal(x, y)
+
+
+def _calls(g) -> list[str]:
+    graph = g.compiled_steps[-1].step_graph.graph
+    return [n.args[1] for n in graph.nodes if n.target is INVOKE_SUBGRAPH]
+
+
+@pytest.mark.parametrize(
+    "name, calls, distinct",
+    [
+        ("tiny_gpt", 6, 2),  # 3 blocks: forward and backward
+        ("block_stack", 5, 2),  # one block's backward region has no equal: it stays inline
+        ("hf_gpt2", 6, 2),
+        # layer1.0 and layer1.1 are the only equal blocks (the others differ in width or
+        # have a downsample)
+        pytest.param("resnet18", 4, 2, marks=pytest.mark.slow),
+    ],
+)
+def test_outlined_step_is_bitwise_the_inlined_one_with_aot_eager(name, calls, distinct, caplog):
+    inlined = _train(name, outline=False)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        outlined = _train(name, outline=True)
+    _assert_bitwise(inlined, outlined)
+    assert _calls(inlined[0]) == []
+    assert len(_calls(outlined[0])) == calls
+    assert len(set(_calls(outlined[0]))) == distinct
+    (line,) = [r.getMessage() for r in caplog.records if ": outline " in r.getMessage()]
+    assert re.search(rf"{distinct} distinct regions, {calls} regions outlined", line), line
+    # precision decisions are made before outlining: the forward graphs are the same
+    assert inlined[0].compiled_steps[-1].forward_graph.code == (
+        outlined[0].compiled_steps[-1].forward_graph.code
+    )
+
+
+def test_outlining_is_off_by_default_and_part_of_the_cache_key():
+    g, *_ = _train("tiny_gpt", outline=False, steps=1)
+    assert g.config.outline_blocks is False
+    g.config.set_outline_blocks(True)
+    gen = torch.Generator().manual_seed(1)
+    g(*_tokens(gen))
+    assert len(g.compiled_steps) == 2
+    assert _calls(g) != []
+
+
+@pytest.mark.slow
+@pytest.mark.inductor
+def test_outlining_is_not_applied_with_inductor(caplog):
+    """With inductor the outlined step of the block stack computed other losses than the
+    inlined one (a loss of 2.4470 against 2.4581; not understood yet), so the switch
+    leaves an inductor step inlined and says so."""
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        g, *_ = _train("block_stack", outline=True, backend="inductor", steps=1)
+    assert _calls(g) == []
+    assert any("not applied with inductor yet" in r.getMessage() for r in caplog.records)
