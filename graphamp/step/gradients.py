@@ -12,9 +12,6 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch._functorch._aot_autograd.logging_utils import (
-    setup_stacktrace_preservation_hooks_from_tensors,
-)
 
 from ..records.fxutil import NodeTagger, last_node, nodes_after, tracing_graph
 from ..records.layouts import StepInputs
@@ -235,6 +232,11 @@ def _accumulate_grads(
     ``autograd.grad`` per distinct restriction, over the parameters it names.
     """
     if record_origins:  # backward nodes get their forward op's seq_nr (assemble_step)
+        # a private torch helper, imported only when outlining asks for it
+        from torch._functorch._aot_autograd.logging_utils import (
+            setup_stacktrace_preservation_hooks_from_tensors,
+        )
+
         setup_stacktrace_preservation_hooks_from_tensors(losses)
     groups: dict = {}
     for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(losses)):
