@@ -15,7 +15,6 @@ from typing import Any, Callable
 import torch
 import torch._subclasses.fake_tensor as fake_tensor
 import torch.fx as fx
-import torch.fx.experimental.symbolic_shapes as symbolic_shapes
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -36,6 +35,7 @@ from .cleanup import (
 )
 from .functions import capturing_autograd_functions
 from .intercept import CaptureMode, RecordedLoss, parameter_positions
+from .op_errors import VALUE_DEPENDENT, fake_kernel_error
 from .patching import SharedPatch
 from .root import BuildRoot, fake_copy, quiet_fake_data_pointers, refuse_compiled_submodules
 from .scaler_refusal import raised_in_torch_grad_scaler, torch_grad_scaler_error
@@ -44,15 +44,6 @@ from .swap import state_slots, swapped
 
 log = logging.getLogger("graphamp")
 
-_DATA_DEPENDENT = tuple(
-    e
-    for e in (
-        getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None),
-        getattr(fake_tensor, "DataDependentOutputException", None),
-        getattr(fake_tensor, "DynamicOutputShapeException", None),
-    )
-    if e is not None
-)
 
 
 def capture_forward(
@@ -163,13 +154,8 @@ def _trace(
             )
     except GraphampError:
         raise
-    except _DATA_DEPENDENT as e:
-        raise CaptureError(
-            f"{graph_name}.build() uses the value of a tensor in Python{_at(e)}. graphamp captures "
-            "build() once on shapes alone, so Python control flow and .item()/float()/bool() on "
-            "tensors cannot be recorded. Compute both branches and select with torch.where, "
-            "or return the tensor from build() and decide outside the graph"
-        ) from e
+    except VALUE_DEPENDENT as e:  # an op fake tensors cannot run is named (op_errors.py)
+        raise fake_kernel_error(graph_name, e, _at(e)) or _host_read_error(graph_name, e) from e
     except Exception as e:
         if raised_in_torch_grad_scaler(e):
             raise torch_grad_scaler_error(user_frame_of_exception(e), graph_name) from e
@@ -255,6 +241,15 @@ def _tensor_attributes(root: BuildRoot) -> dict[int, str]:
         for k, v in vars(m).items()
         if isinstance(v, torch.Tensor)
     }
+
+
+def _host_read_error(graph_name: str, e: BaseException) -> CaptureError:
+    return CaptureError(
+        f"{graph_name}.build() uses the value of a tensor in Python{_at(e)}. graphamp captures "
+        "build() once on shapes alone, so Python control flow and .item()/float()/bool() on "
+        "tensors cannot be recorded. Compute both branches and select with torch.where, "
+        "or return the tensor from build() and decide outside the graph"
+    )
 
 
 def _device_of(tensors: list[torch.Tensor]) -> torch.device:

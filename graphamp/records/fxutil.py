@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .compat import dispatch_functionalize
+from .effects import effects_as_plain_ops
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHAMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -114,7 +115,9 @@ def trace_functional(
     user's ``.detach()``. With ``allow_constants``, real tensors ``fn`` reads that are not among
     its inputs become ``get_attr`` constants holding those very objects.
     Sizes that depend on values (boolean-mask indexing, ``nonzero``) become unbacked symbols of
-    the fake mode's ShapeEnv; every other size stays static.
+    the fake mode's ShapeEnv; every other size stays static. Ops torch marks effectful (the
+    error checks of ``torch.linalg.solve``, ``inv``...) are traced as plain nodes
+    (``effects.py``).
     """
     mode = detect_fake_mode(example) or FakeTensorMode(
         shape_env=ShapeEnv(), allow_non_fake_inputs=allow_constants
@@ -123,7 +126,7 @@ def trace_functional(
     functional = dispatch_functionalize(
         fn, FunctionalTensorMode(), propagate_input_mutations=propagate_input_mutations
     )
-    with mode:
+    with mode, effects_as_plain_ops():
         return make_fx(
             functional,
             tracing_mode="real",
