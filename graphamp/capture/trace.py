@@ -34,6 +34,7 @@ from .cleanup import (
     params_without_path_to_losses,
 )
 from .functions import capturing_autograd_functions
+from .host_randomness import refusing_host_randomness
 from .intercept import CaptureMode, RecordedLoss, parameter_positions
 from .op_errors import VALUE_DEPENDENT, fake_kernel_error
 from .patching import SharedPatch
@@ -190,6 +191,7 @@ def _traced_function(
         mode = CaptureMode(module_names, loss_scale=parts.loss_scale, mixed_dtypes_ok=amp)
         with (
             refusing_attribute_writes(graph_name, watched),
+            refusing_host_randomness(graph_name, watched),
             torch.enable_grad(),
             swapped(slots, replacement),
             mode.tracking_modules(),
