@@ -37,7 +37,7 @@ from .records.state import SharedState
 from .records.validate import check_choice
 from .runtime import ambient, schedulers
 from .runtime.cache_key import ProgramKey, log_why_rebuilt, numbers_baked_in, warn_about_numbers
-from .runtime.calls import GraphRuntime, call, keep_program
+from .runtime.calls import GraphRuntime, call, keep_program, program_key
 from .runtime.graph_state import graph_state_dict, load_graph_state
 from .runtime.overflows import overflow_report
 from .runtime.torch_scaler import as_graphamp_scaler
@@ -229,6 +229,10 @@ class Graph:
                 program = pipeline.build_program(self._spec(), inputs, self._state)
         finally:
             _building.name = None
+        if program.captured.undo_writes is not None:
+            # build() set up state on its first call (hooks, caches): the key of the calls
+            # to come is the one of the state it left
+            key = program_key(run, inputs)
         keep_program(run, key, program)
         log_program_summary(program)
         return program

@@ -12,9 +12,10 @@ once, in order: the runtime's Runner is made last, around the compiled step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -82,14 +83,28 @@ def build_program(spec: GraphSpec, inputs: FlatInputs, state: SharedState) -> Pr
 
     Whatever a stage raises reaches the user as a graphamp error naming the stage, the user's
     line where the failure has one, and what to try; torch's exception is its ``__cause__``.
-    graphamp's own errors, Ctrl-C and out-of-memory errors pass through as they are."""
+    graphamp's own errors, Ctrl-C and out-of-memory errors pass through as they are. Python
+    state capture settled on the user's objects (``capture/steady_state.py``) is put back on
+    any failure."""
     b = _Build(spec, inputs, state)
     try:
-        return _build_program(b)
+        with _undone_on_failure(b):
+            return _build_program(b)
     except _PASS_THROUGH:
         raise
     except Exception as e:  # noqa: BLE001 - every other failure becomes graphamp's
         raise stage_error(spec, b.stage, e) from e
+
+
+@contextlib.contextmanager
+def _undone_on_failure(b: _Build) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        captured = getattr(b, "captured", None)
+        if captured is not None and captured.undo_writes is not None:
+            captured.undo_writes()
+        raise
 
 
 def _build_program(b: _Build) -> Program:

@@ -66,10 +66,7 @@ def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
 
 def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
     inputs = flatten_inputs(args, kwargs)
-    structure = run.structure(
-        run.modules, run.optimizers, run.config.snapshot(), run.scaler, ambient.mode_key()
-    )
-    key = tuple.__new__(ProgramKey, (inputs.signature, structure))  # no Python-level __init__
+    key = program_key(run, inputs)
     program = run.programs.get(key)
     if program is None:
         program = run.compile(inputs, key, args, kwargs)
@@ -77,6 +74,14 @@ def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
         run.programs.move_to_end(key)
     run.last_key = key
     return program.captured.unflatten_outputs(run_step(run, program, inputs))
+
+
+def program_key(run: GraphRuntime, inputs: FlatInputs) -> ProgramKey:
+    """The cache key of a call with ``inputs``, as the Graph's objects are now."""
+    structure = run.structure(
+        run.modules, run.optimizers, run.config.snapshot(), run.scaler, ambient.mode_key()
+    )
+    return tuple.__new__(ProgramKey, (inputs.signature, structure))  # no Python-level __init__
 
 
 def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[torch.Tensor]:
