@@ -293,6 +293,24 @@ def test_a_rotary_cache_built_on_first_use_trains_like_eager(as_buffer):
     assert len(g.compiled_steps) == 1
 
 
+def test_a_cache_an_eager_call_built_before_the_first_call_is_read_as_a_constant():
+    """An eager forward filled the cache before g(...): capture lifts the tensor attribute as
+    a live constant (its placeholder named after the attribute path: no SyntaxError from
+    torch's code generation, which a dotted name raised) and trains as eager."""
+    torch.manual_seed(0)
+    model = LazyRotary(as_buffer=False)
+    model(torch.randn(2, 5, 8))
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(2, 5, 8, generator=gen), torch.randn(2, 5, 8, generator=gen))] * 2
+
+    def loss_of(m, x, y):
+        out = m(x)
+        return F.mse_loss(out, y), out
+
+    g, ref = _train_like_eager(model, loss_of, batches)
+    assert len(g.compiled_steps) == 1
+
+
 class KeepsItsPyramid(nn.Module):
     """RAFT's pattern: a table computed from this call's features, kept on the module and read
     back later in the same forward (torchvision's CorrBlock.build_pyramid / index_pyramid)."""
