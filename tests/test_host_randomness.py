@@ -42,6 +42,10 @@ class Jitter(nn.Module):
             x = x * random.uniform(0.5, 1.5)  # draws: python
         elif self.how == "numpy":
             x = x * float(np.random.beta(0.4, 0.4))  # draws: numpy
+        elif self.how == "fresh generator":
+            x = x * float(np.random.default_rng().random())  # draws: fresh generator
+        elif self.how == "seeded generator":
+            x = x * float(np.random.default_rng(seed=3).random())
         elif self.how == "generator on the module":
             x = x * float(self.rng.rand())  # draws: generator on the module
         return self.lin(x)
@@ -51,6 +55,8 @@ _EXPECTED = {
     "python": r"random\.uniform\(\) at .*" + _line("python"),
     "numpy": r"numpy\.random\.beta\(\) at .*" + _line("numpy"),
     "generator on the module": r"from self\.model\.rng",
+    "fresh generator": r"numpy\.random\.default_rng\(\) without a seed at .*"
+    + _line("fresh generator"),
 }
 
 
@@ -78,6 +84,25 @@ def test_a_host_draw_in_build_is_refused_with_the_line_and_the_fix(how):
     assert (after[1] == generators[1]).all() and (after[2] == generators[2]).all()
     assert_unchanged(state, model, opt)
     assert g.step_count == 0
+
+
+def test_a_generator_made_from_a_fixed_seed_in_build_trains_like_eager():
+    """A seeded generator draws the same value on every eager call: capture keeps it, right."""
+    torch.manual_seed(0)
+    model = Jitter("seeded generator")
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = make_graph(model, F.mse_loss, opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        x, y = torch.randn(2, 4), torch.randn(2, 4)
+        loss = g(x, y)
+        ref_opt.zero_grad()
+        ref_loss = F.mse_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach())
+    torch.testing.assert_close(model.lin.weight, ref.lin.weight)
 
 
 def test_torch_random_ops_in_build_are_drawn_anew_every_step():

@@ -8,9 +8,12 @@ are ops of the graph, drawn anew inside every step, and are not affected.
 
 While build() is captured, the module-level functions of ``random`` and ``numpy.random`` raise
 a CaptureError naming the function, the library's line that called it and the user's line
-that led there, before drawing anything. Draws that bypass them (a function imported by name
-before capture, a generator object kept on a module) are found by comparing the generators'
-states before and after; the states are then put back and the capture is refused all the same.
+that led there, before drawing anything. ``numpy.random.default_rng()`` without a seed (a generator
+seeded from the OS, new draws on every eager call) is refused the same way. Draws that bypass
+them (a function imported by name before capture, a generator object kept on a module) are
+found by comparing the generators' states before and after; the states are then put back and
+the capture is refused all the same. A generator made inside build() from a fixed seed draws
+the same values on every eager call, so keeping them is right: allowed.
 Other threads draw as usual.
 """
 
@@ -67,9 +70,31 @@ def _refusing(module_name: str, name: str, function: Callable) -> Callable:
     return draw
 
 
+def _refusing_unseeded(module_name: str, name: str, function: Callable) -> Callable:
+    """A generator made without a seed draws from the OS's entropy: different on every eager
+    call, the same on every compiled one. With a seed it draws the same on every call in eager
+    too, and capture is right to keep its draws."""
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        graph_name = getattr(_local, "graph_name", None)
+        seed = args[0] if args else kwargs.get("seed")
+        if graph_name is not None and seed is None:
+            what = f"{module_name}.{name}() without a seed"
+            raise _draw_error(graph_name, what, sys._getframe(1))
+        return function(*args, **kwargs)
+
+    make.__name__ = make.__qualname__ = name
+    make.__wrapped__ = function  # type: ignore[attr-defined]
+    return make
+
+
 def _patches() -> list[SharedPatch]:
-    """One patch per module-level function bound to a global generator."""
+    """One patch per module-level function bound to a global generator, and NumPy's
+    ``default_rng`` (a fresh generator seeded from the OS)."""
     patches = []
+    if np is not None:
+        rng = _refusing_unseeded("numpy.random", "default_rng", np.random.default_rng)
+        patches.append(SharedPatch(np.random, "default_rng", rng))
     for module, generator, module_name in _generators():
         for name, function in sorted(vars(module).items()):
             if getattr(function, "__self__", None) is generator and not name.startswith("_"):
