@@ -313,14 +313,22 @@ def test_rrelu_is_the_only_functional_variant_whose_backward_reads_a_filled_inpu
     ``*_functional`` variant; where autograd's formula for the variant reads the filled input
     (rrelu's noise), the backward reads what the caller passed in, not what the forward drew.
     The other variants were audited: batch norm's two (their backward reads the mean and invstd
-    they return, not the running statistics they update) and ``normal_functional`` (no
-    gradient). A torch that adds a variant fails here, so that it gets audited too."""
-    variants = {name for name in dir(torch.ops.aten) if name.endswith("_functional")}
+    they return, not the running statistics they update), the fused observer + fake-quantize
+    of quantization-aware training (its backward reads the mask it returns: checked, the input
+    gradient is the mask) and ``normal_functional`` (no gradient). A torch that adds a variant
+    fails here, so that it gets audited too. Every registered operator is listed, loaded or
+    not (``dir(torch.ops.aten)`` shows only those loaded so far)."""
+    variants = {
+        name
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::") and name.endswith("_functional")
+    }
     assert variants == {
-        "_batch_norm_with_update_functional",
-        "_native_batch_norm_legit_functional",
-        "normal_functional",
-        "rrelu_with_noise_functional",
+        "aten::_batch_norm_with_update_functional",
+        "aten::_fused_moving_avg_obs_fq_helper_functional",
+        "aten::_native_batch_norm_legit_functional",
+        "aten::normal_functional",
+        "aten::rrelu_with_noise_functional",
     }
 
 

@@ -16,8 +16,9 @@ given (filled in place) and its backward reads that tensor. Functionalized, the 
 ``uniform_`` and the product, ``where(x <= 0, x * r, x)``: autograd's backward of that product
 reads the very slopes the forward drew, as eager's kernel does (its distribution: one slope
 uniform in ``[lower, upper]`` per non-positive element). torch's other ``*_functional``
-variants (batch norm's, ``normal_``) were audited for the same shape: their backward reads no
-input they fill (tests/test_ops_capture.py keeps the list).
+variants (batch norm's, the fused observer + fake-quantize, ``normal_``) were audited for the
+same shape: their backward reads no input they fill (tests/test_ops_capture.py keeps the
+list).
 """
 
 from __future__ import annotations
