@@ -103,6 +103,10 @@ def main():
         shapes = {k: tuple(v.shape) for k, v in full["state"][0].items()}
         print(f"rank 0: optimizer.state_dict() state[0] shapes {shapes}")
     if distributed:
+        # Every rank finishes its collectives and files before any tears gloo down:
+        # a rank leaving early made its peer abort ("terminate called without an
+        # active exception") in CI.
+        dist.barrier()
         dist.destroy_process_group()
 
 

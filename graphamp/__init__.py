@@ -16,6 +16,7 @@ from .errors import (
     GraphampError,
     GraphDefinitionError,
     InputError,
+    RecompileLimitError,
     UnsupportedOptimizerError,
 )
 from .graph import Graph
@@ -29,6 +30,7 @@ __all__ = [
     "AmpPin",
     "CaptureError",
     "CompileError",
+    "RecompileLimitError",
     "ConfigError",
     "GradScaler",
     "Graph",

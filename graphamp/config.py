@@ -59,6 +59,8 @@ class GraphConfig:
         )
         self.max_cached_graphs = 8
         self.autofix: AutofixSettings | None = None
+        self.dynamic_shapes: bool | None = None  # automatic (set_dynamic_shapes)
+        self.recompile_limit = 8
 
     def snapshot(self) -> ConfigSnapshot:
         """The current settings, frozen (the same object until a setter changes something)."""
@@ -205,6 +207,15 @@ class GraphConfig:
         """Replay the compiled step as a CUDA graph (default on for CUDA with static shapes)."""
         self._set(cuda_graph=check_bool("enable_cuda_graph(mode)", mode))
 
+    def set_cuda_graph_sizes(self, n: int) -> None:
+        """A dynamic step (one compiled step for many batch shapes, ``set_dynamic_shapes``) is
+        replayed on CUDA as one CUDA graph per batch shape, captured the first time a shape
+        comes (about one step's time); at most ``n`` are kept, the least recently used dropped.
+        Memory: each graph keeps static copies of its batch and outputs; the graphs share one
+        pool for intermediates, so it holds about the largest graph's activations. ``0`` runs
+        dynamic steps without CUDA graphs (static steps keep theirs)."""
+        self._set(cuda_graph_sizes=check_int("CUDA graph sizes", n, at_least=0))
+
     def set_inductor_options(self, **options) -> None:
         """Options for the inductor backend (``torch._inductor.config`` names), e.g.
         ``combo_kernels=True``. Unknown names raise at once."""
@@ -254,8 +265,33 @@ class GraphConfig:
         self._set(grad_acc_steps=check_int("gradient accumulation steps", n, at_least=1))
 
     def set_max_cached_graphs(self, n: int) -> None:
-        """How many input signatures keep a compiled step; the least recently used is dropped."""
+        """How many compiled steps are kept; the least recently used is dropped."""
         self.max_cached_graphs = check_int("max cached graphs", n, at_least=1)
+
+    # -- shapes ----------------------------------------------------------------------------------
+    def set_dynamic_shapes(self, mode: bool | None = None) -> None:
+        """Which dimensions of g(...)'s tensors a compiled step treats as symbolic, serving every
+        size, as ``torch.compile(dynamic=...)`` does:
+
+        - ``None`` (the default, automatic): a dimension whose size changed between two calls
+          becomes symbolic in one more compile, and every later size reuses that step;
+          dimensions marked with ``torch._dynamo.mark_dynamic(x, dim)`` are symbolic from the
+          first call;
+        - ``False``: static; every new shape compiles its own step (a different shape never
+          shares a step, marks are ignored);
+        - ``True``: every dimension of every tensor argument is symbolic from the first call.
+
+        Sizes 0 and 1 always get a step of their own, as under torch.compile. Existing compiled
+        steps are kept; the setting decides what the next compile does."""
+        if mode is not None and not isinstance(mode, bool):
+            raise ConfigError(f"set_dynamic_shapes(mode): None, True or False, got {mode!r}")
+        self.dynamic_shapes = mode
+
+    def set_recompile_limit(self, n: int) -> None:
+        """At most ``n`` compiled steps for one model and config (the same structure); the next
+        compile raises RecompileLimitError naming what kept changing between calls (torch.compile
+        stops compiling after 8 by default too)."""
+        self.recompile_limit = check_int("recompile limit", n, at_least=1)
 
     def __repr__(self) -> str:
         amp = f"{self.amp_dtype} {self.amp_opt_level}" if self.amp_active else "off"

@@ -29,3 +29,8 @@ class InputError(GraphampError, TypeError):
 
 class CompileError(GraphampError, RuntimeError):
     """The torch.compile backend failed on the assembled step."""
+
+
+class RecompileLimitError(GraphampError, RuntimeError):
+    """Calls keep breaking what the compiled steps assume: more builds than
+    ``config.set_recompile_limit`` allows for one model and config."""

@@ -29,15 +29,15 @@ from .inspect.report import (
     log_program_summary,
     precision_report,
 )
+from .records.guards import BuildRequest
 from .records.history import TrainingHistory
-from .records.inputs import FlatInputs, check_arity
+from .records.inputs import FlatInputs
 from .records.optimizers import check_optimizer_slot
 from .records.spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .records.state import SharedState
 from .records.validate import check_choice
 from .runtime import ambient, schedulers
-from .runtime.cache_key import ProgramKey, log_why_rebuilt, numbers_baked_in, warn_about_numbers
-from .runtime.calls import GraphRuntime, call, keep_program, program_key
+from .runtime.calls import GraphRuntime, call
 from .runtime.graph_state import graph_state_dict, load_graph_state
 from .runtime.overflows import overflow_report
 from .runtime.torch_scaler import as_graphamp_scaler
@@ -81,9 +81,12 @@ class Graph:
             d["config"],
             d["_state"],
             self._compile,
+            self.build,
         )
-        d["_programs"] = d["_run"].programs  # input signature + structure -> Program (LRU first)
+        d["_programs"] = d["_run"].programs  # the compiled steps, least recently used first
         d["_lock"] = threading.RLock()  # one call at a time: a Graph is one training loop
+        # graphamp's own attributes: capture does not treat them as settings build() reads
+        d["_graphamp_own"] = frozenset(d) | {"_graphamp_own", _READY}
         d[_READY] = True
 
     # -- registration ---------------------------------------------------------------------------
@@ -214,26 +217,15 @@ class Graph:
         with d["_lock"]:
             return call(d["_run"], args, kwargs)
 
-    def _compile(self, inputs: FlatInputs, key: ProgramKey, args: tuple, kwargs: dict) -> Program:
-        """A call found no compiled step for its key: capture and compile one, and cache it."""
-        run, name = self._run, type(self).__name__
-        check_arity(self.build, args, kwargs, name)
-        log_why_rebuilt(name, run.last_key, key)
-        baked = numbers_baked_in(run.programs, inputs, self.build)
-        if baked is not None and not run.warned_numbers:
-            run.warned_numbers = True
-            warn_about_numbers(name, *baked)
+    def _compile(self, inputs: FlatInputs, request: BuildRequest) -> Program:
+        """Capture and compile a step for this call (the runtime found none that serves it)."""
+        name = type(self).__name__
         _building.name = name
         try:
             with ambient.capture_modes():
-                program = pipeline.build_program(self._spec(), inputs, self._state)
+                program = pipeline.build_program(self._spec(), inputs, self._state, request)
         finally:
             _building.name = None
-        if program.captured.undo_writes is not None:
-            # build() set up state on its first call (hooks, caches): the key of the calls
-            # to come is the one of the state it left
-            key = program_key(run, inputs)
-        keep_program(run, key, program)
         log_program_summary(program)
         return program
 
@@ -336,15 +328,16 @@ class Graph:
         return dump_program(program, report, path, self.overflow_report(), self.range_report())
 
     def _require_program(self) -> Program:
-        if not self._programs:
+        program = self._programs.last()
+        if program is None:
             raise RuntimeError(
                 f"{type(self).__name__} has not run yet: call it once "
                 "(g(x, y)) so there is a captured graph to inspect"
             )
-        return next(reversed(self._programs.values()))
+        return program
 
     def __repr__(self) -> str:
-        program = next(reversed(self._programs.values())) if self._programs else None
+        program = self._programs.last()
         return graph_repr(self._spec(), repr(self.config), program)
 
 

@@ -32,8 +32,10 @@ from .capture import (
 from .errors import ConfigError
 from .passes import DEFAULT_LISTS, AmpContext, run_amp_passes
 from .records.fxutil import copy_graph_module
+from .records.guards import BuildRequest, Guards, StateSize
 from .records.inputs import FlatInputs
 from .records.pins import PinMatch, resolve_pins
+from .records.shapes import fake_batch, new_fake_mode, shape_guard
 from .records.spec import AutocastTrace, CapturedForward, GraphSpec, PassRecord, Program, StepPlan
 from .records.stage_errors import PASS_THROUGH as _PASS_THROUGH
 from .records.stage_errors import stage_error
@@ -49,10 +51,19 @@ class _Build:
     """What the stages of one build have made so far; each stage reads earlier fields and sets
     its own (an attribute is missing until its stage ran)."""
 
-    def __init__(self, spec: GraphSpec, inputs: FlatInputs, state: SharedState) -> None:
+    def __init__(
+        self, spec: GraphSpec, inputs: FlatInputs, state: SharedState, request: BuildRequest
+    ) -> None:
         self.spec = spec
         self.inputs = inputs
         self.state = state
+        self.request = request
+        # one fake mode for every stage: the batch's symbolic sizes are the same symbols in
+        # capture, assembly and the backend, and what they assume of them lands in one ShapeEnv
+        self.fake_mode = new_fake_mode()
+        self.batch = inputs.with_tensors(
+            fake_batch(self.fake_mode, inputs.tensors, request.dynamic)
+        )
         self.root = BuildRoot(spec.modules, spec.build)
         self.process_group: Any = None  # data parallel: the group gradients are averaged over
         self.stage = "capture"  # the stage running (named in errors)
@@ -78,15 +89,18 @@ class Stage(NamedTuple):
     wanted: Callable[[_Build], bool] | None = None  # None: always
 
 
-def build_program(spec: GraphSpec, inputs: FlatInputs, state: SharedState) -> Program:
-    """Every stage, in STAGES order, for one input signature.
+def build_program(
+    spec: GraphSpec, inputs: FlatInputs, state: SharedState, request: BuildRequest
+) -> Program:
+    """Every stage, in STAGES order, for one input signature (``request.dynamic``: the batch
+    dimensions traced as symbols; the program then serves every size its guards admit).
 
     Whatever a stage raises reaches the user as a graphamp error naming the stage, the user's
     line where the failure has one, and what to try; torch's exception is its ``__cause__``.
     graphamp's own errors, Ctrl-C and out-of-memory errors pass through as they are. Python
     state capture settled on the user's objects (``capture/steady_state.py``) is put back on
     any failure."""
-    b = _Build(spec, inputs, state)
+    b = _Build(spec, inputs, state, request)
     try:
         with _undone_on_failure(b):
             return _build_program(b)
@@ -142,6 +156,7 @@ def _build(b: _Build) -> Program:
         b.device,
         b.compiled,
         cuda_graph_batch=b.inputs.tensors if replay else None,
+        cuda_graph_sizes=config.cuda_graph_sizes if b.request.dynamic else None,
         graph_name=b.spec.name,
     )
     return Program(
@@ -157,6 +172,30 @@ def _build(b: _Build) -> Program:
         timings=dict(b.timings),
         pass_records=b.records,
         example_inputs=b.inputs.as_meta(),
+        guards=_guards(b),
+    )
+
+
+def _guards(b: _Build) -> Guards:
+    """What the program assumes (``records.guards``): the structure it was built for, the
+    batch's shapes (the ShapeEnv's guards where dimensions are symbolic), the attributes build()
+    read, the parameters' and buffers' sizes."""
+    modules = dict(b.root.named_modules())
+    sizes = []
+    for kind, named in (
+        ("_parameters", b.root.named_parameters()),
+        ("_buffers", b.root.named_buffers()),
+    ):
+        for name, tensor in named:
+            owner, _, attr = name.rpartition(".")
+            namespace = getattr(modules[owner], kind)
+            sizes.append(StateSize(f"self.{name}", namespace, attr, tensor.shape))
+    return Guards(
+        structure=b.request.structure,
+        signature=b.inputs.signature,
+        shapes=shape_guard(b.fake_mode, b.batch.tensors, b.request.dynamic),
+        attributes=b.captured.attribute_reads,
+        state_sizes=tuple(sizes),
     )
 
 
@@ -173,9 +212,10 @@ def _capture(b: _Build) -> None:
         )
     check_not_fsdp(spec.name, b.root)
     b.device = check_devices(spec.name, b.root, b.inputs)
-    traced = b.inputs
+    traced = b.batch
     if config.grad_acc_steps > 1:
-        traced = b.inputs.micro_batch(config.grad_acc_steps, spec.name)
+        b.inputs.check_micro_batches(config.grad_acc_steps, spec.name)
+        traced = b.batch.micro_batch(config.grad_acc_steps)
     b.captured = capture_forward(b.root, traced, spec.name, None, config.amp_active)
     b.module_pins = {}
     if config.amp_active:
@@ -255,7 +295,7 @@ def _plan(b: _Build) -> None:
 
 
 def _assemble(b: _Build) -> None:
-    b.example = example_inputs(b.plan, b.root, b.state, b.inputs.tensors, b.device)
+    b.example = example_inputs(b.plan, b.root, b.state, b.batch.tensors, b.device)
     b.step_gm = assemble_step(b.plan, b.forward, b.example)
 
 

@@ -41,6 +41,10 @@ def main():
     except graphamp.GraphampError as e:
         result["error"] = f"{type(e).__name__}: {e}"
     torch.save(result, os.path.join(sys.argv[1], f"rank{dist.get_rank()}.pt"))
+    # Every rank finishes its collectives and files before any tears gloo down:
+    # a rank leaving early made its peer abort ("terminate called without an
+    # active exception") in CI.
+    dist.barrier()
     dist.destroy_process_group()
 
 

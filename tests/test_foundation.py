@@ -259,16 +259,25 @@ def test_eval_graph_in_train_mode_updates_batchnorm_statistics():
     assert model.features[1].num_batches_tracked.item() == 1
 
 
-def test_new_input_shape_recaptures_and_says_so(caplog):
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_new_input_shape_recaptures_and_says_so(caplog, dynamic):
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        configure=lambda self: self.config.set_dynamic_shapes(dynamic),
+    )
     g(torch.randn(8, 256), torch.randint(0, 10, (8,)))
     with caplog.at_level(logging.INFO, logger="graphamp"):
         g(torch.randn(4, 256), torch.randint(0, 10, (4,)))
         g(torch.randn(8, 256), torch.randint(0, 10, (8,)))
     assert len(g.compiled_steps) == 2
-    messages = [r.getMessage() for r in caplog.records if "new input signature" in r.getMessage()]
-    assert len(messages) == 1 and "4x256" in messages[0]
+    messages = [
+        r.getMessage() for r in caplog.records if "capturing and compiling" in r.getMessage()
+    ]
+    assert len(messages) == 1 and "input 'x' dimension 0 changed size (8 to 4)" in messages[0]
+    assert ("dynamic" in messages[0]) == (dynamic is None)
 
 
 def test_cache_is_bounded():
@@ -277,7 +286,10 @@ def test_cache_is_bounded():
         model,
         nn.CrossEntropyLoss(),
         torch.optim.SGD(model.parameters(), lr=0.1),
-        configure=lambda self: self.config.set_max_cached_graphs(2),
+        configure=lambda self: (
+            self.config.set_max_cached_graphs(2),
+            self.config.set_dynamic_shapes(False),
+        ),
     )
     for batch in (2, 3, 4):
         g(torch.randn(batch, 256), torch.randint(0, 10, (batch,)))

@@ -22,7 +22,7 @@ import graphamp
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_zero(nproc: int, stage: int, out, *, acc=1, first=0, last=STEPS, resume=None):
+def run_zero(nproc: int, stage: int, out, *, acc=1, first=0, last=STEPS, resume=None, sizes=None):
     out.mkdir(exist_ok=True)
     cmd = [
         sys.executable,
@@ -37,21 +37,23 @@ def run_zero(nproc: int, stage: int, out, *, acc=1, first=0, last=STEPS, resume=
         str(last),
         str(out),
     ] + ([str(resume)] if resume else [])
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if sizes is not None:
+        env["GRAPHAMP_TEST_SIZES"] = ",".join(map(str, sizes))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     (out / "stderr.txt").write_text(done.stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
 
 
-def single_process(steps=STEPS):
+def single_process(steps=STEPS, sizes=None):
     model = make_model(seed=0, width=WIDTH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         g, opt = make_training(0, 1, model)
-        for x, y in global_batches()[:steps]:
-            g(x, y)
+        for step, (x, y) in enumerate(global_batches()[:steps]):
+            n = sizes[step] if sizes else len(x)
+            g(x[:n], y[:n])
     return model.state_dict(), opt.state_dict(), g.history.fetch()["skipped"], state_bytes(opt)
 
 
@@ -86,6 +88,20 @@ def test_zero_trains_like_one_process_with_an_overflow_on_one_rank(nproc, stage,
         assert (
             r["state_bytes"] - steps_bytes <= (full_bytes - steps_bytes) / nproc + 2 * 4 * 4 * nproc
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,acc", [(1, 1), (2, 2)])
+def test_zero_with_a_changing_batch_size_trains_like_one_process(stage, acc, tmp_path):
+    """The global batch changes size every step (the poisoned step keeps its full batch):
+    every rank makes its batch dimension dynamic at the same call, builds together, and the
+    run equals one process on the same global batches."""
+    sizes = (16, 8, 16, 12, 8, 16)
+    reference = single_process(sizes=sizes)
+    ranks = run_zero(2, stage, tmp_path / "run", acc=acc, sizes=sizes)
+    _assert_like_one_process(ranks, reference)
+    # the first size, then one step for every other size: on every rank
+    assert [r["compiled_steps"] for r in ranks] == [2, 2]
 
 
 @pytest.mark.slow

@@ -49,6 +49,13 @@ def make_training(stage: int, acc: int, model: nn.Module):
     return Zero(), opt
 
 
+def batch_size(step: int) -> int:
+    """The global batch of a step: 16, or with GRAPHAMP_TEST_SIZES (comma-separated sizes per
+    step, the test's way to ask for a changing batch size) that many rows of it."""
+    sizes = os.environ.get("GRAPHAMP_TEST_SIZES")
+    return int(sizes.split(",")[step]) if sizes else 16
+
+
 def state_bytes(opt) -> int:
     """Bytes of optimizer state tensors this process holds (counted)."""
     return sum(
@@ -78,8 +85,9 @@ def main():
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         g.load_state_dict(ckpt["graph"])
-    shard = 16 // world
-    for x, y in global_batches()[first:last]:
+    for step, (x, y) in enumerate(global_batches()[first:last], start=first):
+        x, y = x[: batch_size(step)], y[: batch_size(step)]
+        shard = len(x) // world
         g(x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard])
     held = state_bytes(opt)
     full_opt = opt.state_dict()  # a collective: every rank calls it
@@ -88,6 +96,7 @@ def main():
         "opt": full_opt,
         "skipped": g.history.fetch()["skipped"],
         "state_bytes": held,
+        "compiled_steps": len(g.compiled_steps),
     }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if rank == 0:
@@ -95,6 +104,10 @@ def main():
             {"model": model.state_dict(), "opt": full_opt, "graph": g.state_dict()},
             os.path.join(out_dir, "ckpt.pt"),
         )
+    # Every rank finishes its collectives and files before any tears gloo down:
+    # a rank leaving early made its peer abort ("terminate called without an
+    # active exception") in CI.
+    dist.barrier()
     dist.destroy_process_group()
 
 

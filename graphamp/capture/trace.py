@@ -20,6 +20,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import CaptureError, GraphampError
 from ..records.fxutil import rename_placeholders, trace_functional, user_frame_of_exception
+from ..records.guards import AttributeRead
 from ..records.inputs import FlatInputs
 from ..records.layouts import ForwardLayout
 from ..records.ops import FunctionCall
@@ -39,6 +40,8 @@ from .host_randomness import refusing_host_randomness
 from .intercept import CaptureMode, RecordedLoss, parameter_positions
 from .op_errors import VALUE_DEPENDENT, fake_kernel_error
 from .patching import SharedPatch
+from .reads import recording_attribute_reads
+from .reads import watched_objects as objects_read
 from .root import BuildRoot, fake_copy, quiet_fake_data_pointers, refuse_compiled_submodules
 from .scaler_refusal import raised_in_torch_grad_scaler, torch_grad_scaler_error
 from .side_effects import refuse_hooks
@@ -81,6 +84,7 @@ def capture_forward(
     try:
         captured, again = _capture_once(root, inputs, graph_name, device, amp)
         captured.replays = settled.steady_replays(captured, again)
+        captured.attribute_reads = _reads_not_written(captured.attribute_reads, again)
     except BaseException:
         settled.undo()
         raise
@@ -92,6 +96,16 @@ def capture_forward(
         ", ".join(w.place.describe() for w in written[:3]) + (", ..." if len(written) > 3 else ""),
     )
     return captured
+
+
+def _reads_not_written(
+    reads: tuple[AttributeRead, ...], again: list[WrittenValue]
+) -> tuple[AttributeRead, ...]:
+    """The reads that are guards: an attribute build() writes on every call is replayed after
+    each step (or checked to be rewritten with the value it had), and what the trace read of it
+    is its own value, not an assumption about the user's objects."""
+    written = {(id(vars(w.place.owner)), w.place.name) for w in again}
+    return tuple(r for r in reads if (id(r.namespace), r.name) not in written)
 
 
 def _extra_nodes(captured: CapturedForward) -> list[fx.Node]:
@@ -149,6 +163,7 @@ def _capture_once(
         constants=constants,
         constant_names=constant_names,
         num_written=len(traced.written_outputs),
+        attribute_reads=tuple(traced.attribute_reads),
     )
     captured.unused_params = params_without_path_to_losses(captured)
     log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
@@ -163,6 +178,7 @@ class TracedBuild:
     objects, *losses, *explicit loss gradients, *every buffer's value after build())``."""
 
     function_calls: list[FunctionCall] = field(default_factory=list)  # custom Functions applied
+    attribute_reads: list[AttributeRead] = field(default_factory=list)  # what build() read
     losses: list[RecordedLoss] = field(default_factory=list)  # one per backward() call
     loss_inputs: list[frozenset[int] | None] = field(default_factory=list)  # backward(inputs=)
     output_template: list[Any] = field(default_factory=list)  # TENSOR where a tensor goes
@@ -229,6 +245,9 @@ def _traced_function(
     traced values are swapped into the user's modules while it runs; ``traced`` is filled."""
     module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     watched = watched_objects(root)
+    owner = getattr(root._build, "__self__", None)  # the Graph (build is its bound method)
+    user_modules = [(n, m) for n, m in root.named_modules() if m is not root]
+    reading, classes = objects_read(user_modules, owner)
     state = [*root.parameters(), *root.buffers()]
     buffer_names = [n for n, _ in root.named_buffers()]
     slots = state_slots(root)
@@ -241,6 +260,7 @@ def _traced_function(
         mode = CaptureMode(module_names, loss_scale=parts.loss_scale, mixed_dtypes_ok=amp)
         with (
             refusing_host_randomness(graph_name, watched),
+            recording_attribute_reads(reading, classes) as reads,
             torch.enable_grad(),
             swapped(slots, replacement),
             StateWatch(watched).recording() as watch,
@@ -252,6 +272,7 @@ def _traced_function(
             new_buffers = [root.get_buffer(n) for n in buffer_names]  # the updated values
             written = written_values(graph_name, watch.changes(), real_of)
         traced.written, traced.written_outputs = written
+        traced.attribute_reads = reads
         leaves, traced.output_spec = pytree.tree_flatten(out)
         position = {id(t): i for i, t in enumerate(parts.params)}
         traced.losses = mode.losses

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
+from torch._decomp import get_decompositions
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensorMode
@@ -115,13 +116,17 @@ def trace_functional(
     user's ``.detach()``. With ``allow_constants``, real tensors ``fn`` reads that are not among
     its inputs become ``get_attr`` constants holding those very objects.
     Sizes that depend on values (boolean-mask indexing, ``nonzero``) become unbacked symbols of
-    the fake mode's ShapeEnv; every other size stays static. Ops torch marks effectful (the
-    error checks of ``torch.linalg.solve``, ``inv``...) are traced as plain nodes
-    (``effects.py``).
+    the fake mode's ShapeEnv; the sizes of fakes given in ``example`` stay what they are (static,
+    or symbolic: ``records.shapes``), and tensors are faked with static sizes. Where a symbolic
+    size reaches an op whose meta kernel would specialise it to its traced value (reading sizes
+    as plain integers), the op is decomposed into ops that keep it symbolic
+    (``SYMBOLIC_DECOMPOSITIONS``). Ops torch marks effectful (the error checks of
+    ``torch.linalg.solve``, ``inv``...) are traced as plain nodes (``effects.py``).
     """
     mode = detect_fake_mode(example) or FakeTensorMode(
         shape_env=ShapeEnv(), allow_non_fake_inputs=allow_constants
     )
+    symbolic = any(isinstance(t, FakeTensor) and t._has_symbolic_sizes_strides for t in example)
     fakes = [_fake_like(mode, t) if isinstance(t, torch.Tensor) else t for t in example]
     functional = dispatch_functionalize(
         fn, FunctionalTensorMode(), propagate_input_mutations=propagate_input_mutations
@@ -130,9 +135,19 @@ def trace_functional(
         return make_fx(
             functional,
             tracing_mode="real",
-            decomposition_table={},
+            decomposition_table=symbolic_decompositions() if symbolic else {},
             _allow_non_fake_inputs=allow_constants,
         )(*fakes)
+
+
+# Ops whose meta kernels read sizes as plain integers, which specialises a symbolic size to the
+# value it was traced with (found on real models: transformers' causal-LM loss pads its labels
+# with F.pad). torch's own decompositions of them keep sizes symbolic.
+SYMBOLIC_DECOMPOSITIONS = ("constant_pad_nd",)
+
+
+def symbolic_decompositions() -> dict:
+    return get_decompositions([getattr(torch.ops.aten, name) for name in SYMBOLIC_DECOMPOSITIONS])
 
 
 def _fake_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
@@ -248,9 +263,17 @@ def dtype_after_amp(node: fx.Node) -> Any:
     return captured_dtype(node) if dtype is _UNSET else dtype
 
 
+_SIZES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
 def is_compute_node(node: fx.Node) -> bool:
-    """A call that computes something (getitem only unpacks a tuple)."""
-    return node.op == "call_function" and node.target is not operator.getitem
+    """A call that computes tensor data: getitem only unpacks a tuple, and size arithmetic on
+    symbolic shapes (``sym_size``, ``s0 * s1``) computes a size, not data."""
+    return (
+        node.op == "call_function"
+        and node.target is not operator.getitem
+        and not isinstance(node.meta.get("val"), _SIZES)
+    )
 
 
 def module_path(node: fx.Node) -> str:

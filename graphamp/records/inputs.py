@@ -32,10 +32,12 @@ class InputSignature:
     tensors: tuple[TensorKey, ...]
     constants: tuple[Any, ...]
 
-    def describe(self) -> str:
-        parts = [
-            f"{'x'.join(map(str, s)) or 'scalar'} {dtype_name(d)}" for s, d, _, _ in self.tensors
-        ]
+    def describe(self, dynamic: frozenset[tuple[int, int]] = frozenset()) -> str:
+        """ "4x128 float32, 4 int64"; a dynamic dimension (tensor, dim) shows as "?"."""
+        parts = []
+        for i, (shape, dtype, _, _) in enumerate(self.tensors):
+            sizes = "x".join("?" if (i, d) in dynamic else str(n) for d, n in enumerate(shape))
+            parts.append(f"{sizes or 'scalar'} {dtype_name(dtype)}")
         return ", ".join(parts) or "no tensors"
 
 
@@ -64,9 +66,13 @@ class FlatInputs:
         args, kwargs = self.rebuild(metas)
         return FlatInputs(metas, self.signature, args, kwargs, [t.device for t in self.tensors])
 
-    def micro_batch(self, n: int, graph_name: str) -> FlatInputs:
-        """The first of n equal slices along dim 0 of every tensor (gradient accumulation)."""
-        sliced = []
+    def with_tensors(self, tensors: list[torch.Tensor]) -> FlatInputs:
+        """The same call with other tensors in place of its tensor leaves (fakes, for a build)."""
+        args, kwargs = self.rebuild(tensors)
+        return FlatInputs(tensors, self.signature, args, kwargs)
+
+    def check_micro_batches(self, n: int, graph_name: str) -> None:
+        """InputError unless every tensor splits into n equal slices along dim 0."""
         for i, t in enumerate(self.tensors):
             if t.dim() == 0 or t.shape[0] % n:
                 raise InputError(
@@ -74,7 +80,15 @@ class FlatInputs:
                     f"tensor argument along dim 0, but tensor argument {i} has shape "
                     f"{tuple(t.shape)}; pass batches whose first dimension is a multiple of {n}"
                 )
-            sliced.append(t[: t.shape[0] // n])
+
+    def micro_batch(self, n: int) -> FlatInputs:
+        """The first of n equal slices along dim 0 of every tensor (gradient accumulation;
+        ``check_micro_batches`` first). On fakes with a symbolic batch size the slice's size is
+        that symbol // n; asking whether it divides by n makes the ShapeEnv keep that as a guard,
+        so a later batch that does not divide is not served by this program."""
+        if any(t.shape[0] % n != 0 for t in self.tensors):
+            raise ValueError("micro_batch: call check_micro_batches first")
+        sliced = [t[: t.shape[0] // n] for t in self.tensors]
         args, kwargs = self.rebuild(sliced)
         return FlatInputs(sliced, self.signature, args, kwargs)
 

@@ -61,6 +61,7 @@ class ConfigSnapshot:
     checkpoint_module_types: tuple[type, ...] = ()
     checkpoint_module_names: tuple[str, ...] = ()
     zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded (enable_zero)
+    cuda_graph_sizes: int = 8  # CUDA graphs kept per dynamic step, one per batch shape (0: none)
 
     @property
     def activation_checkpointing(self) -> bool:

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .fxutil import UserFrame
+from .guards import AttributeRead, Guards
 from .inputs import FlatInputs, InputSignature
 from .layouts import ForwardLayout, StepLayout
 from .ops import FunctionCall
@@ -138,6 +139,8 @@ class CapturedForward:
     replays: list[StateReplay] = field(default_factory=list)
     # puts back the Python state capture settled on the user's objects (a later stage failed)
     undo_writes: Callable[[], None] | None = None
+    # the Python attributes build() read, with their values: the program assumes them (guards)
+    attribute_reads: tuple[AttributeRead, ...] = ()
 
     @property
     def num_losses(self) -> int:
@@ -261,6 +264,13 @@ class Program:
     timings: dict[str, float] = field(default_factory=dict)  # stage name -> seconds
     pass_records: list[PassRecord] = field(default_factory=list)
     example_inputs: FlatInputs | None = None  # meta copies, to rerun build() on fakes later
+    guards: Guards | None = None  # what it assumes; the runtime checks it before every call
+    serial: int = 0  # its number in the Graph's cache (set when it is kept)
+
+    @property
+    def dynamic(self) -> frozenset[tuple[int, int]]:
+        """The batch dimensions (tensor index, dim) it traced as symbols."""
+        return self.guards.shapes.dynamic if self.guards is not None else frozenset()
 
 
 # -- what the autocast oracle measures (read by the inspection modules) ----------------------------
@@ -316,6 +326,7 @@ class CompiledStep:
     """
 
     signature: str  # the input signature it was built for, e.g. "128x256 float32, 128 int64"
+    dynamic: tuple[tuple[int, int], ...]  # (tensor argument, dimension) pairs it serves any size of
     training: bool
     amp_dtype: torch.dtype | None  # None when AMP is off
     backend: str
@@ -330,7 +341,8 @@ class CompiledStep:
     @classmethod
     def of(cls, program: Program) -> CompiledStep:
         return cls(
-            signature=program.signature.describe(),
+            signature=program.signature.describe(program.dynamic),
+            dynamic=tuple(sorted(program.dynamic)),
             training=program.plan.training,
             amp_dtype=program.amp.dtype if program.amp is not None else None,
             backend=program.spec.config.backend,

@@ -4,9 +4,9 @@ A compiled step bakes in the module tree it was captured from (which modules, pa
 buffers exist and which are in training mode), each optimizer's param groups (which parameters,
 ``requires_grad``, structural options such as momentum on/off), the config, the scaler's
 settings and the fp32 parts a transformers model declares (``model_pins.py``). ``StructureKey``
-turns all of that into one hashable ``Structure`` per call; the Graph's cache of compiled steps
-is keyed on it and the input signature (``ProgramKey``), so any change rebuilds the step, and
-``describe_change`` names what changed for the log.
+turns all of that into one hashable ``records.guards.Structure`` per call; each compiled step
+assumes the one it was built for (``Guards.structure``), so any change rebuilds the step, and
+``records.guards.structure_words`` names what changed for the log.
 
 Walking every module's children at every call would cost tens of microseconds on a large
 model, so the tree's identity fingerprint is recomputed only when torch registered a module,
@@ -16,17 +16,18 @@ when a module lost a child, a parameter or a buffer (the per-call sizes below).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
 import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 
 from ..records.fxutil import warn_at_user_line
-from ..records.inputs import FlatInputs, InputSignature
+from ..records.guards import Change, Structure
+from ..records.inputs import FlatInputs
 from ..records.model_pins import declared_patterns, declaring_models
+from ..records.spec import Program
 
 log = logging.getLogger("graphamp")
 
@@ -51,25 +52,6 @@ _global_hooks = (
     module_hooks._global_backward_hooks,
     module_hooks._global_backward_pre_hooks,
 )
-
-
-class Structure(NamedTuple):
-    """What a compiled step depends on besides its inputs, part by part."""
-
-    modules: tuple  # names, identities, parameters and buffers of the registered module tree
-    module_modes: tuple  # training flags and child/parameter/buffer counts; declared fp32 parts
-    optimizers: tuple  # each optimizer slot's structure()
-    config: Any  # the ConfigSnapshot
-    grad_scaler: tuple | None  # (identity, settings) of the scaler in use
-    torch_modes: tuple  # ambient.mode_key(): default dtype, deterministic algorithms
-    hooks: int  # module hooks registered anywhere (each is refused or traced at capture)
-
-
-class ProgramKey(NamedTuple):
-    """The key of a Graph's cache of compiled steps."""
-
-    signature: InputSignature
-    structure: Structure
 
 
 _new_tuple = tuple.__new__
@@ -156,64 +138,47 @@ class StructureKey:
         )
 
 
-_CHANGES = {
-    "modules": "the registered modules changed (a layer, parameter or buffer was added, removed "
-    "or replaced)",
-    "module_modes": "a module switched between train() and eval(), lost a child, or changed the "
-    "parts it declares fp32 (_keep_in_fp32_modules)",
-    "optimizers": "an optimizer's param groups changed (parameters, requires_grad or options "
-    "such as momentum)",
-    "config": "the graph's config changed",
-    "grad_scaler": "the grad scaler's settings changed",
-    "torch_modes": "the default dtype or torch.use_deterministic_algorithms changed",
-    "hooks": "a forward or backward hook was registered or removed",
-}
-
-
-def describe_change(old: Structure, new: Structure) -> str:
-    """Which parts of two structures differ, in words."""
-    words = []
-    for part in Structure._fields:
-        if getattr(old, part) != getattr(new, part):
-            extra = _config_fields(old.config, new.config) if part == "config" else ""
-            words.append(_CHANGES[part] + extra)
-    return "; ".join(words) or "nothing the key records"
-
-
-def log_why_rebuilt(graph_name: str, last: ProgramKey | None, key: ProgramKey) -> None:
-    """One INFO line: why a call found no compiled step (after the first)."""
-    if last is None:
-        return
-    if key.structure == last.structure:
+def log_rebuild(
+    graph_name: str,
+    change: Change | None,
+    dynamic: frozenset[tuple[int, int]],
+    before: frozenset[tuple[int, int]],
+    names: list[str],
+) -> None:
+    """One INFO line: why a call found no compiled step (after the first), and which batch
+    dimensions become dynamic from this build on."""
+    new = sorted(dynamic - before)
+    if new:
+        dims = ", ".join(f"{names[i] if i < len(names) else i!r} dimension {d}" for i, d in new)
         log.info(
-            "%s: new input signature (%s): capturing and compiling again",
+            "%s: %s: capturing and compiling a step where %s %s dynamic (symbolic); later "
+            "sizes reuse it",
             graph_name,
-            key.signature.describe(),
+            change or "marked with torch._dynamo.mark_dynamic",
+            dims,
+            "is" if len(new) == 1 else "are",
         )
-    else:
-        log.info(
-            "%s: %s: capturing and compiling again",
-            graph_name,
-            describe_change(last.structure, key.structure),
-        )
+    elif change is not None:
+        log.info("%s: %s: capturing and compiling again", graph_name, change)
 
 
 RECOMPILES_BEFORE_WARNING = 4
 
 
 def numbers_baked_in(
-    keys: Iterable[ProgramKey], inputs: FlatInputs, build: Any
+    programs: Iterable[Program], inputs: FlatInputs, build: Any
 ) -> tuple[int, list[str]] | None:
     """A Python number among g(...)'s arguments is baked into the compiled step: one that
     changes every call compiles every call. (how many values, the arguments' names) once the
     same tensors came with ``RECOMPILES_BEFORE_WARNING`` different numbers, else None."""
     sig = inputs.signature
+    signatures = [p.guards.signature for p in programs if p.guards is not None]
     same_tensors = [
-        k.signature
-        for k in keys
-        if k.signature.structure == sig.structure
-        and k.signature.tensors == sig.tensors
-        and k.signature.constants != sig.constants
+        s
+        for s in signatures
+        if s.structure == sig.structure
+        and s.tensors == sig.tensors
+        and s.constants != sig.constants
     ]
     if len(same_tensors) + 1 < RECOMPILES_BEFORE_WARNING:
         return None
@@ -234,14 +199,3 @@ def warn_about_numbers(graph_name: str, values: int, names: list[str]) -> None:
         "graph). Pass them as tensors (torch.tensor(value)) so one compiled step serves every "
         "value"
     )
-
-
-def _config_fields(old: Any, new: Any) -> str:
-    """' (field, field)': the settings two config snapshots differ in (AMP pins, overflow
-    tracing, backend, ...), or '' when they are not dataclasses."""
-    if not (dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new)):
-        return ""
-    fields = [
-        f.name for f in dataclasses.fields(old) if getattr(old, f.name) != getattr(new, f.name)
-    ]
-    return f" ({', '.join(fields)})" if fields else ""

@@ -10,7 +10,6 @@ registers or sets is what the next call sees. ``call`` is the one function a cal
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -18,12 +17,14 @@ import torch
 import torch.nn as nn
 
 from ..forensics.autofix import Autofix
-from ..records.inputs import FlatInputs, flatten_inputs
+from ..records.guards import BuildRequest
+from ..records.inputs import FlatInputs, check_arity, flatten_inputs
 from ..records.spec import OptimizerSlot, Program
 from ..records.state import SharedState
 from . import ambient, interrupts, schedulers
-from .cache_key import ProgramKey, StructureKey
+from .cache_key import StructureKey, log_rebuild, numbers_baked_in, warn_about_numbers
 from .overflows import read_overflows, watch_overflows
+from .programs import Key, ProgramCache, marked_dynamic, precision_differences
 
 if TYPE_CHECKING:  # the user's objects, held and called, never constructed here
     from ..config import GraphConfig
@@ -31,8 +32,8 @@ if TYPE_CHECKING:  # the user's objects, held and called, never constructed here
 
 log = logging.getLogger("graphamp")
 
-# the Graph's miss path: capture and compile a step for these inputs, keep it in the cache
-Compile = Callable[[FlatInputs, ProgramKey, tuple, dict], Program]
+# the Graph's miss path: capture and compile a step for these inputs (the pipeline)
+Compile = Callable[[FlatInputs, BuildRequest], Program]
 
 
 @dataclass(eq=False)
@@ -45,12 +46,12 @@ class GraphRuntime:
     config: GraphConfig  # the Graph's config: snapshot() at every call; autofix settings
     state: SharedState  # step count, optimizer step counters, history
     compile: Compile
-    programs: OrderedDict[ProgramKey, Program] = field(default_factory=OrderedDict)  # LRU first
+    build: Callable[..., Any]  # the Graph's bound build(): its signature names the inputs
+    programs: ProgramCache = field(default_factory=ProgramCache)
     structure: StructureKey = field(default_factory=StructureKey)
     autofix: Autofix = field(default_factory=Autofix)
     scaler: GradScaler | None = None  # set_grad_scaler's (disabled ones included)
     debug_level: int = 0
-    last_key: ProgramKey | None = None  # the key of the last call (why a step is rebuilt)
     warned_numbers: bool = False  # the baked-in numbers warning is given once
 
 
@@ -66,22 +67,68 @@ def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
 
 def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
     inputs = flatten_inputs(args, kwargs)
-    key = program_key(run, inputs)
-    program = run.programs.get(key)
+    key = _key(run, inputs)
+    program = run.programs.find(key, inputs)
     if program is None:
-        program = run.compile(inputs, key, args, kwargs)
-    else:
-        run.programs.move_to_end(key)
-    run.last_key = key
+        program = _build(run, inputs, key, args, kwargs)
     return program.captured.unflatten_outputs(run_step(run, program, inputs))
 
 
-def program_key(run: GraphRuntime, inputs: FlatInputs) -> ProgramKey:
-    """The cache key of a call with ``inputs``, as the Graph's objects are now."""
+def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple, args: tuple, kwargs: dict) -> Program:
+    """No cached step serves this call: say why, choose the dimensions to make symbolic, build
+    one (the Graph's pipeline) and keep it."""
+    check_arity(run.build, args, kwargs, run.name)
+    names = inputs.names(run.build)
+    change = run.programs.why_rebuilt(key, inputs, names)
+    config = run.config
+    marked = marked_dynamic(inputs.tensors)
+    dynamic = run.programs.dynamic_dims(key, marked, config.dynamic_shapes)
+    log_rebuild(run.name, change, dynamic, run.programs.family_dynamic(key), names)
+    baked = numbers_baked_in(run.programs.values(), inputs, run.build)
+    if baked is not None and not run.warned_numbers:
+        run.warned_numbers = True
+        warn_about_numbers(run.name, *baked)
+    run.programs.count_build(run.name, key[1], str(change or "first call"), config.recompile_limit)
+    sibling = run.programs.family_member(key)
+    program = run.compile(inputs, BuildRequest(structure=key[1], dynamic=dynamic))
+    if program.captured.undo_writes is not None:
+        key = _settled_key(run, inputs, program)
+    if sibling is not None and program.amp is not None and sibling.amp is not None:
+        differ = precision_differences(sibling, program)
+        if differ:
+            log.info(
+                "%s: the new step's precision decisions differ from the step for %s, which "
+                "should not happen (sizes must not decide precision): %s",
+                run.name,
+                sibling.signature.describe(sibling.dynamic),
+                "; ".join(differ[:5]),
+            )
+    for dropped in run.programs.keep(key, program, config.max_cached_graphs):
+        read_overflows(run, dropped)  # its device record goes with it
+        log.info(
+            "%s: dropped the least recently used compiled step (cache holds %d)",
+            run.name,
+            config.max_cached_graphs,
+        )
+    return program
+
+
+def _key(run: GraphRuntime, inputs: FlatInputs) -> Key:
+    """The (signature, structure) of a call with ``inputs``, as the Graph's objects are now."""
     structure = run.structure(
         run.modules, run.optimizers, run.config.snapshot(), run.scaler, ambient.mode_key()
     )
-    return tuple.__new__(ProgramKey, (inputs.signature, structure))  # no Python-level __init__
+    return (inputs.signature, structure)
+
+
+def _settled_key(run: GraphRuntime, inputs: FlatInputs, program: Program) -> Key:
+    """build() set up state on its first call (hooks, caches; ``capture/steady_state.py``) and
+    capture left it as that call leaves it: the program is kept under, and assumes, the
+    structure of the calls to come, or the next call would not find it."""
+    key = _key(run, inputs)
+    if program.guards is not None:
+        program.guards.structure = key[1]
+    return key
 
 
 def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[torch.Tensor]:
@@ -123,17 +170,3 @@ def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[to
         if held:
             interrupts.release_interrupts()  # a Ctrl-C that arrived meanwhile is raised here
     return outputs
-
-
-def keep_program(run: GraphRuntime, key: ProgramKey, program: Program) -> None:
-    """Cache a new compiled step; drop the least recently used beyond
-    ``config.max_cached_graphs`` (its overflow record is read first: it goes with it)."""
-    run.programs[key] = program
-    while len(run.programs) > run.config.max_cached_graphs:
-        _, dropped = run.programs.popitem(last=False)
-        read_overflows(run, dropped)
-        log.info(
-            "%s: dropped the least recently used compiled step (cache holds %d)",
-            run.name,
-            run.config.max_cached_graphs,
-        )

@@ -3,8 +3,9 @@
 graphamp already holds the whole step as one functional, guard-free aten graph, so it calls the
 backend (inductor, aot_eager, eager) on it directly rather than re-tracing it with Dynamo: the
 same compiler, no bytecode tracing at the first call and no guard checks at every call. The
-cache of compiled steps per input signature is graphamp's own (see Graph); replaying the
-compiled step as a CUDA graph is ``cudagraph.py``.
+cache of compiled steps per input signature is graphamp's own (see Graph); across processes,
+inductor's FX-graph cache and AOTAutograd's cache (``TORCHINDUCTOR_CACHE_DIR``) serve a restart,
+as they do for torch.compile. Replaying the compiled step as a CUDA graph is ``cudagraph.py``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 from torch._guards import TracingContext, detect_fake_mode, tracing
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 StepFn = Callable[..., Sequence[torch.Tensor]]
 
@@ -33,35 +34,74 @@ def compile_step(
     import torch._dynamo  # noqa: F401 - registers the backends
 
     compiler = torch._dynamo.lookup_backend(backend)
-    # The backend re-traces the graph on fake tensors. Where sizes depend on values (boolean
-    # masks, nonzero), it does so in the fake mode (and ShapeEnv) the step was traced in, so
-    # they stay the symbols assembly made.
-    context = TracingContext(_fake_mode_of(gm)) if _has_unbacked_sizes(gm) else nullcontext()
-    if backend != "inductor":
-        with _tracing(context):
-            return compiler(gm, example)
+    # The backend sees the step as torch.compile's backends see Dynamo's graphs: inside a
+    # TracingContext whose fake mode has a ShapeEnv (inductor's FX-graph cache and
+    # AOTAutograd's cache bypass themselves without one: "No shape env"), with fake example
+    # inputs of that mode. Those are the step's own placeholder values: the sizes assembly
+    # traced, static or symbolic (unbacked sizes of boolean masks keep their symbols). Real
+    # tensors would be fakified again by AOTAutograd, with a fresh symbol for every dimension
+    # once a ShapeEnv is present; a graph that does not bind those symbols breaks
+    # AOTAutograd's tensorify_python_scalars (KeyError on the symbol).
+    fake_mode = _fake_mode_of(gm)
+    fakes = _example_fakes(gm, example, fake_mode)
+    _views_as_reshapes(gm)
+    options = {}
+    if backend == "inductor":
+        options = {**default_inductor_options(gm, example), **(inductor_options or {})}
+    with _inductor_config(options), tracing(TracingContext(fake_mode)):
+        return compiler(gm, fakes)
+
+
+def _views_as_reshapes(gm: fx.GraphModule) -> None:
+    """Every ``view`` of the step becomes a ``reshape``, in place.
+
+    The backend traces the step again with its own decompositions, which can lay an
+    intermediate out differently from assembly's trace, and a ``view`` recorded for one layout
+    fails on the other. Seen with inductor on GPT-2's attention: with symbolic sizes (strides
+    (64*s, 32, 1, 64) where assembly had (64*s, 32*s, 1, 32)), and with static ones on
+    transformers' GPT-2 given an attention mask under bf16 AMP ("Cannot view a tensor with
+    shape [8, 4, 32, 8] and strides (1024, 32, 1, 128) as (32, 32, 8)"). ``reshape`` is that same view
+    wherever a view is possible, and a copy where not; the graph holds no in-place write to a
+    view (it is functional until its final copies into the state), so values are unchanged."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+
+
+def _inductor_config(options: dict):
+    if not options:
+        return nullcontext()
     import torch._inductor.config as inductor_config
 
-    options = {**default_inductor_options(gm, example), **(inductor_options or {})}
-    with inductor_config.patch(options), _tracing(context):
-        return compiler(gm, example)
-
-
-def _tracing(context):
-    return tracing(context) if isinstance(context, TracingContext) else context
-
-
-def _has_unbacked_sizes(gm: fx.GraphModule) -> bool:
-    return any(
-        free_unbacked_symbols(n.meta.get("val"))
-        for n in gm.graph.nodes
-        if isinstance(n.meta.get("val"), torch.Tensor)
-    )
+    return inductor_config.patch(options)
 
 
 def _fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
+    """The fake mode (and ShapeEnv) the step was traced in."""
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    return detect_fake_mode(vals) or FakeTensorMode(shape_env=ShapeEnv())
+    mode = detect_fake_mode(vals)
+    if mode is None or mode.shape_env is None:
+        return FakeTensorMode(shape_env=ShapeEnv())
+    return mode
+
+
+def _example_fakes(
+    gm: fx.GraphModule, example: list[torch.Tensor], mode: FakeTensorMode
+) -> list[torch.Tensor]:
+    """The step's inputs as fakes of ``mode``: each placeholder's traced value where it has
+    one of that mode, else a static-sized fake of the real example."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out: list[torch.Tensor] = []
+    for node, real in zip(placeholders, example, strict=True):
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor) and val.fake_mode is mode:
+            out.append(val)
+        elif isinstance(real, torch.Tensor):
+            out.append(mode.from_tensor(real, static_shapes=True))
+        else:
+            out.append(real)
+    return out
 
 
 def default_inductor_options(gm: fx.GraphModule, example: list[torch.Tensor]) -> dict:

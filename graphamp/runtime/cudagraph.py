@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
+from typing import Any, Callable
 
 import torch
 
@@ -23,10 +25,18 @@ class CudaGraphStep:
     state), the graph is captured again.
     """
 
-    def __init__(self, fn: StepFn, n_state: int, flat: list[torch.Tensor], warmup: int = 2):
+    def __init__(
+        self,
+        fn: StepFn,
+        n_state: int,
+        flat: list[torch.Tensor],
+        warmup: int = 2,
+        pool: Any = None,
+    ):
         self.fn = fn
         self.n_state = n_state
         self.warmup = warmup
+        self.pool = pool  # a memory pool shared with other graphs of the same program
         self._capture(flat)
 
     @torch.no_grad()
@@ -43,7 +53,7 @@ class CudaGraphStep:
                 self.fn(*state, *self.static_inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=self.pool):
             outputs = self.fn(*state, *self.static_inputs)
         self.static_outputs = list(outputs)
         torch.cuda.synchronize()
@@ -60,3 +70,44 @@ class CudaGraphStep:
             static.copy_(t, non_blocking=True)
         self.graph.replay()
         return [t.clone() for t in self.static_outputs]
+
+
+class CudaGraphsBySize:
+    """Replays a dynamic program (one compiled step for many batch sizes) as one CUDA graph per
+    batch shape, captured the first time that shape comes, least recently used dropped beyond
+    ``capacity``.
+
+    The graphs share one memory pool: a graph's intermediates live only during its replay and
+    its outputs are cloned at once, and replays never overlap, so the pool holds about the
+    largest graph's intermediates rather than the sum (plus each graph's static batch buffers).
+    ``capture`` makes one graph (``CudaGraphStep``; tests count captures with a stand-in)."""
+
+    def __init__(
+        self,
+        fn: StepFn,
+        n_state: int,
+        flat: list[torch.Tensor],
+        capacity: int,
+        capture: Callable[..., Any] | None = None,
+    ) -> None:
+        self.fn = fn
+        self.n_state = n_state
+        self.capacity = capacity
+        self.graphs: OrderedDict[tuple, Any] = OrderedDict()
+        self.captures = 0
+        self._pool = torch.cuda.graph_pool_handle() if capture is None else None
+        self._capture = capture or (lambda fn, n, flat: CudaGraphStep(fn, n, flat, pool=self._pool))
+        self(*flat, replay=False)
+
+    def __call__(self, *flat: torch.Tensor, replay: bool = True) -> list[torch.Tensor]:
+        key = tuple((t.shape, t.stride()) for t in flat[self.n_state :])
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture(self.fn, self.n_state, list(flat))
+            self.captures += 1
+            self.graphs[key] = graph
+            while len(self.graphs) > self.capacity:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        return graph(*flat) if replay else []

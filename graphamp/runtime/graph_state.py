@@ -23,7 +23,7 @@ def graph_state_dict(run: GraphRuntime) -> dict[str, Any]:
     """What ``Graph.state_dict`` returns (loads with ``torch.load(..., weights_only=True)``)."""
     for program in run.programs.values():
         read_overflows(run, program)  # the history then holds every overflow event
-    last = next(reversed(run.programs.values())) if run.programs else None
+    last = run.programs.last()
     forensics = last.runner.forensics if last is not None else None
     ranges = forensics.range_rows() if forensics is not None else []
     state = run.state

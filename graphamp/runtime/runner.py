@@ -25,7 +25,7 @@ from ..records.spec import StepPlan
 from ..records.state import SharedState
 from . import zero_state
 from .compile import StepFn
-from .cudagraph import CudaGraphStep
+from .cudagraph import CudaGraphsBySize, CudaGraphStep
 
 log = logging.getLogger("graphamp")
 Slot = tuple[dict, str]  # (the dict holding a tensor, its key): a live lookup
@@ -62,7 +62,8 @@ class Runner:
     """The runtime side of one Program (spec.StepRunner), made once its step is compiled.
 
     ``cuda_graph_batch``: replay the compiled step as a CUDA graph, captured on this batch (a
-    capture that fails is logged and the step runs without it)."""
+    capture that fails is logged and the step runs without it); ``cuda_graph_sizes``: the step
+    is dynamic, replayed as one graph per batch shape, at most that many kept (0: none)."""
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class Runner:
         compiled: StepFn,
         *,
         cuda_graph_batch: list[torch.Tensor] | None = None,
+        cuda_graph_sizes: int | None = None,
         graph_name: str = "",
     ):
         cap = plan.captured
@@ -105,18 +107,24 @@ class Runner:
         self._state_refs: list[tuple] = []
         self._state_dicts: list[tuple] = []  # (optimizer, its state dict): a replaced .state
         self.calls = 0
+        self._state_storages: set[int] | None = None  # parameters' and buffers' memory
+        self._warned_aliasing = False
         # the parameters each call updates in place (fixed per plan): version counters to bump
         self.updated_params = [p for opt in plan.optimizers for p in opt.params]
         self.compiled = compiled
         self.uses_cuda_graph = False
-        if cuda_graph_batch is not None:
-            self._replay_as_cuda_graph(cuda_graph_batch, graph_name)
+        if cuda_graph_batch is not None and cuda_graph_sizes != 0:
+            self._replay_as_cuda_graph(cuda_graph_batch, graph_name, cuda_graph_sizes)
 
-    def _replay_as_cuda_graph(self, batch: list[torch.Tensor], graph_name: str) -> None:
+    def _replay_as_cuda_graph(
+        self, batch: list[torch.Tensor], graph_name: str, sizes: int | None
+    ) -> None:
+        n_state = self.plan.layout.n_state
         try:
-            self.compiled = CudaGraphStep(
-                self.compiled, self.plan.layout.n_state, self.gather(batch)
-            )
+            if sizes is None:  # a static step: one graph
+                self.compiled = CudaGraphStep(self.compiled, n_state, self.gather(batch))
+            else:  # a dynamic step: one graph per batch shape, lazily
+                self.compiled = CudaGraphsBySize(self.compiled, n_state, self.gather(batch), sizes)
             self.uses_cuda_graph = True
         except Exception as e:  # noqa: BLE001 - fall back, and say why
             log.warning(
@@ -134,7 +142,27 @@ class Runner:
             opt_state = self._materialize()
         for slot in self.hyper:
             slot.sync()
+        if not self.uses_cuda_graph:  # a CUDA graph copies the batch into buffers of its own
+            inputs = self._unaliased(inputs)
         return self.plan.layout.flatten(self._groups(opt_state, inputs))
+
+    def _unaliased(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The batch, with a copy of each tensor that shares memory with a parameter or buffer
+        (``g(model.weight[:4])``): the step writes the state in place, and the value the batch
+        had when the call was made is the one build() reads, as in eager."""
+        storages = self._state_storages
+        if storages is None:
+            state = [d[k] for d, k in (*self.param_slots, *self.buffer_slots)]
+            storages = self._state_storages = {t.untyped_storage().data_ptr() for t in state} - {0}
+        if not any(t.untyped_storage().data_ptr() in storages for t in inputs):
+            return inputs
+        if not self._warned_aliasing:
+            self._warned_aliasing = True
+            log.info(
+                "a tensor passed to the step shares memory with a parameter or buffer: it is "
+                "copied before each such call (the step updates the state in place)"
+            )
+        return [t.clone() if t.untyped_storage().data_ptr() in storages else t for t in inputs]
 
     def _optimizer_state_edited(self) -> bool:
         for optimizer, state in self._state_dicts:

@@ -18,6 +18,7 @@ from typing import cast
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..records.fxutil import NodeTagger, dtype_after_amp, module_path, op_name
 from ..records.pins import op_occurrences, pin_identity
@@ -147,16 +148,15 @@ def _placeholders(captured: CapturedForward, param_casts: list[tuple[int, torch.
 
 
 def _kind(node: fx.Node, kinds: list[str | None], placeholder_index: int) -> str | None:
-    """The probe kind of ``node``, or None when it is not probed: not a floating tensor with a
-    static, non-zero size (the inf norm of an empty tensor is undefined), or a view (its values
-    are its base's, already probed)."""
+    """The probe kind of ``node``, or None when it is not probed: not a floating tensor known
+    to be non-empty (the inf norm of an empty tensor is undefined; a symbolic size counts when
+    its range excludes 0), or a view (its values are its base's, already probed)."""
     val = node.meta.get("val")
     if not (
         isinstance(val, torch.Tensor)
         and val.dtype.is_floating_point
         and val.layout == torch.strided
-        and isinstance(val.numel(), int)
-        and val.numel() > 0
+        and statically_known_true(val.numel() > 0)
     ):
         return None
     if node.op == "placeholder":

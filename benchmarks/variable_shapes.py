@@ -1,0 +1,274 @@
+"""Training on padded batches of changing length: graphamp against torch.compile + autocast
+(its default automatic dynamic shapes) and eager autocast, same run.
+
+A loop as most language-model fine-tunes write it: a small text built here (synthetic words,
+a word-level tokenizer made with ``tokenizers``, no download), batches padded to their own
+longest sequence by transformers' ``DataCollatorWithPadding``, a GPT-2 from a ``GPT2Config``
+(n_embd 128, 2 or 6 layers), bf16 AMP, AdamW, inductor, on the CPU. Each cell runs in a fresh
+Python process on an empty inductor cache (cold): the total time of all its steps, compiles
+included, and how many times it compiled.
+
+Cells: 12 steps over 4 lengths, and 200 steps over 50 lengths. ``--steady``: the step time of
+graphamp's dynamic program against a static program at the same length (same process,
+interleaved).
+
+    python benchmarks/variable_shapes.py                       # 2 and 6 layers, both cells
+    python benchmarks/variable_shapes.py --layers 2 --cells 12x4 --steady
+
+Results: benchmarks/results/variable_shapes_cpu.{jsonl,md} (``--out`` to change the folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+VARIANTS = ("graphamp", "compile", "eager")
+BATCH = 8
+
+
+def make_batches(steps: int, n_lengths: int, seed: int = 0) -> list[dict]:
+    """``steps`` batches from DataCollatorWithPadding whose longest sequences take
+    ``n_lengths`` distinct values (8..71), cycling; the other rows are shorter."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import DataCollatorWithPadding, PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(250)]
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]")
+    collator = DataCollatorWithPadding(tokenizer, return_tensors="pt")
+    gen = torch.Generator().manual_seed(seed)
+    longest = [8 + (i * 64) // n_lengths for i in range(n_lengths)]
+    batches = []
+    for step in range(steps):
+        top = longest[step % n_lengths]
+        sizes = [top] + torch.randint(4, top + 1, (BATCH - 1,), generator=gen).tolist()
+        texts = [
+            " ".join(words[j] for j in torch.randint(0, 250, (n,), generator=gen)) for n in sizes
+        ]
+        batches.append(collator([tokenizer(t) for t in texts]))
+    return batches
+
+
+def make_model(layers: int):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_positions=128, n_embd=128, n_layer=layers, n_head=4)
+    return GPT2LMHeadModel(config)
+
+
+def _loss(model, batch):
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    return model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels
+    ).loss
+
+
+def make_step(variant: str, model, dynamic=None):
+    """(batch -> loss) for one training step of ``variant``; bf16 AMP, AdamW."""
+    import torch
+
+    import graphamp
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if variant == "graphamp":
+
+        class Padded(graphamp.Graph):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+                self.add_optimizer(opt)
+                self.config.enable_amp(True, dtype=torch.bfloat16)
+                self.config.set_backend("inductor")
+                self.config.set_dynamic_shapes(dynamic)
+
+            def build(self, input_ids, attention_mask):
+                loss = _loss(self.model, {"input_ids": input_ids, "attention_mask": attention_mask})
+                loss.backward()
+                return loss
+
+        g = Padded()
+        return (lambda b: g(b["input_ids"], b["attention_mask"])), g
+    net = torch.compile(model) if variant == "compile" else model
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(net, batch)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step, None
+
+
+def _compiles(variant: str, graph) -> int | None:
+    if variant == "graphamp":
+        return len(graph.compiled_steps)
+    if variant == "compile":
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+    return None
+
+
+def child_total(variant: str, layers: int, steps: int, n_lengths: int) -> dict:
+    import torch
+
+    batches = make_batches(steps, n_lengths)
+    step, graph = make_step(variant, make_model(layers))
+    losses, start = [], time.perf_counter()
+    for batch in batches:
+        losses.append(step(batch).item())
+    total = time.perf_counter() - start
+    return {
+        "variant": variant,
+        "layers": layers,
+        "steps": steps,
+        "lengths": n_lengths,
+        "total_s": round(total, 2),
+        "compiles": _compiles(variant, graph),
+        "last_loss": round(losses[-1], 4),
+        "torch": torch.__version__,
+    }
+
+
+def child_steady(layers: int, length_index: int = 2, reps: int = 30) -> dict:
+    """Median step of the dynamic program and of a static one at the same length."""
+    batches = make_batches(4, 4)
+    dyn_step, dyn_graph = make_step("graphamp", make_model(layers))
+    static_step, _ = make_step("graphamp", make_model(layers), dynamic=False)
+    for batch in batches[:2]:  # the second length makes the dynamic program
+        dyn_step(batch).item()
+    probe = batches[length_index]
+    static_step(probe).item()
+    times: dict[str, list[float]] = {"dynamic": [], "static": []}
+    for _ in range(reps):
+        for name, step in (("dynamic", dyn_step), ("static", static_step)):
+            start = time.perf_counter()
+            step(probe).item()
+            times[name].append(time.perf_counter() - start)
+    dyn_ms, static_ms = (statistics.median(times[k]) * 1e3 for k in ("dynamic", "static"))
+    return {
+        "variant": "steady",
+        "layers": layers,
+        "length": int(probe["input_ids"].shape[1]),
+        "dynamic_program": dyn_graph.compiled_steps[-1].signature,
+        "dynamic_ms": round(dyn_ms, 2),
+        "static_ms": round(static_ms, 2),
+        "ratio": round(dyn_ms / static_ms, 3),
+    }
+
+
+def run_child(args: list[str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="graphamp-varshape-") as cache:
+        env = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": cache,
+            "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), ROOT]),
+        }
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{args} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def write_table(path: str, rows: list[dict], meta: dict) -> None:
+    out = [
+        "# Changing shapes on the CPU (`benchmarks/variable_shapes.py`)",
+        "",
+        f"{meta['machine']}; torch {meta['torch']}; GPT-2 from a GPT2Config (n_embd 128), "
+        "bf16 AMP, AdamW, inductor, batch 8 padded by DataCollatorWithPadding; each cell a fresh "
+        "process on an empty inductor cache. Total seconds of all steps, compiles included.",
+        "",
+        "| layers | steps | lengths | graphamp s (compiles) | torch.compile s (graphs) | eager s "
+        "| graphamp / torch.compile |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    cells: dict[tuple, dict] = {}
+    for row in rows:
+        if row["variant"] != "steady":
+            cells.setdefault((row["layers"], row["steps"], row["lengths"]), {})[row["variant"]] = (
+                row
+            )
+    for (layers, steps, lengths), got in sorted(cells.items()):
+        g, c, e = (got.get(v, {}) for v in VARIANTS)
+        ratio = g["total_s"] / c["total_s"] if g and c else float("nan")
+        out.append(
+            f"| {layers} | {steps} | {lengths} | {g.get('total_s')} ({g.get('compiles')}) "
+            f"| {c.get('total_s')} ({c.get('compiles')}) | {e.get('total_s')} | {ratio:.2f} |"
+        )
+    steady = [r for r in rows if r["variant"] == "steady"]
+    if steady:
+        out += ["", "| layers | length | dynamic program ms | static program ms | ratio |"]
+        out.append("|---|---|---|---|---|")
+        for r in steady:
+            out.append(
+                f"| {r['layers']} | {r['length']} | {r['dynamic_ms']} | {r['static_ms']} "
+                f"| {r['ratio']} |"
+            )
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 6])
+    parser.add_argument("--cells", nargs="+", default=["12x4", "200x50"], help="STEPSxLENGTHS")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--steady", action="store_true", help="also the steady-step comparison")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = parser.parse_args(argv)
+    if args.child:
+        kind, *rest = args.child
+        row = child_steady(int(rest[0])) if kind == "steady" else child_total(kind, *map(int, rest))
+        print(json.dumps(row), flush=True)
+        return [row]
+    rows = []
+    for layers in args.layers:
+        for cell in args.cells:
+            steps, lengths = cell.split("x")
+            for variant in args.variants:
+                rows.append(run_child([variant, str(layers), steps, lengths]))
+                print(json.dumps(rows[-1]), flush=True)
+        if args.steady:
+            rows.append(run_child(["steady", str(layers)]))
+            print(json.dumps(rows[-1]), flush=True)
+    import torch
+
+    meta = {
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
+        "torch": torch.__version__,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "variable_shapes_cpu.jsonl"), "a") as f:
+        for row in rows:
+            f.write(json.dumps({**row, **meta}) + "\n")
+    write_table(os.path.join(args.out, "variable_shapes_cpu.md"), rows, meta)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""What a compiled step assumes, checked before every call: one record, one way to say what changed.
+
+A program is built from one call of build(). Besides its inputs' signature it assumes:
+- the structure (``runtime.cache_key.Structure``): registered modules, their modes, the
+  optimizers' structure, the config, the scaler's settings, torch modes, hooks;
+- the batch's shapes (``ShapeGuard``): every size and stride it was traced with, except the
+  dimensions that are symbolic, whose relations, ranges and strides the ShapeEnv recorded while
+  tracing and which are checked by the guard expression it produced;
+- the Python attributes build() read, with the values they had (``AttributeRead``);
+- the sizes of the parameters and buffers (``StateSize``): ``p.data = bigger`` keeps the
+  parameter object but not its shape.
+Input aliasing is not assumed: every tensor of the batch is traced as a tensor of its own (no
+memory shared with another input or with the state), so ``g(x, x)`` and ``g(noisy, x)`` run the
+same program and compute what eager computes; a batch tensor that shares memory with the state
+is copied before the step (``runtime.runner``), since the step writes the state in place.
+
+``Guards.first_change`` names the first assumption a call breaks; ``describe_change`` is the
+wording every log line and error uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from .inputs import InputSignature
+from .validate import dtype_name
+
+_MISSING = object()
+
+
+@dataclass(frozen=True, eq=False)
+class AttributeRead:
+    """A Python attribute build() read at capture, and the value it had."""
+
+    label: str  # as the user writes it: "self.model.drop.p"
+    namespace: dict  # the owner's __dict__, where the attribute lives
+    name: str
+    value: Any
+    by_value: bool  # compared with ==; otherwise by identity (objects whose insides may change)
+
+    def current(self) -> Any:
+        return self.namespace.get(self.name, _MISSING)
+
+    def holds(self) -> bool:
+        now = self.namespace.get(self.name, _MISSING)
+        if now is self.value:
+            return True
+        if not self.by_value or now is _MISSING:
+            return False
+        try:
+            return bool(now == self.value)
+        except Exception:  # noqa: BLE001 - a value that cannot say whether it is equal has changed
+            return False
+
+
+@dataclass(frozen=True, eq=False)
+class StateSize:
+    """A parameter's or buffer's shape when the step was traced (looked up live at every call)."""
+
+    label: str
+    namespace: dict  # the module's _parameters or _buffers
+    name: str
+    shape: torch.Size
+
+    def holds(self) -> bool:
+        tensor = self.namespace.get(self.name)
+        return tensor is not None and tensor.shape == self.shape
+
+
+@dataclass(frozen=True, eq=False)
+class ShapeGuard:
+    """The batch shapes a program serves.
+
+    ``dynamic`` lists the symbolic dimensions (tensor index among g(...)'s tensors, dimension).
+    A static program (no symbolic dimension) serves exactly the signature it was traced with;
+    a dynamic one serves every batch of that signature's family (pytree structure, Python
+    numbers, dtypes, devices, numbers of dimensions) for which ``expression`` holds: the
+    ShapeEnv's guards over the sizes and strides of ``L['t0']``, ``L['t1']``, ...
+    """
+
+    dynamic: frozenset[tuple[int, int]] = frozenset()
+    expression: str | None = None
+    code: CodeType | None = field(default=None, repr=False)
+    globals: dict = field(default_factory=dict, repr=False)
+
+    def admits(self, traced: InputSignature, call: InputSignature, tensors: Sequence) -> bool:
+        if not self.dynamic or self.code is None:
+            return call == traced
+        if family(call) != family(traced):
+            return False
+        try:
+            return bool(eval(self.code, self.globals, {"L": _Args(tensors)}))  # noqa: S307
+        except Exception:  # noqa: BLE001 - a guard that cannot be evaluated does not hold
+            return False
+
+
+class _Args(dict):
+    """``L['t3']`` -> the fourth batch tensor (the names the ShapeEnv's guards use)."""
+
+    def __init__(self, tensors: Sequence) -> None:
+        super().__init__()
+        self.tensors = tensors
+
+    def __missing__(self, key: str) -> Any:
+        return self.tensors[int(key[1:])]
+
+
+def family(signature: InputSignature) -> tuple:
+    """What two signatures must share for one dynamic program to serve both: everything but the
+    sizes and strides of the tensors."""
+    return (
+        signature.structure,
+        signature.constants,
+        tuple((len(shape), dtype, device) for shape, dtype, device, _ in signature.tensors),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Change:
+    """The first assumption of a program that a call breaks, in words."""
+
+    kind: str  # "structure", "inputs", "attribute", "state size"
+    words: str
+
+    def __str__(self) -> str:
+        return self.words
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """What the runtime asks of a build besides the registration and the batch."""
+
+    structure: Structure  # the structure key of the call (the program assumes it)
+    dynamic: frozenset[tuple[int, int]] = frozenset()  # batch dimensions traced as symbols
+
+
+@dataclass(eq=False)
+class Guards:
+    """Everything a program assumes besides the values of its tensors (module docstring)."""
+
+    structure: Structure  # at build time
+    signature: InputSignature  # of the call it was built from
+    shapes: ShapeGuard
+    attributes: tuple[AttributeRead, ...] = ()
+    state_sizes: tuple[StateSize, ...] = ()
+
+    def values_hold(self) -> bool:
+        """The attribute values and state sizes (the part a structure and signature match
+        cannot tell); cheap: one dict lookup and comparison each."""
+        for read in self.attributes:
+            if not read.holds():
+                return False
+        for size in self.state_sizes:
+            if not size.holds():
+                return False
+        return True
+
+    def serves(self, structure: Structure, signature: InputSignature, tensors: Sequence) -> bool:
+        """Does the program serve this call? (``first_change`` says why not, in words.)"""
+        return (
+            structure == self.structure
+            and self.shapes.admits(self.signature, signature, tensors)
+            and self.values_hold()
+        )
+
+    def first_change(
+        self, structure: Any, signature: InputSignature, tensors: Sequence, input_names: Sequence
+    ) -> Change | None:
+        """The first assumption this call breaks, or None when the program serves it."""
+        if structure != self.structure:
+            return Change("structure", structure_words(self.structure, structure))
+        if not self.shapes.admits(self.signature, signature, tensors):
+            return Change("inputs", describe_signatures(self.signature, signature, input_names))
+        for read in self.attributes:
+            if not read.holds():
+                now = read.current()
+                shown = "deleted" if now is _MISSING else f"{now!r}"
+                return Change("attribute", f"{read.label} changed from {read.value!r} to {shown}")
+        for size in self.state_sizes:
+            if not size.holds():
+                now = size.namespace.get(size.name)
+                shown = str(tuple(now.shape)) if now is not None else "missing"
+                return Change(
+                    "state size", f"{size.label} changed shape from {tuple(size.shape)} to {shown}"
+                )
+        return None
+
+
+def describe_change(
+    old: Guards,
+    structure: Any,
+    signature: InputSignature,
+    tensors: Sequence,
+    input_names: Sequence,
+) -> str:
+    """In words, why ``old`` does not serve this call ("nothing" when it does)."""
+    change = old.first_change(structure, signature, tensors, input_names)
+    return "nothing" if change is None else change.words
+
+
+def describe_signatures(old: InputSignature, new: InputSignature, names: Sequence[str]) -> str:
+    """What differs between two input signatures: the first tensor dimension, dtype or layout,
+    or the Python numbers and structure."""
+    if old.structure != new.structure or len(old.tensors) != len(new.tensors):
+        return "the structure of g(...)'s arguments changed"
+    if old.constants != new.constants:
+        return "a Python number or string among g(...)'s arguments changed"
+    for i, (a, b) in enumerate(zip(old.tensors, new.tensors)):
+        name = names[i] if i < len(names) else f"tensor {i}"
+        (shape_a, dtype_a, device_a, stride_a), (shape_b, dtype_b, device_b, stride_b) = a, b
+        if dtype_a != dtype_b:
+            return f"input {name!r} changed dtype ({dtype_name(dtype_a)} to {dtype_name(dtype_b)})"
+        if device_a != device_b:
+            return f"input {name!r} moved from {device_a} to {device_b}"
+        if len(shape_a) != len(shape_b):
+            return f"input {name!r} changed its number of dimensions ({len(shape_a)} to {len(shape_b)})"
+        for d, (x, y) in enumerate(zip(shape_a, shape_b)):
+            if x != y:
+                return f"input {name!r} dimension {d} changed size ({x} to {y})"
+        if stride_a != stride_b:
+            return f"input {name!r} changed memory layout (strides {stride_a} to {stride_b})"
+    return "the batch's sizes fall outside what the dynamic step was traced for"
+
+
+class Structure(NamedTuple):
+    """What a compiled step depends on besides its inputs, part by part (computed at every call
+    by ``runtime.cache_key.StructureKey``)."""
+
+    modules: tuple  # names, identities, parameters and buffers of the registered module tree
+    module_modes: tuple  # training flags and child/parameter/buffer counts; declared fp32 parts
+    optimizers: tuple  # each optimizer slot's structure()
+    config: Any  # the ConfigSnapshot
+    grad_scaler: tuple | None  # (identity, settings) of the scaler in use
+    torch_modes: tuple  # ambient.mode_key(): default dtype, deterministic algorithms
+    hooks: int  # module hooks registered anywhere (each is refused or traced at capture)
+
+
+_STRUCTURE_CHANGES = {
+    "modules": "the registered modules changed (a layer, parameter or buffer was added, removed "
+    "or replaced)",
+    "module_modes": "a module switched between train() and eval(), lost a child, or changed the "
+    "parts it declares fp32 (_keep_in_fp32_modules)",
+    "optimizers": "an optimizer's param groups changed (parameters, requires_grad or options "
+    "such as momentum)",
+    "config": "the graph's config changed",
+    "grad_scaler": "the grad scaler's settings changed",
+    "torch_modes": "the default dtype or torch.use_deterministic_algorithms changed",
+    "hooks": "a forward or backward hook was registered or removed",
+}
+
+
+def structure_words(old: Structure, new: Structure) -> str:
+    """Which parts of two structures differ, in words."""
+    words = []
+    for part in Structure._fields:
+        if getattr(old, part) != getattr(new, part):
+            extra = _config_fields(old.config, new.config) if part == "config" else ""
+            words.append(_STRUCTURE_CHANGES[part] + extra)
+    return "; ".join(words) or "nothing the structure records"
+
+
+def _config_fields(old: Any, new: Any) -> str:
+    """' (field, field)': the settings two config snapshots differ in (AMP pins, overflow
+    tracing, backend, ...), or '' when they are not dataclasses."""
+    if not (dataclasses.is_dataclass(old) and dataclasses.is_dataclass(new)):
+        return ""
+    fields = [
+        f.name for f in dataclasses.fields(old) if getattr(old, f.name) != getattr(new, f.name)
+    ]
+    return f" ({', '.join(fields)})" if fields else ""

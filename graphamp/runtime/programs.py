@@ -1,0 +1,213 @@
+"""A Graph's compiled steps, found by what each one assumes (``records/guards.py``).
+
+A steady call costs one dict lookup (the call's input signature and structure, memoised with the
+program that served them) and the check of the attribute values and state sizes the program
+assumes. A call no memo entry serves is offered to every cached program, newest first: a static
+program serves its own signature, a dynamic one every batch its shape guard admits. When none
+does, the Graph builds a new one, and this module says why (``why_rebuilt``) and which batch
+dimensions that build should make symbolic (``dynamic_dims``): automatic dynamic shapes, as
+torch.compile's, where a dimension whose size changed between two calls of the same family is
+traced as a symbol from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ..errors import RecompileLimitError
+from ..records.fxutil import is_compute_node, module_path, op_name
+from ..records.guards import Change, Structure, family
+from ..records.inputs import FlatInputs, InputSignature
+from ..records.spec import Program
+
+log = logging.getLogger("graphamp")
+
+_MEMO_LIMIT = 4096  # calls remembered; beyond it the memo starts again (each entry is small)
+
+Key = tuple[InputSignature, Structure]
+
+
+class ProgramCache(Mapping[int, Program]):
+    """The cached programs of one Graph, least recently used first (a read-only mapping from a
+    build number to its Program, for inspection), and the memo of which program served which
+    (signature, structure)."""
+
+    def __init__(self) -> None:
+        self._programs: OrderedDict[int, Program] = OrderedDict()
+        self._memo: dict[Key, Program] = {}
+        self._serial = 0
+        self._last = 0  # the serial of the most recently used program
+        self.builds: dict[Structure, list[str]] = {}  # per structure: why each build was made
+
+    # -- Mapping ---------------------------------------------------------------------------
+    def __getitem__(self, serial: int) -> Program:
+        return self._programs[serial]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._programs)
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    # -- lookup ----------------------------------------------------------------------------
+    def find(self, key: Key, inputs: FlatInputs) -> Program | None:
+        """The program that serves this call, or None (then the Graph builds one); it becomes
+        the most recently used."""
+        program = self._memo.get(key)
+        if program is not None and program.guards is not None and program.guards.values_hold():
+            if self._last != program.serial:
+                self._programs.move_to_end(program.serial)
+                self._last = program.serial
+            return program
+        signature, structure = key
+        for serial in reversed(self._programs):
+            candidate = self._programs[serial]
+            guards = candidate.guards
+            if guards is not None and guards.serves(structure, signature, inputs.tensors):
+                self._remember(key, candidate)
+                self._programs.move_to_end(serial)
+                self._last = serial
+                return candidate
+        return None
+
+    def _remember(self, key: Key, program: Program) -> None:
+        if len(self._memo) >= _MEMO_LIMIT:
+            self._memo.clear()
+        self._memo[key] = program
+
+    # -- building --------------------------------------------------------------------------
+    def last(self) -> Program | None:
+        return self._programs[next(reversed(self._programs))] if self._programs else None
+
+    def why_rebuilt(self, key: Key, inputs: FlatInputs, input_names: Any) -> Change | None:
+        """Why the most recently used program does not serve this call (None: no program yet)."""
+        last = self.last()
+        if last is None or last.guards is None:
+            return None
+        return last.guards.first_change(key[1], key[0], inputs.tensors, input_names)
+
+    def dynamic_dims(
+        self, key: Key, marked: frozenset[tuple[int, int]], mode: bool | None
+    ) -> frozenset[tuple[int, int]]:
+        """The batch dimensions a new build should trace as symbols.
+
+        ``mode`` False: none. True: every dimension of every batch tensor. None (automatic): the
+        ones marked dynamic (``torch._dynamo.mark_dynamic``), the ones earlier programs of the
+        same family made dynamic, and the ones whose size differs from such a program's."""
+        signature, structure = key
+        if mode is False:
+            return frozenset()
+        if mode is True:
+            return frozenset(
+                (i, d)
+                for i, (shape, *_rest) in enumerate(signature.tensors)
+                for d in range(len(shape))
+            )
+        dims = set(marked)
+        mine = family(signature)
+        for program in self._programs.values():
+            guards = program.guards
+            if guards is None or guards.structure != structure or family(guards.signature) != mine:
+                continue
+            dims |= guards.shapes.dynamic
+            for i, (old, new) in enumerate(zip(guards.signature.tensors, signature.tensors)):
+                dims |= {(i, d) for d, (a, b) in enumerate(zip(old[0], new[0])) if a != b}
+        return frozenset(dims)
+
+    def family_member(self, key: Key) -> Program | None:
+        """The most recently used program of this call's family (same structure; signatures
+        that differ in sizes only)."""
+        signature, structure = key
+        mine = family(signature)
+        for serial in reversed(self._programs):
+            guards = self._programs[serial].guards
+            if guards is not None and guards.structure == structure:
+                if family(guards.signature) == mine:
+                    return self._programs[serial]
+        return None
+
+    def family_dynamic(self, key: Key) -> frozenset[tuple[int, int]]:
+        """The dimensions already dynamic in programs of this call's family."""
+        signature, structure = key
+        mine = family(signature)
+        dims: set[tuple[int, int]] = set()
+        for program in self._programs.values():
+            guards = program.guards
+            if guards is not None and guards.structure == structure:
+                if family(guards.signature) == mine:
+                    dims |= guards.shapes.dynamic
+        return frozenset(dims)
+
+    def count_build(self, graph_name: str, structure: Structure, why: str, limit: int) -> None:
+        """Count a build for ``structure``; RecompileLimitError beyond ``limit`` builds, naming
+        what kept changing."""
+        reasons = self.builds.setdefault(structure, [])
+        if len(reasons) >= limit:
+            raise RecompileLimitError(_limit_message(graph_name, limit, reasons[1:] + [why]))
+        reasons.append(why)
+
+    def keep(self, key: Key, program: Program, capacity: int) -> list[Program]:
+        """Cache a new program (most recently used); return those dropped beyond ``capacity``."""
+        self._serial += 1
+        program.serial = self._last = self._serial
+        self._programs[self._serial] = program
+        self._remember(key, program)
+        dropped = []
+        while len(self._programs) > capacity:
+            _, old = self._programs.popitem(last=False)
+            dropped.append(old)
+        if dropped:
+            self._memo = {k: p for k, p in self._memo.items() if p not in dropped}
+        return dropped
+
+    def clear(self) -> None:
+        self._programs.clear()
+        self._memo.clear()
+        self._last = 0
+
+
+def precision_differences(old: Program, new: Program) -> list[str]:
+    """The precision decisions of ``new``'s forward that ``old``'s does not make (op, module,
+    colour, counted), for low-precision and fp32-forced ops: empty when the two agree. A
+    dynamic step is traced from the same build(), so this should be empty: sizes must not
+    decide precision."""
+    before, after = _decisions(old), _decisions(new)
+    differ = sorted((after - before) + (before - after))
+    return [f"{op} in {module or 'build()'}: {colour}" for op, module, colour in differ]
+
+
+def _decisions(program: Program) -> Counter:
+    return Counter(
+        (op_name(n), module_path(n), n.meta["amp_colour"])
+        for n in program.forward.graph.nodes
+        if is_compute_node(n) and n.meta.get("amp_colour") in ("allow", "deny")
+    )
+
+
+def marked_dynamic(tensors: list) -> frozenset[tuple[int, int]]:
+    """The dimensions the user marked with ``torch._dynamo.mark_dynamic`` (or
+    ``maybe_mark_dynamic``), which torch.compile users already write: (tensor index, dim)."""
+    dims = set()
+    for i, t in enumerate(tensors):
+        for attr in ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices"):
+            dims |= {(i, d) for d in getattr(t, attr, ())}
+    return frozenset(dims)
+
+
+def _limit_message(graph_name: str, limit: int, reasons: list[str]) -> str:
+    counts: dict[str, int] = {}
+    for why in reasons:
+        counts[why] = counts.get(why, 0) + 1
+    common = sorted(counts.items(), key=lambda kv: -kv[1])[:3]
+    listed = "; ".join(f"{why} ({n}x)" for why, n in common)
+    return (
+        f"{graph_name}: {limit} steps were compiled for the same model and config "
+        f"(config.set_recompile_limit({limit})); calls keep changing what a compiled step "
+        f"assumes: {listed}. Keep it fixed between calls: pass changing numbers as tensors "
+        "(torch.tensor(value)); leave attributes build() reads alone or pass them to g(...) as "
+        "tensors; let sizes vary (config.set_dynamic_shapes(None), the default) or mark them "
+        "with torch._dynamo.mark_dynamic(tensor, dim); or raise the limit"
+    )
