@@ -311,6 +311,82 @@ def test_a_cache_an_eager_call_built_before_the_first_call_is_read_as_a_constant
     assert len(g.compiled_steps) == 1
 
 
+@pytest.mark.parametrize("as_buffer", [False, True], ids=["attribute", "buffer"])
+def test_a_rotary_cache_grown_over_changing_lengths_equals_eager_and_compiles_twice(as_buffer):
+    """Dynamic shapes: the second length makes the sequence dimension symbolic. The cache is
+    grown as eager's call grows it (its size is that call's length, computed for real), and the
+    dynamic step assumes the grown cache: every length up to it reuses that step, with the
+    cache eager keeps. A longer sequence grows it again: one more build, as eager grows it."""
+    torch.manual_seed(0)
+    model = LazyRotary(as_buffer)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def build(self, x, y):
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, opt, build=build)
+    gen = torch.Generator().manual_seed(0)
+
+    def train(lengths):
+        for n in lengths:
+            x, y = torch.randn(2, n, 8, generator=gen), torch.randn(2, n, 8, generator=gen)
+            loss = g(x, y)
+            ref_opt.zero_grad(set_to_none=True)
+            ref_loss = F.mse_loss(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        assert_state_close(model, ref, rtol=1e-5, atol=1e-6)
+        assert model.max_seq_len_cached == ref.max_seq_len_cached == max(lengths)
+        torch.testing.assert_close(model.cos_cached, ref.cos_cached)
+        assert ("cos_cached" in model._buffers) is as_buffer
+
+    train([5, 9, 4, 7, 9, 3])
+    static, dynamic = g.compiled_steps
+    assert static.dynamic == () and dynamic.dynamic == ((0, 1), (1, 1)) and dynamic.calls == 5
+    train([12, 6])
+    assert [step.calls for step in g.compiled_steps] == [1, 5, 2]
+
+
+class KeepsTheLength(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.length = x.shape[0]  # fails: length
+        return self.lin(x)
+
+
+def test_a_size_stored_on_every_call_is_refused_once_the_size_is_symbolic():
+    """A static step rewrites the same length on every call (nothing to replay); the dynamic
+    step of the second size would have to store a different one on each call: refused by name,
+    and the model keeps what the last call left."""
+    model = KeepsTheLength()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def build(self, x, y):
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, opt, build=build)
+    g(torch.randn(2, 4), torch.randn(2, 4))
+    assert model.length == 2
+    with pytest.raises(CaptureError, match=r"self\.model\.length .*a size of g\(\.\.\.\)'s inputs"):
+        g(torch.randn(3, 4), torch.randn(3, 4))
+    assert model.length == 2 and g.step_count == 1
+    g.config.set_dynamic_shapes(False)  # a step per size: each one stores its own
+    g(torch.randn(3, 4), torch.randn(3, 4))
+    assert model.length == 3 and len(g.compiled_steps) == 2
+    g(torch.randn(2, 4), torch.randn(2, 4))  # the first step again: it stores its length
+    assert model.length == 2 and len(g.compiled_steps) == 2
+
+
 class KeepsItsPyramid(nn.Module):
     """RAFT's pattern: a table computed from this call's features, kept on the module and read
     back later in the same forward (torchvision's CorrBlock.build_pyramid / index_pyramid)."""

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import torch
 import torch.nn as nn
 
 from ..records.fxutil import UserFrame, current_user_frame
@@ -90,6 +91,11 @@ def _changes(snap: _Snapshot, frames: dict) -> list[Change]:
             out.append(Change(place, before, after, frames.get((id(obj), name))))
         elif name in snap.contents and not _same_items(snap.contents[name], after):
             out += _content_changes(snap, name, frames)
+        elif (id(obj), name) in frames:
+            # set again to the value it had: a write all the same, which the runtime replays
+            # (another step, for other sizes, may have left another value there meanwhile)
+            place = Place(obj, name, "attribute", label=label)
+            out.append(Change(place, before, after, frames[(id(obj), name)]))
     return out
 
 
@@ -130,12 +136,23 @@ def _is_torch_internal(obj: Any) -> bool:
     return isinstance(obj, nn.Module) and type(obj).__module__.startswith("torch.")
 
 
+def _same_layout(before: Any, after: Any) -> bool:
+    """Two tensors of the same static shape and dtype (a symbolic size is never the same: the
+    step's state has fixed sizes). Compared without guarding on symbolic sizes."""
+    if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
+        return False
+    if before.dtype != after.dtype or before.dim() != after.dim():
+        return False
+    return all(type(a) is int and a == b for a, b in zip(after.shape, before.shape))
+
+
 def _is_state_dataflow(change: Change) -> bool:
     """Changes the trace already turns into dataflow, or torch's own caches."""
     place = change.place
     if place.kind == "entry" and place.name in ("_buffers", "_parameters"):
-        # a registered buffer given a new value: the trace outputs it, the step writes it
-        return change.before is not MISSING and change.after is not MISSING
+        # a registered buffer given a new value of its shape: the trace outputs it, the step
+        # writes it in place; one of another shape (a cache that grows) is rebound state
+        return _same_layout(change.before, change.after)
     # torch's private caches only: a name the user writes on a torch module (a call counter on
     # an nn.Sequential) is the user's state like any other
     return (

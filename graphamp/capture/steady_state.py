@@ -22,6 +22,13 @@ torch.compile's guards and side-effect replay amount to, once, at capture:
    only, or a tensor attribute read and rewritten every call (not a buffer): refused by name,
    and the user's objects are put back exactly as they were (``Settled.undo``).
 
+Symbolic sizes (dynamic shapes, ``records/shapes.py``): the first trace runs on a copy of the
+batch in a ShapeEnv of its own (what it assumes of the sizes, in the state before the call, is
+no guard of the program); a size build() stores, and a tensor sized by the batch's sizes, are
+settled at this call's sizes, as eager's call leaves them (a rotary cache grown to this length).
+The second trace then assumes that state (``max_len <= 9``). A size stored on every call is
+refused: the step serves many sizes and runs no Python.
+
 The settled state stays on the user's objects (eager leaves it too); a later stage's failure
 undoes it (``pipeline.build_program``).
 """
@@ -36,6 +43,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
 
 from ..errors import CaptureError
 from ..records.replays import MISSING, TENSOR_SLOT, Place, StateReplay
@@ -80,7 +88,7 @@ def written_values(
         leaves = [real_of.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in leaves]
         traced = [_is_traced(x) for x in leaves]
         for leaf in leaves:
-            if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            if _is_symbolic(leaf) and not _is_batch_size(leaf):
                 raise _error(graph_name, change, "stores a size that depends on tensor values")
         written.append(WrittenValue(change, spec, leaves, traced, len(outputs)))
         outputs += [x for x, t in zip(leaves, traced) if t]
@@ -89,6 +97,22 @@ def written_values(
 
 def _is_traced(x: Any) -> bool:
     return isinstance(x, (FakeTensor, FunctionalTensor))
+
+
+def _is_symbolic(x: Any) -> bool:
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _is_batch_size(x: Any) -> bool:
+    """A size (or a comparison of sizes) of the batch's symbolic dimensions (records/shapes.py):
+    this call's value is known; a size that depends on tensor values (nonzero) is not."""
+    return isinstance(x, (torch.SymInt, torch.SymBool)) and has_guarding_hint(x)
+
+
+def _this_call(x: Any) -> Any:
+    """A size of the batch as this call's value (what eager's call leaves); other leaves as
+    they are."""
+    return guarding_hint_or_throw(x) if _is_batch_size(x) else x
 
 
 def _refuse_registration(graph_name: str, change: Change) -> None:
@@ -126,8 +150,18 @@ class Settled:
         read = {id(t) for t in second.constants}
         rewritten = {_key(w.place) for w in again}
         for w in again:
+            if any(_is_symbolic(x) for x in _leaves(w.change.after)):
+                raise _error(
+                    self.graph_name,
+                    w.change,
+                    "stores a size of g(...)'s inputs on every call, which the step traced as "
+                    "symbolic (it serves several sizes and runs no Python). Compute it outside "
+                    "build(), or write it only when it changes (as a cache that grows)",
+                )
             if _signature(w.change.before) != _signature(w.change.after):
                 raise _changes_every_call(self.graph_name, w)
+            if w.change.after is w.change.before:  # set again to the very value it held
+                continue
             if any(isinstance(x, torch.Tensor) and id(x) in read for x in _leaves(w.change.before)):
                 raise _error(
                     self.graph_name,
@@ -155,7 +189,9 @@ class Settled:
                     "call, outside build()",
                 )
             w.place.write(w.change.before)
-        return [w.replay() for w in again if any(w.traced)]
+        # every write is replayed, plain values too: another program (another size) may have
+        # left another value there since
+        return [w.replay() for w in again]
 
 
 def settle(
@@ -177,12 +213,19 @@ def settle(
     settled = Settled(graph_name, written)
     values = evaluate(extras) if extras else []
     for w in written:
-        leaves = list(w.leaves)
+        leaves = [_this_call(x) for x in w.leaves]
         slots = [i for i, t in enumerate(w.traced) if t]
         for k, i in enumerate(slots):
             real = values[w.first_output + k]
             if real is None:
                 real = _stand_in(leaves[i])
+                if real is None:
+                    raise _error(
+                        graph_name,
+                        w.change,
+                        "stores a tensor whose size depends on tensor values (nonzero, "
+                        "boolean-mask indexing)",
+                    )
                 settled.stand_ins[id(real)] = w
                 if not settled.per_call or settled.per_call[-1] is not w:
                     settled.per_call.append(w)
@@ -197,11 +240,13 @@ def settle(
     return settled
 
 
-def _stand_in(traced: torch.Tensor) -> torch.Tensor:
-    """A real zero tensor like a traced one (shape, dtype, device), for a per-call value."""
-    return torch.zeros(
-        tuple(int(s) for s in traced.shape), dtype=traced.dtype, device=traced.device
-    )
+def _stand_in(traced: torch.Tensor) -> torch.Tensor | None:
+    """A real zero tensor like a traced one (shape, dtype, device), for a per-call value: of
+    this call's sizes where the batch's are symbolic; None where a size depends on values."""
+    shape = [_this_call(s) for s in traced.shape]
+    if any(_is_symbolic(s) for s in shape):
+        return None
+    return torch.zeros(shape, dtype=traced.dtype, device=traced.device)
 
 
 def _key(place: Place) -> tuple:

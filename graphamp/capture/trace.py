@@ -24,6 +24,7 @@ from ..records.guards import AttributeRead
 from ..records.inputs import FlatInputs
 from ..records.layouts import ForwardLayout
 from ..records.ops import FunctionCall
+from ..records.shapes import is_symbolic, scratch_batch
 from ..records.spec import TENSOR, CapturedForward
 from .cleanup import (
     check_input_mutations,
@@ -71,9 +72,13 @@ def capture_forward(
     first call leaves it and build() is traced again on it (``steady_state.py``); the settled
     state stays (``CapturedForward.undo_writes`` removes it).
     """
-    captured, written = _capture_once(root, inputs, graph_name, device, amp)
+    symbolic = any(is_symbolic(t) for t in inputs.tensors)
+    # sizes symbolic: what a trace of the state before the first call assumes of them must not
+    # reach the build's guards, so that trace runs on a copy of the batch in a ShapeEnv of its own
+    first = inputs.with_tensors(scratch_batch(inputs.tensors)) if symbolic else inputs
+    captured, written = _capture_once(root, first, graph_name, device, amp)
     if not written:
-        return captured
+        return _capture_once(root, inputs, graph_name, device, amp)[0] if symbolic else captured
     params, buffers = list(root.parameters()), list(root.buffers())
     settled = settle(
         graph_name,
