@@ -76,7 +76,7 @@ def scratch_batch(batch: list[torch.Tensor]) -> list[torch.Tensor]:
             DimDynamic.DYNAMIC if isinstance(s, torch.SymInt) else DimDynamic.STATIC
             for s in t.shape
         ]
-        context = StatelessSymbolicContext(dynamic_sizes=sizes)
+        context: StatelessSymbolicContext = StatelessSymbolicContext(dynamic_sizes=sizes)
         fake = mode.from_tensor(stand_in, symbolic_context=context)
         fake.fake_device = t.device
         if t.requires_grad:
