@@ -110,11 +110,14 @@ def build_program(
 
     Whatever a stage raises reaches the user as a graphamp error naming the stage, the user's
     line where the failure has one, and what to try; torch's exception is its ``__cause__``.
-    graphamp's own errors, Ctrl-C and out-of-memory errors pass through as they are."""
+    graphamp's own errors, Ctrl-C and out-of-memory errors pass through as they are. Python
+    state capture settled on the user's objects (``capture/steady_state.py``) is put back on
+    any failure."""
     b = _Build(spec, inputs, state, request)
     with _one_build_at_a_time(spec.name):
         try:
-            return _build_program(b)
+            with _undone_on_failure(b):
+                return _build_program(b)
         except _PASS_THROUGH:
             raise
         except Exception as e:  # noqa: BLE001 - every other failure becomes graphamp's
@@ -136,6 +139,17 @@ def _one_build_at_a_time(name: str) -> Iterator[None]:
         yield
     finally:
         _BUILD_LOCK.release()
+
+
+@contextlib.contextmanager
+def _undone_on_failure(b: _Build) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        captured = getattr(b, "captured", None)
+        if captured is not None and captured.undo_writes is not None:
+            captured.undo_writes()
+        raise
 
 
 def _build_program(b: _Build) -> Program:

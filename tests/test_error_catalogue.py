@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import random
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo
@@ -143,6 +145,42 @@ def _opaque_fake_refuses(x):
 _opaque.register_fake(_opaque_fake_refuses)
 
 
+def _no_shape_rule_op(m, x, y):
+    return _ce(m, x, y) + torch.ops.graphamp_catalogue.unshaped(x).sum()  # fails: no fake kernel
+
+
+@torch.library.custom_op("graphamp_catalogue::unshaped", mutates_args=())
+def _unshaped(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def _value_dependent_shape(m, x, y):
+    return _ce(m, x, y) + F.one_hot(y).sum()  # fails: value-dependent shape
+
+
+def _python_random(m, x, y):
+    return _ce(m, x * random.uniform(0.5, 1.5), y)  # fails: python random
+
+
+def _numpy_random(m, x, y):
+    return _ce(m, x * float(np.random.beta(0.4, 0.4)), y)  # fails: numpy random
+
+
+def _counter(m, x, y):
+    m.calls = getattr(m, "calls", 0) + 1  # fails: counter
+    return _ce(m, x, y)
+
+
+def _hook_registered_in_build(m, x, y):
+    m[0].register_forward_hook(lambda mod, args, out: out * 2)
+    return _ce(m, x, y)
+
+
+def _parameter_made_in_build(m, x, y):
+    m.extra = nn.Parameter(torch.ones(4))  # fails: parameter made in build
+    return _ce(m, x, y) + m.extra.sum()
+
+
 def _broken_backend_compiler(gm, example):
     raise RuntimeError("this backend cannot compile anything")  # fails: backend
 
@@ -173,6 +211,17 @@ CASES = {
         False,
     ),
     "custom op fake": (_no_fake_kernel_op, None, True, True),
+    # ops fake tensors cannot run: named as such, torch's exception kept
+    "no fake kernel": (_no_shape_rule_op, None, True, True),
+    "value-dependent shape": (_value_dependent_shape, None, True, True),
+    # host randomness: refused before anything is drawn
+    "python random": (_python_random, None, True, False),
+    "numpy random": (_numpy_random, None, True, False),
+    # Python state build() writes that cannot be replayed; a hook registered in build() is
+    # named with where it is defined, not by a line of build()
+    "counter": (_counter, None, True, False),
+    "hook registered in build": (_hook_registered_in_build, None, False, False),
+    "parameter made in build": (_parameter_made_in_build, None, True, False),
     "backend": (_ce, None, True, True),
 }
 

@@ -78,7 +78,9 @@ def lift_constants(
         if placeholder is None:
             name = owners.get(id(value), f"constant{len(tensors)}")
             with gm.graph.inserting_after(last):
-                placeholder = gm.graph.placeholder(f"c_{name}")
+                # a placeholder's target is its argument name in the generated code: an
+                # identifier ("c_model_cos_cached" for the attribute model.cos_cached)
+                placeholder = gm.graph.placeholder(_identifier(f"c_{name}"))
             placeholder.meta.update(node.meta)
             lifted[id(value)] = last = placeholder
             tensors.append(value)
@@ -89,6 +91,10 @@ def lift_constants(
     for attr in attrs:
         delattr(gm, attr)
     return tensors, names
+
+
+def _identifier(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
 
 
 def drop_autograd_detaches(gm: fx.GraphModule) -> None:

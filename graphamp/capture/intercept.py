@@ -39,6 +39,7 @@ from ..records.fxutil import (
 )
 from ..records.ops import CAPTURE_REWRITES, capture_sdpa
 from .dtype_checks import mixed_dtypes
+from .op_errors import VALUE_DEPENDENT, mark_torch_function
 from .scaler_refusal import called_from_torch_grad_scaler, torch_grad_scaler_error
 
 aten = torch.ops.aten
@@ -156,7 +157,11 @@ class CaptureMode(TorchFunctionMode):
             return self._record_autograd_backward(*args, **kwargs)
         graph = tracing_graph()
         marker = last_node(graph) if graph is not None else None
-        out = self._call(func, args, kwargs)
+        try:
+            out = self._call(func, args, kwargs)
+        except VALUE_DEPENDENT as e:  # an op that needs values: name the function called
+            mark_torch_function(e, func)
+            raise
         if graph is not None and marker is not None:
             self._tag(graph, marker, func in _GRADIENT_CUTS)
         return out

@@ -28,6 +28,7 @@ from ..records.inputs import FlatInputs
 from ..records.spec import STRUCTURAL_OPS, AutocastTrace, OracleOp
 from .intercept import CaptureMode
 from .root import BuildRoot, fake_copy, quiet_fake_data_pointers
+from .state_writes import StateWatch, watched_objects
 
 
 def _canonical(func: Any) -> str:
@@ -105,6 +106,7 @@ def autocast_forward(
     recorder = _Recorder(capture)
     buffer_names = [n for n, _ in root.named_buffers()]
     with (
+        StateWatch(watched_objects(root)).recording(),  # what build() writes is put back
         mode,
         autocast_enabled(target.type, dtype),
         capture.tracking_modules(),

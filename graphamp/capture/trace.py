@@ -15,7 +15,6 @@ from typing import Any, Callable
 import torch
 import torch._subclasses.fake_tensor as fake_tensor
 import torch.fx as fx
-import torch.fx.experimental.symbolic_shapes as symbolic_shapes
 import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -25,6 +24,7 @@ from ..records.guards import AttributeRead
 from ..records.inputs import FlatInputs
 from ..records.layouts import ForwardLayout
 from ..records.ops import FunctionCall
+from ..records.shapes import is_symbolic, scratch_batch
 from ..records.spec import TENSOR, CapturedForward
 from .cleanup import (
     check_input_mutations,
@@ -35,26 +35,22 @@ from .cleanup import (
     mutated_inputs,
     params_without_path_to_losses,
 )
+from .fold import values_without_batch
 from .functions import capturing_autograd_functions
+from .host_randomness import refusing_host_randomness
 from .intercept import CaptureMode, RecordedLoss, parameter_positions
+from .op_errors import VALUE_DEPENDENT, fake_kernel_error
 from .patching import SharedPatch
-from .reads import recording_attribute_reads, watched_objects
+from .reads import recording_attribute_reads
+from .reads import watched_objects as objects_read
 from .root import BuildRoot, fake_copy, quiet_fake_data_pointers, refuse_compiled_submodules
 from .scaler_refusal import raised_in_torch_grad_scaler, torch_grad_scaler_error
-from .side_effects import refuse_hooks, refusing_attribute_writes
+from .side_effects import refuse_hooks
+from .state_writes import StateWatch, watched_objects
+from .steady_state import WrittenValue, settle, written_values
 from .swap import state_slots, swapped
 
 log = logging.getLogger("graphamp")
-
-_DATA_DEPENDENT = tuple(
-    e
-    for e in (
-        getattr(symbolic_shapes, "GuardOnDataDependentSymNode", None),
-        getattr(fake_tensor, "DataDependentOutputException", None),
-        getattr(fake_tensor, "DynamicOutputShapeException", None),
-    )
-    if e is not None
-)
 
 
 def capture_forward(
@@ -71,7 +67,67 @@ def capture_forward(
 
     ``device`` traces as if everything lived there (fake tensors): the CUDA graph of a model can
     be captured and inspected on a machine without a GPU.
+
+    When build() changes Python state on the user's objects, that state is settled as eager's
+    first call leaves it and build() is traced again on it (``steady_state.py``); the settled
+    state stays (``CapturedForward.undo_writes`` removes it).
     """
+    symbolic = any(is_symbolic(t) for t in inputs.tensors)
+    # sizes symbolic: what a trace of the state before the first call assumes of them must not
+    # reach the build's guards, so that trace runs on a copy of the batch in a ShapeEnv of its own
+    first = inputs.with_tensors(scratch_batch(inputs.tensors)) if symbolic else inputs
+    captured, written = _capture_once(root, first, graph_name, device, amp)
+    if not written:
+        return _capture_once(root, inputs, graph_name, device, amp)[0] if symbolic else captured
+    params, buffers = list(root.parameters()), list(root.buffers())
+    settled = settle(
+        graph_name,
+        written,
+        _extra_nodes(captured),
+        lambda nodes: values_without_batch(captured, params, buffers, nodes),
+    )
+    try:
+        captured, again = _capture_once(root, inputs, graph_name, device, amp)
+        captured.replays = settled.steady_replays(captured, again)
+        captured.attribute_reads = _reads_not_written(captured.attribute_reads, again)
+    except BaseException:
+        settled.undo()
+        raise
+    captured.undo_writes = settled.undo
+    log.info(
+        "%s: build() changes Python state on its first call (%s): captured again on the state "
+        "it leaves",
+        graph_name,
+        ", ".join(w.place.describe() for w in written[:3]) + (", ..." if len(written) > 3 else ""),
+    )
+    return captured
+
+
+def _reads_not_written(
+    reads: tuple[AttributeRead, ...], again: list[WrittenValue]
+) -> tuple[AttributeRead, ...]:
+    """The reads that are guards: an attribute build() writes on every call is replayed after
+    each step (or checked to be rewritten with the value it had), and what the trace read of it
+    is its own value, not an assumption about the user's objects."""
+    written = {(id(vars(w.place.owner)), w.place.name) for w in again}
+    return tuple(r for r in reads if (id(r.namespace), r.name) not in written)
+
+
+def _extra_nodes(captured: CapturedForward) -> list[fx.Node]:
+    """The forward's outputs that are tensors build() wrote on the user's objects."""
+    output = next(n for n in reversed(captured.gm.graph.nodes) if n.op == "output")
+    n_build = captured.num_user_outputs - captured.num_written
+    return list(output.args[0][n_build : captured.num_user_outputs])
+
+
+def _capture_once(
+    root: BuildRoot,
+    inputs: FlatInputs,
+    graph_name: str,
+    device: torch.device | None,
+    amp: bool,
+) -> tuple[CapturedForward, list[WrittenValue]]:
+    """One trace of build(), cleaned up; and what build() changed on the user's objects."""
     param_names = [n for n, _ in root.named_parameters()]
     buffer_names = [n for n, _ in root.named_buffers()]
     input_names = inputs.names(root._build)
@@ -111,19 +167,20 @@ def capture_forward(
         function_calls=traced.function_calls,
         constants=constants,
         constant_names=constant_names,
+        num_written=len(traced.written_outputs),
         attribute_reads=tuple(traced.attribute_reads),
     )
     captured.unused_params = params_without_path_to_losses(captured)
     log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
-    return captured
+    return captured, traced.written
 
 
 @dataclass
 class TracedBuild:
     """build() traced once: the graph, and what build() did while it ran (filled by the trace).
 
-    The graph's outputs are ``(*build()'s tensors, *losses, *explicit loss gradients, *every
-    buffer's value after build())``."""
+    The graph's outputs are ``(*build()'s tensors, *tensors build() wrote on the user's
+    objects, *losses, *explicit loss gradients, *every buffer's value after build())``."""
 
     function_calls: list[FunctionCall] = field(default_factory=list)  # custom Functions applied
     attribute_reads: list[AttributeRead] = field(default_factory=list)  # what build() read
@@ -131,12 +188,15 @@ class TracedBuild:
     loss_inputs: list[frozenset[int] | None] = field(default_factory=list)  # backward(inputs=)
     output_template: list[Any] = field(default_factory=list)  # TENSOR where a tensor goes
     mutated: list[int] = field(default_factory=list)  # flat inputs build() changed in place
+    written: list[WrittenValue] = field(default_factory=list)  # Python state build() changed
+    written_outputs: list[torch.Tensor] = field(default_factory=list)  # the tensors among it
     output_spec: pytree.TreeSpec = field(init=False)  # build()'s return structure
     gm: fx.GraphModule = field(init=False)
 
     @property
     def num_user_outputs(self) -> int:
-        return sum(1 for x in self.output_template if x is TENSOR)
+        """build()'s tensors and the tensors it wrote on the user's objects."""
+        return sum(1 for x in self.output_template if x is TENSOR) + len(self.written_outputs)
 
     @property
     def num_results(self) -> int:
@@ -167,13 +227,8 @@ def _trace(
             )
     except GraphampError:
         raise
-    except _DATA_DEPENDENT as e:
-        raise CaptureError(
-            f"{graph_name}.build() uses the value of a tensor in Python{_at(e)}. graphamp captures "
-            "build() once on shapes alone, so Python control flow and .item()/float()/bool() on "
-            "tensors cannot be recorded. Compute both branches and select with torch.where, "
-            "or return the tensor from build() and decide outside the graph"
-        ) from e
+    except VALUE_DEPENDENT as e:  # an op fake tensors cannot run is named (op_errors.py)
+        raise fake_kernel_error(graph_name, e, _at(e)) or _host_read_error(graph_name, e) from e
     except Exception as e:
         if raised_in_torch_grad_scaler(e):
             raise torch_grad_scaler_error(user_frame_of_exception(e), graph_name) from e
@@ -194,11 +249,10 @@ def _traced_function(
     """build() as a function of the forward's flat inputs (``layout``, no constants yet): the
     traced values are swapped into the user's modules while it runs; ``traced`` is filled."""
     module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-    user_modules = [(n, m) for n, m in root.named_modules() if m is not root]
-    watched = [(f"self.{n}", m) for n, m in user_modules]
+    watched = watched_objects(root)
     owner = getattr(root._build, "__self__", None)  # the Graph (build is its bound method)
-    watched += [("self", owner)] if owner is not None and hasattr(owner, "__dict__") else []
-    reading, classes = watched_objects(user_modules, owner)
+    user_modules = [(n, m) for n, m in root.named_modules() if m is not root]
+    reading, classes = objects_read(user_modules, owner)
     state = [*root.parameters(), *root.buffers()]
     buffer_names = [n for n, _ in root.named_buffers()]
     slots = state_slots(root)
@@ -206,19 +260,23 @@ def _traced_function(
     def forward(*flat: torch.Tensor) -> tuple:
         parts = layout.split(flat)
         replacement = {id(t): v for t, v in zip(state, [*parts.params, *parts.buffers])}
+        real_of = {id(v): t for t, v in zip(state, [*parts.params, *parts.buffers])}
         args, kwargs = inputs.rebuild(parts.inputs)
         mode = CaptureMode(module_names, loss_scale=parts.loss_scale, mixed_dtypes_ok=amp)
         with (
-            refusing_attribute_writes(graph_name, watched),
+            refusing_host_randomness(graph_name, watched),
             recording_attribute_reads(reading, classes) as reads,
             torch.enable_grad(),
             swapped(slots, replacement),
+            StateWatch(watched).recording() as watch,
             mode.tracking_modules(),
             mode,
             capturing_autograd_functions(traced.function_calls),
         ):
             out = root._build(*args, **kwargs)
             new_buffers = [root.get_buffer(n) for n in buffer_names]  # the updated values
+            written = written_values(graph_name, watch.changes(), real_of)
+        traced.written, traced.written_outputs = written
         traced.attribute_reads = reads
         leaves, traced.output_spec = pytree.tree_flatten(out)
         position = {id(t): i for i, t in enumerate(parts.params)}
@@ -229,7 +287,7 @@ def _traced_function(
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         losses = [r.tensor for r in mode.losses]
         grads = [r.gradient for r in mode.losses if r.gradient is not None]
-        return (*tensors, *losses, *grads, *new_buffers)
+        return (*tensors, *traced.written_outputs, *losses, *grads, *new_buffers)
 
     return forward
 
@@ -263,6 +321,15 @@ def _tensor_attributes(root: BuildRoot) -> dict[int, str]:
         for k, v in vars(m).items()
         if isinstance(v, torch.Tensor)
     }
+
+
+def _host_read_error(graph_name: str, e: BaseException) -> CaptureError:
+    return CaptureError(
+        f"{graph_name}.build() uses the value of a tensor in Python{_at(e)}. graphamp captures "
+        "build() once on shapes alone, so Python control flow and .item()/float()/bool() on "
+        "tensors cannot be recorded. Compute both branches and select with torch.where, "
+        "or return the tensor from build() and decide outside the graph"
+    )
 
 
 def _device_of(tensors: list[torch.Tensor]) -> torch.device:

@@ -227,6 +227,7 @@ DENY = _packets(
     "triplet_margin_loss",
     "ctc_loss",
     "_ctc_loss",
+    "graphamp.ctc_loss",
     # interpolation (autocast fp32)
     "upsample_nearest1d",
     "upsample_nearest2d",

@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from .compat import dispatch_functionalize
+from .effects import effects_as_plain_ops
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHAMP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -119,7 +120,8 @@ def trace_functional(
     or symbolic: ``records.shapes``), and tensors are faked with static sizes. Where a symbolic
     size reaches an op whose meta kernel would specialise it to its traced value (reading sizes
     as plain integers), the op is decomposed into ops that keep it symbolic
-    (``SYMBOLIC_DECOMPOSITIONS``).
+    (``SYMBOLIC_DECOMPOSITIONS``). Ops torch marks effectful (the error checks of
+    ``torch.linalg.solve``, ``inv``...) are traced as plain nodes (``effects.py``).
     """
     mode = detect_fake_mode(example) or FakeTensorMode(
         shape_env=ShapeEnv(), allow_non_fake_inputs=allow_constants
@@ -129,7 +131,7 @@ def trace_functional(
     functional = dispatch_functionalize(
         fn, FunctionalTensorMode(), propagate_input_mutations=propagate_input_mutations
     )
-    with mode:
+    with mode, effects_as_plain_ops():
         return make_fx(
             functional,
             tracing_mode="real",

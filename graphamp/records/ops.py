@@ -40,6 +40,7 @@ from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from ..errors import ConfigError
 from .fxutil import NodeTagger
+from .op_repairs import REPAIRED_OPS
 
 aten = torch.ops.aten
 
@@ -399,6 +400,7 @@ CAPTURE_REWRITES = {
     F.scaled_dot_product_attention: capture_sdpa,
     **{getattr(torch._VF, mode): _capture_rnn(mode) for mode in RNN_MODES},
     **{func: _capture_form(func) for func in [*WHOLE_OP_FUNCTIONS, *PROMOTE_AT_CAPTURE]},
+    **REPAIRED_OPS,  # ops whose own form fake tensors cannot run, or autograd gets wrong
 }
 # How step assembly expands graphamp's ops back into torch (hints left by a graph without AMP
 # are identities).

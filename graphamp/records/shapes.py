@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import (
     DimDynamic,
     ShapeEnv,
     StatelessSymbolicContext,
+    guarding_hint_or_throw,
 )
 
 from .guards import ShapeGuard
@@ -55,6 +56,29 @@ def fake_batch(
         )
         fake = mode.from_tensor(stand_in, symbolic_context=context)
         fake.fake_device = t.device  # the stand-in lives on meta; the batch on t.device
+        if t.requires_grad:
+            fake.requires_grad_(True)
+        out.append(fake)
+    return out
+
+
+def scratch_batch(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``batch`` (fakes of one build) faked again in a fake mode of its own, each symbolic size
+    a fresh symbol with the same value: for a trace whose assumptions about the sizes must not
+    become the build's guards (capture's trace of the state before build()'s first call)."""
+    mode = new_fake_mode()
+    out: list[torch.Tensor] = []
+    for t in batch:
+        shape = [guarding_hint_or_throw(s) for s in t.shape]
+        stride = [guarding_hint_or_throw(s) for s in t.stride()]
+        stand_in = torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
+        sizes = [
+            DimDynamic.DYNAMIC if isinstance(s, torch.SymInt) else DimDynamic.STATIC
+            for s in t.shape
+        ]
+        context: StatelessSymbolicContext = StatelessSymbolicContext(dynamic_sizes=sizes)
+        fake = mode.from_tensor(stand_in, symbolic_context=context)
+        fake.fake_device = t.device
         if t.requires_grad:
             fake.requires_grad_(True)
         out.append(fake)

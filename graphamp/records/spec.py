@@ -25,6 +25,7 @@ from .layouts import ForwardLayout, StepLayout
 from .ops import FunctionCall
 from .optimizers import OptimizerPlan
 from .probes import ProbeTable
+from .replays import StateReplay
 from .settings import ConfigSnapshot
 
 if TYPE_CHECKING:  # records of other stages, typed only
@@ -107,8 +108,10 @@ class CapturedForward:
     Placeholders are in ``layout`` order (``ForwardLayout``: parameters, buffers, input
     tensors, loss_scale, constants, named by ``param_names``, ``buffer_names``, ``input_names``,
     ``constant_names``); ``loss_scale`` (0-dim fp32) scales the gradients build() takes itself
-    (``torch.autograd.grad``), 1 without a scaler. Outputs are ``(*build()'s tensors, *losses,
-    *explicit loss gradients, *new values of mutated buffers)``: ``split_outputs`` cuts them.
+    (``torch.autograd.grad``), 1 without a scaler. Outputs are ``(*build()'s tensors, *tensors
+    build() writes on the user's objects, *losses, *explicit loss gradients, *new values of
+    mutated buffers)``: ``split_outputs`` cuts them (the written tensors count among the user
+    outputs; ``replays`` says where each goes after a call).
     """
 
     gm: fx.GraphModule  # linted and recompiled; no in-place op on a placeholder
@@ -130,6 +133,13 @@ class CapturedForward:
     # every call (in-place changes are seen), and their names (attribute paths where known)
     constants: list[torch.Tensor] = field(default_factory=list)
     constant_names: list[str] = field(default_factory=list)
+    # tensors build() writes on the user's objects on every call: the last ``num_written`` user
+    # outputs, put where build() put them after every call (records/replays.py); their count
+    # is the replays' num_tensors summed
+    num_written: int = 0
+    replays: list[StateReplay] = field(default_factory=list)
+    # puts back the Python state capture settled on the user's objects (a later stage failed)
+    undo_writes: Callable[[], None] | None = None
     # the Python attributes build() read, with their values: the program assumes them (guards)
     attribute_reads: tuple[AttributeRead, ...] = ()
 
@@ -163,7 +173,8 @@ class CapturedForward:
         )
 
     def unflatten_outputs(self, tensors: Sequence[Any]) -> Any:
-        """build()'s return value with ``tensors`` where it returned tensors."""
+        """build()'s return value with ``tensors`` where it returned tensors (the written
+        tensors that follow them are left out)."""
         it = iter(tensors)
         leaves = [next(it) if x is TENSOR else x for x in self.output_template]
         return pytree.tree_unflatten(leaves, self.output_spec)

@@ -24,7 +24,7 @@ from ..records.state import SharedState
 from . import ambient, interrupts, schedulers
 from .cache_key import StructureKey, log_rebuild, numbers_baked_in, warn_about_numbers
 from .overflows import read_overflows, watch_overflows
-from .programs import ProgramCache, marked_dynamic, precision_differences
+from .programs import Key, ProgramCache, marked_dynamic, precision_differences
 
 if TYPE_CHECKING:  # the user's objects, held and called, never constructed here
     from ..config import GraphConfig
@@ -67,10 +67,7 @@ def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
 
 def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
     inputs = flatten_inputs(args, kwargs)
-    structure = run.structure(
-        run.modules, run.optimizers, run.config.snapshot(), run.scaler, ambient.mode_key()
-    )
-    key = (inputs.signature, structure)
+    key = _key(run, inputs)
     program = run.programs.find(key, inputs)
     if program is None:
         program = _build(run, inputs, key, args, kwargs)
@@ -94,6 +91,8 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple, args: tuple, kwarg
     run.programs.count_build(run.name, key[1], str(change or "first call"), config.recompile_limit)
     sibling = run.programs.family_member(key)
     program = run.compile(inputs, BuildRequest(structure=key[1], dynamic=dynamic))
+    if program.captured.undo_writes is not None:
+        key = _settled_key(run, inputs, program)
     if sibling is not None and program.amp is not None and sibling.amp is not None:
         differ = precision_differences(sibling, program)
         if differ:
@@ -112,6 +111,24 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple, args: tuple, kwarg
             config.max_cached_graphs,
         )
     return program
+
+
+def _key(run: GraphRuntime, inputs: FlatInputs) -> Key:
+    """The (signature, structure) of a call with ``inputs``, as the Graph's objects are now."""
+    structure = run.structure(
+        run.modules, run.optimizers, run.config.snapshot(), run.scaler, ambient.mode_key()
+    )
+    return (inputs.signature, structure)
+
+
+def _settled_key(run: GraphRuntime, inputs: FlatInputs, program: Program) -> Key:
+    """build() set up state on its first call (hooks, caches; ``capture/steady_state.py``) and
+    capture left it as that call leaves it: the program is kept under, and assumes, the
+    structure of the calls to come, or the next call would not find it."""
+    key = _key(run, inputs)
+    if program.guards is not None:
+        program.guards.structure = key[1]
+    return key
 
 
 def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[torch.Tensor]:

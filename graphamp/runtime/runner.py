@@ -20,6 +20,7 @@ from torch.autograd.graph import increment_version
 from ..errors import CaptureError
 from ..forensics.device_record import ForensicsState
 from ..records.optimizers import OptimizerPlan, init_state
+from ..records.replays import apply_replays
 from ..records.spec import StepPlan
 from ..records.state import SharedState
 from . import momentum, zero_state
@@ -206,9 +207,15 @@ class Runner:
         }
 
     def execute(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Run the compiled step on ``gather``'s inputs (it writes the state in place)."""
+        """Run the compiled step on ``gather``'s inputs (it writes the state in place); then
+        put the tensors build() writes on the user's objects where it writes them."""
         with torch.no_grad():
-            return list(self.compiled(*flat))
+            outputs = list(self.compiled(*flat))
+        cap = self.plan.captured
+        if cap.replays:
+            end = cap.num_user_outputs
+            apply_replays(cap.replays, outputs[end - cap.num_written : end])
+        return outputs
 
     def record_step(self) -> Callable[[], None]:
         """The bookkeeping of a step, done before it runs so that the step itself is the last

@@ -150,7 +150,7 @@ def forward_and_gradients(
         for i, value in zip(cap.mutated_buffers, new_buffers):
             current[i] = value.detach()
     return ForwardResult(
-        _combine_micro_outputs(users),
+        _combine_micro_outputs(users, cap.num_written),
         _mean_losses(micro_losses),
         _in_trainable_order(plan, total, params),
         [current[i] for i in cap.mutated_buffers],
@@ -257,10 +257,17 @@ def _accumulate_grads(
             total[i] = total[i] + g if i in total else g
 
 
-def _combine_micro_outputs(users: list[list]) -> list:
-    """build()'s tensors over micro-batches: batched ones concatenated, scalars averaged."""
+def _combine_micro_outputs(users: list[list], written: int) -> list:
+    """build()'s tensors over micro-batches: batched ones concatenated, scalars averaged; the
+    last ``written`` (tensors build() writes on the user's objects) from the last micro-batch,
+    as the last of eager's forwards leaves them."""
     if len(users) == 1:
         return list(users[0])
+    own = [u[: len(u) - written] for u in users]
+    return _combine_returned(own) + list(users[-1][len(users[-1]) - written :])
+
+
+def _combine_returned(users: list[list]) -> list:
     out = []
     for values in zip(*users):
         first = values[0]

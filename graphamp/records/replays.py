@@ -1,0 +1,100 @@
+"""Python state build() writes on every call, replayed after each step as eager leaves it.
+
+Some libraries keep tensors they compute in forward on their modules and read them back in the
+same forward (torchvision's RAFT keeps its correlation pyramid in ``corr_block.corr_pyramid``).
+Inside the step that is plain dataflow; what is left to do is the write itself: after eager's
+call the attribute holds that call's tensors. Capture makes those tensors extra outputs of
+the step (after build()'s own tensors, among ``CapturedForward``'s user outputs), and the
+runtime puts them where build() put them after every call (``apply_replays``), as
+torch.compile replays the side effects of a compiled frame. Python values among them (a list's
+structure, flags) are the ones capture saw, the same on every call (capture checks that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch.utils._pytree as pytree
+
+MISSING = object()  # an attribute or entry that does not exist (before, or after a delete)
+TENSOR_SLOT = object()  # where a replayed value holds a tensor the step computes
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a value lives on a user's object: ``vars(owner)[name]`` ("attribute"), one entry
+    ``vars(owner)[name][key]`` of a dict ("entry"), or the whole contents of a list or set
+    ``vars(owner)[name]`` changed in place ("contents")."""
+
+    owner: Any
+    name: str
+    kind: str  # "attribute" | "entry" | "contents"
+    key: Any = None
+    label: str = ""  # how the user names the owner ("self.model.corr_block")
+
+    def describe(self) -> str:
+        if self.kind == "entry":
+            return f"{self.label}.{self.name}[{self.key!r}]"
+        return f"{self.label}.{self.name}"
+
+    def read(self) -> Any:
+        holder = vars(self.owner)
+        if self.kind == "entry":
+            return holder.get(self.name, {}).get(self.key, MISSING)
+        value = holder.get(self.name, MISSING)
+        if self.kind == "contents" and value is not MISSING:
+            return list(value)
+        return value
+
+    def write(self, value: Any) -> None:
+        """Put ``value`` there as build() did (MISSING deletes), bypassing any ``__setattr__``
+        (the snapshot is of ``vars``: a module's routing of tensors to buffers is already
+        reflected in which dict holds them)."""
+        holder = vars(self.owner)
+        if self.kind == "entry":
+            table = holder[self.name]
+            if value is MISSING:
+                table.pop(self.key, None)
+            else:
+                table[self.key] = value
+        elif self.kind == "contents":
+            container = holder[self.name]
+            container.clear()
+            if isinstance(container, list):
+                container.extend(value)
+            else:
+                container.update(value)
+        elif value is MISSING:
+            holder.pop(self.name, None)
+        else:
+            holder[self.name] = value
+
+
+@dataclass(frozen=True)
+class StateReplay:
+    """One place build() writes on every call, and the value's structure: ``template`` holds
+    TENSOR_SLOT where the step's output tensors go (``num_tensors`` of them), every other leaf
+    as capture saw it."""
+
+    place: Place
+    spec: pytree.TreeSpec
+    template: tuple[Any, ...]
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(1 for leaf in self.template if leaf is TENSOR_SLOT)
+
+    def value(self, tensors: Sequence[Any]) -> Any:
+        it = iter(tensors)
+        leaves = [next(it) if leaf is TENSOR_SLOT else leaf for leaf in self.template]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def apply_replays(replays: Sequence[StateReplay], tensors: Sequence[Any]) -> None:
+    """Write each replayed value, its tensors taken in order from ``tensors``."""
+    start = 0
+    for replay in replays:
+        end = start + replay.num_tensors
+        replay.place.write(replay.value(tensors[start:end]))
+        start = end
