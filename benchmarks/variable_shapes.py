@@ -33,6 +33,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 VARIANTS = ("graphamp", "compile", "eager")
+# graphamp_marked: the sequence dimension marked with torch._dynamo.mark_dynamic before the
+# first call, so one compile serves every length (``--variants graphamp_marked``)
 BATCH = 8
 
 
@@ -85,7 +87,7 @@ def make_step(variant: str, model, dynamic=None):
     import graphamp
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if variant == "graphamp":
+    if variant.startswith("graphamp"):
 
         class Padded(graphamp.Graph):
             def __init__(self):
@@ -102,7 +104,14 @@ def make_step(variant: str, model, dynamic=None):
                 return loss
 
         g = Padded()
-        return (lambda b: g(b["input_ids"], b["attention_mask"])), g
+
+        def step(b):
+            if variant == "graphamp_marked":
+                for name in ("input_ids", "attention_mask"):
+                    torch._dynamo.mark_dynamic(b[name], 1)
+            return g(b["input_ids"], b["attention_mask"])
+
+        return step, g
     net = torch.compile(model) if variant == "compile" else model
 
     def step(batch):
@@ -117,7 +126,7 @@ def make_step(variant: str, model, dynamic=None):
 
 
 def _compiles(variant: str, graph) -> int | None:
-    if variant == "graphamp":
+    if variant.startswith("graphamp"):
         return len(graph.compiled_steps)
     if variant == "compile":
         from torch._dynamo.utils import counters
@@ -135,7 +144,7 @@ def child_total(variant: str, layers: int, steps: int, n_lengths: int) -> dict:
     for batch in batches:
         losses.append(step(batch).item())
     total = time.perf_counter() - start
-    return {
+    row = {
         "variant": variant,
         "layers": layers,
         "steps": steps,
@@ -145,6 +154,12 @@ def child_total(variant: str, layers: int, steps: int, n_lengths: int) -> dict:
         "last_loss": round(losses[-1], 4),
         "torch": torch.__version__,
     }
+    if graph is not None:  # where graphamp's time went: seconds per stage of each build
+        row["builds"] = [
+            {stage: round(s, 2) for stage, s in step.timings.items()}
+            for step in graph.compiled_steps
+        ]
+    return row
 
 
 def child_steady(layers: int, length_index: int = 2, reps: int = 30) -> dict:
@@ -202,9 +217,9 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         "bf16 AMP, AdamW, inductor, batch 8 padded by DataCollatorWithPadding; each cell a fresh "
         "process on an empty inductor cache. Total seconds of all steps, compiles included.",
         "",
-        "| layers | steps | lengths | graphamp s (compiles) | torch.compile s (graphs) | eager s "
-        "| graphamp / torch.compile |",
-        "|---|---|---|---|---|---|---|",
+        "| layers | steps | lengths | graphamp s (compiles) | graphamp, marked s (compiles) "
+        "| torch.compile s (graphs) | eager s | graphamp / torch.compile |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     cells: dict[tuple, dict] = {}
     for row in rows:
@@ -213,10 +228,11 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
                 row
             )
     for (layers, steps, lengths), got in sorted(cells.items()):
-        g, c, e = (got.get(v, {}) for v in VARIANTS)
+        g, m, c, e = (got.get(v, {}) for v in ("graphamp", "graphamp_marked", *VARIANTS[1:]))
         ratio = g["total_s"] / c["total_s"] if g and c else float("nan")
         out.append(
             f"| {layers} | {steps} | {lengths} | {g.get('total_s')} ({g.get('compiles')}) "
+            f"| {m.get('total_s')} ({m.get('compiles')}) "
             f"| {c.get('total_s')} ({c.get('compiles')}) | {e.get('total_s')} | {ratio:.2f} |"
         )
     steady = [r for r in rows if r["variant"] == "steady"]

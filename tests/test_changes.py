@@ -538,23 +538,35 @@ def test_two_threads_calling_a_cold_graph_capture_once_and_both_train():
     assert not torch.compiler.is_compiling()
 
 
+_THREAD_AMPS = [None, torch.bfloat16, torch.float16]
+
+
+def _seeded_mlps() -> list[nn.Module]:
+    # made in the calling thread: torch's global generator is one per process, so seeding it
+    # inside the threads would race
+    out = []
+    for k in range(len(_THREAD_AMPS)):
+        torch.manual_seed(k)
+        out.append(seed_mlp())
+    return out
+
+
+def _train_two_steps(k: int, model: nn.Module) -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    amp = _THREAD_AMPS[k]
+    scaler = graphamp.GradScaler(init_scale=256.0) if amp == torch.float16 else None
+    g = make_graph(model, nn.CrossEntropyLoss(), opt, amp=amp, scaler=scaler)
+    for x, y in _batches(2):
+        g(x, y)
+    return {n: v.clone() for n, v in model.state_dict().items()}
+
+
 def test_graphs_compiling_at_once_in_several_threads_train_as_when_built_alone():
     """torch's tracing keeps process-wide state and capture installs process-wide hooks: builds
     in different threads take turns, so three Graphs (fp32, bf16, fp16 AMP) started at once all
     train exactly as each does when built alone."""
-    amps = [None, torch.bfloat16, torch.float16]
-
-    def train(k: int) -> dict:
-        torch.manual_seed(k)
-        model = seed_mlp()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        scaler = graphamp.GradScaler(init_scale=256.0) if amps[k] == torch.float16 else None
-        g = make_graph(model, nn.CrossEntropyLoss(), opt, amp=amps[k], scaler=scaler)
-        for x, y in _batches(2):
-            g(x, y)
-        return {n: v.clone() for n, v in model.state_dict().items()}
-
-    alone = [train(k) for k in range(3)]
+    alone = [_train_two_steps(k, m) for k, m in enumerate(_seeded_mlps())]
+    fresh = _seeded_mlps()
     together: dict[int, dict] = {}
     errors: list[BaseException] = []
     start = threading.Barrier(3)
@@ -562,7 +574,7 @@ def test_graphs_compiling_at_once_in_several_threads_train_as_when_built_alone()
     def run(k: int) -> None:
         try:
             start.wait()
-            together[k] = train(k)
+            together[k] = _train_two_steps(k, fresh[k])
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
