@@ -548,3 +548,46 @@ def test_what_cannot_be_replayed_is_refused_by_name_and_put_back(how):
     with pytest.raises(CaptureError, match=_REFUSED[how]):
         g(torch.randn(2, 4), torch.randn(2, 4))
     assert_unchanged(state, model, opt)
+
+
+def test_a_transformers_config_written_on_the_first_call_settles_without_another_compile():
+    """BertForSequenceClassification sets ``config.problem_type`` on its first call: the write
+    is settled like a module attribute's, so the step compiles once and the config is what
+    eager leaves."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = transformers.BertForSequenceClassification(config)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+
+    def build(self, ids, labels):
+        loss = self.model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, opt, build=build)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids, labels = (
+            torch.randint(0, 64, (4, 8), generator=gen),
+            torch.randint(0, 3, (4,), generator=gen),
+        )
+        got = g(ids, labels)
+        twin_opt.zero_grad()
+        want = twin(input_ids=ids, labels=labels).loss
+        want.backward()
+        twin_opt.step()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    assert len(g.compiled_steps) == 1
+    assert model.config.problem_type == twin.config.problem_type == "single_label_classification"
+    assert_state_close(model, twin)

@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..records.fxutil import UserFrame, current_user_frame
 from ..records.replays import MISSING, Place
 from .patching import SharedPatch
+from .reads import transformers_config_class
 
 
 @dataclass
@@ -162,10 +163,20 @@ def _is_state_dataflow(change: Change) -> bool:
 
 def watched_objects(root: nn.Module) -> list[tuple[str, Any]]:
     """The objects whose Python state capture watches, by the names users know them by: the
-    modules under ``root`` (a BuildRoot: the registered modules), and the Graph itself."""
+    modules under ``root`` (a BuildRoot: the registered modules), the transformers configs they
+    hold (a model's forward may write one: BERT sets ``config.problem_type`` on its first
+    call), and the Graph itself."""
     watched: list[tuple[str, Any]] = [
         (f"self.{n}", m) for n, m in root.named_modules() if m is not root
     ]
+    config_class = transformers_config_class()
+    if config_class is not None:
+        seen: set[int] = set()
+        for label, module in list(watched):
+            for attr, value in vars(module).items():
+                if isinstance(value, config_class) and id(value) not in seen:
+                    seen.add(id(value))
+                    watched.append((f"{label}.{attr}", value))
     owner = getattr(getattr(root, "_build", None), "__self__", None)  # build's Graph
     return watched + ([("self", owner)] if owner is not None and hasattr(owner, "__dict__") else [])
 
