@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import RecompileLimitError
 from ..records.fxutil import is_compute_node, module_path, op_name
-from ..records.guards import Change, Structure, family
+from ..records.guards import Change, Guards, Structure, family
 from ..records.inputs import FlatInputs, InputSignature
 from ..records.spec import Program
 
@@ -97,7 +97,7 @@ class ProgramCache(Mapping[int, Program]):
         ``mode`` False: none. True: every dimension of every batch tensor. None (automatic): the
         ones marked dynamic (``torch._dynamo.mark_dynamic``), the ones earlier programs of the
         same family made dynamic, and the ones whose size differs from such a program's."""
-        signature, structure = key
+        signature = key[0]
         if mode is False:
             return frozenset()
         if mode is True:
@@ -106,13 +106,8 @@ class ProgramCache(Mapping[int, Program]):
                 for i, (shape, *_rest) in enumerate(signature.tensors)
                 for d in range(len(shape))
             )
-        dims = set(marked)
-        mine = family(signature)
-        for program in self._programs.values():
-            guards = program.guards
-            if guards is None or guards.structure != structure or family(guards.signature) != mine:
-                continue
-            dims |= guards.shapes.dynamic
+        dims = set(marked) | self.family_dynamic(key)
+        for guards in self._family(key):
             for i, (old, new) in enumerate(zip(guards.signature.tensors, signature.tensors)):
                 dims |= {(i, d) for d, (a, b) in enumerate(zip(old[0], new[0])) if a != b}
         return frozenset(dims)
@@ -120,26 +115,23 @@ class ProgramCache(Mapping[int, Program]):
     def family_member(self, key: Key) -> Program | None:
         """The most recently used program of this call's family (same structure; signatures
         that differ in sizes only)."""
-        signature, structure = key
-        mine = family(signature)
         for serial in reversed(self._programs):
-            guards = self._programs[serial].guards
-            if guards is not None and guards.structure == structure:
-                if family(guards.signature) == mine:
-                    return self._programs[serial]
+            program = self._programs[serial]
+            if _in_family(program.guards, key):
+                return program
         return None
 
     def family_dynamic(self, key: Key) -> frozenset[tuple[int, int]]:
         """The dimensions already dynamic in programs of this call's family."""
-        signature, structure = key
-        mine = family(signature)
-        dims: set[tuple[int, int]] = set()
-        for program in self._programs.values():
-            guards = program.guards
-            if guards is not None and guards.structure == structure:
-                if family(guards.signature) == mine:
-                    dims |= guards.shapes.dynamic
-        return frozenset(dims)
+        return frozenset(d for guards in self._family(key) for d in guards.shapes.dynamic)
+
+    def _family(self, key: Key) -> list[Guards]:
+        """The guards of the cached programs of this call's family, least recently used first."""
+        return [
+            p.guards
+            for p in self._programs.values()
+            if p.guards is not None and _in_family(p.guards, key)
+        ]
 
     def count_build(self, graph_name: str, structure: Structure, why: str, limit: int) -> None:
         """Count a build for ``structure``; RecompileLimitError beyond ``limit`` builds, naming
@@ -167,6 +159,15 @@ class ProgramCache(Mapping[int, Program]):
         self._programs.clear()
         self._memo.clear()
         self._last = 0
+
+
+def _in_family(guards: Guards | None, key: Key) -> bool:
+    signature, structure = key
+    return (
+        guards is not None
+        and guards.structure == structure
+        and family(guards.signature) == family(signature)
+    )
 
 
 def precision_differences(old: Program, new: Program) -> list[str]:
