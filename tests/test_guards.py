@@ -63,11 +63,8 @@ def _train(change, backend="aot_eager", change_back=False):
             for restore in undo:
                 restore()
         got = g(x, y)
-        twin_opt.zero_grad()
-        want = twin_loss(twin(x), y)
-        want.backward()
-        twin_opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        want = eager_step(twin, twin_loss, twin_opt, x, y)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert_state_close(model, twin)
     return g
 
@@ -128,9 +125,7 @@ def test_batchnorm_momentum_changed_after_the_first_call_moves_the_statistics_as
             for m in (model, twin):
                 m.features[1].momentum = 0.9
         g(x, y)
-        twin_opt.zero_grad()
-        F.cross_entropy(twin(x), y).backward()
-        twin_opt.step()
+        eager_step(twin, F.cross_entropy, twin_opt, x, y)
     assert_state_close(model, twin)
 
 
@@ -239,11 +234,8 @@ def test_inputs_that_are_the_same_tensor_at_first_are_not_assumed_to_stay_so(bac
         clean = torch.randn(8, 16, generator=gen)
         noisy = clean if step == 0 else clean + 0.5 * torch.randn(8, 16, generator=gen)
         got = g(noisy, clean)
-        twin_opt.zero_grad()
-        want = F.mse_loss(twin(noisy), clean)
-        want.backward()
-        twin_opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        want = eager_step(twin, F.mse_loss, twin_opt, noisy, clean)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert_state_close(model, twin)
     assert len(g.compiled_steps) == 1
 
@@ -262,11 +254,8 @@ def test_an_input_that_is_a_slice_of_a_parameter_reads_its_own_values(backend):
         x = model[0].weight.detach()[:4] if step == 0 else torch.randn(4, 16, generator=gen)
         x_twin = twin[0].weight.detach()[:4].clone() if step == 0 else x
         got = g(x, y)
-        twin_opt.zero_grad()
-        want = F.cross_entropy(twin(x_twin), y)
-        want.backward()
-        twin_opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+        want = eager_step(twin, F.cross_entropy, twin_opt, x_twin, y)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert_state_close(model, twin)
 
 
