@@ -98,6 +98,20 @@ def transformers_config_class() -> type | None:
     return getattr(module, "PreTrainedConfig", None) or getattr(module, "PretrainedConfig", None)
 
 
+def held_configs(modules: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The transformers configs the labelled modules hold as attributes, each once, labelled
+    ``<module label>.<attribute>`` (none when transformers is not imported)."""
+    config_class = transformers_config_class()
+    if config_class is None:
+        return []
+    found: dict[int, tuple[str, Any]] = {}
+    for label, module in modules:
+        for attr, value in vars(module).items():
+            if isinstance(value, config_class) and id(value) not in found:
+                found[id(value)] = (f"{label}.{attr}", value)
+    return list(found.values())
+
+
 def watched_objects(
     modules: list[tuple[str, nn.Module]], graph: Any
 ) -> tuple[dict[int, tuple], list[type]]:
@@ -111,11 +125,8 @@ def watched_objects(
         classes.append(config_class)
     for path, module in modules:
         watch[id(module)] = (f"self.{path}", _MODULE_OWN)
-        if config_class is None:
-            continue
-        for attr, value in vars(module).items():
-            if isinstance(value, config_class) and id(value) not in watch:
-                watch[id(value)] = (f"self.{path}.{attr}", frozenset())
+    for label, config in held_configs([(f"self.{path}", m) for path, m in modules]):
+        watch[id(config)] = (label, frozenset())
     if graph is not None and hasattr(graph, "__dict__"):
         watch[id(graph)] = ("self", frozenset(getattr(graph, "_graphamp_own", ())))
         classes.append(type(graph))

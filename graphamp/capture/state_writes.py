@@ -26,7 +26,7 @@ import torch.nn as nn
 from ..records.fxutil import UserFrame, current_user_frame
 from ..records.replays import MISSING, Place
 from .patching import SharedPatch
-from .reads import transformers_config_class
+from .reads import held_configs
 
 
 @dataclass
@@ -169,14 +169,7 @@ def watched_objects(root: nn.Module) -> list[tuple[str, Any]]:
     watched: list[tuple[str, Any]] = [
         (f"self.{n}", m) for n, m in root.named_modules() if m is not root
     ]
-    config_class = transformers_config_class()
-    if config_class is not None:
-        seen: set[int] = set()
-        for label, module in list(watched):
-            for attr, value in vars(module).items():
-                if isinstance(value, config_class) and id(value) not in seen:
-                    seen.add(id(value))
-                    watched.append((f"{label}.{attr}", value))
+    watched += held_configs(watched)
     owner = getattr(getattr(root, "_build", None), "__self__", None)  # build's Graph
     return watched + ([("self", owner)] if owner is not None and hasattr(owner, "__dict__") else [])
 
