@@ -307,3 +307,27 @@ def test_the_check_before_each_call_reads_no_tensor_and_no_module_tree():
         isinstance(r.value, (torch.Tensor, nn.Module)) for r in program.guards.attributes
     )
     assert guards.calls == 1
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
+def test_an_input_sharing_memory_with_a_parameter_given_new_memory_reads_its_own_values(backend):
+    """``p.data = other`` (same shape) keeps the parameter and moves its memory: a later input
+    that is a slice of the new memory is still copied before the step writes the state."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt, backend=backend)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        y = torch.randint(0, 4, (4,), generator=gen)
+        if step == 1:
+            fresh = torch.randn(16, 16, generator=gen)
+            model[0].weight.data, twin[0].weight.data = fresh, fresh.clone()
+        x = model[0].weight.detach()[:4] if step else torch.randn(4, 16, generator=gen)
+        x_twin = twin[0].weight.detach()[:4].clone() if step else x
+        got = g(x, y)
+        want = eager_step(twin, F.cross_entropy, twin_opt, x_twin, y)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_state_close(model, twin)
+    assert len(g.compiled_steps) == 1

@@ -109,7 +109,6 @@ class Runner:
         self._state_refs: list[tuple] = []
         self._state_dicts: list[tuple] = []  # (optimizer, its state dict): a replaced .state
         self.calls = 0
-        self._state_storages: set[int] | None = None  # parameters' and buffers' memory
         self._warned_aliasing = False
         # the parameters each call updates in place (fixed per plan): version counters to bump
         self.updated_params = [p for opt in plan.optimizers for p in opt.params]
@@ -152,10 +151,10 @@ class Runner:
         """The batch, with a copy of each tensor that shares memory with a parameter or buffer
         (``g(model.weight[:4])``): the step writes the state in place, and the value the batch
         had when the call was made is the one build() reads, as in eager."""
-        storages = self._state_storages
-        if storages is None:
-            state = [d[k] for d, k in (*self.param_slots, *self.buffer_slots)]
-            storages = self._state_storages = {t.untyped_storage().data_ptr() for t in state} - {0}
+        # looked up at every call, not cached: `p.data = other` keeps the parameter and moves
+        # its memory (measured: 0.6 us for 4 state tensors, 9 us for 76)
+        state = [d[k] for d, k in (*self.param_slots, *self.buffer_slots)]
+        storages = {t.untyped_storage().data_ptr() for t in state} - {0}
         if not any(t.untyped_storage().data_ptr() in storages for t in inputs):
             return inputs
         if not self._warned_aliasing:
