@@ -296,12 +296,13 @@ class GraphConfig:
 
     # -- first call ------------------------------------------------------------------------------
     def set_outline_blocks(self, mode: bool = True) -> None:
-        """Compile each distinct repeated block once (off by default; experimental): the
-        forward and backward of N identical blocks of a ModuleList or Sequential (transformer
-        layers, equal ResNet blocks) become N calls of one shared subgraph of the step, which
-        stays one program. Blocks are found automatically; precision decisions are unchanged.
-        Bitwise against the inlined step with aot_eager in the CPU tests; not applied with
-        inductor yet (its results differed in a test), not tried on CUDA (README)."""
+        """Compile each distinct repeated block once (on by default; ``False`` inlines them):
+        the forward and backward of N identical blocks of a ModuleList or Sequential
+        (transformer layers, equal ResNet blocks) become N calls of one shared subgraph of the
+        step, which stays one program. Blocks are found automatically; precision decisions are
+        unchanged. Bitwise against the inlined step in the CPU tests, with aot_eager and
+        inductor; not measured on CUDA yet (README). Not applied with activation checkpointing
+        or changing shapes (the stage's INFO line says what it did)."""
         self._set(outline_blocks=check_bool("set_outline_blocks(mode)", mode))
 
     def set_progress(self, mode: bool) -> None:

@@ -341,11 +341,6 @@ def _outlining(b: _Build) -> bool:
 def _outline(b: _Build) -> None:
     """Repeated blocks as shared subgraphs, on a copy: if outlining fails, the inlined step is
     compiled (and the INFO line says why)."""
-    if b.spec.config.backend == "inductor":
-        # measured (tests/test_outline.py): a 3-block stack trained two steps with inductor
-        # gave other losses outlined than inlined (2.4470 against 2.4581); aot_eager is bitwise
-        b.outline = OutlineResult(left_inline=["all (not applied with inductor yet)"])
-        return
     outlined = copy_graph_module(b.step_gm)
     try:
         b.outline = outline_blocks(outlined)

@@ -59,12 +59,16 @@ def test_each_stage_logs_one_info_line_with_its_node_counts(caplog):
     with caplog.at_level(logging.INFO, logger="graphamp"):
         g(*_batch())
     lines = _stage_lines(caplog)
-    assert list(lines) == ["capture", "amp_passes", "plan", "assemble", "compile"]
+    assert list(lines) == ["capture", "amp_passes", "plan", "assemble", "outline", "compile"]
     step = g.compiled_steps[-1]
     casts = sum(1 for n in step.forward_graph.graph.nodes if n.meta.get("amp_cast"))
     assert re.fullmatch(r"\d+ nodes", lines["capture"])
     assert lines["amp_passes"] == f"{step.forward_nodes} nodes, {casts} casts"
     assert lines["assemble"] == f"{step.step_nodes} nodes"
+    # on by default; no two of this Sequential's children are equal: the step is unchanged
+    assert lines["outline"] == (
+        f"{step.step_nodes} nodes, 3 blocks, 0 distinct regions, 0 regions outlined"
+    )
     assert lines["compile"] == f"{step.step_nodes} nodes, aot_eager"
     # a steady call builds nothing and says nothing
     caplog.clear()

@@ -62,7 +62,7 @@ class ConfigSnapshot:
     checkpoint_module_names: tuple[str, ...] = ()
     zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded (enable_zero)
     cuda_graph_sizes: int = 8  # CUDA graphs kept per dynamic step, one per batch shape (0: none)
-    outline_blocks: bool = False  # repeated blocks as shared subgraphs (set_outline_blocks)
+    outline_blocks: bool = True  # repeated blocks as shared subgraphs (set_outline_blocks)
 
     @property
     def activation_checkpointing(self) -> bool:

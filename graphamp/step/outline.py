@@ -12,8 +12,9 @@ each distinct block's forward and backward once. The step stays one graph and on
   that region.
 - Regions whose subgraph code and input metadata are equal share one subgraph; a region with no
   equal is left inline, and so is one that is not contiguous in the step's order.
-- Outputs that alias an input of the subgraph are returned as copies: inductor (torch 2.14.1,
-  CPU) computes wrong results for them (``benchmarks/outline_blocks_probe.py --alias-repro``).
+- No output of a subgraph shares memory with its inputs or its other outputs (invoke_subgraph's
+  contract, which inductor's buffer reuse relies on): outputs that are views are rebuilt
+  outside the call from their source, and anything still shared is returned as a copy.
 
 Every precision decision was made before (the regions are copied node for node, metadata kept),
 so the precision report is the same.
@@ -39,7 +40,8 @@ class OutlineResult:
     blocks: int = 0  # block instances found
     outlined: int = 0  # regions replaced by a shared subgraph call
     distinct: int = 0  # shared subgraphs (each compiled once)
-    left_inline: list[str] = field(default_factory=list)  # regions kept inline, and why
+    # regions with an equal that stayed inline, and why (a region with no equal is not listed)
+    left_inline: list[str] = field(default_factory=list)
 
 
 def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
@@ -51,25 +53,24 @@ def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
     regions = block_regions(gm, blocks)
     extracted = {key: _extract(gm, nodes) for key, nodes in regions.items()}
     groups: dict[str, list[Region]] = {}
-    for key, (sub, inputs, _) in extracted.items():
-        groups.setdefault(f"graphamp_{key[0]}_{_signature(sub, inputs)}", []).append(key)
+    for key, ex in extracted.items():
+        groups.setdefault(f"graphamp_{key[0]}_{_signature(ex.sub, ex.inputs)}", []).append(key)
     order = {n: float(i) for i, n in enumerate(gm.graph.nodes)}
     replaced: dict[fx.Node, fx.Node] = {}  # an outlined output -> the getitem standing for it
     shared = {key: ident for ident, keys in groups.items() if len(keys) > 1 for key in keys}
-    result.left_inline += [f"{k[0]} {k[1]}: no equal block" for k in regions if k not in shared]
     used: set[str] = set()
     for key in sorted(shared, key=lambda k: order[regions[k][0]]):
         ident = shared[key]
-        sub, inputs, outputs = extracted[key]
-        inputs = [replaced.get(a, a) for a in inputs]
-        first_user = _first_outside_user(regions[key], outputs, order)
+        ex = extracted[key]
+        inputs = [replaced.get(a, a) for a in ex.inputs]
+        first_user = _first_outside_user(regions[key], ex.outputs, order)
         if first_user is None or any(order[a] >= order[first_user] for a in inputs):
             result.left_inline.append(f"{key[0]} {key[1]}: not contiguous")
             continue
         if ident not in used:
-            gm.register_module(ident, sub)
+            gm.register_module(ident, ex.sub)
             used.add(ident)
-        _replace(gm, regions[key], ident, inputs, outputs, first_user, order, replaced)
+        _replace(gm, ex, regions[key], ident, inputs, first_user, order, replaced)
         result.outlined += 1
     result.distinct = len(used)
     gm.graph.lint()
@@ -141,15 +142,39 @@ def _attribute_gradient_sums(backward: list[fx.Node], block_of: dict[fx.Node, st
                 changed = True
 
 
-def _extract(gm: fx.GraphModule, nodes: list[fx.Node]):
-    """(subgraph with canonical names, its inputs, the region's outputs used outside)."""
+@dataclass
+class _Extracted:
+    """A region as a subgraph: what it reads, what it returns, and what is rebuilt outside."""
+
+    sub: fx.GraphModule
+    inputs: list[fx.Node]  # outer values the subgraph reads, in order of first use
+    outputs: list[fx.Node]  # region nodes used outside the region
+    results: list[fx.Node]  # region nodes the subgraph returns (each its own memory)
+    views: dict[fx.Node, tuple[fx.Node, list[fx.Node]]]  # output -> (source, view chain)
+
+
+def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> _Extracted:
+    """The region as a subgraph with canonical names (equal blocks, equal code).
+
+    invoke_subgraph's contract is that no output shares memory with an input or with another
+    output. Inductor relies on it: it frees and reuses each output's buffer on its own, so an
+    output sharing memory with a live one is overwritten (seen on the CPU with torch 2.14.1:
+    three views of one LayerNorm output saved for q, k and v; after the step's buffers were
+    reused, Adam moved some weights the wrong way). So an output that is a chain of views of
+    another value is rebuilt outside, after the call, from that value: the subgraph returns the
+    chain's source once (or nothing, when the source is an input). Whatever still shares
+    memory is returned as a copy."""
     inside = set(nodes)
-    inputs: list[fx.Node] = []
-    for node in nodes:
-        for arg in node.all_input_nodes:
-            if arg not in inside and arg not in inputs:
-                inputs.append(arg)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
     outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    views: dict[fx.Node, tuple[fx.Node, list[fx.Node]]] = {}
+    results: list[fx.Node] = []
+    for out in outputs:
+        source, chain = _view_chain(out, inside)
+        if chain:
+            views[out] = (source, chain)
+        if source in inside and source not in results:
+            results.append(source)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, arg in enumerate(inputs):
@@ -158,27 +183,42 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node]):
     for i, node in enumerate(nodes):
         env[node] = graph.node_copy(node, lambda a: env[a])
         env[node]._rename(f"n{i}")  # noqa: SLF001 - canonical names: equal blocks, equal code
-    results = []
-    for out in outputs:
-        result = env[out]
-        if _aliases_an_input(out, inputs):
-            result = graph.call_function(torch.ops.aten.clone.default, (result,))
-            result.meta["val"] = out.meta["val"].clone()
-        results.append(result)
-    graph.output(tuple(results))
-    return fx.GraphModule(gm, graph), inputs, outputs
+    returned = []
+    seen = [_storage(a) for a in inputs]
+    for result in results:
+        value = env[result]
+        storage = _storage(result)
+        if storage is not None and storage in seen:
+            value = graph.call_function(torch.ops.aten.clone.default, (value,))
+            value.meta["val"] = result.meta["val"].clone()
+        seen.append(storage)
+        returned.append(value)
+    graph.output(tuple(returned))
+    graph.eliminate_dead_code()  # views now rebuilt outside and used by nothing inside
+    return _Extracted(fx.GraphModule(gm, graph), inputs, outputs, results, views)
 
 
-def _aliases_an_input(node: fx.Node, inputs: list[fx.Node]) -> bool:
+def _view_chain(node: fx.Node, inside: set[fx.Node]) -> tuple[fx.Node, list[fx.Node]]:
+    """(source, [views from the source out to ``node``]): the region's single-tensor view ops
+    leading to ``node`` whose other arguments come from outside the region."""
+    chain: list[fx.Node] = []
+    while (
+        node in inside
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.is_view
+        and isinstance(node.meta.get("val"), torch.Tensor)
+        and node.args
+        and isinstance(node.args[0], fx.Node)
+        and not any(a in inside for a in node.all_input_nodes if a is not node.args[0])
+    ):
+        chain.append(node)
+        node = node.args[0]
+    return node, chain[::-1]
+
+
+def _storage(node: fx.Node) -> StorageWeakRef | None:
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return False
-    mine = StorageWeakRef(val.untyped_storage())
-    return any(
-        isinstance(a.meta.get("val"), torch.Tensor)
-        and StorageWeakRef(a.meta["val"].untyped_storage()) == mine
-        for a in inputs
-    )
+    return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
 
 
 def _signature(sub: fx.GraphModule, inputs: list[fx.Node]) -> str:
@@ -197,21 +237,34 @@ def _first_outside_user(nodes, outputs, order) -> fx.Node | None:
     return min(users, key=order.__getitem__) if users else None
 
 
-def _replace(gm, nodes, ident, inputs, outputs, first_user, order, replaced) -> None:
-    """The region's nodes become one invoke_subgraph call before its first outside user."""
+def _replace(gm, ex: _Extracted, nodes, ident, inputs, first_user, order, replaced) -> None:
+    """The region's nodes become one invoke_subgraph call before its first outside user; the
+    outputs that are views are rebuilt after it."""
     inside = set(nodes)
     with gm.graph.inserting_before(first_user):
         sub_ref = gm.graph.get_attr(ident)
         call = gm.graph.call_function(
             torch.ops.higher_order.invoke_subgraph, (sub_ref, ident, *inputs)
         )
-        call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
-        order[sub_ref] = order[call] = order[first_user] - 0.5  # a later region may read it
-        for i, out in enumerate(outputs):
-            item = gm.graph.call_function(operator.getitem, (call, i))
-            item.meta = dict(out.meta)
-            order[item] = order[first_user] - 0.5
-            replaced[out] = item
-            out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+        call.meta["val"] = tuple(_returned_vals(ex.sub))
+        env: dict[fx.Node, fx.Node] = {}  # a region node -> what stands for it outside
+        for i, result in enumerate(ex.results):
+            env[result] = gm.graph.call_function(operator.getitem, (call, i))
+            env[result].meta = dict(result.meta)
+        for out in ex.outputs:
+            source, chain = ex.views.get(out, (out, []))
+            for view in chain:
+                if view not in env:
+                    env[view] = gm.graph.node_copy(view, lambda a: env.get(a, replaced.get(a, a)))
+        for node in [sub_ref, call, *env.values()]:
+            order[node] = order[first_user] - 0.5  # a later region may read them
+        for out in ex.outputs:
+            replaced[out] = env[out]
+            out.replace_all_uses_with(env[out], delete_user_cb=lambda u: u not in inside)
     for node in reversed(nodes):
         gm.graph.erase_node(node)
+
+
+def _returned_vals(sub: fx.GraphModule) -> list:
+    output = next(n for n in sub.graph.nodes if n.op == "output")
+    return [a.meta.get("val") for a in output.args[0]]
