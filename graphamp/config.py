@@ -297,9 +297,9 @@ class GraphConfig:
     # -- first call ------------------------------------------------------------------------------
     def set_outline_blocks(self, mode: bool = True) -> None:
         """Compile each distinct repeated block once (on by default; ``False`` inlines them):
-        the forward and backward of N identical blocks of a ModuleList or Sequential
-        (transformer layers, equal ResNet blocks) become N calls of one shared subgraph of the
-        step, which stays one program. Blocks are found automatically; precision decisions are
+        the forward, backward and optimizer update of N identical blocks of a ModuleList or
+        Sequential (transformer layers, equal ResNet blocks) become N calls of one shared
+        subgraph of the step, which stays one program. Blocks are found automatically; precision decisions are
         unchanged. Bitwise against the inlined step in the CPU tests, with aot_eager and
         inductor; not measured on CUDA yet (README). Not applied with activation checkpointing
         or changing shapes (the stage's INFO line says what it did)."""

@@ -18,6 +18,8 @@ from helpers import make_graph
 from models import Block, TinyGPT, lm_loss
 from torch.multiprocessing.reductions import StorageWeakRef
 
+import graphamp
+
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 
@@ -124,12 +126,12 @@ def _calls(g) -> list[str]:
 @pytest.mark.parametrize(
     "name, calls, distinct",
     [
-        ("tiny_gpt", 6, 2),  # 3 blocks: forward and backward
-        ("block_stack", 5, 2),  # one block's backward region has no equal: it stays inline
-        ("hf_gpt2", 6, 2),
+        ("tiny_gpt", 9, 3),  # 3 blocks: forward, backward and optimizer update
+        ("block_stack", 8, 3),  # one block's backward region has no equal: it stays inline
+        ("hf_gpt2", 9, 3),
         # layer1.0 and layer1.1 are the only equal blocks (the others differ in width or
         # have a downsample)
-        pytest.param("resnet18", 4, 2, marks=pytest.mark.slow),
+        pytest.param("resnet18", 6, 3, marks=pytest.mark.slow),
     ],
 )
 def test_outlined_step_is_bitwise_the_inlined_one_with_aot_eager(name, calls, distinct, caplog):
@@ -190,4 +192,84 @@ def test_outlined_step_is_bitwise_the_inlined_one_with_inductor(caplog):
     inlined = _train("block_stack", outline=False, backend="inductor")
     outlined = _train("block_stack", outline=True, backend="inductor")
     _assert_bitwise(inlined, outlined)
-    assert len(_calls(outlined[0])) == 5
+    assert len(_calls(outlined[0])) == 8
+
+
+def _train_masked(outline: bool):
+    """TinyGPT, SGD with momentum and weight decay, fp16 with a GradScaler that starts too high
+    and grows every step, so some steps overflow and are skipped: the masked update, block by
+    block."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4)
+    g = make_graph(
+        model,
+        lm_loss,
+        opt,
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=2.0**16, growth_interval=1),
+        configure=lambda g: g.config.set_outline_blocks(outline),
+    )
+    gen = torch.Generator().manual_seed(1)
+    losses = [g(*_tokens(gen)).detach().clone() for _ in range(6)]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return g, losses, state, moments
+
+
+def test_outlined_optimizer_update_is_bitwise_with_momentum_and_skipped_steps():
+    inlined, outlined = _train_masked(False), _train_masked(True)
+    _assert_bitwise(inlined, outlined)
+    skipped = outlined[0].history.fetch()["skipped"]
+    assert 0.0 < sum(skipped) < len(skipped), skipped  # both kinds of step happened
+    calls = _calls(outlined[0])
+    assert sum(c.startswith("graphamp_opt_") for c in calls) == 3  # one update per block
+    assert len({c for c in calls if c.startswith("graphamp_opt_")}) == 1
+
+
+def _train_two_groups(outline: bool):
+    """nanoGPT's configure_optimizers: weight decay for matrices, none for biases and norms
+    (two param groups, each holding some parameters of every block)."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=3)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    g = make_graph(
+        model,
+        lm_loss,
+        opt,
+        amp=torch.bfloat16,
+        configure=lambda g: g.config.set_outline_blocks(outline),
+    )
+    gen = torch.Generator().manual_seed(1)
+    losses = [g(*_tokens(gen)).detach().clone() for _ in range(2)]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return g, losses, state, moments
+
+
+def test_a_block_split_over_two_param_groups_is_one_update_region():
+    inlined, outlined = _train_two_groups(False), _train_two_groups(True)
+    _assert_bitwise(inlined, outlined)
+    opt_calls = [c for c in _calls(outlined[0]) if c.startswith("graphamp_opt_")]
+    assert len(opt_calls) == 3 and len(set(opt_calls)) == 1
+
+
+def test_only_blocks_with_an_equal_split_the_optimizer_update():
+    from graphamp.step.outline import param_blocks
+
+    def blocks_of(model):
+        names, values = zip(*model.named_parameters(), strict=True)
+        return param_blocks(list(names), list(values))
+
+    # the demo's MLP: two Linear children, not equal: one multi-tensor update, as before
+    assert set(blocks_of(nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)))) == {""}
+    labels = blocks_of(TinyGPT(layers=3))
+    assert {b for b in labels if b} == {"blocks.0", "blocks.1", "blocks.2"}
+    assert labels[0] == ""  # the embedding belongs to no block

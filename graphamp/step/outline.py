@@ -1,7 +1,8 @@
-"""Repeated blocks compiled once (issue 31, item 2; ``config.set_outline_blocks``, off by
-default): the assembled step's forward and backward regions of N identical blocks become calls
-of one shared subgraph each (``torch.ops.higher_order.invoke_subgraph``), so inductor compiles
-each distinct block's forward and backward once. The step stays one graph and one program.
+"""Repeated blocks compiled once (issue 31, item 2; ``config.set_outline_blocks``, on by
+default): the assembled step's forward, backward and optimizer regions of N identical blocks
+become calls of one shared subgraph each (``torch.ops.higher_order.invoke_subgraph``), so
+inductor compiles each distinct block's forward, backward and update once. The step stays one
+graph and one program.
 
 - Blocks are found automatically: the module paths ``parent.<index>`` of a ModuleList or
   Sequential with at least two children that produced forward nodes (``model.h.3``,
@@ -9,7 +10,8 @@ each distinct block's forward and backward once. The step stays one graph and on
 - A block's forward region is its nodes by module path; its backward region the backward nodes
   whose autograd ``seq_nr`` is one of its forward ops' (assembly records it when asked:
   ``assemble_step(..., record_origins=True)``), plus gradient sums that read from and feed only
-  that region.
+  that region. Its optimizer region is the update of its parameters, which the optimizer traces
+  as one run per block when blocks are outlined (nodes tagged ``graphamp_block``).
 - Regions whose subgraph code and input metadata are equal share one subgraph; a region with no
   equal is left inline, and so is one that is not contiguous in the step's order.
 - No output of a subgraph shares memory with its inputs or its other outputs (invoke_subgraph's
@@ -32,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..records.fxutil import module_path
 
-Region = tuple[str, str]  # ("fw" | "bw", block path)
+Region = tuple[str, str]  # ("fw" | "bw" | "opt", block path)
 
 
 @dataclass
@@ -80,9 +82,31 @@ def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
 
 def find_blocks(gm: fx.GraphModule) -> list[str]:
     """The outermost module paths ``parent.<index>`` whose parent has two or more of them."""
+    return _outer_blocks(module_path(n) for n in gm.graph.nodes)
+
+
+def param_blocks(names: list[str], values: list[torch.Tensor]) -> list[str]:
+    """Each parameter's block (``find_blocks``' rule on the parameter names), where another
+    block has the same parameters (names within the block, shapes, dtypes); "" for the rest,
+    whose update stays one multi-tensor run."""
+    blocks = _outer_blocks(names)
+    of = [_block_of(name, blocks) or "" for name in names]
+    signature: dict[str, list] = {}
+    for name, value, block in zip(names, values, of, strict=True):
+        if block:
+            signature.setdefault(block, []).append(
+                (name[len(block) :], tuple(value.shape), value.dtype)
+            )
+    counts: dict[str, int] = {}
+    for sig in signature.values():
+        counts[repr(sig)] = counts.get(repr(sig), 0) + 1
+    return [b if b and counts[repr(signature[b])] > 1 else "" for b in of]
+
+
+def _outer_blocks(paths) -> list[str]:
     children: dict[str, set[str]] = {}
-    for node in gm.graph.nodes:
-        parts = module_path(node).split(".")
+    for path in paths:
+        parts = path.split(".")
         for i, part in enumerate(parts):
             if part.isdigit() and i > 0:
                 children.setdefault(".".join(parts[:i]), set()).add(".".join(parts[: i + 1]))
@@ -121,6 +145,10 @@ def block_regions(gm: fx.GraphModule, blocks: list[str]) -> dict[Region, list[fx
     for node in gm.graph.nodes:
         if node in block_of and node.op == "call_function":
             regions.setdefault(("bw", block_of[node]), []).append(node)
+        # the optimizer's update of a block's parameters, traced as one run per block
+        # (optimizer_update._block_runs); its writes into the state stay outside
+        elif node.meta.get("graphamp_block") and node.op == "call_function":
+            regions.setdefault(("opt", node.meta["graphamp_block"]), []).append(node)
     return regions
 
 
