@@ -104,6 +104,16 @@ def adam_update(t: GroupTensors, flags: dict):
     return new_params, out
 
 
+def _masked_all(skip, tensors: GroupTensors, new_params, new_state):
+    """Every new value masked by the overflow flag (the old value where the step is skipped)."""
+    params = [masked(skip, o, n) for o, n in zip(tensors.params, new_params)]
+    state = {
+        key: [masked(skip, o, n) for o, n in zip(tensors.state[key], values)]
+        for key, values in new_state.items()
+    }
+    return params, state
+
+
 def _block_runs(group: GroupPlan, n: int) -> list[tuple[str, slice]]:
     """The group's parameters as runs of one repeated block each (``group.blocks``; the whole
     group as one run when blocks are not outlined). The update is elementwise per parameter,
@@ -188,18 +198,18 @@ def update_optimizer(
                 {key: values[part] for key, values in state.items()},
                 hyper,
             )
+            # a block's masks belong to its region (the writes into the state stay outside);
+            # without blocks each mask is traced beside its write, as it always was
+            mask_in_region = skip if label else None
             with NodeTagger({"graphamp_block": label}) if label else nullcontext():
                 new_params, new_state = apply_update(opt, group, tensors, fresh and fresh[part])
-                new_params = [masked(skip, o, n) for o, n in zip(tensors.params, new_params)]
-                new_state = {
-                    key: [masked(skip, o, n) for o, n in zip(tensors.state[key], values)]
-                    for key, values in new_state.items()
-                }
+                new_params, new_state = _masked_all(mask_in_region, tensors, new_params, new_state)
+            mask_at_write = None if label else skip
             for old, new in zip(tensors.params, new_params):
-                old.copy_(new)
+                old.copy_(masked(mask_at_write, old, new))
             for key, values in new_state.items():
                 for old, new in zip(tensors.state[key], values):
-                    old.copy_(new)
+                    old.copy_(masked(mask_at_write, old, new))
         for flag in fresh or ():  # the buffer has started, unless the step is skipped
             flag.copy_(masked(skip, flag, torch.zeros_like(flag)))
     counter.copy_(masked(skip, counter, counter + 1))
