@@ -92,13 +92,17 @@ def _train(name: str, outline: bool, backend: str = "aot_eager", steps: int = 2)
     torch.manual_seed(0)
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return _run(model, loss_fn, opt, batch, steps, outline, backend=backend, amp=torch.bfloat16)
+
+
+def _run(model, loss_fn, opt, batch, steps: int, outline: bool, **graph_options):
+    """Train ``steps`` steps from a fixed batch seed: (graph, losses, state, optimizer state)."""
     g = make_graph(
         model,
         loss_fn,
         opt,
-        backend=backend,
-        amp=torch.bfloat16,
         configure=lambda g: g.config.set_outline_blocks(outline),
+        **graph_options,
     )
     gen = torch.Generator().manual_seed(1)
     losses = [g(*batch(gen)).detach().clone() for _ in range(steps)]
@@ -202,19 +206,8 @@ def _train_masked(outline: bool):
     torch.manual_seed(0)
     model = TinyGPT(layers=3)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4)
-    g = make_graph(
-        model,
-        lm_loss,
-        opt,
-        amp=torch.float16,
-        scaler=graphamp.GradScaler(init_scale=2.0**16, growth_interval=1),
-        configure=lambda g: g.config.set_outline_blocks(outline),
-    )
-    gen = torch.Generator().manual_seed(1)
-    losses = [g(*_tokens(gen)).detach().clone() for _ in range(6)]
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    moments = [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    return g, losses, state, moments
+    scaler = graphamp.GradScaler(init_scale=2.0**16, growth_interval=1)
+    return _run(model, lm_loss, opt, _tokens, 6, outline, amp=torch.float16, scaler=scaler)
 
 
 def test_outlined_optimizer_update_is_bitwise_with_momentum_and_skipped_steps():
@@ -240,18 +233,7 @@ def _train_two_groups(outline: bool):
         ],
         lr=1e-2,
     )
-    g = make_graph(
-        model,
-        lm_loss,
-        opt,
-        amp=torch.bfloat16,
-        configure=lambda g: g.config.set_outline_blocks(outline),
-    )
-    gen = torch.Generator().manual_seed(1)
-    losses = [g(*_tokens(gen)).detach().clone() for _ in range(2)]
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    moments = [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-    return g, losses, state, moments
+    return _run(model, lm_loss, opt, _tokens, 2, outline, amp=torch.bfloat16)
 
 
 def test_a_block_split_over_two_param_groups_is_one_update_region():
