@@ -198,8 +198,9 @@ def first_call(
 
 
 def run_child(variant: str, workload: str, cache_dir: str, extra: list[str]) -> dict:
+    # graphamp's step cache follows inductor's directory: cold is cold for both caches
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "GRAPHAMP_CACHE_DIR"},
         "TORCHINDUCTOR_CACHE_DIR": cache_dir,
         "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), ROOT]),
     }

@@ -305,6 +305,17 @@ class GraphConfig:
         or changing shapes (the stage's INFO line says what it did)."""
         self._set(outline_blocks=check_bool("set_outline_blocks(mode)", mode))
 
+    def set_step_cache(self, mode: bool = True) -> None:
+        """Whether a first call saves the assembled step on disk and a restart loads it (on by
+        default), skipping assembly and outlining: a new process still captures build(), runs
+        the AMP passes and compiles (from inductor's caches). The entries live in
+        ``graphamp/steps`` under inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``), keyed
+        by everything the step is made from (the captured forward, plan, inputs, config, torch
+        and graphamp versions); a damaged entry is ignored with a warning and rebuilt. Steps with
+        a custom autograd Function, a GradScaler subclass, data parallelism or changing shapes
+        are not cached (the INFO line says why)."""
+        self._set(step_cache=check_bool("set_step_cache(mode)", mode))
+
     def set_progress(self, mode: bool) -> None:
         """Whether a first call draws a progress line on stderr while a long compile runs
         (default on; only ever on a terminal). The per-stage INFO lines on the ``graphamp``

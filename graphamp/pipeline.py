@@ -41,10 +41,11 @@ from .records.spec import AutocastTrace, CapturedForward, GraphSpec, PassRecord,
 from .records.stage_errors import PASS_THROUGH as _PASS_THROUGH
 from .records.stage_errors import stage_error
 from .records.state import SharedState
-from .runtime import Runner, compile_step, distributed
+from .runtime import Runner, compile_step, distributed, step_cache
 from .runtime.compile import StepFn
 from .runtime.inductor_cache import compile_from_cache
 from .runtime.progress import CompileProgress, log_stage
+from .runtime.step_key import Uncacheable, step_key
 from .step import (
     OutlineResult,
     assemble_step,
@@ -92,6 +93,9 @@ class _Build:
     step_gm: fx.GraphModule
     compiled: StepFn
     outline: OutlineResult  # repeated blocks outlined (config.set_outline_blocks)
+    cache_key: str | None  # the step cache's key (None: not cached, ``cache_note`` says why)
+    cache_note: str  # what the step cache did, for its INFO line
+    loaded: bool = False  # the step came from the step cache: assembly and outlining skipped
     compile_detail: str  # what the compile stage's log line says besides its seconds
 
 
@@ -327,8 +331,53 @@ def _plan(b: _Build) -> None:
     )
 
 
-def _assemble(b: _Build) -> None:
+def _examples(b: _Build) -> None:
     b.example = example_inputs(b.plan, b.root, b.state, b.batch.tensors, b.device)
+
+
+def _not_cached(b: _Build) -> str | None:
+    """Why this build does not use the step cache although it is on (None: it does)."""
+    if b.request.dynamic:  # the loaded step's symbols would have to be this build's
+        return "symbolic sizes are not cached yet"
+    if b.spec.config.data_parallel:  # every rank would have to agree on hit or miss
+        return "data-parallel steps are not cached yet"
+    return None
+
+
+def _cached_step(b: _Build) -> None:
+    """The step cache (``runtime/step_cache.py``): the key of what assembly and outlining
+    would read, and the step saved under it by an earlier run, if any."""
+    b.cache_key = None
+    why_not = _not_cached(b)
+    if why_not is not None:
+        b.cache_note = f"not used: {why_not}"
+        return
+    try:
+        b.cache_key = step_key(
+            (b.plan, b.forward, b.example, _outlining(b), sorted(b.regions), b.spec.training)
+        )
+    except Uncacheable as e:
+        b.cache_key, b.cache_note = None, f"not used: {e}"
+        return
+    cached = step_cache.load(b.spec.name, b.cache_key, b.fake_mode)
+    if cached is None:
+        b.cache_note = f"miss ({b.cache_key[:12]})"
+        return
+    b.loaded, b.step_gm = True, cached.step_gm
+    if cached.outline is not None:
+        b.outline = cached.outline
+    b.cache_note = f"hit ({b.cache_key[:12]}): {_nodes(b.step_gm)} nodes"
+
+
+def _save_step(b: _Build) -> None:
+    assert b.cache_key is not None
+    saved = step_cache.save(
+        b.spec.name, b.cache_key, step_cache.CachedStep(b.step_gm, getattr(b, "outline", None))
+    )
+    b.cache_note = "saved" if saved else "not saved"
+
+
+def _assemble(b: _Build) -> None:
     b.step_gm = assemble_step(b.plan, b.forward, b.example, _outlining(b))
 
 
@@ -399,14 +448,37 @@ STAGES: tuple[Stage, ...] = (
     Stage("capture", _capture, describe=lambda b: f"{_nodes(b.captured.gm)} nodes"),
     Stage("amp_passes", _amp_passes, describe=_passes_detail),
     Stage("plan", _plan),
-    Stage("assemble", _assemble, describe=lambda b: f"{_nodes(b.step_gm)} nodes"),
+    Stage("examples", _examples),
+    Stage(
+        "step_cache",
+        _cached_step,
+        wanted=lambda b: b.spec.config.step_cache,
+        describe=lambda b: b.cache_note,
+    ),
+    Stage(
+        "assemble",
+        _assemble,
+        wanted=lambda b: not b.loaded,
+        describe=lambda b: f"{_nodes(b.step_gm)} nodes",
+    ),
     Stage(
         "recompute",
         _recompute,
-        wanted=lambda b: bool(b.regions) and b.spec.training,
+        wanted=lambda b: bool(b.regions) and b.spec.training and not b.loaded,
         describe=lambda b: f"{_nodes(b.step_gm)} nodes",
     ),
-    Stage("outline", _outline, wanted=_outlining, describe=lambda b: _outline_detail(b)),
+    Stage(
+        "outline",
+        _outline,
+        wanted=lambda b: _outlining(b) and not b.loaded,
+        describe=lambda b: _outline_detail(b),
+    ),
+    Stage(
+        "save_step",
+        _save_step,
+        wanted=lambda b: b.spec.config.step_cache and b.cache_key is not None and not b.loaded,
+        describe=lambda b: b.cache_note,
+    ),
     Stage("compile", _compile, describe=lambda b: b.compile_detail),
 )
 

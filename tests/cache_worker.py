@@ -107,6 +107,7 @@ def run_case(name: str) -> dict:
 
         torch_key.clear()
         torch_key.set(b"another torch build")
+        torch.version.git_version = "another torch build"  # graphamp's step cache key
     torch.manual_seed(0)
     before = _cache_counters()
     g, batches = case(name)
@@ -117,6 +118,8 @@ def run_case(name: str) -> dict:
         "state": {k: v.clone() for k, v in g.model.state_dict().items()},
         "cache": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)},
         "programs": len(g.compiled_steps),
+        # the step came from graphamp's step cache (assembly skipped)
+        "loaded": "assemble" not in g.compiled_steps[-1].timings,
     }
 
 

@@ -78,8 +78,9 @@ def test_aot_eager_compiles_in_the_tracing_context_and_matches_the_graph():
 
 
 def _worker(cases: str, cache_dir, out) -> subprocess.Popen:
+    # graphamp's step cache follows inductor's directory, as it does for users
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "GRAPHAMP_CACHE_DIR"},
         "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
     }
@@ -125,6 +126,7 @@ def test_restart_hits_inductor_and_aot_autograd_caches(case, tmp_path):
     assert warm["cache"].get("autograd_cache_hit") == 1, warm["cache"]
     assert not any("bypass" in k for k in {**cold["cache"], **warm["cache"]})
     assert cold["programs"] == warm["programs"] == 1
+    assert not cold["loaded"] and warm["loaded"]  # graphamp's step cache served the restart
     # the program loaded from the cache computes what the freshly compiled one did, bitwise
     _assert_same_run(cold, warm)
 
@@ -146,6 +148,7 @@ def test_a_changed_model_config_pin_or_torch_never_hits_a_stale_entry(tmp_path):
         cache = changed[name]["cache"]
         assert cache.get("fxgraph_cache_miss") == 1, (name, cache)
         assert "fxgraph_cache_hit" not in cache and "autograd_cache_hit" not in cache, (name, cache)
+        assert not changed[name]["loaded"], name
         _assert_same_run(changed[name], fresh[name])
         # a stale hit would have been visible: every changed model or config computes other
         # numbers than the base; the other torch build compiles the base's step again
@@ -178,6 +181,7 @@ def test_a_damaged_cache_is_compiled_around_with_a_warning(how, tmp_path):
     assert _damage(cache_dir, how) > 0
     warm, stderr = _results(_worker("base", cache_dir, tmp_path / "warm.pt"), tmp_path / "warm.pt")
     assert "compiling it again in a fresh directory" in stderr, stderr[-3000:]
+    assert "step cache: ignoring" in stderr, stderr[-3000:]  # graphamp's entry was damaged too
     assert str(cache_dir) in stderr
     _assert_same_run(cold, warm["base"])
 
@@ -195,6 +199,7 @@ def test_two_processes_writing_one_cache_directory_at_once(tmp_path):
     third = _run_worker("base,gelu", cache_dir, tmp_path / "three.pt")
     for name in ("base", "gelu"):
         assert third[name]["cache"].get("fxgraph_cache_hit") == 1, third[name]["cache"]
+        assert third[name]["loaded"], name
         _assert_same_run(one[name], third[name])
 
 

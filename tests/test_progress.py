@@ -59,7 +59,17 @@ def test_each_stage_logs_one_info_line_with_its_node_counts(caplog):
     with caplog.at_level(logging.INFO, logger="graphamp"):
         g(*_batch())
     lines = _stage_lines(caplog)
-    assert list(lines) == ["capture", "amp_passes", "plan", "assemble", "outline", "compile"]
+    assert list(lines) == [
+        "capture",
+        "amp_passes",
+        "plan",
+        "examples",
+        "step_cache",
+        "assemble",
+        "outline",
+        "save_step",
+        "compile",
+    ]
     step = g.compiled_steps[-1]
     casts = sum(1 for n in step.forward_graph.graph.nodes if n.meta.get("amp_cast"))
     assert re.fullmatch(r"\d+ nodes", lines["capture"])
@@ -70,11 +80,20 @@ def test_each_stage_logs_one_info_line_with_its_node_counts(caplog):
         f"{step.step_nodes} nodes, 3 blocks, 0 distinct regions, 0 regions outlined"
     )
     assert lines["compile"] == f"{step.step_nodes} nodes, aot_eager"
+    assert re.fullmatch(r"miss \([0-9a-f]{12}\)", lines["step_cache"])
+    assert lines["save_step"] == "saved"
     # a steady call builds nothing and says nothing
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="graphamp"):
         g(*_batch())
     assert _stage_lines(caplog) == {}
+    # the same step built again (as after a restart) is loaded: no assembly, no outlining
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        _graph()(*_batch())
+    lines = _stage_lines(caplog)
+    assert list(lines) == ["capture", "amp_passes", "plan", "examples", "step_cache", "compile"]
+    assert re.fullmatch(rf"hit \([0-9a-f]{{12}}\): {step.step_nodes} nodes", lines["step_cache"])
 
 
 def test_stage_lines_follow_the_logger_level(caplog):

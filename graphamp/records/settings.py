@@ -63,6 +63,7 @@ class ConfigSnapshot:
     zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded (enable_zero)
     cuda_graph_sizes: int = 8  # CUDA graphs kept per dynamic step, one per batch shape (0: none)
     outline_blocks: bool = True  # repeated blocks as shared subgraphs (set_outline_blocks)
+    step_cache: bool = True  # assembled steps saved on disk for restarts (set_step_cache)
 
     @property
     def activation_checkpointing(self) -> bool:

@@ -1,0 +1,272 @@
+"""The step cache's key: one digest of everything assembly and outlining read.
+
+Assembly (``step/assemble.py``) traces the step from the plan, the forward after the AMP passes
+and the metadata of the example inputs; outlining reads the traced step. Those are fed into the
+key in full, by one walker (``_Digest``), together with the versions of torch and graphamp's
+own source. The user's code reaches the key through the forward: capture runs build() again in
+every process, so a changed model, build(), config value or attribute read gives a different
+forward graph (or plan) and a different key. Nothing is left out by default: an object the walker
+does not know makes the step uncacheable (``Uncacheable``, with the reason) rather than a key
+that might not see a change.
+
+Steps whose assembly runs user Python outside the forward graph are refused for that reason:
+a custom autograd Function (assembly calls its forward and backward again) and a GradScaler
+subclass (its update is traced into the step). So are data-parallel steps (a process group is
+not a value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import os
+import re
+from typing import Any, Iterable
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..records.layouts import StepLayout
+from ..records.ops import FunctionCall
+
+FORMAT = "graphamp-step-1"
+
+# provenance kept by torch for debugging: node names and graph ids of earlier passes, which
+# differ between processes (``id()``) and do not change what the node computes
+_SKIPPED_META = frozenset({"from_node"})
+# fields that are not inputs of assembly: what capture read (its values shaped the forward,
+# which is in the key) and a callback that undoes capture's writes if a later stage fails
+_SKIPPED_FIELDS = {
+    "CapturedForward": frozenset({"undo_writes", "attribute_reads"}),
+}
+
+
+class Uncacheable(Exception):
+    """The step depends on something the key cannot see; the message says what."""
+
+
+def step_key(parts: Iterable[Any]) -> str:
+    """The hex digest of ``parts`` (each walked in full), with the torch and graphamp versions."""
+    digest = _Digest()
+    digest.feed((FORMAT, torch.__version__, torch.version.git_version, graphamp_source()))
+    for part in parts:
+        digest.feed(part)
+    return digest.hexdigest()
+
+
+@functools.cache
+def graphamp_source() -> str:
+    """A digest of graphamp's own Python source (an edited graphamp never meets an old entry)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+class _Digest:
+    """sha256 over a canonical text of an object tree (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+    def _text(self, text: str) -> None:
+        self._h.update(text.encode())
+        self._h.update(b"\x00")
+
+    def feed(self, obj: Any) -> None:
+        if not (self._value(obj) or self._container(obj) or self._record(obj)):
+            raise Uncacheable(f"the step depends on a {_qualname(type(obj))}")
+
+    def _value(self, obj: Any) -> bool:
+        """Scalars, torch's value types, types, ops and library functions."""
+        if isinstance(obj, str):
+            # Jupyter names a cell's file after the kernel's process id (ipykernel_<pid>/...):
+            # the same cell's code after a kernel restart is the same step
+            self._text("str:" + _IPYKERNEL.sub("ipykernel", obj))
+        elif obj is None or isinstance(obj, (bool, int, float, bytes)):
+            self._text(f"{type(obj).__name__}:{obj!r}")
+        elif isinstance(obj, _TORCH_VALUES):
+            self._text(f"torch:{obj}")
+        elif isinstance(obj, sympy.Basic):  # sizes of data-dependent shapes (unbacked_bindings)
+            self._text(f"sympy:{obj}")
+        elif isinstance(obj, enum.Enum):
+            self._text(f"enum:{_qualname(type(obj))}.{obj.name}")
+        elif isinstance(obj, type):
+            self._text(f"type:{_qualname(obj)}")
+        elif isinstance(obj, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            self._text(f"op:{obj}")
+        elif isinstance(obj, torch._ops.HigherOrderOperator):
+            self._text(f"hop:{obj.name()}")
+        elif callable(obj) and getattr(obj, "__module__", None) in _LIBRARY_FUNCTIONS:
+            self._text(f"fn:{obj.__module__}.{obj.__qualname__}")
+        else:
+            return False
+        return True
+
+    def _container(self, obj: Any) -> bool:
+        """Tensors (their metadata), graphs, and the containers of the above."""
+        if isinstance(obj, torch.Tensor):
+            self._tensor(obj)
+        elif isinstance(obj, fx.Node):
+            self._text(f"%{obj.name}")
+        elif isinstance(obj, fx.GraphModule):
+            self._graph_module(obj)
+        elif isinstance(obj, (list, tuple)):
+            self._text(f"{type(obj).__name__}[{len(obj)}")
+            for item in obj:
+                self.feed(item)
+            self._text("]")
+        elif isinstance(obj, dict):
+            self._text(f"dict[{len(obj)}")
+            for key in sorted(obj, key=repr):
+                self.feed(key)
+                self.feed(obj[key])
+            self._text("]")
+        elif isinstance(obj, (set, frozenset)):
+            self._text(f"set[{sorted(map(_short, obj))!r}]")
+        elif _is_treespec(obj):
+            self._text(f"treespec:{obj}")
+        else:
+            return False
+        return True
+
+    def _record(self, obj: Any) -> bool:
+        """graphamp's records (dataclasses, field by field) and the user objects a plan holds."""
+        if isinstance(obj, FunctionCall):
+            raise Uncacheable(
+                f"the step calls the custom autograd Function {_qualname(obj.cls)}, whose "
+                "Python code the key cannot see"
+            )
+        if _is_grad_scaler(obj):
+            self._text("scaler")
+            self.feed(obj.settings())
+        elif isinstance(obj, torch.optim.Optimizer):
+            # its options that change the traced update are the plan's GroupPlan.flags; the
+            # hyperparameters are inputs of the step
+            self._text(f"optimizer:{_qualname(type(obj))}")
+        elif isinstance(obj, StepLayout):
+            self._text("layout")
+            self.feed(obj.names)
+            self.feed(sorted(obj.sizes.items()))
+        elif isinstance(obj, nn.Module):
+            raise Uncacheable(f"the plan holds the module {_qualname(type(obj))}")
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            self._dataclass(obj)
+        elif type(obj) is object:  # a sentinel (records.spec.TENSOR, replays.TENSOR_SLOT)
+            self._text("sentinel")
+        else:
+            return False
+        return True
+
+    def _tensor(self, t: torch.Tensor) -> None:
+        self._text(
+            f"tensor:{tuple(t.shape)}:{t.stride() if t.layout is torch.strided else ''}:"
+            f"{t.dtype}:{t.device.type}:{t.requires_grad}"
+        )
+
+    def _values(self, t: torch.Tensor) -> None:
+        self._tensor(t)
+        self._h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+
+    def _dataclass(self, obj: Any) -> None:
+        name = type(obj).__name__
+        self._text(f"dataclass:{_qualname(type(obj))}")
+        skipped = _SKIPPED_FIELDS.get(name, frozenset())
+        for f in dataclasses.fields(obj):
+            if f.name not in skipped:
+                self._text(f.name)
+                self.feed(getattr(obj, f.name))
+
+    def _graph_module(self, gm: fx.GraphModule) -> None:
+        """Every node with its target, arguments and metadata; the values of the tensors the
+        graph holds as attributes; the same for its graph submodules (outlined regions)."""
+        self._text(f"graph[{len(gm.graph.nodes)}")
+        for node in gm.graph.nodes:
+            self._text(f"{node.op}:{node.name}:{_target(node.target)}")
+            self.feed(node.args)
+            self.feed(node.kwargs)
+            self.feed({k: v for k, v in node.meta.items() if k not in _SKIPPED_META})
+        for name, value in sorted(vars(gm).items()):
+            if isinstance(value, torch.Tensor):
+                self._text(name)
+                self._values(value)
+        for name, t in [*gm.named_parameters(), *gm.named_buffers()]:
+            self._text(name)
+            self._values(t)
+        for name, sub in gm.named_children():
+            self._text(f"child:{name}")
+            if isinstance(sub, fx.GraphModule):
+                self._graph_module(sub)
+            else:
+                raise Uncacheable(f"the graph holds the module {_qualname(type(sub))}")
+        self._text("]")
+
+
+# functions that appear as node targets or in node metadata (source_fn_stack): torch's and
+# graphamp's, whose code is in the key through the versions above
+_LIBRARY_FUNCTIONS = ("builtins", "_operator", "operator", "math")
+_TORCH_VALUES = (
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.SymInt,
+    torch.SymFloat,
+    torch.SymBool,
+)
+_IPYKERNEL = re.compile(r"ipykernel_\d+")
+
+
+def _target(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"hop:{target.name()}"
+    if module.split(".")[0] in ("torch", "graphamp", *_LIBRARY_FUNCTIONS):
+        return f"{module}.{getattr(target, '__qualname__', target)}"
+    raise Uncacheable(f"a graph node calls {module}.{getattr(target, '__qualname__', target)}")
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _short(obj: Any) -> str:
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return repr(obj)
+    raise Uncacheable(f"the step depends on a set of {_qualname(type(obj))}")
+
+
+def _is_grad_scaler(obj: Any) -> bool:
+    # by name: the runtime layer does not import the user-facing scaler module
+    if not any(
+        c.__module__ == "graphamp.scaler" and c.__name__ == "GradScaler" for c in type(obj).__mro__
+    ):
+        return False
+    if type(obj).__module__.split(".")[0] != "graphamp":
+        raise Uncacheable(
+            f"the step traces {_qualname(type(obj))}, a GradScaler subclass whose Python "
+            "code the key cannot see"
+        )
+    return True
+
+
+def _is_treespec(obj: Any) -> bool:
+    return type(obj).__name__ == "TreeSpec"

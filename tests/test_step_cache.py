@@ -1,0 +1,355 @@
+"""graphamp's step cache (runtime/step_cache.py, runtime/step_key.py): a second build of the same
+step, as after a restart, loads the assembled step instead of assembling it, and trains bitwise
+as the assembled one does; anything the step is made from that changed misses; a damaged entry
+is ignored with a warning and rebuilt; what the key cannot see is not cached.
+
+Each test has its own empty cache directory (conftest ``_own_step_cache``). The restart in a
+fresh process, with inductor, is tests/test_compile_cache.py's.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import make_graph
+from models import TinyGPT, lm_loss, seed_mlp
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import graphamp
+from graphamp.inspect.memory import step_memory
+from graphamp.runtime import step_cache, step_key
+
+
+def _entries() -> list[str]:
+    return sorted(glob.glob(os.path.join(step_cache.directory(), "*.step")))
+
+
+def _loaded(g) -> bool:
+    timings = g.compiled_steps[-1].timings
+    assert "step_cache" in timings, timings
+    return "assemble" not in timings
+
+
+def _mlp_batches(n=3, gen_seed=1):
+    gen = torch.Generator().manual_seed(gen_seed)
+    return [
+        (torch.randn(16, 256, generator=gen), torch.randint(0, 10, (16,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _gpt_batches(n=3):
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, 64, (4, 16), generator=gen), torch.randint(0, 64, (4, 16), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def _train(make, batches, configure=None):
+    """A fresh model, optimizer and Graph (seeded the same each time), trained on ``batches``:
+    (graph, losses, model state, optimizer state)."""
+    torch.manual_seed(0)
+    model, loss_fn, opt_factory, kwargs = make()
+    opt = opt_factory(model)
+    g = make_graph(model, loss_fn, opt, configure=configure, **kwargs)
+    losses = [g(x, y).detach().clone() for x, y in batches]
+    return g, losses, model.state_dict(), opt.state_dict()["state"]
+
+
+def _mlp():
+    return seed_mlp(), nn.CrossEntropyLoss(), _adamw, {"amp": torch.bfloat16}
+
+
+def _gpt():
+    return TinyGPT(), lm_loss, _adamw, {"amp": torch.bfloat16}
+
+
+def _gpt_fp16_scaler():
+    return TinyGPT(), lm_loss, _sgd, {"amp": torch.float16, "scaler": graphamp.GradScaler()}
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _assert_same(a, b) -> None:
+    _, losses_a, state_a, opt_a = a
+    _, losses_b, state_b, opt_b = b
+    for x, y in zip(losses_a, losses_b, strict=True):
+        assert torch.equal(x, y), (x, y)
+    for key, value in state_a.items():
+        assert torch.equal(value, state_b[key]), key
+    for i, per_param in opt_a.items():
+        for key, value in per_param.items():
+            assert torch.equal(value, opt_b[i][key]), (i, key)
+
+
+@pytest.mark.parametrize(
+    "make, batches",
+    [(_mlp, _mlp_batches), (_gpt, _gpt_batches), (_gpt_fp16_scaler, _gpt_batches)],
+    ids=["mlp_bf16_adamw", "tinygpt_bf16_adamw_outlined", "tinygpt_fp16_scaler_sgd"],
+)
+def test_a_second_build_loads_the_step_and_trains_bitwise_as_the_assembled_one(make, batches):
+    data = batches()
+    first = _train(make, data)
+    assert not _loaded(first[0]) and len(_entries()) == 1
+    second = _train(make, data)
+    assert _loaded(second[0])
+    _assert_same(first, second)
+    # and the same as a step that never met the cache
+    _assert_same(first, _train(make, data, lambda g: g.config.set_step_cache(False)))
+    # what users read of the step is the same: its code, metadata sizes, dumps
+    a, b = first[0].compiled_steps[-1], second[0].compiled_steps[-1]
+    assert a.step_graph.code == b.step_graph.code
+    assert str(step_memory(a.step_graph)) == str(step_memory(b.step_graph))
+    assert [n.meta.get("graphamp_subgraph") for n in a.step_graph.graph.nodes] == [
+        n.meta.get("graphamp_subgraph") for n in b.step_graph.graph.nodes
+    ]
+
+
+def test_the_loaded_step_runs_with_the_eager_backend_and_outlined_blocks():
+    make = lambda: (TinyGPT(), lm_loss, _adamw, {"amp": torch.bfloat16, "backend": "eager"})  # noqa: E731
+    data = _gpt_batches()
+    first, second = _train(make, data), _train(make, data)
+    assert _loaded(second[0])
+    assert any(
+        n.target is torch.ops.higher_order.invoke_subgraph
+        for n in second[0].compiled_steps[-1].step_graph.graph.nodes
+    )
+    _assert_same(first, second)
+
+
+def test_the_step_cache_follows_inductors_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("GRAPHAMP_CACHE_DIR")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert step_cache.directory() == str(tmp_path / "inductor" / "graphamp" / "steps")
+    _train(_mlp, _mlp_batches(1))
+    assert len(glob.glob(str(tmp_path / "inductor" / "graphamp" / "steps" / "*.step"))) == 1
+
+
+# -- a change never meets a stale entry ------------------------------------------------------------
+
+
+def _versioned_mlp(variant: str):
+    """The same class name and structure, its forward edited between two "runs"."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(256, 64), nn.Linear(64, 10)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            h = F.gelu(h) if variant == "gelu" else F.relu(h)
+            return self.fc2(h)
+
+    return lambda: (Net(), nn.CrossEntropyLoss(), _adamw, {"amp": torch.bfloat16})
+
+
+def _relu_with(kwargs=None, opt_factory=None):
+    def make():
+        model, loss_fn, default_opt, default_kwargs = _versioned_mlp("relu")()
+        return model, loss_fn, opt_factory or default_opt, {**default_kwargs, **(kwargs or {})}
+
+    return make
+
+
+# (model maker, Graph configuration) of a step that differs from the base in one thing
+CHANGES = {
+    "forward code": (_versioned_mlp("gelu"), None),
+    "amp dtype": (_relu_with({"amp": torch.float16}), None),
+    "fp32 pin": (_relu_with(), lambda g: g.config.pin_fp32("model.fc2")),
+    "precision list": (_relu_with(), lambda g: g.config.override_amp_lists(deny=["addmm"])),
+    "optimizer option": (
+        _relu_with(opt_factory=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, amsgrad=True)),
+        None,
+    ),
+    "clipping": (_relu_with({"clip": 1.0}), None),
+    "outlining off": (_relu_with(), lambda g: g.config.set_outline_blocks(False)),
+    "torch build": (_relu_with(), None),
+    "graphamp source": (_relu_with(), None),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*fp16 AMP without a grad scaler")
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_changed_model_config_pin_optimizer_or_version_never_loads_a_stale_step(
+    change, monkeypatch
+):
+    """After the base step is cached, each change misses (a new entry), and the changed step
+    computes bitwise what it computes on an empty cache."""
+    data = _mlp_batches()
+    base = _train(_versioned_mlp("relu"), data)
+    assert len(_entries()) == 1
+    if change == "torch build":
+        monkeypatch.setattr(torch.version, "git_version", "another torch build")
+    if change == "graphamp source":
+        monkeypatch.setattr(step_key, "graphamp_source", lambda: "an edited graphamp")
+    make, configure = CHANGES[change]
+    changed = _train(make, data, configure)
+    assert not _loaded(changed[0]), change
+    assert len(_entries()) == 2, change
+    monkeypatch.setenv("GRAPHAMP_CACHE_DIR", os.path.join(step_cache.directory(), "..", "fresh"))
+    fresh = _train(make, data, configure)
+    assert not _loaded(fresh[0])
+    _assert_same(changed, fresh)
+    if change not in ("torch build", "graphamp source", "outlining off"):
+        assert not torch.equal(changed[1][-1], base[1][-1]), change  # a stale hit would show
+
+
+def test_a_new_learning_rate_or_parameter_values_still_load_the_step():
+    """Hyperparameters and parameter values are inputs of the step, not part of it."""
+    data = _mlp_batches()
+    base = _train(_relu_with(), data)
+    assert not _loaded(base[0])
+    faster = _train(
+        _relu_with(opt_factory=lambda m: torch.optim.AdamW(m.parameters(), lr=0.1)), data
+    )
+    assert _loaded(faster[0])
+    assert not torch.equal(faster[1][-1], base[1][-1])  # the new lr is used
+    torch.manual_seed(123)  # other initial values
+    model, loss_fn, _, kwargs = _relu_with()()
+    g = make_graph(model, loss_fn, _adamw(model), **kwargs)
+    g(*data[0])
+    assert _loaded(g)
+    assert len(_entries()) == 1
+
+
+# -- damage, concurrency ---------------------------------------------------------------------------
+
+
+def _damage(path: str, how: str) -> None:
+    with open(path, "rb") as f:
+        data = f.read()
+    if how == "directory":
+        os.remove(path)
+        os.makedirs(path)
+        return
+    damaged = {
+        "truncated": data[: len(data) // 2],
+        "emptied": b"",
+        "flipped byte": data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:],
+        "garbage": b"\x00damaged\xff" * 1000,
+        "other format": b"graphamp-step-cache 0\n" + data[22:],
+    }[how]
+    with open(path, "wb") as f:
+        f.write(damaged)
+
+
+@pytest.mark.parametrize(
+    "how", ["truncated", "emptied", "flipped byte", "garbage", "other format", "directory"]
+)
+def test_a_damaged_entry_is_ignored_with_a_warning_and_rebuilt(how, caplog):
+    data = _mlp_batches()
+    first = _train(_mlp, data)
+    (path,) = _entries()
+    _damage(path, how)
+    with caplog.at_level(logging.WARNING, logger="graphamp"):
+        second = _train(_mlp, data)
+    warnings = [r.getMessage() for r in caplog.records if "step cache: ignoring" in r.getMessage()]
+    assert len(warnings) == 1 and path in warnings[0], caplog.text
+    assert not _loaded(second[0])
+    _assert_same(first, second)
+    if how != "directory":  # rebuilt: written again, whole, and the next build loads it
+        third = _train(_mlp, data)
+        assert _loaded(third[0])
+        _assert_same(first, third)
+
+
+def test_concurrent_writers_of_one_entry_leave_one_whole_entry():
+    """Eight writers of one entry at once (as eight processes would: each its own step) leave
+    one whole entry and no temporary file; it loads with every traced value."""
+    _train(_mlp, _mlp_batches(1))
+    (path,) = _entries()
+    key = os.path.basename(path)[: -len(".step")]
+    steps = [step_cache.load("G", key, FakeTensorMode()) for _ in range(8)]
+    values = sum("val" in n.meta for n in steps[0].step_gm.graph.nodes)
+    results: list[bool] = []
+    threads = [
+        threading.Thread(target=lambda s=s: results.append(step_cache.save("G", key, s)))
+        for s in steps
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 8
+    assert os.listdir(step_cache.directory()) == [os.path.basename(path)]
+    again = step_cache.load("G", key, FakeTensorMode())
+    assert again is not None and again.step_gm.code == steps[0].step_gm.code
+    assert sum("val" in n.meta for n in again.step_gm.graph.nodes) == values > 0
+
+
+# -- not cached --------------------------------------------------------------------------------------
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _MyScaler(graphamp.GradScaler):
+    pass
+
+
+def _function_step(g, x, y):
+    loss = F.cross_entropy(_Square.apply(g.model(x)), y)
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize(
+    "what, kwargs, configure, reason",
+    [
+        ("custom Function", {"build": _function_step}, None, "custom autograd Function"),
+        (
+            "scaler subclass",
+            {"amp": torch.float16, "scaler": _MyScaler()},
+            None,
+            "GradScaler subclass",
+        ),
+        ("switched off", {}, lambda g: g.config.set_step_cache(False), None),
+    ],
+)
+def test_what_the_key_cannot_see_is_not_cached(what, kwargs, configure, reason, caplog):
+    torch.manual_seed(0)
+    model = seed_mlp()
+    g = make_graph(model, nn.CrossEntropyLoss(), _adamw(model), configure=configure, **kwargs)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        g(*_mlp_batches(1)[0])
+    assert _entries() == []
+    if reason is None:
+        assert "step_cache" not in g.compiled_steps[-1].timings
+    else:
+        assert "step_cache" in caplog.text and reason in caplog.text, caplog.text
+
+
+def test_changing_shapes_are_not_cached_yet(caplog):
+    torch.manual_seed(0)
+    model = seed_mlp()
+    g = make_graph(model, nn.CrossEntropyLoss(), _adamw(model))
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        for n in (16, 24, 32):
+            g(torch.randn(n, 256), torch.randint(0, 10, (n,)))
+    assert "step_cache" in caplog.text and "not used: symbolic sizes" in caplog.text
+    assert len(_entries()) == 1  # the first, static step; the dynamic one is not saved
+    assert len(g.compiled_steps) == 2 and "assemble" in g.compiled_steps[-1].timings
