@@ -175,7 +175,7 @@ class _Digest:
     def _tensor(self, t: torch.Tensor) -> None:
         self._text(
             f"tensor:{tuple(t.shape)}:{t.stride() if t.layout is torch.strided else ''}:"
-            f"{t.dtype}:{t.device.type}:{t.requires_grad}"
+            f"{t.dtype}:{t.device}:{t.requires_grad}"  # cuda:1 is not cuda:0's step
         )
 
     def _values(self, t: torch.Tensor) -> None:
