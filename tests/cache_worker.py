@@ -87,7 +87,49 @@ def case(name: str):
         g = make_graph(model, None, opt, backend="inductor", amp=torch.bfloat16, build=_masked_ce)
         labels = [[0, -1, 2, 1, -1, 0], [-1, -1, 2, 1, -1, 3], [1, 2, 3, 0, 1, -1]]
         return g, [(torch.randn(6, 16, generator=gen), torch.tensor(y)) for y in labels]
+    if name in REAL_MODELS:
+        return _real_model(name, gen)
     raise ValueError(name)
+
+
+# real models for the step cache's restart (aot_eager: the assembled step is what is cached)
+REAL_MODELS = ("hf_gpt2", "resnet18")
+
+
+def _real_model(name: str, gen: torch.Generator):
+    if name == "hf_gpt2":
+        import transformers
+
+        config = transformers.GPT2Config(
+            vocab_size=64, n_layer=3, n_embd=32, n_head=2, n_positions=32, resid_pdrop=0.1
+        )
+        config._attn_implementation = "eager"
+        model = transformers.GPT2LMHeadModel(config)
+
+        def build(g, x, y):
+            loss = g.model(x, labels=y).loss
+            loss.backward()
+            return loss
+
+        idx = [torch.randint(0, 64, (4, 16), generator=gen) for _ in range(3)]
+        batches = [(x, x) for x in idx]
+    else:
+        import torchvision
+
+        model = torchvision.models.resnet18(num_classes=10)
+
+        def build(g, x, y):
+            loss = F.cross_entropy(g.model(x), y)
+            loss.backward()
+            return loss
+
+        batches = [
+            (torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen))
+            for _ in range(3)
+        ]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    g = make_graph(model, None, opt, backend="aot_eager", amp=torch.bfloat16, build=build)
+    return g, batches
 
 
 def _cache_counters() -> dict[str, int]:

@@ -131,6 +131,20 @@ def test_restart_hits_inductor_and_aot_autograd_caches(case, tmp_path):
     _assert_same_run(cold, warm)
 
 
+@pytest.mark.slow
+def test_a_restart_of_real_models_loads_the_step_from_the_step_cache(tmp_path):
+    """transformers' GPT-2 (labels, dropout drawing from torch's generator inside the step) and
+    torchvision's ResNet-18 (BatchNorm buffers written by the step), each restarted in a fresh
+    process: the second process loads the assembled, outlined step and trains bitwise as the
+    first."""
+    cases = "hf_gpt2,resnet18"
+    cold = _run_worker(cases, tmp_path / "cache", tmp_path / "cold.pt")
+    warm = _run_worker(cases, tmp_path / "cache", tmp_path / "warm.pt")
+    for name in cases.split(","):
+        assert not cold[name]["loaded"] and warm[name]["loaded"], name
+        _assert_same_run(cold[name], warm[name])
+
+
 CHANGED = ("wider", "gelu", "fp16", "pinned", "other_torch")
 
 
