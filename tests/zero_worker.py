@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_worker import global_batches, make_model  # noqa: E402
+from dist_worker import global_batches, leave, make_model  # noqa: E402
 
 import graphamp  # noqa: E402
 
@@ -104,11 +104,7 @@ def main():
             {"model": model.state_dict(), "opt": full_opt, "graph": g.state_dict()},
             os.path.join(out_dir, "ckpt.pt"),
         )
-    # Every rank finishes its collectives and files before any tears gloo down:
-    # a rank leaving early made its peer abort ("terminate called without an
-    # active exception") in CI.
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":
