@@ -128,9 +128,9 @@ def leave() -> None:
     Every rank finishes its collectives and files before any tears gloo down: a rank leaving
     early made its peer abort ("terminate called without an active exception") in CI. The
     process then ends without the interpreter's finalization: a rank that had saved everything
-    still aborted there once (SIGABRT, same message, in one of nine runs of a 4-rank ZeRO test), which is
-    how gloo's worker threads fail when objects they hold are freed during finalization
-    (pytorch/pytorch#179291 describes it)."""
+    still aborted there once (SIGABRT, same message, in one of nine runs of a 4-rank ZeRO
+    test), which is how gloo's worker threads fail when objects they hold are freed during
+    finalization (pytorch/pytorch#179291 describes it)."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
