@@ -93,7 +93,7 @@ class _Build:
     step_gm: fx.GraphModule
     compiled: StepFn
     outline: OutlineResult  # repeated blocks outlined (config.set_outline_blocks)
-    cache_key: str | None  # the step cache's key (None: not cached, ``cache_note`` says why)
+    cache_key: str | None = None  # the step cache's key (None: not cached or not looked up)
     cache_note: str  # what the step cache did, for its INFO line
     loaded: bool = False  # the step came from the step cache: assembly and outlining skipped
     compile_detail: str  # what the compile stage's log line says besides its seconds
@@ -347,7 +347,6 @@ def _not_cached(b: _Build) -> str | None:
 def _cached_step(b: _Build) -> None:
     """The step cache (``runtime/step_cache.py``): the key of what assembly and outlining
     would read, and the step saved under it by an earlier run, if any."""
-    b.cache_key = None
     why_not = _not_cached(b)
     if why_not is not None:
         b.cache_note = f"not used: {why_not}"
@@ -357,7 +356,7 @@ def _cached_step(b: _Build) -> None:
             (b.plan, b.forward, b.example, _outlining(b), sorted(b.regions), b.spec.training)
         )
     except Uncacheable as e:
-        b.cache_key, b.cache_note = None, f"not used: {e}"
+        b.cache_note = f"not used: {e}"
         return
     cached = step_cache.load(b.spec.name, b.cache_key, b.fake_mode)
     if cached is None:
@@ -370,9 +369,11 @@ def _cached_step(b: _Build) -> None:
 
 
 def _save_step(b: _Build) -> None:
-    assert b.cache_key is not None
+    key = b.cache_key
+    if key is None:  # not keyed: the stage is not wanted then (STAGES)
+        return
     saved = step_cache.save(
-        b.spec.name, b.cache_key, step_cache.CachedStep(b.step_gm, getattr(b, "outline", None))
+        b.spec.name, key, step_cache.CachedStep(b.step_gm, getattr(b, "outline", None))
     )
     b.cache_note = "saved" if saved else "not saved"
 
@@ -476,7 +477,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "save_step",
         _save_step,
-        wanted=lambda b: b.spec.config.step_cache and b.cache_key is not None and not b.loaded,
+        wanted=lambda b: b.cache_key is not None and not b.loaded,
         describe=lambda b: b.cache_note,
     ),
     Stage("compile", _compile, describe=lambda b: b.compile_detail),

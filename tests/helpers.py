@@ -181,3 +181,21 @@ def assert_unchanged(before: dict, model: nn.Module, opt=None) -> None:
                 assert torch.equal(
                     torch.as_tensor(before["opt"]["state"][i][k]), torch.as_tensor(v)
                 ), f"optimizer state {i}.{k} changed"
+
+
+def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
+    """Every tensor of ``a`` equals its peer in ``b`` bitwise: nested lists, tuples and dicts of
+    the same shape (same lengths, same keys); other leaves compare with ==."""
+    if isinstance(a, torch.Tensor):
+        shown = f": {a} != {b}" if a.numel() <= 8 else ""
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where}{shown}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for key in a:
+            assert_bitwise(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

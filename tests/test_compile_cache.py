@@ -17,6 +17,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn as nn
+from helpers import assert_bitwise
 from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -106,12 +107,7 @@ def _run_worker(cases: str, cache_dir, out) -> dict:
 
 
 def _assert_same_run(a: dict, b: dict) -> None:
-    assert len(a["losses"]) == len(b["losses"])
-    for x, y in zip(a["losses"], b["losses"]):
-        assert torch.equal(x, y), (x, y)
-    assert a["state"].keys() == b["state"].keys()
-    for key, value in a["state"].items():
-        assert torch.equal(value, b["state"][key]), key
+    assert_bitwise((a["losses"], a["state"]), (b["losses"], b["state"]))
 
 
 @pytest.mark.inductor

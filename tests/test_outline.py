@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torchvision
 import transformers
-from helpers import make_graph
+from helpers import assert_bitwise, make_graph
 from models import Block, TinyGPT, lm_loss
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -112,14 +112,8 @@ def _run(model, loss_fn, opt, batch, steps: int, outline: bool, **graph_options)
 
 
 def _assert_bitwise(a, b) -> None:
-    _, losses_a, state_a, moments_a = a
-    _, losses_b, state_b, moments_b = b
-    for x, y in zip(losses_a, losses_b, strict=True):
-        assert torch.equal(x, y), (x, y)
-    for key, value in state_a.items():
-        assert torch.equal(value, state_b[key]), key
-    for x, y in zip(moments_a, moments_b, strict=True):
-        assert torch.equal(x, y)
+    """Two ``_run`` results: losses, model state and optimizer moments, bitwise."""
+    assert_bitwise(a[1:], b[1:])
 
 
 def _calls(g) -> list[str]:

@@ -31,7 +31,7 @@ import hashlib
 import logging
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -50,7 +50,8 @@ _DIGEST = 32  # bytes of sha256
 class CachedStep:
     step_gm: fx.GraphModule
     outline: Any  # step.outline.OutlineResult, or None when outlining did not run
-    # (graph module path, node name, value) for the values taken out of the graph's metadata
+    # in an entry only: (graph module path, node name, value) for the values taken out of the
+    # graph's metadata (``save``), put back on load
     values: list[tuple[str, str, Any]] = field(default_factory=list)
 
 
@@ -98,10 +99,9 @@ def load(graph_name: str, key: str, fake_mode: FakeTensorMode) -> CachedStep | N
     except Exception as e:  # noqa: BLE001 - as above
         _warn(graph_name, path, f"its values do not load ({type(e).__name__}: {e})")
         return None
-    step.values = []
     for gm in _graph_modules(step.step_gm):
         gm.recompile()  # GraphPickler leaves the graph modules without their forward()
-    return step
+    return CachedStep(step.step_gm, step.outline)
 
 
 def save(graph_name: str, key: str, step: CachedStep) -> bool:
@@ -111,13 +111,12 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
     try:
         from torch.fx._graph_pickler import GraphPickler, Options
 
-        step.values = [(path, name, _encode(meta["val"])) for path, name, _, meta in taken]
-        payload = GraphPickler.dumps(step, Options(ops_filter=None))
+        values = [(path, name, _encode(meta["val"])) for path, name, _, meta in taken]
+        payload = GraphPickler.dumps(replace(step, values=values), Options(ops_filter=None))
     except Exception as e:  # noqa: BLE001 - a graph the pickler does not support is not cached
         log.info("%s: step cache: not saved (%s: %s)", graph_name, type(e).__name__, e)
         return False
     finally:
-        step.values = []
         _put_back(taken)
     folder = directory()
     try:
