@@ -13,6 +13,9 @@ and each variant, all variants of a workload one after the other in one process 
     graphamp_fp16_traced, graphamp_bf16_traced   the same with config.enable_overflow_tracing()
                       (not run unless named: the cost of overflow forensics, as a ratio to the
                       untraced variant of the same run)
+    graphamp_fp16_inline, graphamp_bf16_inline   the same with repeated blocks inlined
+                      (config.set_outline_blocks(False); not run unless named: what outlining
+                      costs or saves in the steady step and the first call, as ratios)
 
 it reports ms/step (median of per-step CUDA-event times over the measured steps, launched back
 to back with one sync at the end), achieved TFLOP/s where the FLOPs are known, peak memory,
@@ -41,6 +44,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -62,6 +66,17 @@ VARIANTS = (
     "graphamp_bf16",
 )
 TRACED_VARIANTS = ("graphamp_fp16_traced", "graphamp_bf16_traced")  # only when named
+INLINE_VARIANTS = ("graphamp_fp16_inline", "graphamp_bf16_inline")  # only when named
+SUFFIXES = ("_traced", "_inline")
+
+
+def _base_variant(variant: str) -> str:
+    """graphamp_bf16 for graphamp_bf16_traced or graphamp_bf16_inline."""
+    for suffix in SUFFIXES:
+        variant = variant.removesuffix(suffix)
+    return variant
+
+
 FP16, BF16 = torch.float16, torch.bfloat16
 # dense bf16/fp16 tensor-core peak (TFLOP/s) by device name, for MFU
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
@@ -95,6 +110,8 @@ def make_step(variant: str, workload, model, device, backend: str, inductor_opti
                     self.set_grad_scaler(graphamp.GradScaler())
                 if variant.endswith("_traced"):
                     self.config.enable_overflow_tracing()
+                if variant.endswith("_inline"):
+                    self.config.set_outline_blocks(False)
 
             def build(self, x, y):
                 loss = workload.loss(self.model(x), y)
@@ -157,7 +174,7 @@ def syncs_with_host(step, batch, device) -> str:
 def run_variant(variant, workload, base_model, device, args) -> dict:
     torch.manual_seed(0)
     model = copy.deepcopy(base_model).to(device)
-    backend = "aot_eager" if args.smoke else "inductor"
+    backend = args.backend or ("aot_eager" if args.smoke else "inductor")
     batches = workload.batches
     losses = []
     step = make_step(variant, workload, model, device, backend, args.inductor_options)
@@ -241,6 +258,36 @@ def run_variant(variant, workload, base_model, device, args) -> dict:
     return result
 
 
+def measure(variant, workload, base_model, device, args) -> dict:
+    """run_variant's row, or a row naming the error: one failing variant (a compile error on
+    another torch release) must not cost the variants after it their figures."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return run_variant(variant, workload, base_model, device, args)
+    except Exception as e:  # noqa: BLE001 - reported in the row and the table, then go on
+        traceback.print_exc()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+        return {
+            "workload": workload.name,
+            "variant": variant,
+            "error": f"{type(e).__name__}: {e}"[:300],
+        }
+
+
+def _summary(row: dict) -> str:
+    if row.get("error"):
+        return "FAILED: " + row["error"]
+    return (
+        f"{row['ms_per_step']:.3f} ms/step, first call {row['first_call_s']:.1f}s, "
+        f"sync {row['host_sync'].split(':')[0]}, "
+        f"loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}"
+    )
+
+
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
@@ -306,6 +353,9 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
         ]
         for r in rs:
+            if r.get("error"):
+                lines.append(f"| {r['variant']} | failed |" + " |" * 8)
+                continue
             tf = f"{r['tflops']:.1f}" if r.get("tflops") else "-"
             mfu = f"{r['tflops'] / peak:.1%}" if r.get("tflops") and peak else "-"
             tokens = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
@@ -334,6 +384,15 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
                     f"{(r['tracing_cost'] - 1) * 100:+.1f}% ms/step against "
                     f"{r['variant'].removesuffix('_traced')} in the same run"
                 )
+            if r.get("outline_step_ratio"):
+                lines.append(
+                    f"- {_base_variant(r['variant'])} (outlined, the default) over "
+                    f"{r['variant']} in the same run: steady step "
+                    f"{r['outline_step_ratio']:.3f}x, first call "
+                    f"{r['outline_first_call_ratio']:.2f}x"
+                )
+            if r.get("error"):
+                lines.append(f"- {r['variant']}: FAILED: {r['error']}")
             if r.get("precision"):
                 lines.append(
                     f"- {r['variant']}: {r['precision']}; CUDA graph: "
@@ -346,25 +405,27 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
 
 
 def add_ratios(rows: list[dict]) -> None:
+    rows = [r for r in rows if not r.get("error")]
     for r in rows:
         if not r["variant"].startswith("graphamp"):
             continue
         dtype = _dtype_name(r["variant"])
-        if r["variant"].endswith("_traced"):
-            untraced = [
-                p
-                for p in rows
-                if p["workload"] == r["workload"]
-                and p["variant"] == r["variant"].removesuffix("_traced")
-            ]
-            if untraced:
-                r["tracing_cost"] = r["ms_per_step"] / untraced[0]["ms_per_step"]
+        base = [
+            p
+            for p in rows
+            if p["workload"] == r["workload"] and p["variant"] == _base_variant(r["variant"])
+        ]
+        if base and r["variant"].endswith("_traced"):
+            r["tracing_cost"] = r["ms_per_step"] / base[0]["ms_per_step"]
+        if base and r["variant"].endswith("_inline"):  # outlined (the default) over inlined
+            r["outline_step_ratio"] = base[0]["ms_per_step"] / r["ms_per_step"]
+            r["outline_first_call_ratio"] = base[0]["first_call_s"] / r["first_call_s"]
         peers = [
             p
             for p in rows
             if p["workload"] == r["workload"]
             and not p["variant"].startswith("graphamp")
-            and p["variant"].endswith(dtype)
+            and _dtype_name(p["variant"]) == dtype
         ]
         if peers:
             best = min(peers, key=lambda p: p["ms_per_step"])
@@ -381,7 +442,10 @@ def main(argv=None) -> list[dict]:
         "--workload", nargs="*", default=["mlp", "gpt2", "resnet50"], choices=sorted(WORKLOADS)
     )
     parser.add_argument(
-        "--variant", nargs="*", default=list(VARIANTS), choices=VARIANTS + TRACED_VARIANTS
+        "--variant",
+        nargs="*",
+        default=list(VARIANTS),
+        choices=VARIANTS + TRACED_VARIANTS + INLINE_VARIANTS,
     )
     parser.add_argument("--steps", type=int, default=50, help="measured steps (default 50)")
     parser.add_argument("--warmup", type=int, default=10)
@@ -398,6 +462,9 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--profile", action="store_true", help="profile graphamp's steps")
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--backend", default=None, help="torch.compile backend (default inductor; aot_eager smoke)"
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--tag", default="", help="suffix for the result files")
     parser.add_argument(
@@ -439,24 +506,17 @@ def main(argv=None) -> list[dict]:
             if device.type == "cpu" and _dtype_name(variant) == "fp16" and not args.smoke:
                 continue
             print(f"[bench] {workload.name} {variant} ...", flush=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                row = run_variant(variant, workload, base, device, args)
+            row = measure(variant, workload, base, device, args)
             row.update(device=meta["device"], torch=meta["torch"])
             if args.inductor_options and variant.startswith("graphamp"):
                 row["inductor_options"] = args.inductor_options
             rows.append(row)
-            print(
-                f"[bench]   {row['ms_per_step']:.3f} ms/step, first call "
-                f"{row['first_call_s']:.1f}s, sync {row['host_sync'].split(':')[0]}, "
-                f"loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}",
-                flush=True,
-            )
+            print(f"[bench]   {_summary(row)}", flush=True)
             with open(jsonl, "a") as f:  # as each variant finishes: a timeout loses nothing
                 f.write(json.dumps({**row, "meta": meta}) + "\n")
+            add_ratios(rows)
+            write_table(os.path.join(args.out, f"bench_{tag}.md"), rows, meta)
         del base, workload
-    add_ratios(rows)
-    write_table(os.path.join(args.out, f"bench_{tag}.md"), rows, meta)
     print(open(os.path.join(args.out, f"bench_{tag}.md")).read())
     return rows
 

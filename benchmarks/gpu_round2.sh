@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# Issue 15's GPU figures on one H100, in parts that each fit a 10-minute command (about 25 minutes
-# of device time in all). Results go under $OUT (default: benchmarks/results/h100-round2).
+# graphamp's GPU figures on one H100 or H200, sized to a lent session (15 minutes of device time,
+# starts included; one command may run 10). The default runs the most valuable parts in order and
+# stops at a deadline (BUDGET_S, default 470 s: one command of at most 8 minutes); every variant's
+# row is written as soon as it is measured (bench_cuda_<part>.jsonl and .md), so a run cut short
+# keeps what it measured. Results go under $OUT (default: benchmarks/results/gpu-round2).
 #
-#   bash benchmarks/gpu_round2.sh             # every part, in order
-#   bash benchmarks/gpu_round2.sh mlp gpt2    # some parts (one device command each, ≤ 10 min)
-#   bash benchmarks/gpu_round2.sh --smoke     # every part at smoke size on the CPU (a check
-#                                             # that the script and its commands run; no figures)
+#   bash benchmarks/gpu_round2.sh             # the default: mlp gpt2 outline resnet50, ≤ 8 min
+#   bash benchmarks/gpu_round2.sh gpt2_warm llama_bf16   # named parts (each fits 10 minutes)
+#   BUDGET_S=900 bash benchmarks/gpu_round2.sh mlp gpt2  # another deadline
+#   bash benchmarks/gpu_round2.sh --smoke     # every default part at smoke size on the CPU (a
+#                                             # check that the script and its commands run)
 #
 # Parts (every variant of a workload in one process, one after the other: same-run ratios):
-#   mlp         seed MLP, 200 steps: ms/step vs eager AMP (target ≤ 0.06 ms, ≥ 20×), profile
-#   gpt2        GPT-2 124M fp16 + bf16 vs compile+autocast(+GradScaler), cold inductor cache:
-#               ms/step, TFLOP/s, MFU, peak memory, first call (cold), host syncs, profile
-#   gpt2_warm   the same command again on the cache gpt2 filled: warm first calls
-#   resnet50    ResNet-50 B128 vs its peers (the same-run figure issue 15 asks for), 200 steps
+#   mlp         seed MLP, 200 steps: ms/step vs eager and compiled AMP (target ≤ 0.06 ms, ≥ 20×)
+#   gpt2        GPT-2 124M fp16 + bf16 vs torch.compile + autocast (+ GradScaler), cold inductor
+#               cache: ms/step, TFLOP/s, MFU, peak memory, first call (cold), host syncs, profile
+#   outline     GPT-2 124M bf16, outlined blocks (the default) against inlined
+#               (set_outline_blocks(False)) in one process: the steady step's ratio (issue 40 §0)
+#   resnet50    ResNet-50 B128, bf16 then fp16, against torch.compile + autocast (+ GradScaler)
+#   -- named only --
+#   gpt2_warm   the gpt2 command again on the cache gpt2 filled: warm first calls
 #   first_call  benchmarks/first_call.py on the GPU: GPT-2 6-layer and ViT-tiny, graphamp vs
 #               torch.compile + autocast, each in a fresh process, cold then warm inductor cache
 #   kernels     benchmarks/kernel_count.py: structural launch counts of the step (mlp, gpt2-6l)
@@ -29,59 +36,83 @@ if [ "${1:-}" = "--smoke" ]; then
   LOSS_STEPS=5
   OUT=${OUT:-/tmp/graphamp-round2-smoke}
 fi
-OUT=${OUT:-benchmarks/results/h100-round2}
+OUT=${OUT:-benchmarks/results/gpu-round2}
 LOSS_STEPS=${LOSS_STEPS:-200}
+BUDGET_S=${BUDGET_S:-470}
+PYTHON=${PYTHON:-python3}
+deadline=$((SECONDS + BUDGET_S))
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# one inductor cache for the run, outside $OUT (it is large): cold for gpt2, warm for gpt2_warm
+# one inductor cache for the run, outside $OUT (it is large): cold for gpt2, warm after it
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/graphamp-round2-inductor-cache}
-bench() { python benchmarks/bench.py --out "$OUT" "${SMOKE[@]}" "$@" 2>&1 | tee -a "$OUT/log.txt"; }
+
+left() { echo $((deadline - SECONDS)); }
+# one command under what is left of the budget; a command cut at the deadline keeps the rows it
+# wrote, and the script goes on to say so instead of failing
+limited() {
+  local status=0
+  timeout --kill-after=10 "$(left)" "$@" 2>&1 | tee -a "$OUT/log.txt" || status=$?
+  if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+    echo "[gpu_round2] cut at the deadline (BUDGET_S=$BUDGET_S): $*" | tee -a "$OUT/log.txt"
+  elif [ "$status" -ne 0 ]; then
+    echo "[gpu_round2] exit $status: $*" | tee -a "$OUT/log.txt"
+  fi
+}
+bench() { limited "$PYTHON" benchmarks/bench.py --out "$OUT" "${SMOKE[@]}" "$@"; }
 
 part_mlp() {
-  bench --workload mlp --steps 200 --warmup 20 --profile --tag mlp
+  bench --workload mlp --variant graphamp_fp16 graphamp_bf16 compile_amp_fp16 compile_bf16 \
+    eager_amp_fp16 --steps 200 --warmup 20 --tag mlp
 }
 part_gpt2() {
   rm -rf "$TORCHINDUCTOR_CACHE_DIR"
-  bench --workload gpt2 --variant graphamp_fp16 compile_amp_fp16 eager_amp_fp16 graphamp_bf16 \
-    compile_bf16 --profile --tag gpt2_cold
+  bench --workload gpt2 --variant graphamp_fp16 compile_amp_fp16 graphamp_bf16 compile_bf16 \
+    eager_amp_fp16 --profile --tag gpt2_cold
+}
+part_outline() {
+  bench --workload gpt2 --variant graphamp_bf16 graphamp_bf16_inline --steps 100 --tag outline
+}
+part_resnet50() {
+  bench --workload resnet50 --variant graphamp_bf16 compile_bf16 graphamp_fp16 compile_amp_fp16 \
+    --loss-steps "$LOSS_STEPS" --tag resnet50
 }
 part_gpt2_warm() {
   bench --workload gpt2 --variant graphamp_fp16 compile_amp_fp16 graphamp_bf16 compile_bf16 \
     --steps 20 --tag gpt2_warm
 }
-part_resnet50() {
-  bench --workload resnet50 --variant graphamp_fp16 compile_amp_fp16 eager_amp_fp16 \
-    graphamp_bf16 compile_bf16 --loss-steps "$LOSS_STEPS" --profile --tag resnet50
-}
 part_llama_bf16() {
   bench --workload llama1b --variant graphamp_bf16 compile_bf16 --steps 20 --warmup 5 \
     --profile --tag llama_bf16
-}
-part_first_call() {
-  if [ ${#SMOKE[@]} -gt 0 ]; then
-    python benchmarks/first_call.py --smoke --repeat 1 --out "$OUT" --tag smoke 2>&1 | tee -a "$OUT/log.txt"
-  else
-    python benchmarks/first_call.py --device cuda --repeat 1 --out "$OUT" --tag cuda 2>&1 | tee -a "$OUT/log.txt"
-  fi
-}
-part_kernels() {
-  # on the GPU machine the real device answers; the counts are of generated code, not a profile
-  if [ ${#SMOKE[@]} -gt 0 ]; then
-    python benchmarks/kernel_count.py --smoke --workload mlp 2>&1 | tee -a "$OUT/kernels.jsonl"
-  else
-    python benchmarks/kernel_count.py --workload mlp gpt2-6l gpt2 2>&1 | tee -a "$OUT/kernels.jsonl"
-  fi
 }
 part_llama_fp16() {
   bench --workload llama1b --variant graphamp_fp16 compile_amp_fp16 --steps 20 --warmup 5 \
     --tag llama_fp16
 }
+part_first_call() {
+  if [ ${#SMOKE[@]} -gt 0 ]; then
+    limited "$PYTHON" benchmarks/first_call.py --smoke --repeat 1 --out "$OUT" --tag smoke
+  else
+    limited "$PYTHON" benchmarks/first_call.py --device cuda --repeat 1 --out "$OUT" --tag cuda
+  fi
+}
+part_kernels() {
+  # on the GPU machine the real device answers; the counts are of generated code, not a profile
+  if [ ${#SMOKE[@]} -gt 0 ]; then
+    limited "$PYTHON" benchmarks/kernel_count.py --smoke --workload mlp
+  else
+    limited "$PYTHON" benchmarks/kernel_count.py --workload mlp gpt2-6l gpt2
+  fi
+}
 
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(mlp gpt2 gpt2_warm resnet50 llama_bf16 llama_fp16 first_call kernels)
-python -c "import torch; print(torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" | tee -a "$OUT/log.txt"
+[ ${#parts[@]} -eq 0 ] && parts=(mlp gpt2 outline resnet50)
+"$PYTHON" -c "import torch; print(torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" | tee -a "$OUT/log.txt"
 for p in "${parts[@]}"; do
-  start=$(date +%s)
+  if [ "$(left)" -lt 20 ]; then
+    echo "[gpu_round2] part $p skipped: $(left)s left of BUDGET_S=$BUDGET_S" | tee -a "$OUT/log.txt"
+    continue
+  fi
+  start=$SECONDS
   "part_$p"
-  echo "[gpu_round2] part $p took $(( $(date +%s) - start ))s" | tee -a "$OUT/log.txt"
+  echo "[gpu_round2] part $p took $((SECONDS - start))s" | tee -a "$OUT/log.txt"
 done

@@ -14,8 +14,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
 
+from ..records.compat import guarding_hint_or_throw, has_guarding_hint
 from ..records.spec import CapturedForward
 
 

@@ -43,9 +43,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
-from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
 
 from ..errors import CaptureError
+from ..records.compat import guarding_hint_or_throw, has_guarding_hint
 from ..records.replays import MISSING, TENSOR_SLOT, Place, StateReplay
 from ..records.spec import CapturedForward
 from .side_effects import registered_hook_error

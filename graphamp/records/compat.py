@@ -15,6 +15,24 @@ import torch.utils._pytree as pytree
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch._subclasses.functional_tensor import dispatch_functionalize as _torch_functionalize
 
+try:  # torch >= 2.13
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
+except ImportError:  # torch 2.11: what lent GPU machines carry (benchmarks only, not supported)
+    from torch.fx.experimental.symbolic_shapes import (  # type: ignore[attr-defined,no-redef]
+        has_hint as has_guarding_hint,
+    )
+    from torch.fx.experimental.symbolic_shapes import (  # type: ignore[attr-defined,no-redef]
+        hint_int as guarding_hint_or_throw,
+    )
+
+__all__ = [
+    "TORCH_VERSION",
+    "dispatch_functionalize",
+    "guarding_hint_or_throw",
+    "has_guarding_hint",
+    "preserve_backward_stack_traces",
+]
+
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 _HAS_PROPAGATE = "propagate_input_mutations" in inspect.signature(_torch_functionalize).parameters
@@ -61,3 +79,13 @@ def _propagating_functionalize(
 def _unwrap(t: FunctionalTensor) -> torch.Tensor:
     torch._sync(t)  # noqa: SLF001
     return torch._from_functional_tensor(t.elem)  # noqa: SLF001
+
+
+def preserve_backward_stack_traces(losses: list[torch.Tensor]) -> None:
+    """Backward nodes traced from ``losses`` get their forward op's stack trace and seq_nr
+    (torch's private AOTAutograd helper; its ``_from_tensors`` form is new in torch 2.13)."""
+    from torch._functorch._aot_autograd import logging_utils
+
+    roots = [t.grad_fn for t in losses if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if roots:
+        logging_utils.setup_stacktrace_preservation_hooks(roots)

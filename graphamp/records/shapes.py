@@ -26,9 +26,9 @@ from torch.fx.experimental.symbolic_shapes import (
     DimDynamic,
     ShapeEnv,
     StatelessSymbolicContext,
-    guarding_hint_or_throw,
 )
 
+from .compat import guarding_hint_or_throw
 from .guards import ShapeGuard
 
 Dims = frozenset[tuple[int, int]]  # (tensor index among g(...)'s tensors, dimension)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from ..records.compat import preserve_backward_stack_traces
 from ..records.fxutil import NodeTagger, last_node, nodes_after, tracing_graph
 from ..records.layouts import StepInputs
 from ..records.ops import EXPANSIONS
@@ -232,12 +233,7 @@ def _accumulate_grads(
     ``autograd.grad`` per distinct restriction, over the parameters it names.
     """
     if record_origins:  # backward nodes get their forward op's seq_nr (assemble_step)
-        # a private torch helper, imported only when outlining asks for it
-        from torch._functorch._aot_autograd.logging_utils import (
-            setup_stacktrace_preservation_hooks_from_tensors,
-        )
-
-        setup_stacktrace_preservation_hooks_from_tensors(losses)
+        preserve_backward_stack_traces(losses)
     groups: dict = {}
     for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(losses)):
         groups.setdefault(restrict, []).append(index)
