@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from helpers import assert_bitwise
 from torch._guards import TracingContext
+from torch._inductor.codecache import PyCodeCache
 from torch._subclasses.fake_tensor import FakeTensor
 
 from graphamp.records.fxutil import trace_functional
@@ -221,10 +222,13 @@ def test_a_failed_compile_is_retried_once_in_a_fresh_cache_directory(caplog, mon
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/nonexistent/graphamp-test-cache")
     dirs = []
 
+    damaged = tmp_path / "cdamaged.py"  # generated code cut short, as a killed writer leaves it
+    damaged.write_bytes(b"def call(args):\n    ret" + b"\x00damaged\xff")
+
     def compile_once():
         dirs.append(cache_dir())
-        if len(dirs) == 1:
-            raise RuntimeError("Failed to import a damaged file")
+        if len(dirs) == 1:  # inductor imports its generated code through PyCodeCache
+            PyCodeCache.load_by_key_path("damaged", str(damaged))
         return "compiled"
 
     with caplog.at_level(logging.WARNING, logger="graphamp"):
@@ -232,7 +236,7 @@ def test_a_failed_compile_is_retried_once_in_a_fresh_cache_directory(caplog, mon
     assert dirs[0] == "/nonexistent/graphamp-test-cache"
     assert os.path.dirname(dirs[1]) == str(tmp_path) and os.path.isdir(dirs[1])
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "G: compiling the step failed (RuntimeError: Failed to import" in warning
+    assert "G: compiling the step failed (RuntimeError: Failed to import" in warning, warning
     assert "/nonexistent/graphamp-test-cache" in warning
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/nonexistent/graphamp-test-cache"
 
@@ -242,13 +246,34 @@ def test_a_failure_the_retry_repeats_is_raised_and_out_of_memory_is_not_retried(
 ):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     calls = []
+    missing = str(tmp_path / "cmissing.py")
 
-    def broken():
+    def broken():  # fails in the cache's reader both times: retried once, then raised
         calls.append(1)
-        raise ValueError(f"compiler bug {len(calls)}")
+        PyCodeCache.load_by_key_path(f"missing{len(calls)}", missing)
 
-    with pytest.raises(ValueError, match="compiler bug 2"):
+    with pytest.raises(Exception, match="missing"):
         rebuild_if_cache_unreadable("G", broken)
+    assert len(calls) == 2
+    calls.clear()
+
+    def compiler_bug():  # raised in the compiler's own graph work, no cache file read
+        calls.append(1)
+        from torch._inductor import scheduler
+
+        scheduler._real_dep_names(None)  # noqa: SLF001 - raises inside inductor's scheduler
+
+    with pytest.raises(TypeError):
+        rebuild_if_cache_unreadable("G", compiler_bug)
+    assert len(calls) == 1
+    calls.clear()
+
+    def elsewhere():  # an unknown place: a damaged file fails wherever its content is used
+        calls.append(1)
+        raise ValueError(f"failure {len(calls)}")
+
+    with pytest.raises(ValueError, match="failure 2"):
+        rebuild_if_cache_unreadable("G", elsewhere)
     calls.clear()
 
     def out_of_memory():

@@ -7,15 +7,19 @@ changed model, config, pin or torch never matches an old entry. What they do not
 damaged file: inductor skips a corrupt cache entry itself, but the generated code next to it is
 written once per content hash and imported as found, so a truncated or scribbled-over ``.py``
 or ``.so`` fails the compile (measured with torch 2.14.1: ``Failed to import ...py``,
-``UnicodeDecodeError``; an emptied one: ``module ... has no attribute 'call'``). A failed compile
-is retried once in a fresh private cache directory, with a warning naming the directory; a
-failure the retry repeats is raised as it is.
+``UnicodeDecodeError``; an emptied one: ``module ... has no attribute 'call'``). A compile that
+failed while reading from the cache directory is retried once in a fresh private cache
+directory, with a warning naming the directory; a failure the retry repeats is raised as it is.
+A failure raised in the compiler's own work on the graph, where no file is read (inductor's
+scheduler asserting while fusing, seen with torch 2.11 on an H200), is raised at once: a retry
+would only double the time to the error.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import traceback
 from typing import Callable, TypeVar
 
 import torch
@@ -58,15 +62,19 @@ def rebuild_if_cache_unreadable(graph_name: str, compile_once: Callable[[], T]) 
     """``compile_once()``; if it fails, warn and run it once more outside the cache directory
     (in a fresh temporary one, kept: the program may load from it later).
 
-    Any failure is retried, not only the errors a damaged file raised in the cases tried
-    (``UnicodeDecodeError``, ``Failed to import``, an imported module without ``call``):
-    which error a damaged file gives depends on where it is damaged. A failure that is the
-    compiler's own is raised by the retry as it was. Running out of memory is not retried."""
+    Any failure raised while inductor read its cache directory is retried, not only the errors
+    a damaged file raised in the cases tried (``UnicodeDecodeError``, ``Failed to import``, an
+    imported module without ``call``): which error a damaged file gives depends on where it is
+    damaged. A failure that is the compiler's own is raised by the retry as it was; one raised in
+    the compiler's graph work with no cache file read is raised at once (``read_the_cache``).
+    Running out of memory is not retried."""
     try:
         return compile_once()
     except (GraphampError, torch.OutOfMemoryError):
         raise
     except Exception as e:  # noqa: BLE001 - a damaged file can raise anything
+        if not read_the_cache(e):
+            raise
         cause = e
     from torch._inductor.utils import fresh_cache
 
@@ -82,6 +90,60 @@ def rebuild_if_cache_unreadable(graph_name: str, compile_once: Callable[[], T]) 
     )
     with fresh_cache(delete=False):
         return compile_once()
+
+
+# torch's modules that read files of inductor's cache directory: generated code, compiled
+# kernels, and the FX-graph and AOTAutograd cache entries (their loads run through these files)
+_CACHE_READERS = (
+    "_inductor/codecache.py",
+    "_inductor/compile_worker",
+    "_inductor/runtime/compile_tasks.py",
+    "_inductor/async_compile.py",
+    "_inductor/output_code.py",
+    "_functorch/_aot_autograd/autograd_cache.py",
+    "<frozen importlib",
+)
+# the compiler's own work on the graph, which reads no file: a failure raised here is a bug or a
+# limit of the compiler, and compiling again in another directory raises it again
+_COMPILER_OWN = (
+    "_inductor/scheduler.py",
+    "_inductor/lowering.py",
+    "_inductor/ir.py",
+    "_inductor/dependencies.py",
+    "_inductor/loop_body.py",
+    "_inductor/pattern_matcher.py",
+    "_inductor/fx_passes/",
+    "_inductor/codegen/",
+    "_functorch/partitioners.py",
+)
+
+
+def read_the_cache(error: BaseException) -> bool:
+    """Whether a damaged file of inductor's cache directory can have caused ``error``: unless
+    it was raised in the compiler's own work on the graph (its innermost frame there) and no
+    error of its chain passed through code that reads the cache directory. Unknown places
+    count as readers: a damaged file fails wherever its content is first used (an emptied
+    module in ``compile_fx.py``, where its ``call`` is looked up)."""
+    chain = _error_chain(error)
+    frames = [
+        [frame.filename.replace(os.sep, "/") for frame in traceback.extract_tb(e.__traceback__)]
+        for e in chain
+    ]
+    if any(reader in name for names in frames for name in names for reader in _CACHE_READERS):
+        return True
+    innermost = [names[-1] for names in frames if names]
+    return not any(own in name for name in innermost for own in _COMPILER_OWN)
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    pending: list[BaseException | None] = [error]
+    while pending:
+        e = pending.pop()
+        if e is not None and all(e is not c for c in chain):
+            chain.append(e)
+            pending += [e.__cause__, e.__context__]
+    return chain
 
 
 def _first_line(error: BaseException) -> str:
