@@ -232,6 +232,7 @@ def _guards(b: _Build) -> Guards:
         shapes=shape_guard(b.fake_mode, b.batch.tensors, b.request.dynamic),
         attributes=b.captured.attribute_reads,
         state_sizes=tuple(sizes),
+        lifted=b.captured.lifted,
     )
 
 
@@ -252,7 +253,9 @@ def _capture(b: _Build) -> None:
     if config.grad_acc_steps > 1:
         b.inputs.check_micro_batches(config.grad_acc_steps, spec.name)
         traced = b.batch.micro_batch(config.grad_acc_steps)
-    b.captured = capture_forward(b.root, traced, spec.name, None, config.amp_active)
+    b.captured = capture_forward(
+        b.root, traced, spec.name, None, config.amp_active, b.request.lifted
+    )
     b.module_pins = {}
     if config.amp_active:
         b.module_pins = pinned_paths(
@@ -432,6 +435,11 @@ def _outline_detail(b: _Build) -> str:
     o = b.outline
     text = f"{_nodes(b.step_gm)} nodes, {o.blocks} blocks, {o.distinct} distinct regions"
     text += f", {o.outlined} regions outlined"
+    if o.saves.recomputed:
+        text += (
+            f"; backwards recompute {o.saves.recomputed} cheap values, the forwards store "
+            f"{o.saves.after / 2**20:.1f} MiB instead of {o.saves.before / 2**20:.1f}"
+        )
     if o.left_inline:
         text += f"; inline: {', '.join(o.left_inline[:4])}" + (
             " ..." if len(o.left_inline) > 4 else ""

@@ -124,12 +124,12 @@ def _calls(g) -> list[str]:
 @pytest.mark.parametrize(
     "name, calls, distinct",
     [
-        ("tiny_gpt", 9, 3),  # 3 blocks: forward, backward and optimizer update
-        ("block_stack", 8, 3),  # one block's backward region has no equal: it stays inline
-        ("hf_gpt2", 9, 3),
+        ("tiny_gpt", 6, 2),  # 3 blocks: forward and backward (the update is not outlined)
+        ("block_stack", 5, 2),  # one block's backward region has no equal: it stays inline
+        ("hf_gpt2", 6, 2),
         # layer1.0 and layer1.1 are the only equal blocks (the others differ in width or
         # have a downsample)
-        pytest.param("resnet18", 6, 3, marks=pytest.mark.slow),
+        pytest.param("resnet18", 4, 2, marks=pytest.mark.slow),
     ],
 )
 def test_outlined_step_is_bitwise_the_inlined_one_with_aot_eager(name, calls, distinct, caplog):
@@ -190,7 +190,7 @@ def test_outlined_step_is_bitwise_the_inlined_one_with_inductor(caplog):
     inlined = _train("block_stack", outline=False, backend="inductor")
     outlined = _train("block_stack", outline=True, backend="inductor")
     _assert_bitwise(inlined, outlined)
-    assert len(_calls(outlined[0])) == 8
+    assert len(_calls(outlined[0])) == 5
 
 
 def _train_masked(outline: bool):
@@ -204,14 +204,13 @@ def _train_masked(outline: bool):
     return _run(model, lm_loss, opt, _tokens, 6, outline, amp=torch.float16, scaler=scaler)
 
 
-def test_outlined_optimizer_update_is_bitwise_with_momentum_and_skipped_steps():
+def test_outlined_step_is_bitwise_with_momentum_and_skipped_steps():
     inlined, outlined = _train_masked(False), _train_masked(True)
     _assert_bitwise(inlined, outlined)
     skipped = outlined[0].history.fetch()["skipped"]
     assert 0.0 < sum(skipped) < len(skipped), skipped  # both kinds of step happened
     calls = _calls(outlined[0])
-    assert sum(c.startswith("graphamp_opt_") for c in calls) == 3  # one update per block
-    assert len({c for c in calls if c.startswith("graphamp_opt_")}) == 1
+    assert {c.split("_")[1] for c in calls} == {"fw", "bw"}  # the update stays one run
 
 
 def _train_two_groups(outline: bool):
@@ -230,22 +229,45 @@ def _train_two_groups(outline: bool):
     return _run(model, lm_loss, opt, _tokens, 2, outline, amp=torch.bfloat16)
 
 
-def test_a_block_split_over_two_param_groups_is_one_update_region():
+def test_outlined_step_is_bitwise_with_two_param_groups():
     inlined, outlined = _train_two_groups(False), _train_two_groups(True)
     _assert_bitwise(inlined, outlined)
-    opt_calls = [c for c in _calls(outlined[0]) if c.startswith("graphamp_opt_")]
-    assert len(opt_calls) == 3 and len(set(opt_calls)) == 1
+    assert len(_calls(outlined[0])) == 6
 
 
-def test_only_blocks_with_an_equal_split_the_optimizer_update():
-    from graphamp.step.outline import param_blocks
+def _returned_sources(sub) -> list:
+    """The ops whose values an outlined region returns (through views and detach)."""
+    (output,) = [n for n in sub.graph.nodes if n.op == "output"]
+    sources = []
+    for node in output.args[0]:
+        while getattr(node.target, "is_view", False):
+            node = node.args[0]
+        sources.append(node.target)
+    return sources
 
-    def blocks_of(model):
-        names, values = zip(*model.named_parameters(), strict=True)
-        return param_blocks(list(names), list(values))
 
-    # the demo's MLP: two Linear children, not equal: one multi-tensor update, as before
-    assert set(blocks_of(nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)))) == {""}
-    labels = blocks_of(TinyGPT(layers=3))
-    assert {b for b in labels if b} == {"blocks.0", "blocks.1", "blocks.2"}
-    assert labels[0] == ""  # the embedding belongs to no block
+def test_an_outlined_forward_stores_no_value_its_backward_recomputes_cheaply(caplog):
+    """Issue 40 §0: an outlined forward returned every value its backward read, so GPT-2's
+    GELU stored four float32 intermediates per block that the inlined step's kernels recompute
+    from one matmul output (the outlined step was 31% slower on the CPU, 13% on an H200). The
+    backward now recomputes them; the step stays bitwise the inlined one."""
+    inlined = _train("hf_gpt2", outline=False)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        outlined = _train("hf_gpt2", outline=True)
+    _assert_bitwise(inlined, outlined)
+    (line,) = [r.getMessage() for r in caplog.records if ": outline " in r.getMessage()]
+    match = re.search(r"recompute (\d+) cheap values, the forwards store ([\d.]+) MiB", line)
+    assert match and int(match.group(1)) > 0, line
+    step = outlined[0].compiled_steps[-1].step_graph
+    forwards = [
+        getattr(step, n.args[0].target)
+        for n in step.graph.nodes
+        if n.target is INVOKE_SUBGRAPH and n.args[1].startswith("graphamp_fw_")
+    ]
+    assert len(forwards) == 3
+    for sub in forwards:
+        sources = _returned_sources(sub)
+        pointwise = [t for t in sources if torch.Tag.pointwise in getattr(t, "tags", ())]
+        # only the residual stream (read by the next block, or by a LayerNorm's backward) is
+        # pointwise: no part of the GELU
+        assert set(pointwise) == {torch.ops.aten.add.Tensor}, sources

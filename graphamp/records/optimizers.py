@@ -134,9 +134,6 @@ class GroupPlan:
     params: list[int]  # forward-parameter positions of the group's trainable parameters
     flags: tuple  # structure that changes the traced graph (part of the cache key)
     state_keys: tuple[str, ...]  # per-parameter state in torch's format, for this group
-    # each parameter's repeated block ("" for none), when blocks are outlined: the update is
-    # traced block by block so each block's update can be one shared subgraph (outline.py)
-    blocks: tuple[str, ...] = ()
 
 
 @dataclass

@@ -9,21 +9,20 @@ one, so results are bitwise those of the per-parameter form. As there, the learn
 other float hyperparameters are graph inputs (0-dim fp32 tensors), so a scheduler changing them
 never recompiles, and the bias corrections use the step tensor on the device, so nothing syncs
 with the host. Every write is masked by the
-overflow flag: a skipped step leaves parameters and state bitwise unchanged. When repeated
-blocks are outlined, each group's ops run over one block's parameters at a time, so each
-block's update is a region that equal blocks share (``_block_runs``, ``outline.py``).
+overflow flag: a skipped step leaves parameters and state bitwise unchanged. The update stays
+one multi-tensor run per group when repeated blocks are outlined: split per block and outlined,
+its writes into the state could not fuse with its math (one copy kernel per tensor), which made
+the steady step 3-8% slower (issue 40).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from ..errors import CaptureError
-from ..records.fxutil import NodeTagger
 from ..records.optimizers import GroupPlan, OptimizerPlan, starts_from_gradient
 
 
@@ -104,32 +103,6 @@ def adam_update(t: GroupTensors, flags: dict):
     return new_params, out
 
 
-def _masked_all(skip, tensors: GroupTensors, new_params, new_state):
-    """Every new value masked by the overflow flag (the old value where the step is skipped)."""
-    params = [masked(skip, o, n) for o, n in zip(tensors.params, new_params)]
-    state = {
-        key: [masked(skip, o, n) for o, n in zip(tensors.state[key], values)]
-        for key, values in new_state.items()
-    }
-    return params, state
-
-
-def _block_runs(group: GroupPlan, n: int) -> list[tuple[str, slice]]:
-    """The group's parameters as runs of one repeated block each (``group.blocks``; the whole
-    group as one run when blocks are not outlined). The update is elementwise per parameter,
-    so splitting the multi-tensor ops changes no value; each block's run becomes a region
-    ``outline.py`` can share between equal blocks."""
-    if not group.blocks:
-        return [("", slice(0, n))]
-    runs: list[tuple[str, slice]] = []
-    start = 0
-    for i in range(1, n + 1):
-        if i == n or group.blocks[i] != group.blocks[start]:
-            runs.append((group.blocks[start], slice(start, i)))
-            start = i
-    return runs
-
-
 def _one_minus(values: list[torch.Tensor]) -> list[torch.Tensor]:
     """``1 - v`` for each value: ``-v + 1``, the same IEEE result (a - b is a + (-b))."""
     return torch._foreach_add(torch._foreach_neg(values), 1)
@@ -190,26 +163,13 @@ def update_optimizer(
         fresh = [next(fresh_flags) for _ in idx] if starts else None
         if not idx:
             continue
-        whole = GroupTensors([params[i] for i in idx], [grads[i] for i in idx], state, hyper)
-        for label, part in _block_runs(group, len(idx)):
-            tensors = GroupTensors(
-                whole.params[part],
-                whole.grads[part],
-                {key: values[part] for key, values in state.items()},
-                hyper,
-            )
-            # a block's masks belong to its region (the writes into the state stay outside);
-            # without blocks each mask is traced beside its write, as it always was
-            mask_in_region = skip if label else None
-            with NodeTagger({"graphamp_block": label}) if label else nullcontext():
-                new_params, new_state = apply_update(opt, group, tensors, fresh and fresh[part])
-                new_params, new_state = _masked_all(mask_in_region, tensors, new_params, new_state)
-            mask_at_write = None if label else skip
-            for old, new in zip(tensors.params, new_params):
-                old.copy_(masked(mask_at_write, old, new))
-            for key, values in new_state.items():
-                for old, new in zip(tensors.state[key], values):
-                    old.copy_(masked(mask_at_write, old, new))
+        tensors = GroupTensors([params[i] for i in idx], [grads[i] for i in idx], state, hyper)
+        new_params, new_state = apply_update(opt, group, tensors, fresh)
+        for old, new in zip(tensors.params, new_params):
+            old.copy_(masked(skip, old, new))
+        for key, values in new_state.items():
+            for old, new in zip(tensors.state[key], values):
+                old.copy_(masked(skip, old, new))
         for flag in fresh or ():  # the buffer has started, unless the step is skipped
             flag.copy_(masked(skip, flag, torch.zeros_like(flag)))
     counter.copy_(masked(skip, counter, counter + 1))

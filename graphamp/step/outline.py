@@ -1,8 +1,7 @@
 """Repeated blocks compiled once (issue 31, item 2; ``config.set_outline_blocks``, on by
-default): the assembled step's forward, backward and optimizer regions of N identical blocks
-become calls of one shared subgraph each (``torch.ops.higher_order.invoke_subgraph``), so
-inductor compiles each distinct block's forward, backward and update once. The step stays one
-graph and one program.
+default): the assembled step's forward and backward regions of N identical blocks become calls
+of one shared subgraph each (``torch.ops.higher_order.invoke_subgraph``), so inductor compiles
+each distinct block's forward and backward once. The step stays one graph and one program.
 
 - Blocks are found automatically: the module paths ``parent.<index>`` of a ModuleList or
   Sequential with at least two children that produced forward nodes (``model.h.3``,
@@ -10,8 +9,12 @@ graph and one program.
 - A block's forward region is its nodes by module path; its backward region the backward nodes
   whose autograd ``seq_nr`` is one of its forward ops' (assembly records it when asked:
   ``assemble_step(..., record_origins=True)``), plus gradient sums that read from and feed only
-  that region. Its optimizer region is the update of its parameters, which the optimizer traces
-  as one run per block when blocks are outlined (nodes tagged ``graphamp_block``).
+  that region.
+- Each block's backward recomputes the cheap values it reads from the block's forward instead
+  of having the forward's subgraph store them (``block_saves.py``): inside one inlined step the
+  compiler makes that choice per kernel, across a subgraph's boundary it cannot.
+- The optimizer update is not outlined: its multi-tensor run over every parameter fuses its
+  writes into the state with its math, which a per-block subgraph could not (issue 40).
 - Regions whose subgraph code and input metadata are equal share one subgraph; a region with no
   equal is left inline, and so is one that is not contiguous in the step's order.
 - No output of a subgraph shares memory with its inputs or its other outputs (invoke_subgraph's
@@ -33,8 +36,9 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..records.fxutil import module_path
+from .block_saves import BACKWARD_OF, SavedBytes, recompute_cheap_saves
 
-Region = tuple[str, str]  # ("fw" | "bw" | "opt", block path)
+Region = tuple[str, str]  # ("fw" | "bw", block path)
 
 
 @dataclass
@@ -44,6 +48,8 @@ class OutlineResult:
     distinct: int = 0  # shared subgraphs (each compiled once)
     # regions with an equal that stayed inline, and why (a region with no equal is not listed)
     left_inline: list[str] = field(default_factory=list)
+    # what the blocks' forwards store for their backwards (block_saves)
+    saves: SavedBytes = field(default_factory=SavedBytes)
 
 
 def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
@@ -52,6 +58,7 @@ def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
     result = OutlineResult(blocks=len(blocks))
     if len(blocks) < 2:
         return result
+    result.saves = recompute_cheap_saves(gm, block_regions(gm, blocks))
     regions = block_regions(gm, blocks)
     extracted = {key: _extract(gm, nodes) for key, nodes in regions.items()}
     groups: dict[str, list[Region]] = {}
@@ -83,24 +90,6 @@ def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
 def find_blocks(gm: fx.GraphModule) -> list[str]:
     """The outermost module paths ``parent.<index>`` whose parent has two or more of them."""
     return _outer_blocks(module_path(n) for n in gm.graph.nodes)
-
-
-def param_blocks(names: list[str], values: list[torch.Tensor]) -> list[str]:
-    """Each parameter's block (``find_blocks``' rule on the parameter names), where another
-    block has the same parameters (names within the block, shapes, dtypes); "" for the rest,
-    whose update stays one multi-tensor run."""
-    blocks = _outer_blocks(names)
-    of = [_block_of(name, blocks) or "" for name in names]
-    signature: dict[str, list] = {}
-    for name, value, block in zip(names, values, of, strict=True):
-        if block:
-            signature.setdefault(block, []).append(
-                (name[len(block) :], tuple(value.shape), value.dtype)
-            )
-    counts: dict[str, int] = {}
-    for sig in signature.values():
-        counts[repr(sig)] = counts.get(repr(sig), 0) + 1
-    return [b if b and counts[repr(signature[b])] > 1 else "" for b in of]
 
 
 def _outer_blocks(paths) -> list[str]:
@@ -141,14 +130,11 @@ def block_regions(gm: fx.GraphModule, blocks: list[str]) -> dict[Region, list[fx
     block_of = {
         n: seq_to_block[n.meta["seq_nr"]] for n in backward if n.meta.get("seq_nr") in seq_to_block
     }
+    block_of.update({n: n.meta[BACKWARD_OF] for n in backward if BACKWARD_OF in n.meta})
     _attribute_gradient_sums(backward, block_of)
     for node in gm.graph.nodes:
         if node in block_of and node.op == "call_function":
             regions.setdefault(("bw", block_of[node]), []).append(node)
-        # the optimizer's update of a block's parameters, traced as one run per block
-        # (optimizer_update._block_runs); its writes into the state stay outside
-        elif node.meta.get("graphamp_block") and node.op == "call_function":
-            regions.setdefault(("opt", node.meta["graphamp_block"]), []).append(node)
     return regions
 
 

@@ -15,7 +15,6 @@ from ..records.fxutil import warn_at_user_line
 from ..records.optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
 from ..records.probes import ProbeTable
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
-from .outline import param_blocks
 from .overflow_probes import plan_probes
 
 
@@ -96,10 +95,6 @@ def _optimizer_plans(
 ) -> list[OptimizerPlan]:
     owner: dict[int, int] = {}
     plans = []
-    block_of = None
-    if spec.config.outline_blocks:
-        values = [n.meta["val"] for n in captured.gm.graph.find_nodes(op="placeholder")]
-        block_of = param_blocks(captured.param_names, values[: len(captured.param_names)])
     for k, slot in enumerate(spec.optimizers):
         opt = slot.optimizer
         kind = optimizer_kind(opt)
@@ -112,8 +107,7 @@ def _optimizer_plans(
                     positions.append(i)
                     updated.append(p)
             flags = group_flags(kind, opt, group)
-            blocks = tuple(block_of[i] for i in positions) if block_of else ()
-            groups.append(GroupPlan(positions, flags, state_keys(kind, dict(flags)), blocks))
+            groups.append(GroupPlan(positions, flags, state_keys(kind, dict(flags))))
         plans.append(
             OptimizerPlan(
                 index=k,
