@@ -41,6 +41,7 @@ from ..records.ops import CAPTURE_REWRITES, capture_sdpa
 from .dtype_checks import mixed_dtypes
 from .op_errors import VALUE_DEPENDENT, mark_torch_function
 from .scaler_refusal import called_from_torch_grad_scaler, torch_grad_scaler_error
+from .scope_reads import untraced
 
 aten = torch.ops.aten
 
@@ -158,7 +159,8 @@ class CaptureMode(TorchFunctionMode):
         graph = tracing_graph()
         marker = last_node(graph) if graph is not None else None
         try:
-            out = self._call(func, args, kwargs)
+            with untraced():  # torch's work: no user code to watch (scope_reads.py)
+                out = self._call(func, args, kwargs)
         except VALUE_DEPENDENT as e:  # an op that needs values: name the function called
             mark_torch_function(e, func)
             raise

@@ -2,11 +2,21 @@
 
 A compiled step is a snapshot of one run of build(): a dropout's ``p``, a norm's ``eps``, a loss's
 ``label_smoothing``, a flag forward() branches on are baked into it. While build() is traced,
-every instance attribute read on a registered module, on the Graph and on a transformers config
-held by one of them is recorded with its value (``records.guards.AttributeRead``); the program
-runs only while those values hold. Reads are seen through a recording ``__getattribute__`` put on
-those classes for the length of the capture (``patching.SharedPatch``); only the capturing
-thread records, and only on the objects it watches.
+every attribute read on a registered module, on the Graph, on a transformers config held by one
+of them, and on a module the code reaches through a global or a closure (``scope_reads.py``)
+is recorded with its value (``records.guards.AttributeRead``); the program runs only while
+those values hold. Reads are seen through a recording ``__getattribute__`` put on those classes
+for the length of the capture (``patching.SharedPatch``); only the capturing thread records, and
+only on the objects it watches.
+
+What is recorded, and how it is compared at every call (``guard_form``):
+- plain values (numbers, strings, None, enums, dtypes, devices, tuples of them) by equality;
+- small containers of plain values (a dict of hyperparameters, a list of dicts, a dataclass,
+  an ``argparse.Namespace``, a ``SimpleNamespace``; at most ``CONTENT_LIMIT`` values) by a copy
+  of their contents: changed in place, the program no longer serves;
+- a class attribute read through an instance (``Block.scale``) on the class, and the instance
+  is checked not to shadow it later;
+- other objects by identity.
 
 Left out, each for a reason:
 - what ``nn.Module.__init__`` itself sets (parameters, buffers, children, hooks, ``training``):
@@ -16,21 +26,27 @@ Left out, each for a reason:
 - modules: the structure key holds the module tree by identity;
 - dunder names (``__dict__``, ``__class__``): Python's machinery, not settings;
 - what the Graph's own ``__init__`` set (its config, registry and runtime): the config is part
-  of the structure key, the rest is graphamp's bookkeeping.
+  of the structure key, the rest is graphamp's bookkeeping;
+- methods, properties and other descriptors on a class (code, not settings), and the class
+  attributes of torch's own classes (constants of torch's machinery).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import copy
+import dataclasses
 import enum
 import sys
 import threading
+import types
 from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
-from ..records.guards import AttributeRead
+from ..records.guards import ABSENT, AttributeRead, ClassNamespace
 from .patching import SharedPatch
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring
@@ -46,25 +62,115 @@ def _is_plain(value: Any) -> bool:
     return isinstance(value, (tuple, frozenset)) and all(map(_is_plain, value))
 
 
+CONTENT_LIMIT = 256  # values in a container compared by content at every call, at most
+_RECORDS = (argparse.Namespace, types.SimpleNamespace)  # objects that are their fields
+
+
+def guard_form(value: Any) -> tuple[Any, bool]:
+    """(what to keep of ``value``, whether to compare by equality): a plain value itself, a copy
+    of a small container of plain values (``Fields`` for a dataclass or namespace), else the
+    object, compared by identity."""
+    if _is_plain(value):
+        return value, True
+    budget = [CONTENT_LIMIT]
+    if _plain_contents(value, budget):
+        if dataclasses.is_dataclass(value) or isinstance(value, _RECORDS):
+            return Fields(type(value), copy.deepcopy(vars(value))), True
+        return copy.deepcopy(value), True
+    return value, False
+
+
+def _plain_contents(value: Any, budget: list[int]) -> bool:
+    """Is ``value`` a container (dict, list, set, tuple, dataclass, namespace) whose leaves are
+    all plain, with at most ``budget[0]`` of them?"""
+    if type(value) in (dict, list, set, tuple, frozenset):
+        items = list(value.items()) if type(value) is dict else [(None, v) for v in value]
+    elif (dataclasses.is_dataclass(value) and not isinstance(value, type)) or isinstance(
+        value, _RECORDS
+    ):
+        items = list(vars(value).items())
+    else:
+        return False
+    for key, item in items:
+        budget[0] -= 1
+        if budget[0] < 0 or not _is_plain(key):
+            return False
+        if not _is_plain(item) and not _plain_contents(item, budget):
+            return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Fields:
+    """A dataclass's or namespace's fields as recorded: equal to an object of the same class
+    whose fields are equal (whatever that class's own ``__eq__`` does)."""
+
+    cls: type
+    values: dict
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Fields):
+            return self.cls is other.cls and self.values == other.values
+        return type(other) is self.cls and vars(other) == self.values
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.values.items())
+        return f"{self.cls.__name__}({fields})"
+
+
 def _record(obj: Any, name: str, value: Any) -> None:
     watch = _local.watch.get(id(obj))
     if watch is None or name.startswith("__") or (id(obj), name) in _local.reads:
         return
     label, left_out = watch
+    if name in left_out or isinstance(value, (torch.Tensor, nn.Module)):
+        return
     namespace = object.__getattribute__(obj, "__dict__")
-    # only instance attributes: a class attribute, property or method is not one of them
-    if name in left_out or namespace.get(name, _record) is not value:
+    if namespace.get(name, _record) is value:
+        kept, by_value = guard_form(value)
+        _local.reads[(id(obj), name)] = AttributeRead(
+            label=f"{label}.{name}", namespace=namespace, name=name, value=kept, by_value=by_value
+        )
+    elif name not in namespace:
+        _record_class_attribute(obj, namespace, name, value, label)
+
+
+def _record_class_attribute(obj: Any, namespace: dict, name: str, value: Any, label: str) -> None:
+    """A data attribute of ``obj``'s class read through ``obj``: kept on the class, and the
+    instance must not shadow it (a method, property or torch's own class constant is left out)."""
+    owner = next((c for c in type(obj).__mro__ if name in vars(c)), None)
+    if owner is None or vars(owner)[name] is not value or _is_torch_class(owner):
         return
-    if isinstance(value, (torch.Tensor, nn.Module)):
-        return
-    snapshot = list(value) if type(value) is list and _is_plain(tuple(value)) else value
-    _local.reads[(id(obj), name)] = AttributeRead(
-        label=f"{label}.{name}",
-        namespace=namespace,
-        name=name,
-        value=snapshot,
-        by_value=_is_plain(value) or snapshot is not value,
+    kept, by_value = guard_form(value)
+    if not by_value and isinstance(value, (type, types.FunctionType, types.MethodType)):
+        return  # code, not a setting
+    _local.reads.setdefault(
+        (id(owner), name),
+        AttributeRead(
+            label=f"{owner.__name__}.{name}",
+            namespace=ClassNamespace(owner),
+            name=name,
+            value=kept,
+            by_value=by_value,
+        ),
     )
+    _local.reads[(id(obj), name)] = AttributeRead(  # the instance keeps reading the class's
+        label=f"{label}.{name}", namespace=namespace, name=name, value=ABSENT, by_value=False
+    )
+
+
+def _is_torch_class(cls: type) -> bool:
+    return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
+
+
+def watch_object(obj: Any, label: str) -> None:
+    """Record the attribute reads on ``obj`` from now on, for the capture in this thread (a
+    module that build()'s code reaches through a global or a closure variable)."""
+    watch = getattr(_local, "watch", None)
+    if watch is not None and id(obj) not in watch and hasattr(obj, "__dict__"):
+        watch[id(obj)] = (label, _MODULE_OWN if isinstance(obj, nn.Module) else frozenset())
 
 
 def _recording(original: Any) -> Any:

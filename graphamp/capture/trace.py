@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch._subclasses.fake_tensor as fake_tensor
@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import CaptureError, GraphampError
 from ..records.fxutil import rename_placeholders, trace_functional, user_frame_of_exception
-from ..records.guards import AttributeRead
+from ..records.guards import AttributeRead, LiftedValue
 from ..records.inputs import FlatInputs
 from ..records.layouts import ForwardLayout
 from ..records.ops import FunctionCall
@@ -45,6 +45,7 @@ from .reads import recording_attribute_reads
 from .reads import watched_objects as objects_read
 from .root import BuildRoot, fake_copy, quiet_fake_data_pointers, refuse_compiled_submodules
 from .scaler_refusal import raised_in_torch_grad_scaler, torch_grad_scaler_error
+from .scope_reads import ScopeReads
 from .side_effects import refuse_hooks
 from .state_writes import StateWatch, watched_objects
 from .steady_state import WrittenValue, settle, written_values
@@ -59,8 +60,12 @@ def capture_forward(
     graph_name: str,
     device: torch.device | None = None,
     amp: bool = False,
+    lifted: tuple[AttributeRead, ...] = (),
 ) -> CapturedForward:
     """Trace ``root``'s build() on fake copies of its state and ``inputs``.
+
+    ``lifted``: Python floats build() reads that are traced as inputs of the step instead of
+    constants (``records.guards.LiftedValue``; their tensors lead ``CapturedForward.constants``).
 
     ``amp``: graphamp's AMP will decide the dtypes, so ops given tensors of several floating
     dtypes (which eager PyTorch refuses without autocast) are left for its casts to reconcile.
@@ -76,9 +81,10 @@ def capture_forward(
     # sizes symbolic: what a trace of the state before the first call assumes of them must not
     # reach the build's guards, so that trace runs on a copy of the batch in a ShapeEnv of its own
     first = inputs.with_tensors(scratch_batch(inputs.tensors)) if symbolic else inputs
-    captured, written = _capture_once(root, first, graph_name, device, amp)
+    once = (graph_name, device, amp, lifted)
+    captured, written = _capture_once(root, first, *once)
     if not written:
-        return _capture_once(root, inputs, graph_name, device, amp)[0] if symbolic else captured
+        return _capture_once(root, inputs, *once)[0] if symbolic else captured
     params, buffers = list(root.parameters()), list(root.buffers())
     settled = settle(
         graph_name,
@@ -87,7 +93,7 @@ def capture_forward(
         lambda nodes: values_without_batch(captured, params, buffers, nodes),
     )
     try:
-        captured, again = _capture_once(root, inputs, graph_name, device, amp)
+        captured, again = _capture_once(root, inputs, *once)
         captured.replays = settled.steady_replays(captured, again)
         captured.attribute_reads = _reads_not_written(captured.attribute_reads, again)
     except BaseException:
@@ -126,26 +132,31 @@ def _capture_once(
     graph_name: str,
     device: torch.device | None,
     amp: bool,
+    lifted: tuple[AttributeRead, ...],
 ) -> tuple[CapturedForward, list[WrittenValue]]:
     """One trace of build(), cleaned up; and what build() changed on the user's objects."""
     param_names = [n for n, _ in root.named_parameters()]
     buffer_names = [n for n, _ in root.named_buffers()]
     input_names = inputs.names(root._build)
     layout = ForwardLayout(len(param_names), len(buffer_names), len(input_names))
-    traced = _trace(root, inputs, layout, graph_name, device, amp)
+    traced = _trace(root, inputs, layout, graph_name, device, amp, lifted)
     gm = traced.gm
-    placeholders = layout.split([n for n in gm.graph.nodes if n.op == "placeholder"])
-    rename_placeholders(
-        gm,
-        layout.flatten(
-            params=[f"p_{n}" for n in param_names],
-            buffers=[f"b_{n}" for n in buffer_names],
-            inputs=[f"in_{n}" for n in input_names],
-            loss_scale="loss_scale",
-        ),
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholders = layout.split(nodes[: len(layout)])
+    value_names = [f"value_{i}" for i in range(len(lifted))]
+    names = layout.flatten(
+        params=[f"p_{n}" for n in param_names],
+        buffers=[f"b_{n}" for n in buffer_names],
+        inputs=[f"in_{n}" for n in input_names],
+        loss_scale="loss_scale",
     )
+    rename_placeholders(gm, names + [f"c_{n}" for n in value_names])
+    refuse_values_read_on_the_host(nodes[len(layout) :], lifted, graph_name)
     mutated = check_input_mutations(traced.mutated, layout, param_names, input_names, graph_name)
+    # the lifted values' placeholders are the last ones: constants, read live at every call
     constants, constant_names = lift_constants(gm, _tensor_attributes(root))
+    constants = [*traced.value_holders, *constants]
+    constant_names = [*value_names, *constant_names]
     drop_autograd_detaches(gm)
     detach_no_grad_values(gm)
     changed = keep_changed_buffers(gm, placeholders.buffers, traced.num_results, mutated)
@@ -169,6 +180,7 @@ def _capture_once(
         constant_names=constant_names,
         num_written=len(traced.written_outputs),
         attribute_reads=tuple(traced.attribute_reads),
+        lifted=tuple(map(LiftedValue, lifted, traced.value_holders)),
     )
     captured.unused_params = params_without_path_to_losses(captured)
     log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
@@ -190,6 +202,7 @@ class TracedBuild:
     mutated: list[int] = field(default_factory=list)  # flat inputs build() changed in place
     written: list[WrittenValue] = field(default_factory=list)  # Python state build() changed
     written_outputs: list[torch.Tensor] = field(default_factory=list)  # the tensors among it
+    value_holders: list[torch.Tensor] = field(default_factory=list)  # one per lifted value
     output_spec: pytree.TreeSpec = field(init=False)  # build()'s return structure
     gm: fx.GraphModule = field(init=False)
 
@@ -212,14 +225,21 @@ def _trace(
     graph_name: str,
     device: torch.device | None,
     amp: bool,
+    lifted: tuple[AttributeRead, ...] = (),
 ) -> TracedBuild:
-    """make_fx over the functionalized forward, with torch's errors turned into CaptureErrors."""
+    """make_fx over the functionalized forward, with torch's errors turned into CaptureErrors.
+    Each lifted value is an input after the layout's (its holder, the value as a 0-dim float32
+    tensor, is the example)."""
     user_modules = [(n, m) for n, m in root.named_modules() if m is not root]
     refuse_hooks(graph_name, user_modules)
     refuse_compiled_submodules(graph_name, root)
     traced = TracedBuild()
-    forward = _traced_function(root, inputs, layout, graph_name, amp, traced)
-    example = _example_inputs(root, inputs, layout, device)
+    forward = _traced_function(root, inputs, layout, graph_name, amp, traced, lifted)
+    at = _device_of([*root.parameters(), *root.buffers(), *inputs.tensors])
+    traced.value_holders = [
+        torch.tensor(read.current(), dtype=torch.float32, device=at) for read in lifted
+    ]
+    example = _example_inputs(root, inputs, layout, device, traced.value_holders)
     try:
         with _compiling_flag(), quiet_fake_data_pointers():
             traced.gm = trace_functional(
@@ -245,6 +265,7 @@ def _traced_function(
     graph_name: str,
     amp: bool,
     traced: TracedBuild,
+    lifted: tuple[AttributeRead, ...],
 ) -> Callable[..., tuple]:
     """build() as a function of the forward's flat inputs (``layout``, no constants yet): the
     traced values are swapped into the user's modules while it runs; ``traced`` is filled."""
@@ -257,33 +278,39 @@ def _traced_function(
     buffer_names = [n for n, _ in root.named_buffers()]
     slots = state_slots(root)
 
-    def forward(*flat: torch.Tensor) -> tuple:
+    def forward(*every: torch.Tensor) -> tuple:
+        flat, values = every[: len(layout)], every[len(layout) :]
         parts = layout.split(flat)
         replacement = {id(t): v for t, v in zip(state, [*parts.params, *parts.buffers])}
         real_of = {id(v): t for t, v in zip(state, [*parts.params, *parts.buffers])}
         args, kwargs = inputs.rebuild(parts.inputs)
         mode = CaptureMode(module_names, loss_scale=parts.loss_scale, mixed_dtypes_ok=amp)
+        scope = ScopeReads(graph_name, skip={read.place() for read in lifted})
         with (
             refusing_host_randomness(graph_name, watched),
             recording_attribute_reads(reading, classes) as reads,
             torch.enable_grad(),
             swapped(slots, replacement),
+            lifting(lifted, values),  # before the state's snapshot: not a write of build()'s
             StateWatch(watched).recording() as watch,
+            scope.restoring(),
             mode.tracking_modules(),
             mode,
             capturing_autograd_functions(traced.function_calls),
         ):
-            out = root._build(*args, **kwargs)
+            with scope.tracing():
+                out = root._build(*args, **kwargs)
             new_buffers = [root.get_buffer(n) for n in buffer_names]  # the updated values
-            written = written_values(graph_name, watch.changes(), real_of)
+            changes = watch.changes() + scope.state_changes()
+            written = written_values(graph_name, changes, real_of)
         traced.written, traced.written_outputs = written
-        traced.attribute_reads = reads
+        traced.attribute_reads = reads + scope.recorded()
         leaves, traced.output_spec = pytree.tree_flatten(out)
         position = {id(t): i for i, t in enumerate(parts.params)}
         traced.losses = mode.losses
         traced.output_template = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         traced.loss_inputs = [parameter_positions(r, position) for r in mode.losses]
-        traced.mutated = mutated_inputs(flat)
+        traced.mutated = mutated_inputs(every)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         losses = [r.tensor for r in mode.losses]
         grads = [r.gradient for r in mode.losses if r.gradient is not None]
@@ -293,10 +320,14 @@ def _traced_function(
 
 
 def _example_inputs(
-    root: BuildRoot, inputs: FlatInputs, layout: ForwardLayout, device: torch.device | None
+    root: BuildRoot,
+    inputs: FlatInputs,
+    layout: ForwardLayout,
+    device: torch.device | None,
+    values: list[torch.Tensor],
 ) -> list[torch.Tensor]:
-    """The traced function's inputs. Parameters require grad as the user's do: build() may
-    differentiate (torch.autograd.grad)."""
+    """The traced function's inputs (the layout's, then the lifted ``values``). Parameters
+    require grad as the user's do: build() may differentiate (torch.autograd.grad)."""
     params = [p.detach().requires_grad_(p.requires_grad) for p in root.parameters()]
     buffers = list(root.buffers())
     at = _device_of([*params, *buffers, *inputs.tensors])
@@ -305,11 +336,44 @@ def _example_inputs(
         buffers=buffers,
         inputs=list(inputs.tensors),
         loss_scale=torch.ones((), dtype=torch.float32, device=at),
-    )
+    ) + list(values)
     if device is not None:
         mode = fake_tensor.FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
         example = [fake_copy(mode, t, device) for t in example]
     return example
+
+
+def refuse_values_read_on_the_host(
+    values: list[fx.Node], lifted: tuple[AttributeRead, ...], graph_name: str
+) -> None:
+    """A lifted value that an op takes as a Python number (``leaky_relu``'s slope, a size) is
+    read back from its tensor in the step (``aten._local_scalar_dense``): a host read at every
+    step, a sync on a GPU. Such a value is not lifted (the runtime bakes it in again)."""
+    for read, placeholder in zip(lifted, values):
+        todo, seen = [placeholder], set()
+        while todo:
+            node = todo.pop()
+            if node.target is torch.ops.aten._local_scalar_dense.default:
+                raise CaptureError(
+                    f"{graph_name}.build() uses {read.label} where a Python number is needed "
+                    f"({', '.join(str(u.target) for u in node.users)})"
+                )
+            if node not in seen:
+                seen.add(node)
+                todo.extend(node.users)
+
+
+@contextlib.contextmanager
+def lifting(reads: tuple[AttributeRead, ...], values: Sequence[torch.Tensor]) -> Iterator[None]:
+    """While build() is traced, each lifted Python value reads as its traced input."""
+    originals = [read.current() for read in reads]
+    try:
+        for read, value in zip(reads, values, strict=True):
+            read.write(value)
+        yield
+    finally:
+        for read, value in zip(reads, originals):
+            read.write(value)
 
 
 def _tensor_attributes(root: BuildRoot) -> dict[int, str]:

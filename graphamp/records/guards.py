@@ -6,7 +6,10 @@ A program is built from one call of build(). Besides its inputs' signature it as
 - the batch's shapes (``ShapeGuard``): every size and stride it was traced with, except the
   dimensions that are symbolic, whose relations, ranges and strides the ShapeEnv recorded while
   tracing and which are checked by the guard expression it produced;
-- the Python attributes build() read, with the values they had (``AttributeRead``);
+- the Python values build() read, with the values they had (``AttributeRead``): attributes of
+  the registered objects and of their classes, globals and closure variables of the code it
+  ran, and the contents of small containers among them (``capture/reads.py``,
+  ``capture/scope_reads.py``);
 - the sizes of the parameters and buffers (``StateSize``): ``p.data = bigger`` keeps the
   parameter object but not its shape.
 Input aliasing is not assumed: every tensor of the batch is traced as a tensor of its own (no
@@ -30,32 +33,124 @@ import torch
 from .inputs import InputSignature
 from .validate import dtype_name
 
-_MISSING = object()
+ABSENT = object()  # an attribute or global that is not there (also: "read on the class")
 
 
 @dataclass(frozen=True, eq=False)
 class AttributeRead:
     """A Python attribute build() read at capture, and the value it had."""
 
-    label: str  # as the user writes it: "self.model.drop.p"
-    namespace: dict  # the owner's __dict__, where the attribute lives
+    label: str  # as the user writes it: "self.model.drop.p", "global beta", "Block.scale"
+    # where the value lives: an object's __dict__, a class's, a module's globals, a closure cell
+    namespace: Any  # anything with .get(name, default)
     name: str
     value: Any
     by_value: bool  # compared with ==; otherwise by identity (objects whose insides may change)
 
     def current(self) -> Any:
-        return self.namespace.get(self.name, _MISSING)
+        return self.namespace.get(self.name, ABSENT)
+
+    def place(self) -> tuple[int, str]:
+        """Where the value lives, the same for every read of it (a class's and a closure's
+        namespaces are stand-ins made at each read: their ``owner`` is the class or cell)."""
+        return id(getattr(self.namespace, "owner", self.namespace)), self.name
+
+    def write(self, value: Any) -> None:
+        """Put ``value`` where the read found its value (``ABSENT`` deletes)."""
+        if value is ABSENT:
+            self.namespace.pop(self.name, None)
+        else:
+            self.namespace[self.name] = value
+
+    def describe_change(self) -> str:
+        now = self.current()
+        if self.value is ABSENT:  # a class attribute's read, now shadowed on the instance
+            return f"{self.label} was set on the instance to {now!r}"
+        shown = "deleted" if now is ABSENT else f"{now!r}"
+        return f"{self.label} changed from {self.value!r} to {shown}"
 
     def holds(self) -> bool:
-        now = self.namespace.get(self.name, _MISSING)
+        now = self.namespace.get(self.name, ABSENT)
         if now is self.value:
             return True
-        if not self.by_value or now is _MISSING:
+        if not self.by_value or now is ABSENT:
             return False
         try:
             return bool(now == self.value)
         except Exception:  # noqa: BLE001 - a value that cannot say whether it is equal has changed
             return False
+
+
+class ClassNamespace:
+    """A class's attributes as a namespace (``vars(cls)`` is read-only)."""
+
+    def __init__(self, owner: type) -> None:
+        self.owner = owner
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return vars(self.owner).get(name, default)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self.owner, name, value)
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        value = self.get(name, default)
+        if name in vars(self.owner):
+            delattr(self.owner, name)
+        return value
+
+
+class CellNamespace:
+    """A closure cell as a namespace of one variable."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner  # a types.CellType
+
+    def get(self, _name: str, default: Any = None) -> Any:
+        try:
+            return self.owner.cell_contents
+        except ValueError:  # an empty cell
+            return default
+
+    def __setitem__(self, _name: str, value: Any) -> None:
+        self.owner.cell_contents = value
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        value = self.get(name, default)
+        del self.owner.cell_contents
+        return value
+
+
+@dataclass(frozen=True, eq=False)
+class LiftedValue:
+    """A Python float build() reads, fed to the step as a 0-dim float32 tensor at every call
+    instead of being baked in (a KL weight annealed by the training loop compiles once more,
+    not once per value). The program assumes it stays a float.
+
+    float32, as the arithmetic of a float32 tensor with a Python number rounds the number to
+    float32 (eager's result, bitwise). Where a Python number would not change an operand's
+    dtype but a float32 tensor does (a 0-dim float16 tensor times it, a float64 tensor times it
+    keeps only float32 of the value) the step differs from eager: such a value is better
+    passed as a tensor of the dtype wanted."""
+
+    read: AttributeRead  # where the value lives
+    holder: torch.Tensor  # the step's input: the value, copied in before each call
+
+    def holds(self) -> bool:
+        return type(self.read.current()) is float
+
+    def feed(self) -> None:
+        self.holder.fill_(self.read.current())
+
+
+def liftable(read: AttributeRead | None) -> bool:
+    """Can the value a changed read found be fed as a step input (a float that stayed one)?"""
+    return (
+        read is not None
+        and read.by_value
+        and type(read.value) is float
+        and type(read.current()) is float
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,6 +221,7 @@ class Change:
 
     kind: str  # "structure", "inputs", "attribute", "state size"
     words: str
+    read: AttributeRead | None = None  # the read that no longer holds (kind "attribute")
 
     def __str__(self) -> str:
         return self.words
@@ -137,6 +233,7 @@ class BuildRequest:
 
     structure: Structure  # the structure key of the call (the program assumes it)
     dynamic: frozenset[tuple[int, int]] = frozenset()  # batch dimensions traced as symbols
+    lifted: tuple[AttributeRead, ...] = ()  # Python floats traced as inputs (LiftedValue)
 
 
 @dataclass(eq=False)
@@ -148,6 +245,7 @@ class Guards:
     shapes: ShapeGuard
     attributes: tuple[AttributeRead, ...] = ()
     state_sizes: tuple[StateSize, ...] = ()
+    lifted: tuple[LiftedValue, ...] = ()
 
     def values_hold(self) -> bool:
         """The attribute values and state sizes (the part a structure and signature match
@@ -157,6 +255,9 @@ class Guards:
                 return False
         for size in self.state_sizes:
             if not size.holds():
+                return False
+        for value in self.lifted:
+            if not value.holds():
                 return False
         return True
 
@@ -178,9 +279,12 @@ class Guards:
             return Change("inputs", describe_signatures(self.signature, signature, input_names))
         for read in self.attributes:
             if not read.holds():
-                now = read.current()
-                shown = "deleted" if now is _MISSING else f"{now!r}"
-                return Change("attribute", f"{read.label} changed from {read.value!r} to {shown}")
+                return Change("attribute", read.describe_change(), read)
+        for value in self.lifted:
+            if not value.holds():
+                now = value.read.current()
+                shown = "deleted" if now is ABSENT else f"{now!r}"
+                return Change("attribute", f"{value.read.label}, a step input, is now {shown}")
         for size in self.state_sizes:
             if not size.holds():
                 now = size.namespace.get(size.name)

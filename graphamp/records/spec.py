@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .fxutil import UserFrame
-from .guards import AttributeRead, Guards
+from .guards import AttributeRead, Guards, LiftedValue
 from .inputs import FlatInputs, InputSignature
 from .layouts import ForwardLayout, StepLayout
 from .ops import FunctionCall
@@ -142,6 +142,9 @@ class CapturedForward:
     undo_writes: Callable[[], None] | None = None
     # the Python attributes build() read, with their values: the program assumes them (guards)
     attribute_reads: tuple[AttributeRead, ...] = ()
+    lifted: tuple[
+        LiftedValue, ...
+    ] = ()  # Python floats fed as inputs (their holders lead constants)
 
     @property
     def num_losses(self) -> int:

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn as nn
 
+from ..errors import CaptureError
 from ..forensics.autofix import Autofix
-from ..records.guards import BuildRequest
+from ..records.guards import AttributeRead, BuildRequest, Change, liftable
 from ..records.inputs import FlatInputs, check_arity, flatten_inputs
 from ..records.spec import OptimizerSlot, Program
 from ..records.state import SharedState
@@ -53,6 +54,10 @@ class GraphRuntime:
     scaler: GradScaler | None = None  # set_grad_scaler's (disabled ones included)
     debug_level: int = 0
     warned_numbers: bool = False  # the baked-in numbers warning is given once
+    # Python floats that changed between calls, traced as step inputs from then on (by place),
+    # and the places whose values could not be (build() needs them as Python numbers)
+    lifted: dict[tuple, AttributeRead] = field(default_factory=dict)
+    unliftable: set[tuple] = field(default_factory=set)
 
 
 def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
@@ -90,7 +95,7 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple, args: tuple, kwarg
         warn_about_numbers(run.name, *baked)
     run.programs.count_build(run.name, key[1], str(change or "first call"), config.recompile_limit)
     sibling = run.programs.family_member(key)
-    program = run.compile(inputs, BuildRequest(structure=key[1], dynamic=dynamic))
+    program = _compile(run, inputs, BuildRequest(key[1], dynamic, _lifted(run, change)))
     if program.captured.undo_writes is not None:
         key = _settled_key(run, inputs, program)
     if sibling is not None and program.amp is not None and sibling.amp is not None:
@@ -111,6 +116,44 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple, args: tuple, kwarg
             config.max_cached_graphs,
         )
     return program
+
+
+def _lifted(run: GraphRuntime, change: Change | None) -> tuple[AttributeRead, ...]:
+    """The Python floats to trace as inputs: the ones lifted before, and the one whose change
+    caused this build (a value that changes between calls is likely to change again: a KL
+    weight, a temperature annealed by the loop)."""
+    read = change.read if change is not None else None
+    if read is not None and liftable(read) and read.place() not in run.unliftable:
+        run.lifted[read.place()] = read
+        log.info(
+            "%s: %s changed between calls: from now on the step takes it as an input (a 0-dim "
+            "float32 tensor), so a new value compiles nothing",
+            run.name,
+            read.label,
+        )
+    return tuple(r for r in run.lifted.values() if type(r.current()) is float)
+
+
+def _compile(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Program:
+    """The Graph's pipeline; a capture that fails with values lifted (build() uses one as a
+    Python number: a branch, a size, an argument that must be a float) is tried again with
+    those values baked in, as before, and they stay baked in."""
+    try:
+        return run.compile(inputs, request)
+    except CaptureError as e:
+        if not request.lifted:
+            raise
+        names = ", ".join(r.label for r in request.lifted)
+        log.info(
+            "%s: capturing with %s as a step input failed (%s): build() needs it as a Python "
+            "number, so each new value compiles a step of its own",
+            run.name,
+            names,
+            str(e).splitlines()[0][:200],
+        )
+        run.unliftable.update(run.lifted)
+        run.lifted.clear()
+        return run.compile(inputs, BuildRequest(request.structure, request.dynamic))
 
 
 def _key(run: GraphRuntime, inputs: FlatInputs) -> Key:

@@ -207,10 +207,13 @@ class Runner:
 
     def execute(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run the compiled step on ``gather``'s inputs (it writes the state in place); then
-        put the tensors build() writes on the user's objects where it writes them."""
-        with torch.no_grad():
-            outputs = list(self.compiled(*flat))
+        put the tensors build() writes on the user's objects where it writes them. The Python
+        floats the step takes as inputs are copied into their tensors first."""
         cap = self.plan.captured
+        with torch.no_grad():
+            for value in cap.lifted:
+                value.feed()
+            outputs = list(self.compiled(*flat))
         if cap.replays:
             end = cap.num_user_outputs
             apply_replays(cap.replays, outputs[end - cap.num_written : end])

@@ -1,0 +1,340 @@
+"""Globals and closure variables that build()'s code reads at capture: what a step assumes.
+
+A KL weight annealed by the training loop (``beta = min(1.0, step / 1000)`` read in forward), a
+loss made by a factory (``lambda out, y: ... * w``), what a ``graphamp.training_step`` function
+closes over: build() reads them as Python values, so the traced step holds their values of the
+first call. While build() is traced, a trace function (``sys.settrace``, opcode events) watches
+the frames of the user's code (not torch's, graphamp's or Python's standard library) and records
+each global (``LOAD_GLOBAL``) and closure variable (``LOAD_DEREF`` of a free variable) they
+read, with its value, as an ``AttributeRead`` of the module's globals or of the closure's cell;
+the program runs only while they hold (``records/guards.py``).
+
+What is recorded, by the value's kind (``reads.guard_form`` for data):
+- numbers, strings, flags, dtypes and small containers of them: by value (contents copied);
+- tensors, functions and classes: by identity (a global rebound to another function or tensor
+  captures again; a tensor's values are read live by the step, ``cleanup.lift_constants``);
+- ``nn.Module`` objects: by identity, and their attributes are recorded from then on as a
+  registered module's are (a loss module closed over but never registered).
+Left out: imported modules (``import torch as t`` is not a setting), builtins, and other objects
+(loggers, registries), whose contents cannot be compared cheaply. A closure variable of a
+function defined while build() runs is a local of the traced code, not a setting.
+
+Writes are the other half: a global that build() assigns (``STORE_GLOBAL``; a step counter) is
+handed to the state-write machinery with its value before and after (``state_changes``), which
+replays a value that settles after the first call and refuses one that changes on every call,
+as for attributes (``steady_state.py``). A ``nonlocal`` variable of a closure that build()
+assigns is refused by name.
+
+A trace function another tool installed (a debugger, coverage) keeps receiving its events: it
+is called for every frame as before and its local trace function gets every event but the
+opcode events this module asks for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import gc
+import sys
+import sysconfig
+import threading
+import types
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from ..errors import CaptureError
+from ..records.fxutil import UserFrame, is_library_file
+from ..records.guards import AttributeRead, CellNamespace
+from ..records.replays import MISSING, Place
+from .reads import guard_form, watch_object
+from .state_writes import Change
+
+_PATHS = sysconfig.get_paths()
+_STDLIB = tuple({_PATHS[k].rstrip("/") + "/" for k in ("stdlib", "platstdlib")})
+_INSTALLED = tuple({_PATHS[k].rstrip("/") + "/" for k in ("purelib", "platlib")})
+_active = threading.local()  # .tracer: the trace function of this thread's capture
+_WATCHED_OPS = {"LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF", "STORE_GLOBAL", "STORE_DEREF"}
+_traced_code: dict[types.CodeType, dict[int, tuple[str, str]] | None] = {}
+
+
+def _ops_of(code: types.CodeType) -> dict[int, tuple[str, str]] | None:
+    """{offset: (opname, name)} of the reads and writes to watch in ``code``; None for code
+    that is not the user's."""
+    if code in _traced_code:
+        return _traced_code[code]
+    filename = code.co_filename
+    ops = None
+    standard = filename.startswith(_STDLIB) and not filename.startswith(_INSTALLED)
+    if not is_library_file(filename) and not standard:
+        ops = {
+            i.offset: (i.opname, i.argval)
+            for i in dis.get_instructions(code)
+            if i.opname in _WATCHED_OPS
+        }
+    _traced_code[code] = ops
+    return ops
+
+
+class ScopeReads:
+    """The trace function of one capture, and what it recorded."""
+
+    def __init__(self, graph_name: str, skip: frozenset | set = frozenset()) -> None:
+        self.graph_name = graph_name
+        self.skip = skip  # places of values traced as inputs (lifted): not settings
+        self.reads: dict[tuple, AttributeRead] = {}
+        self.written: dict[tuple[int, str], tuple[Place, Any, UserFrame]] = {}
+        self.refused: CaptureError | None = None
+        self._previous: Callable | None = None
+        self._started: set[int] = set()  # frames of user code with cells, begun while tracing
+
+    # -- the trace function ----------------------------------------------------------------
+    def _global_trace(self, frame: types.FrameType, event: str, arg: Any) -> Callable | None:
+        previous = self._previous(frame, event, arg) if self._previous else None
+        ops = _ops_of(frame.f_code)
+        if not ops:
+            return previous
+        if frame.f_code.co_cellvars:  # its functions' closures are locals of traced code
+            self._started.add(id(frame))
+        frame.f_trace_opcodes = True
+        return self._local_trace(ops, previous)
+
+    def _local_trace(self, ops: dict, previous: Callable | None) -> Callable:
+        def local(frame: types.FrameType, event: str, arg: Any) -> Callable | None:
+            nonlocal previous
+            if event == "opcode":
+                op = ops.get(frame.f_lasti)
+                if op is not None:
+                    self._on_op(frame, *op)
+            elif previous is not None:
+                previous = previous(frame, event, arg)
+            return local
+
+        return local
+
+    def _on_op(self, frame: types.FrameType, opname: str, name: str) -> None:
+        try:
+            if opname == "LOAD_GLOBAL":
+                self._read_global(frame, name)
+            elif opname == "STORE_GLOBAL":
+                self._write_global(frame, name)
+            elif name in frame.f_code.co_freevars:
+                if opname == "STORE_DEREF":
+                    self._refuse_nonlocal_write(frame, name)
+                else:
+                    self._read_free(frame, name)
+        except CaptureError as e:
+            self.refused = self.refused or e
+
+    # -- globals ---------------------------------------------------------------------------
+    def _read_global(self, frame: types.FrameType, name: str) -> None:
+        namespace = frame.f_globals
+        key = (id(namespace), name)
+        if key in self.reads or key in self.written or name not in namespace or key in self.skip:
+            return  # builtins are not settings
+        label = f"global {name} ({namespace.get('__name__', '?')})"
+        read = _read(label, namespace, name, namespace[name])
+        if read is not None:
+            self.reads[key] = read
+
+    def _write_global(self, frame: types.FrameType, name: str) -> None:
+        namespace = frame.f_globals
+        key = (id(namespace), name)
+        if key in self.written:
+            return
+        module = sys.modules.get(namespace.get("__name__", ""))
+        if module is None or vars(module) is not namespace:
+            raise CaptureError(
+                f"{self.graph_name}.build() assigns the global {name!r}{_where(frame)} in code "
+                "whose module graphamp cannot find: assign it outside build()"
+            )
+        place = Place(module, name, "attribute", label=module.__name__)
+        self.written[key] = (place, namespace.get(name, MISSING), _frame_of(frame))
+        self.reads.pop(key, None)  # what the trace reads of it afterwards is its own value
+
+    # -- closures --------------------------------------------------------------------------
+    def _read_free(self, frame: types.FrameType, name: str) -> None:
+        if name == "__class__":  # the cell zero-argument super() reads
+            return
+        value = frame.f_locals.get(name, MISSING)
+        if value is MISSING or not _is_setting(value) or self._defined_in_traced_code(frame, name):
+            return
+        cell = _cell_of(frame, name, value)
+        if cell is None:
+            return
+        key = (id(cell), name)
+        if key in self.reads or (id(cell), name) in self.skip:
+            return
+        label = f"closure variable {name} of {frame.f_code.co_qualname}"
+        read = _read(label, CellNamespace(cell), name, value)
+        if read is not None:
+            self.reads[key] = read
+
+    def _refuse_nonlocal_write(self, frame: types.FrameType, name: str) -> None:
+        if self._defined_in_traced_code(frame, name):
+            return
+        raise CaptureError(
+            f"{self.graph_name}.build() assigns the closure variable {name!r} of "
+            f"{frame.f_code.co_qualname}{_where(frame)} (nonlocal): the compiled step runs "
+            "without Python, so the assignment would happen on the first call only. Keep the "
+            "value on a registered module or the Graph (a buffer for a tensor), or assign it "
+            "outside build()"
+        )
+
+    def _defined_in_traced_code(self, frame: types.FrameType, name: str) -> bool:
+        """Is the variable a local of a function that began while build() was traced (a
+        function defined inside build()'s code closes over it)? The innermost running frame
+        that holds it as a cell owns it."""
+        outer = frame.f_back
+        while outer is not None:
+            if name in outer.f_code.co_cellvars:
+                return id(outer) in self._started
+            outer = outer.f_back
+        return False
+
+    # -- results ---------------------------------------------------------------------------
+    def state_changes(self) -> list[Change]:
+        """The globals build() assigned, as state changes (value before and now)."""
+        changes = []
+        for place, before, where in self.written.values():
+            changes.append(Change(place, before, place.read(), where))
+        return changes
+
+    def recorded(self) -> list[AttributeRead]:
+        """The globals and closure variables read (raises the refusal of a write, if any)."""
+        if self.refused is not None:
+            raise self.refused
+        return list(self.reads.values())
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        """On leaving, the globals build() assigned are put back (as ``StateWatch`` puts back
+        the attributes)."""
+        try:
+            yield
+        finally:
+            for place, before, _ in self.written.values():
+                place.write(before)
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[ScopeReads]:
+        """The trace function, on this thread, for the block."""
+        self._previous = sys.gettrace()
+        tracer = self._global_trace  # one bound method: untraced() compares it by identity
+        sys.settrace(tracer)
+        _active.tracer = tracer
+        try:
+            yield self
+        finally:
+            _active.tracer = None
+            sys.settrace(self._previous)
+        if self.refused is not None:
+            raise self.refused
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """torch's own work for a function build() calls (the op's dispatch, fake and proxy
+    tensors, functionalization) runs without the trace function: it reads none of the user's
+    globals, and its many Python calls made capture twice as slow when traced."""
+    tracer = getattr(_active, "tracer", None)
+    if tracer is None or sys.gettrace() is not tracer:
+        yield
+        return
+    sys.settrace(None)
+    try:
+        yield
+    finally:
+        sys.settrace(tracer)
+
+
+def _is_setting(value: Any) -> bool:
+    """A closure variable worth checking: data, a tensor or a module. A function or class a
+    closure holds (a decorator's wrapped function) is code: finding its cell costs a search of
+    every object, at every wrapper."""
+    if isinstance(value, (torch.Tensor, nn.Module)):
+        return True
+    return guard_form(value)[1]
+
+
+def _read(label: str, namespace: Any, name: str, value: Any) -> AttributeRead | None:
+    """The record of one global or closure read, or None where the value is not a setting."""
+    if isinstance(value, types.ModuleType):
+        return None
+    if isinstance(value, nn.Module):
+        watch_object(value, label)
+        return AttributeRead(label, namespace, name, value, by_value=False)
+    if isinstance(value, (torch.Tensor, type, types.FunctionType, types.BuiltinFunctionType)):
+        return AttributeRead(label, namespace, name, value, by_value=False)
+    kept, by_value = guard_form(value)
+    if not by_value:
+        return None  # an object whose contents cannot be compared cheaply
+    return AttributeRead(label, namespace, name, kept, by_value=True)
+
+
+def _cell_of(frame: types.FrameType, name: str, value: Any) -> types.CellType | None:
+    """The cell holding ``name`` for the function running in ``frame``: that function is found
+    where its callers got it (their locals and globals, the objects among them and their
+    classes, a bound method's function); for the user's own code, among all objects when that
+    fails (a search of the whole heap, too slow for every library's decorators)."""
+    code = frame.f_code
+    index = code.co_freevars.index(name)
+    seen: set[int] = set()
+    outer = frame.f_back
+    for _ in range(4):  # the callers that may hold it: build(), a module's __call__, ...
+        if outer is None:
+            break
+        for holder in (outer.f_locals, outer.f_globals):
+            for candidate in _functions_in(holder.values(), seen):
+                cell = _matching_cell(candidate, code, index, value)
+                if cell is not None:
+                    return cell
+        outer = outer.f_back
+    if code.co_filename.startswith(_INSTALLED):
+        return None
+    for candidate in gc.get_referrers(code):
+        if isinstance(candidate, types.FunctionType):
+            cell = _matching_cell(candidate, code, index, value)
+            if cell is not None:
+                return cell
+    return None
+
+
+def _functions_in(values: Iterable[Any], seen: set[int]) -> Iterator[types.FunctionType]:
+    """The functions among ``values``, the functions of bound methods among them, and the ones
+    one attribute or class attribute away."""
+    for value in values:
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, types.MethodType):
+            value = value.__func__
+        if isinstance(value, types.FunctionType):
+            yield value
+        elif hasattr(value, "__dict__") and not isinstance(value, (types.ModuleType, type)):
+            for inner in (*vars(value).values(), *vars(type(value)).values()):
+                inner = inner.__func__ if isinstance(inner, types.MethodType) else inner
+                if isinstance(inner, types.FunctionType):
+                    yield inner
+
+
+def _matching_cell(
+    function: types.FunctionType, code: types.CodeType, index: int, value: Any
+) -> types.CellType | None:
+    if function.__code__ is not code or not function.__closure__:
+        return None
+    cell = function.__closure__[index]
+    try:
+        return cell if cell.cell_contents is value else None
+    except ValueError:  # an empty cell
+        return None
+
+
+def _frame_of(frame: types.FrameType) -> UserFrame:
+    return UserFrame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
+
+
+def _where(frame: types.FrameType) -> str:
+    at = _frame_of(frame)
+    return f" at {at.short()} ({at.code})"

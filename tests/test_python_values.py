@@ -1,0 +1,402 @@
+"""Issue 35: every Python value a step reads is checked, not only registered modules' attributes.
+
+Each case trains the same model eagerly and through graphamp while the training loop changes a
+Python value the step reads (a global, a closure variable, a class attribute, the contents of a
+dict, dataclass or namespace) between calls. The step must follow eager (the value is honoured:
+captured again, logged with its name, old and new value), and a value changed back reuses the
+program it had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import make_graph
+
+import graphamp
+from graphamp.errors import CaptureError
+
+KL_WEIGHT = 0.0  # a module global the training loop anneals, read in forward()
+LOSS_SCALE = 1.0  # a module global read in build()
+STEP = 0  # a global counter build() increments (refused: it changes on every call)
+
+
+class VAE(nn.Module):
+    """A loss with a KL term weighted by a global, and a class attribute scaling the decoder."""
+
+    temperature = 1.0  # a class attribute, changed on the class
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+        self.dec = nn.Linear(4, 8)
+
+    def forward(self, x):
+        h = self.enc(x)
+        mu, logvar = h.chunk(2, dim=-1)
+        recon = self.dec(mu) / self.temperature
+        kl = -0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).mean()
+        return F.mse_loss(recon, x) + KL_WEIGHT * kl
+
+
+class Regularised(nn.Module):
+    """Hyperparameters in containers held by the module: a dict, a dataclass, a namespace."""
+
+    @dataclasses.dataclass
+    class Config:
+        l2: float = 0.0
+        centred: bool = False
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.hp = {"reg": 0.0, "kind": "l1"}
+        self.cfg = self.Config()
+        self.args = argparse.Namespace(shift=0.0)
+        self.schedule = [{"w": 1.0}, {"w": 0.5}]
+
+    def forward(self, x):
+        out = self.lin(x + self.args.shift)
+        if self.cfg.centred:
+            out = out - out.mean()
+        penalty = out.abs().mean() if self.hp["kind"] == "l1" else out.pow(2).mean()
+        weight = self.schedule[0]["w"]
+        return weight * out.pow(2).mean() + self.hp["reg"] * penalty + self.cfg.l2 * x.sum() * 0
+
+
+def _data():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(16, 8, generator=gen) for _ in range(6)]
+
+
+def _train(model_cls, change, graph: bool, build=None, steps: int = 6):
+    """Losses and final parameters of ``steps`` SGD steps; ``change(step, model)`` runs before
+    each step (the training loop changing a value)."""
+    torch.manual_seed(0)
+    model = model_cls()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = None
+    if graph:
+        g = make_graph(model, lambda out, y: out, opt, build=build)
+    losses = []
+    for step, x in enumerate(_data()[:steps]):
+        change(step, model)
+        if g is not None:
+            losses.append(g(x, None).detach().clone())
+        else:
+            opt.zero_grad(set_to_none=True)
+            loss = build(_Eager(model), x, None) if build else model(x)
+            if not build:
+                loss.backward()
+            opt.step()
+            losses.append(loss.detach().clone())
+    params = [p.detach().clone() for p in model.parameters()]
+    return losses, params, g
+
+
+class _Eager:
+    """Stands in for the Graph in an eager run of a build function."""
+
+    def __init__(self, model):
+        self.model = model
+
+
+def _assert_like_eager(change, model_cls=VAE, build=None, caplog=None, expect=()):
+    """Eager and graphamp train alike under ``change``; graphamp logged each expected change."""
+    reset = _globals()
+    eager = _train(model_cls, change, graph=False, build=build)
+    _restore(reset)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        graphed = _train(model_cls, change, graph=True, build=build)
+    _restore(reset)
+    for a, b in zip(eager[0], graphed[0]):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(eager[1], graphed[1]):
+        torch.testing.assert_close(a, b)
+    messages = [r.getMessage() for r in caplog.records]
+    for words in expect:
+        assert any(words in m for m in messages), (words, [m for m in messages if "again" in m])
+    return graphed[2]
+
+
+def _globals():
+    return dict(KL_WEIGHT=KL_WEIGHT, LOSS_SCALE=LOSS_SCALE, STEP=STEP, t=VAE.temperature)
+
+
+def _restore(saved):
+    global KL_WEIGHT, LOSS_SCALE, STEP
+    KL_WEIGHT, LOSS_SCALE, STEP = saved["KL_WEIGHT"], saved["LOSS_SCALE"], saved["STEP"]
+    VAE.temperature = saved["t"]
+
+
+def test_a_global_annealed_by_the_loop_and_read_in_forward_is_honoured(caplog):
+    def anneal(step, model):
+        global KL_WEIGHT
+        KL_WEIGHT = min(1.0, step / 2)
+
+    g = _assert_like_eager(
+        anneal,
+        caplog=caplog,
+        expect=["global KL_WEIGHT", "changed from 0.0 to 0.5", "takes it as an input"],
+    )
+    # the first value is baked in; once it changed, it is an input of the step
+    assert len(g.compiled_steps) == 2
+
+
+def test_a_kl_weight_annealed_over_1000_steps_compiles_twice_and_equals_eager():
+    def anneal(step, model):
+        global KL_WEIGHT
+        KL_WEIGHT = min(1.0, step / 1000)
+
+    reset = _globals()
+    try:
+        eager = _train(VAE, anneal, graph=False, steps=1000)
+        _restore(reset)
+        losses, params, g = _train(VAE, anneal, graph=True, steps=1000)
+    finally:
+        _restore(reset)
+    assert len(g.compiled_steps) == 2
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager[0]))
+    for a, b in zip(params, eager[1]):
+        torch.testing.assert_close(a, b)
+
+
+class Gated(VAE):
+    """Branches on the KL weight in Python: it cannot be a step input."""
+
+    def forward(self, x):
+        loss = super().forward(x)
+        return loss * 2 if KL_WEIGHT > 0.25 else loss
+
+
+def test_a_float_build_branches_on_stays_baked_in_and_is_honoured(caplog):
+    def anneal(step, model):
+        global KL_WEIGHT
+        KL_WEIGHT = step / 10
+
+    g = _assert_like_eager(
+        anneal, model_cls=Gated, caplog=caplog, expect=["needs it as a Python number"]
+    )
+    assert len(g.compiled_steps) == 6  # one per value: it decides a branch
+
+
+@pytest.mark.inductor
+def test_a_lifted_value_with_inductor(caplog):
+    def anneal(step, model):
+        global KL_WEIGHT
+        KL_WEIGHT = step / 5
+
+    reset = _globals()
+    try:
+        eager = _train(VAE, anneal, graph=False)
+        _restore(reset)
+        torch.manual_seed(0)
+        model = VAE()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        g = make_graph(model, lambda out, y: out, opt, backend="inductor")
+        losses = []
+        for step, x in enumerate(_data()):
+            anneal(step, model)
+            losses.append(g(x, None).detach().clone())
+    finally:
+        _restore(reset)
+    assert len(g.compiled_steps) == 2
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager[0]))
+
+
+def test_a_global_read_in_build_is_honoured(caplog):
+    def build(self, x, y):
+        loss = self.model(x) * LOSS_SCALE
+        loss.backward()
+        return loss
+
+    def change(step, model):
+        global LOSS_SCALE
+        LOSS_SCALE = 1.0 if step < 3 else 2.0
+
+    _assert_like_eager(change, build=build, caplog=caplog, expect=["global LOSS_SCALE"])
+
+
+def test_a_class_attribute_changed_on_the_class_is_honoured(caplog):
+    def change(step, model):
+        VAE.temperature = 1.0 if step < 2 else 0.5
+
+    _assert_like_eager(change, caplog=caplog, expect=["VAE.temperature changed from 1.0 to 0.5"])
+
+
+def test_an_instance_attribute_shadowing_a_class_attribute_is_honoured(caplog):
+    def change(step, model):
+        if step == 3:
+            model.temperature = 2.0
+
+    _assert_like_eager(change, caplog=caplog, expect=["temperature was set on the instance"])
+
+
+@pytest.mark.parametrize(
+    "what, change, words",
+    [
+        ("dict item", lambda s, m: m.hp.update(reg=0.1 * s), "self.model.hp changed"),
+        ("dict item, a branch", lambda s, m: m.hp.update(kind="l2" if s > 2 else "l1"), "'l2'"),
+        ("dataclass field", lambda s, m: setattr(m.cfg, "centred", s > 2), "centred=True"),
+        ("namespace field", lambda s, m: setattr(m.args, "shift", 0.5 * (s > 3)), "shift=0.5"),
+        ("list of dicts", lambda s, m: m.schedule[0].update(w=2.0 if s > 1 else 1.0), "'w': 2.0"),
+    ],
+)
+def test_contents_of_containers_changed_in_place_are_honoured(what, change, words, caplog):
+    _assert_like_eager(change, model_cls=Regularised, caplog=caplog, expect=[words])
+
+
+def _weighted_loss():
+    """A loss made by a factory: its weight lives in a closure cell the setter rebinds."""
+    weight = 1.0
+
+    def loss(out):
+        return out * weight
+
+    def set_weight(value):
+        nonlocal weight
+        weight = value
+
+    return loss, set_weight
+
+
+def test_a_closure_variable_rebound_after_the_first_call_is_honoured(caplog):
+    loss, set_weight = _weighted_loss()
+
+    def build(self, x, y):
+        out = loss(self.model(x))
+        out.backward()
+        return out
+
+    def change(step, model):
+        set_weight(1.0 if step < 2 else 3.0)
+
+    _assert_like_eager(
+        change, build=build, caplog=caplog, expect=["closure variable weight", "from 1.0 to 3.0"]
+    )
+
+
+def test_a_value_changed_back_reuses_the_first_step():
+    reset = _globals()
+    try:
+        _, _, g = _train(VAE, lambda s, m: _set_kl(0.5 if s == 2 else 0.0), graph=True)
+    finally:
+        _restore(reset)
+    assert len(g.compiled_steps) == 2
+
+
+def _set_kl(value):
+    global KL_WEIGHT
+    KL_WEIGHT = value
+
+
+def test_a_training_step_function_honours_what_it_closes_over(caplog):
+    """The function way: a global schedule value and a loss module the function closes over
+    (never registered) whose label_smoothing the loop changes."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    twin = nn.Linear(8, 4)
+    twin.load_state_dict(model.state_dict())
+    criterion = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+
+    @graphamp.training_step(model, opt)
+    def train_step(x, y):
+        loss = criterion(model(x), y) * LOSS_SCALE
+        loss.backward()
+        return loss
+
+    train_step.config.set_backend("aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    reset = _globals()
+    try:
+        with caplog.at_level(logging.INFO, logger="graphamp"):
+            for step in range(5):
+                _restore({**reset, "LOSS_SCALE": 1.0 + (step > 1)})
+                criterion.label_smoothing = 0.2 if step > 2 else 0.0
+                x, y = torch.randn(4, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+                got = train_step(x, y)
+                twin_opt.zero_grad()
+                want = criterion(twin(x), y) * LOSS_SCALE
+                want.backward()
+                twin_opt.step()
+                torch.testing.assert_close(got, want.detach())
+    finally:
+        _restore(reset)
+    torch.testing.assert_close(model.weight, twin.weight)
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "global LOSS_SCALE" in messages
+    assert "label_smoothing changed from 0.0 to 0.2" in messages
+
+
+def test_a_global_counter_build_increments_is_refused_by_name():
+    def build(self, x, y):
+        global STEP
+        STEP += 1
+        loss = self.model(x)
+        loss.backward()
+        return loss
+
+    reset = _globals()
+    try:
+        model = VAE()
+        g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1), build=build)
+        with pytest.raises(CaptureError, match="STEP"):
+            g(torch.randn(4, 8), None)
+        assert STEP == reset["STEP"]  # put back: the user's state is as before the call
+    finally:
+        _restore(reset)
+
+
+def test_a_nonlocal_write_in_build_is_refused_by_name():
+    calls = 0
+
+    def build(self, x, y):
+        nonlocal calls
+        calls += 1
+        loss = self.model(x)
+        loss.backward()
+        return loss
+
+    model = VAE()
+    g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1), build=build)
+    with pytest.raises(CaptureError, match="closure variable 'calls'"):
+        g(torch.randn(4, 8), None)
+
+
+def test_a_global_function_rebound_is_honoured(caplog):
+    """A global bound to another function (the loss swapped between phases)."""
+    global _criterion
+    saved = _criterion
+
+    def build(self, x, y):
+        loss = _criterion(self.model(x))
+        loss.backward()
+        return loss
+
+    def change(step, model):
+        global _criterion
+        _criterion = _mean if step < 3 else _double_mean
+
+    try:
+        _assert_like_eager(change, build=build, caplog=caplog, expect=["global _criterion"])
+    finally:
+        _criterion = saved
+
+
+def _mean(out):
+    return out.mean()
+
+
+def _double_mean(out):
+    return 2 * out.mean()
+
+
+_criterion = _mean
