@@ -258,7 +258,7 @@ def test_the_recompile_limit_names_what_keeps_changing():
             self.add_optimizer(opt)
             self.config.set_backend("aot_eager")
             self.config.set_recompile_limit(3)
-            self.scale = 1.0
+            self.scale = 1  # an int: a float that keeps changing becomes a step input instead
 
         def build(self, x, y):
             loss = self.scale * F.cross_entropy(self.model(x), y)
@@ -268,10 +268,10 @@ def test_the_recompile_limit_names_what_keeps_changing():
     g = Scaled()
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     for step in range(3):
-        g.scale = 1.0 + step  # a Python number build() reads, changed every call
+        g.scale = 1 + step  # a Python number build() reads, changed every call
         g(x, y)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    g.scale = 10.0
+    g.scale = 10
     with pytest.raises(graphamp.RecompileLimitError) as err:
         g(x, y)
     assert "self.scale changed from" in str(err.value) and "set_recompile_limit(3)" in str(

@@ -39,6 +39,7 @@ import sys
 import sysconfig
 import threading
 import types
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -56,14 +57,18 @@ _STDLIB = tuple({_PATHS[k].rstrip("/") + "/" for k in ("stdlib", "platstdlib")})
 _INSTALLED = tuple({_PATHS[k].rstrip("/") + "/" for k in ("purelib", "platlib")})
 _active = threading.local()  # .tracer: the trace function of this thread's capture
 _WATCHED_OPS = {"LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF", "STORE_GLOBAL", "STORE_DEREF"}
-_traced_code: dict[types.CodeType, dict[int, tuple[str, str]] | None] = {}
+# per code object, what to watch in it; weak: a notebook cell run again makes new code objects
+_traced_code: weakref.WeakKeyDictionary[types.CodeType, dict[int, tuple[str, str]] | None] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _ops_of(code: types.CodeType) -> dict[int, tuple[str, str]] | None:
     """{offset: (opname, name)} of the reads and writes to watch in ``code``; None for code
     that is not the user's."""
-    if code in _traced_code:
-        return _traced_code[code]
+    ops = _traced_code.get(code, _traced_code)
+    if ops is not _traced_code:
+        return ops  # type: ignore[return-value]
     filename = code.co_filename
     ops = None
     standard = filename.startswith(_STDLIB) and not filename.startswith(_INSTALLED)

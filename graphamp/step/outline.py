@@ -58,7 +58,11 @@ def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
     result = OutlineResult(blocks=len(blocks))
     if len(blocks) < 2:
         return result
-    result.saves = recompute_cheap_saves(gm, block_regions(gm, blocks))
+    regions = block_regions(gm, blocks)
+    repeated = _repeated_forwards(gm, regions)  # a block without an equal stays inline as it is
+    result.saves = recompute_cheap_saves(
+        gm, {key: nodes for key, nodes in regions.items() if key[1] in repeated}
+    )
     regions = block_regions(gm, blocks)
     extracted = {key: _extract(gm, nodes) for key, nodes in regions.items()}
     groups: dict[str, list[Region]] = {}
@@ -85,6 +89,16 @@ def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
     gm.graph.lint()
     gm.recompile()
     return result
+
+
+def _repeated_forwards(gm: fx.GraphModule, regions: dict[Region, list[fx.Node]]) -> set[str]:
+    """The blocks whose forward region has an equal (the same subgraph code and inputs)."""
+    by_signature: dict[str, list[str]] = {}
+    for (kind, block), nodes in regions.items():
+        if kind == "fw":
+            ex = _extract(gm, nodes)
+            by_signature.setdefault(_signature(ex.sub, ex.inputs), []).append(block)
+    return {block for blocks in by_signature.values() if len(blocks) > 1 for block in blocks}
 
 
 def find_blocks(gm: fx.GraphModule) -> list[str]:
