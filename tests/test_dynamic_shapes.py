@@ -304,3 +304,45 @@ def test_one_cuda_graph_per_batch_shape_least_recently_used_dropped():
         (torch.Size([4, 3]),),
     ]
     assert graphs.captures == 4 and len(graphs.graphs) == 2
+
+
+class _Pairs(nn.Module):
+    """Reshapes by a Python size taken from the batch (pairs of positions) and branches on a
+    size: the two Python uses of sizes issue 35 found."""
+
+    def __init__(self, branch: bool):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.branch = branch
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = self.lin(x).reshape(b, t // 2, 2 * c).view(b, t // 2, 2, c).sum(2)
+        if self.branch and t > 12:
+            h = h * 2
+        return h.pow(2).mean()
+
+
+@pytest.mark.parametrize("branch", [False, True])
+def test_python_sizes_in_forward_train_as_eager_over_changing_lengths(branch, caplog):
+    """A reshape by ``t // 2`` made a parameter's gradient size an expression of the length
+    that only equals the parameter's for even lengths: assembly failed at the second length.
+    A branch on a size compiles one step per outcome of the branch (the dynamic step's guards
+    hold the condition), never one per length."""
+    torch.manual_seed(0)
+    model = _Pairs(branch)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    g = make_graph(model, lambda out, y: out, opt)
+    gen = torch.Generator().manual_seed(0)
+    lengths = (8, 10, 14, 16, 6, 20, 12, 18)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        for t in lengths:
+            x = torch.randn(2, t, 8, generator=gen)
+            got = g(x, None)
+            want = eager_step(twin, lambda out, y: out, twin_opt, x, None)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_state_close(model, twin)
+    # static first length, the dynamic step; with the branch, its other outcome
+    assert len(g.compiled_steps) == (3 if branch else 2)

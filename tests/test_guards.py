@@ -335,3 +335,25 @@ def test_an_input_sharing_memory_with_a_parameter_given_new_memory_reads_its_own
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert_state_close(model, twin)
     assert len(g.compiled_steps) == 1
+
+
+def test_graphs_made_by_a_factory_are_freed():
+    """Issue 36: the patch that records attribute reads was kept per class forever, and with it
+    a Graph subclass defined in a function, its closure, the optimizer and the Graph (a sweep,
+    a notebook cell run again)."""
+    import gc
+    import weakref
+
+    refs = []
+
+    def make():
+        model = nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = make_graph(model, lambda out, y: out.sum(), opt)
+        g(torch.randn(2, 8), None)
+        refs.append(weakref.ref(g))
+
+    for _ in range(3):
+        make()
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]

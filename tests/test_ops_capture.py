@@ -308,6 +308,47 @@ def test_rrelu_gradients_read_the_slopes_its_forward_drew(how):
     assert not torch.equal(masks[0], masks[1])
 
 
+class OneSlopeRReLU(nn.Module):
+    """RReLU whose range is one value (lower == upper), called each way torch offers."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+        self.act = nn.RReLU(0.2, 0.2)
+        self.head = nn.Linear(8, 1)
+        self.how = how
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.how == "in place":
+            a = F.rrelu(h.clone(), 0.2, 0.2, training=True, inplace=True)
+        elif self.how == "torch.rrelu":
+            a = torch.rrelu(h, 0.2, 0.2, True)
+        else:
+            a = self.act(h)
+        return self.head(a).pow(2).mean()
+
+
+@pytest.mark.parametrize("how", ["module", "in place", "torch.rrelu"])
+def test_rrelu_with_one_slope_trains_as_eager(how):
+    """Issue 35: nn.RReLU(lower, upper) with lower == upper in training made the parameters
+    NaN from the second step; every slope is that value, so the step equals eager's."""
+    torch.manual_seed(0)
+    model = OneSlopeRReLU(how)
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.5)
+    g = make_graph(model, lambda loss, _: loss, opt)
+    for x in torch.randn(4, 16, 6).unbind():
+        got = g(x, None)
+        twin_opt.zero_grad()
+        want = twin(x)
+        want.backward()
+        twin_opt.step()
+        torch.testing.assert_close(got, want.detach())
+    assert_state_close(model, twin, rtol=1e-5, atol=1e-6)
+
+
 def test_rrelu_is_the_only_functional_variant_whose_backward_reads_a_filled_input():
     """Functionalization replaces an op that fills one of its inputs by the op's
     ``*_functional`` variant; where autograd's formula for the variant reads the filled input

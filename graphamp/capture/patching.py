@@ -29,6 +29,11 @@ class SharedPatch:
         self._lock = threading.Lock()
 
     @property
+    def in_use(self) -> bool:
+        """Is the replacement installed (some ``applied()`` block open)?"""
+        return self._users > 0
+
+    @property
     def available(self) -> bool:
         """Does the attribute exist in this torch release?"""
         return hasattr(self.owner, self.name)

@@ -183,18 +183,31 @@ def _recording(original: Any) -> Any:
     return __getattribute__
 
 
-_patches: dict[type, SharedPatch] = {}
+_patches: dict[type, SharedPatch] = {}  # the classes some capture records reads on now
+_patches_lock = threading.Lock()
 
 
-def _patch_for(cls: type) -> SharedPatch:
-    """The recording ``__getattribute__`` of ``cls`` (made once per class): it wraps the one
-    the class has, its own (transformers' configs define one) or inherited."""
-    patch = _patches.get(cls)
-    if patch is None:
-        patch = _patches[cls] = SharedPatch(
-            cls, "__getattribute__", _recording(cls.__getattribute__)
-        )
-    return patch
+@contextlib.contextmanager
+def _recording_on(cls: type) -> Iterator[None]:
+    """The recording ``__getattribute__`` on ``cls`` for the block: it wraps the one the class
+    has, its own (transformers' configs define one) or inherited. Captures in several threads
+    share one patch per class; the last to leave forgets it, so a class defined in a function
+    (a Graph made by a factory, a notebook cell run again) is not kept alive with its closure."""
+    with _patches_lock:
+        patch = _patches.get(cls)
+        if patch is None:
+            patch = _patches[cls] = SharedPatch(
+                cls, "__getattribute__", _recording(cls.__getattribute__)
+            )
+        applied = patch.applied()
+        applied.__enter__()
+    try:
+        yield
+    finally:
+        with _patches_lock:
+            applied.__exit__(None, None, None)
+            if not patch.in_use:
+                del _patches[cls]
 
 
 def transformers_config_class() -> type | None:
@@ -249,7 +262,7 @@ def recording_attribute_reads(
     reads: list[AttributeRead] = []
     with contextlib.ExitStack() as stack:
         for cls in classes:
-            stack.enter_context(_patch_for(cls).applied())
+            stack.enter_context(_recording_on(cls))
         _local.watch, _local.reads = watch, {}
         try:
             yield reads

@@ -15,7 +15,9 @@ given (filled in place) and its backward reads that tensor. Functionalized, the 
 ``empty_like``: gradients from garbage memory. Captured instead as the slopes drawn by
 ``uniform_`` and the product, ``where(x <= 0, x * r, x)``: autograd's backward of that product
 reads the very slopes the forward drew, as eager's kernel does (its distribution: one slope
-uniform in ``[lower, upper]`` per non-positive element). torch's other ``*_functional``
+uniform in ``[lower, upper]`` per non-positive element). A range torch treats as one value
+(``upper - lower <= 1e-6``) draws that value everywhere: leaky ReLU with it, forward and
+backward, which is what is captured. torch's other ``*_functional``
 variants (batch norm's, the fused observer + fake-quantize, ``normal_``) were audited for the
 same shape: their backward reads no input they fill (tests/test_ops_capture.py keeps the
 list).
@@ -160,10 +162,16 @@ def capture_rrelu(
     training: bool = False,
     inplace: bool = False,
 ) -> Tensor:
-    """``F.rrelu`` as graphamp captures it (module docstring). Eval mode, and slopes drawn
-    from a range torch treats as one value, are torch's own: their backward reads no noise."""
-    if not training or upper - lower <= 1e-6:
+    """``F.rrelu`` as graphamp captures it (module docstring). Eval mode is torch's own (its
+    backward reads no noise). In training, a range torch treats as one value (``upper - lower
+    <= 1e-6``) draws every slope as that value: the output and torch's backward are leaky
+    ReLU's with slope ``(lower + upper) / 2``, which is what is captured (torch's functional
+    form of the op, traced, gave NaN gradients from the second step)."""
+    if not training:
         return (torch.rrelu_ if inplace else torch.rrelu)(input, lower, upper, training)
+    if upper - lower <= 1e-6:
+        slope = (lower + upper) / 2
+        return (F.leaky_relu_ if inplace else F.leaky_relu)(input, slope)
     out = input * _slopes(input, lower, upper)
     return input.copy_(out) if inplace else out
 
@@ -177,11 +185,14 @@ def _slopes(input: Tensor, lower: float, upper: float) -> Tensor:
 def _rrelu_with_noise(input, noise, lower=1.0 / 8, upper=1.0 / 3, training=False, generator=None):
     """The aten-level entry: fills ``noise`` with the slopes, as torch's kernel does."""
     _refuse_generator(generator, training)
-    if not training or upper - lower <= 1e-6:
+    if not training:
         return torch._C._nn.rrelu_with_noise(  # type: ignore[attr-defined]
             input, noise, lower, upper, training, generator
         )
-    slopes = _slopes(input, lower, upper)
+    if upper - lower <= 1e-6:  # every slope drawn is the one value (capture_rrelu)
+        slopes = torch.where(input <= 0, (lower + upper) / 2, torch.ones_like(input))
+    else:
+        slopes = _slopes(input, lower, upper)
     noise.copy_(slopes)
     return input * slopes
 

@@ -36,8 +36,7 @@ _STAGE_WORDS = {
     ),
     "assemble": (
         "assembling the training step of {name}",
-        "a custom autograd Function's backward or a hook runs here: check that it "
-        "works eagerly; otherwise report it with g.dump(path)",
+        "report it with g.dump(path)",
     ),
     "compile": (
         "compiling the step of {name} with the {backend!r} backend",
@@ -53,5 +52,47 @@ def stage_error(spec: GraphSpec, stage: str, error: Exception) -> GraphampError:
     doing = doing.format(name=spec.name, backend=spec.config.backend)
     frame = user_frame_of_exception(error)
     at = f" at {frame}" if frame is not None else ""
+    if stage == "assemble":
+        doing += _step_part(error)
+        fix = _assembly_fix(error, frame is not None)
     kind = CompileError if stage == "compile" else CaptureError
     return kind(f"{doing} failed{at}: {type(error).__name__}: {error}. {fix}")
+
+
+# the file of graphamp's step assembly a failure was raised under -> the part of the step
+_STEP_PARTS = {
+    "gradients.py": "the backward",
+    "optimizer_update.py": "the optimizer update",
+    "scaling.py": "unscaling, the overflow check or clipping",
+    "collectives.py": "the gradients' all-reduce",
+    "zero.py": "ZeRO's sharded update",
+    "overflow_probes.py": "the overflow probes",
+    "history_row.py": "the step's history row",
+}
+
+
+def _step_part(error: BaseException) -> str:
+    """' (<part of the step>)': the innermost part of assembly the traceback passed through."""
+    part = ""
+    tb = error.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        if "/graphamp/step/" in path:
+            part = _STEP_PARTS.get(path.rsplit("/", 1)[-1], part)
+        tb = tb.tb_next
+    return f" ({part})" if part else ""
+
+
+def _assembly_fix(error: BaseException, in_user_code: bool) -> str:
+    if in_user_code:  # the user's Python that assembly runs: a custom Function's backward, a hook
+        return (
+            "the code named runs during assembly (a custom autograd Function's backward or a "
+            "hook): check that it works eagerly; otherwise report it with g.dump(path)"
+        )
+    if "SymInt" in str(error) or "symbolic" in str(error).lower():
+        return (
+            "the step was traced with sizes as symbols (changing shapes): "
+            "config.set_dynamic_shapes(False) compiles a step per size instead; please report "
+            "it with g.dump(path)"
+        )
+    return "this is graphamp's own failure: please report it with g.dump(path)"

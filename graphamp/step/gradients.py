@@ -249,8 +249,20 @@ def _accumulate_grads(
         for (i, _), g in zip(chosen, grads):
             if g is None:
                 continue
-            g = g.to(params[i].dtype)
+            g = _parameter_shaped(g.to(params[i].dtype), params[i])
             total[i] = total[i] + g if i in total else g
+
+
+def _parameter_shaped(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` with its parameter's sizes. Under symbolic batch sizes a gradient's size can be
+    an expression of them that equals the parameter's only for the sizes traced (a model that
+    reshapes by ``T // 2``: ``8 * (s0 // 2) * (s0 // (s0 // 2)) // s0``): reshaped, the step
+    assumes that equality (a guard of the program), and the optimizer gets concrete sizes."""
+    if all(type(s) is int for s in grad.shape):
+        return grad
+    # a view to sizes equal to its own keeps the expressions: through a column of the
+    # parameter's element count (never the gradient's own shape) they become numbers
+    return grad.reshape(-1).view(param.numel(), 1).view(param.shape)
 
 
 def _combine_micro_outputs(users: list[list], written: int) -> list:
