@@ -22,6 +22,8 @@ from helpers import make_graph
 import graphamp
 from graphamp.errors import CaptureError
 
+INDUCTOR = pytest.mark.inductor
+
 KL_WEIGHT = 0.0  # a module global the training loop anneals, read in forward()
 LOSS_SCALE = 1.0  # a module global read in build()
 STEP = 0  # a global counter build() increments (refused: it changes on every call)
@@ -75,7 +77,7 @@ def _data():
     return [torch.randn(16, 8, generator=gen) for _ in range(6)]
 
 
-def _train(model_cls, change, graph: bool, build=None, steps: int = 6):
+def _train(model_cls, change, graph: bool, build=None, steps: int = 6, backend="aot_eager"):
     """Losses and final parameters of ``steps`` SGD steps; ``change(step, model)`` runs before
     each step (the training loop changing a value)."""
     torch.manual_seed(0)
@@ -83,7 +85,7 @@ def _train(model_cls, change, graph: bool, build=None, steps: int = 6):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = None
     if graph:
-        g = make_graph(model, lambda out, y: out, opt, build=build)
+        g = make_graph(model, lambda out, y: out, opt, build=build, backend=backend)
     losses = []
     for step, x in enumerate(_data()[:steps]):
         change(step, model)
@@ -107,13 +109,15 @@ class _Eager:
         self.model = model
 
 
-def _assert_like_eager(change, model_cls=VAE, build=None, caplog=None, expect=()):
+def _assert_like_eager(
+    change, model_cls=VAE, build=None, caplog=None, expect=(), backend="aot_eager"
+):
     """Eager and graphamp train alike under ``change``; graphamp logged each expected change."""
     reset = _globals()
     eager = _train(model_cls, change, graph=False, build=build)
     _restore(reset)
     with caplog.at_level(logging.INFO, logger="graphamp"):
-        graphed = _train(model_cls, change, graph=True, build=build)
+        graphed = _train(model_cls, change, graph=True, build=build, backend=backend)
     _restore(reset)
     for a, b in zip(eager[0], graphed[0]):
         torch.testing.assert_close(a, b)
@@ -223,11 +227,27 @@ def test_a_global_read_in_build_is_honoured(caplog):
     _assert_like_eager(change, build=build, caplog=caplog, expect=["global LOSS_SCALE"])
 
 
-def test_a_class_attribute_changed_on_the_class_is_honoured(caplog):
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=INDUCTOR)])
+def test_a_class_attribute_changed_on_the_class_is_honoured(backend, caplog):
     def change(step, model):
         VAE.temperature = 1.0 if step < 2 else 0.5
 
-    _assert_like_eager(change, caplog=caplog, expect=["VAE.temperature changed from 1.0 to 0.5"])
+    _assert_like_eager(
+        change,
+        caplog=caplog,
+        expect=["VAE.temperature changed from 1.0 to 0.5"],
+        backend=backend,
+    )
+
+
+@pytest.mark.inductor
+def test_a_dict_item_branch_with_inductor(caplog):
+    def change(step, model):
+        model.hp["kind"] = "l2" if step > 2 else "l1"
+
+    _assert_like_eager(
+        change, model_cls=Regularised, caplog=caplog, expect=["'l2'"], backend="inductor"
+    )
 
 
 def test_an_instance_attribute_shadowing_a_class_attribute_is_honoured(caplog):
