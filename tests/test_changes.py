@@ -475,6 +475,36 @@ def test_graph_load_state_dict_checks_everything_before_changing_anything():
     torch.testing.assert_close(after["history"]["table"], good["history"]["table"], equal_nan=True)
 
 
+def test_loading_an_early_state_replaces_every_field_of_a_used_graph():
+    """Issue 36: a state saved before any optimizer step (``optimizer_steps == {}``) loaded into
+    a used Graph kept the used Graph's step counts. Loaded, it must leave the Graph as a fresh
+    Graph given the same state: the same state dict after the same calls."""
+
+    def graph():
+        torch.manual_seed(0)
+        model = seed_mlp()
+        g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+        return g, model
+
+    early, _ = graph()
+    saved = early.state_dict()
+    assert saved["optimizer_steps"] == {}
+    used, used_model = graph()
+    for x, y in _batches(3):
+        used(x, y)
+    fresh, fresh_model = graph()
+    for g in (used, fresh):
+        g.load_state_dict(saved)
+    used_model.load_state_dict(fresh_model.state_dict())
+    for x, y in _batches(2):
+        used(x, y)
+        fresh(x, y)
+    a, b = used.state_dict(), fresh.state_dict()
+    assert a["optimizer_steps"] == b["optimizer_steps"] == {0: 2}
+    assert a["step"] == b["step"]
+    torch.testing.assert_close(a["history"]["table"], b["history"]["table"], equal_nan=True)
+
+
 # -- 7. inputs ------------------------------------------------------------------------------------
 
 

@@ -349,11 +349,11 @@ def test_graphs_made_by_a_factory_are_freed():
     def make():
         model = nn.Linear(8, 8)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        g = make_graph(model, lambda out, y: out.sum(), opt)
+        g = make_graph(model, lambda out, y: out.sum(), opt, backend="eager")
         g(torch.randn(2, 8), None)
         refs.append(weakref.ref(g))
 
-    for _ in range(3):
+    for _ in range(50):
         make()
     gc.collect()
-    assert [r() for r in refs] == [None, None, None]
+    assert sum(r() is not None for r in refs) == 0

@@ -285,6 +285,123 @@ def test_concurrent_writers_of_one_entry_leave_one_whole_entry():
     assert sum("val" in n.meta for n in again.step_gm.graph.nodes) == values > 0
 
 
+# -- trust (issue 36) -----------------------------------------------------------------------------
+
+
+class _Planted:
+    """What a planted pickle does when unpickled: sets a flag (a real attack runs anything)."""
+
+    def __reduce__(self):
+        return (exec, ("import builtins; builtins.graphamp_planted_code_ran = True",))
+
+
+def _old_style_entry(payload: bytes) -> bytes:
+    """An entry framed as the step cache framed them before: a digest anyone can recompute."""
+    import hashlib
+
+    return b"graphamp-step-cache 2\n" + hashlib.sha256(payload).digest() + payload
+
+
+@pytest.mark.parametrize("how", ["planted pickle", "edited step"])
+def test_a_forged_entry_runs_no_code_and_is_not_used(how, caplog):
+    """A file written into the directory with its digest recomputed: the planted pickle is
+    never unpickled, the edited step (its float constants multiplied) never trains."""
+    import builtins
+    import pickle
+
+    data = _mlp_batches()
+    first = _train(_mlp, data)
+    (path,) = _entries()
+    key = os.path.basename(path)[: -len(".step")]
+    if how == "planted pickle":
+        payload = pickle.dumps(_Planted())
+    else:
+        from torch.fx._graph_pickler import GraphPickler, Options
+
+        step = step_cache.load("G", key, FakeTensorMode())
+        edited = 0
+        for node in step.step_gm.graph.nodes:  # every float constant of the step times ten
+            if any(type(a) is float for a in node.args):
+                node.args = tuple(a * 10 if type(a) is float else a for a in node.args)
+                edited += 1
+        assert edited > 0
+        step.step_gm.recompile()
+        payload = GraphPickler.dumps(step, Options(ops_filter=None))
+    with open(path, "wb") as f:
+        f.write(_old_style_entry(payload))
+    with caplog.at_level(logging.WARNING, logger="graphamp"):
+        second = _train(_mlp, data)
+    assert not hasattr(builtins, "graphamp_planted_code_ran")
+    assert "it is not authenticated" in caplog.text and "was not unpickled" in caplog.text
+    assert not _loaded(second[0])
+    _assert_same(first, second)
+
+
+def test_an_entry_copied_over_another_keys_entry_is_refused(caplog):
+    mlp_data, gpt_data = _mlp_batches(), _gpt_batches()
+    _train(_mlp, mlp_data)
+    (mlp_entry,) = _entries()
+    cold = _train(_gpt, gpt_data)
+    (gpt_entry,) = [e for e in _entries() if e != mlp_entry]
+    with open(mlp_entry, "rb") as src, open(gpt_entry, "wb") as dst:
+        dst.write(src.read())  # a valid entry, of another step
+    with caplog.at_level(logging.WARNING, logger="graphamp"):
+        again = _train(_gpt, gpt_data)
+    assert "it is not authenticated" in caplog.text
+    assert not _loaded(again[0])
+    _assert_same(cold, again)
+
+
+def _symlinked(root):
+    real = root.parent / (root.name + "-real")
+    real.mkdir(mode=0o700)
+    root.rmdir()
+    root.symlink_to(real)
+
+
+def _world_writable(root):
+    root.chmod(0o777)
+
+
+def _foreign(root):
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    os.chown(root, 65534, 65534)
+
+
+@pytest.mark.parametrize("make_unsafe", [_symlinked, _world_writable, _foreign])
+def test_a_directory_that_is_not_the_users_own_turns_the_cache_off(make_unsafe, caplog, tmp_path):
+    """Another local user pre-creates the directory (world-writable, or as a symbolic link to
+    one of hers, or owned by her): graphamp neither writes there nor reads from there."""
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    os.environ["GRAPHAMP_CACHE_DIR"] = str(root)  # conftest's monkeypatch restores it
+    make_unsafe(root)
+    data = _mlp_batches()
+    with caplog.at_level(logging.WARNING, logger="graphamp"):
+        first = _train(_mlp, data)
+        second = _train(_mlp, data)
+    assert "step cache: off for this process" in caplog.text
+    assert not _loaded(second[0])
+    assert not os.path.exists(os.path.join(root, "steps")) or not os.listdir(
+        os.path.join(root, "steps")
+    )
+    _assert_same(first, second)
+
+
+def test_stale_temporary_files_are_removed_and_fresh_ones_kept():
+    _train(_mlp, _mlp_batches(1))
+    folder = step_cache.directory()
+    stale, fresh = os.path.join(folder, ".tmp-old.step"), os.path.join(folder, ".tmp-new.step")
+    for path in (stale, fresh):
+        with open(path, "wb") as f:
+            f.write(b"half")
+    os.utime(stale, (0, 0))
+    step_cache._opened.clear()  # noqa: SLF001 - as a new process opens the directory
+    _train(_mlp, _mlp_batches(1))
+    assert not os.path.exists(stale) and os.path.exists(fresh)
+
+
 # -- not cached --------------------------------------------------------------------------------------
 
 
@@ -304,6 +421,32 @@ class _MyScaler(graphamp.GradScaler):
     pass
 
 
+@torch.library.custom_op("graphamp_test::cube", mutates_args=())
+def _cube(x: torch.Tensor) -> torch.Tensor:
+    return x * x * x
+
+
+@_cube.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _cube_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return 3 * x * x * grad
+
+
+_cube.register_autograd(
+    _cube_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0])
+)
+
+
+def _custom_op_step(g, x, y):
+    loss = F.cross_entropy(_cube(g.model(x)), y)
+    loss.backward()
+    return loss
+
+
 def _function_step(g, x, y):
     loss = F.cross_entropy(_Square.apply(g.model(x)), y)
     loss.backward()
@@ -314,6 +457,7 @@ def _function_step(g, x, y):
     "what, kwargs, configure, reason",
     [
         ("custom Function", {"build": _function_step}, None, "custom autograd Function"),
+        ("custom op", {"build": _custom_op_step}, None, "custom op graphamp_test.cube"),
         (
             "scaler subclass",
             {"amp": torch.float16, "scaler": _MyScaler()},

@@ -81,6 +81,8 @@ def load_graph_state(run: GraphRuntime, saved: Any) -> None:
         else:
             device = _first_param_device(run.optimizers, k)
             run.state.counters[k] = torch.full((), v, dtype=torch.int64, device=device)
+    for k in run.state.counters.keys() - counters.keys():  # saved before its first step
+        run.state.counters[k].fill_(0)  # in place: compiled steps hold the tensor
     run.state.history.load_state_dict(saved["history"])
     in_code = [p for p in run.config.amp_pins if p.step is None and p not in pins]
     run.config.clear_amp_pins()  # the same places again: the compiled steps stay valid

@@ -12,25 +12,36 @@ Where: ``graphamp/steps`` under inductor's cache directory (``TORCHINDUCTOR_CACH
 setting moves or clears both; ``GRAPHAMP_CACHE_DIR`` moves graphamp's alone (the tests give each
 test its own). ``config.set_step_cache(False)`` turns it off for a Graph.
 
-An entry is a header (format, the payload's sha256) and the step graph pickled by torch's
-``GraphPickler``, node metadata included (the dumps and ``step_memory`` read it). The traced
+An entry is a header (format, an HMAC-SHA256 of the key it was saved under, graphamp's version
+and the payload) and the step graph pickled by torch's ``GraphPickler``, node metadata included (the dumps and ``step_memory`` read it). The traced
 values (``meta["val"]``) of static sizes are stored as (shape, strides, dtype, device) and made
 fake tensors again on load: GraphPickler's general form of them was 0.4 s of a 0.46 s load of a
 6-layer GPT-2 step (2,000 nodes); ``meta["tensor_meta"]``, which nothing after assembly reads,
-is left out. A file that
-is unreadable, truncated, of another format, or whose payload does not match its digest is
-ignored with a warning and rebuilt (then written again). Entries are written to a temporary file
-and renamed into place, so two processes saving one entry at once leave one whole entry, and a
-reader never sees half of one. Like inductor's cache, entries are pickles: the directory must be
-writable only by people whose code you would run.
+is left out.
+
+Trust. An entry is a pickle, and unpickling runs code, so nothing is unpickled before it is
+authenticated: the HMAC's key is a secret of 32 random bytes made on first use in the cache's
+own directory (``secret``, mode 0600), and an entry whose HMAC does not match (planted, edited
+and re-digested, copied from another key's file, written by another user or another graphamp)
+is ignored with a warning and rebuilt, as is one that is unreadable, truncated or of another
+format. The directory must be the user's own: it, the directories graphamp creates in it and
+the secret are checked to be owned by the user, not symbolic links, and writable by no one else
+(``private_directory``); otherwise the step cache is off for the process, with a warning.
+Entries are written to a temporary file, flushed to disk and renamed into place, so two
+processes saving one entry at once leave one whole entry and a reader never sees half of one;
+temporary files a killed process left for over an hour are removed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
+import stat
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,8 +53,9 @@ from .inductor_cache import cache_directory
 
 log = logging.getLogger("graphamp")
 
-_MAGIC = b"graphamp-step-cache 1\n"
-_DIGEST = 32  # bytes of sha256
+_MAGIC = b"graphamp-step-cache 2\n"
+_DIGEST = 32  # bytes of HMAC-SHA256
+_STALE_TMP_S = 3600  # a temporary file older than this was left by a killed writer
 
 
 @dataclass
@@ -55,9 +67,12 @@ class CachedStep:
     values: list[tuple[str, str, Any]] = field(default_factory=list)
 
 
+def root() -> str:
+    return os.environ.get("GRAPHAMP_CACHE_DIR") or os.path.join(cache_directory(), "graphamp")
+
+
 def directory() -> str:
-    root = os.environ.get("GRAPHAMP_CACHE_DIR") or os.path.join(cache_directory(), "graphamp")
-    return os.path.join(root, "steps")
+    return os.path.join(root(), "steps")
 
 
 def entry_path(key: str) -> str:
@@ -67,7 +82,10 @@ def entry_path(key: str) -> str:
 def load(graph_name: str, key: str, fake_mode: FakeTensorMode) -> CachedStep | None:
     """The step saved under ``key`` (its tensors' metadata as fakes of ``fake_mode``), or None
     when there is none; a damaged entry is None too, with a warning."""
+    secret = _secret(graph_name)
     path = entry_path(key)
+    if secret is None:
+        return None
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -81,8 +99,13 @@ def load(graph_name: str, key: str, fake_mode: FakeTensorMode) -> CachedStep | N
         _warn(graph_name, path, "not a graphamp step cache entry of this version, or truncated")
         return None
     digest, payload = data[head : head + _DIGEST], data[head + _DIGEST :]
-    if hashlib.sha256(payload).digest() != digest:
-        _warn(graph_name, path, "its contents do not match its checksum (truncated or altered)")
+    if not hmac.compare_digest(digest, _mac(secret, key, payload)):
+        _warn(
+            graph_name,
+            path,
+            "it is not authenticated (truncated, altered, copied from another entry or "
+            "written by someone else); it was not unpickled",
+        )
         return None
     try:
         from torch.fx._graph_pickler import GraphPickler
@@ -118,13 +141,17 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
         return False
     finally:
         _put_back(taken)
+    secret = _secret(graph_name)
+    if secret is None:
+        return False
     folder = directory()
     try:
-        os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".step")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+                f.write(_MAGIC + _mac(secret, key, payload) + payload)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, entry_path(key))
         except BaseException:
             os.unlink(tmp)
@@ -133,6 +160,113 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
         log.warning("%s: step cache: could not write to %s (%s)", graph_name, folder, e)
         return False
     return True
+
+
+# -- trust ---------------------------------------------------------------------------------------
+
+_opened: dict[str, bytes | None] = {}  # cache root -> its secret (None: not private), per process
+_opened_lock = threading.Lock()
+
+
+def _mac(secret: bytes, key: str, payload: bytes) -> bytes:
+    """What authenticates an entry: the key it is saved under, graphamp's version, the payload."""
+    from .. import __version__
+
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in (key.encode(), __version__.encode(), payload):
+        mac.update(len(part).to_bytes(8, "little"))
+        mac.update(part)
+    return mac.digest()
+
+
+def _secret(graph_name: str) -> bytes | None:
+    """The secret of the cache's directory (made on first use), after checking that the
+    directory is the user's own; None, with a warning once per directory, when it is not."""
+    top = root()
+    with _opened_lock:
+        if top not in _opened:
+            try:
+                _opened[top] = _open_directory(top)
+            except (OSError, PermissionError) as e:
+                log.warning(
+                    "%s: step cache: off for this process: %s (set GRAPHAMP_CACHE_DIR to a "
+                    "directory of your own, or delete this one)",
+                    graph_name,
+                    e,
+                )
+                _opened[top] = None
+        return _opened[top]
+
+
+def _open_directory(top: str) -> bytes:
+    """Check (or make) the cache's directories, clear stale temporary files, read (or make) the
+    secret."""
+    for folder in (top, os.path.join(top, "steps")):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+    for folder in (os.path.dirname(top), top, os.path.join(top, "steps")):
+        private_directory(folder)
+    _remove_stale_temporaries(os.path.join(top, "steps"))
+    path = os.path.join(top, "secret")
+    if not os.path.lexists(path):
+        _write_secret(top, path)
+    _check_private(path, os.lstat(path), "the secret")
+    with open(path, "rb") as f:
+        secret = f.read()
+    if len(secret) != 32:  # damaged: a new secret, so every entry made with the old is rebuilt
+        log.warning("step cache: the secret %s is damaged; making a new one", path)
+        secret = _write_secret(top, path)
+    return secret
+
+
+def _write_secret(top: str, path: str) -> bytes:
+    """32 random bytes in ``path``, mode 0600, written whole (another process starting at
+    the same time reads either none or all of one of them: the last rename wins, and an entry
+    authenticated with the other is rebuilt once)."""
+    secret = os.urandom(32)
+    fd, tmp = tempfile.mkstemp(dir=top, prefix=".secret-")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return secret
+
+
+def private_directory(folder: str) -> None:
+    """Raise PermissionError unless ``folder`` is a directory (not a symbolic link) owned by
+    this user that no one else can write into (OpenSSH's rule for its key files)."""
+    info = os.lstat(folder)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"{folder} is a symbolic link or not a directory")
+    _check_private(folder, info, "the directory")
+
+
+def _check_private(path: str, info: os.stat_result, what: str) -> None:
+    if not hasattr(os, "getuid"):  # no POSIX owners (Windows): the user's profile is private
+        return
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"{what} {path} belongs to another user (uid {info.st_uid})")
+    others = stat.S_IWGRP | stat.S_IWOTH
+    if info.st_mode & others and not (stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX):
+        raise PermissionError(f"{what} {path} is writable by other users")
+    if what == "the secret" and (info.st_mode & 0o077 or not stat.S_ISREG(info.st_mode)):
+        raise PermissionError(f"the secret {path} is readable by other users or not a file")
+
+
+def _remove_stale_temporaries(folder: str) -> None:
+    now = time.time()
+    for name in os.listdir(folder):
+        if name.startswith(".tmp-") and name.endswith(".step"):
+            path = os.path.join(folder, name)
+            try:
+                if now - os.lstat(path).st_mtime > _STALE_TMP_S:
+                    os.unlink(path)
+            except OSError:
+                pass  # another process removed or renamed it
 
 
 # -- traced values, stored compactly ----------------------------------------------------------------

@@ -236,12 +236,45 @@ def _target(target: Any) -> str:
         return target
     module = getattr(target, "__module__", None) or ""
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if _namespace(target) not in _TORCH_NAMESPACES:
+            raise Uncacheable(
+                f"the step calls the custom op {target}, whose Python kernels (autograd, fake) "
+                "the key cannot see"
+            )
         return str(target)
     if isinstance(target, torch._ops.HigherOrderOperator):
         return f"hop:{target.name()}"
     if module.split(".")[0] in ("torch", "graphamp", *_LIBRARY_FUNCTIONS):
         return f"{module}.{getattr(target, '__qualname__', target)}"
     raise Uncacheable(f"a graph node calls {module}.{getattr(target, '__qualname__', target)}")
+
+
+# the op libraries of torch and graphamp, whose kernels are fixed by torch's version and
+# graphamp's source (both in the key); another library's op (torch.library.custom_op, a
+# package's extension) may have a Python backward or fake kernel that changes between runs
+_TORCH_NAMESPACES = frozenset(
+    {
+        "aten",
+        "prims",
+        "rngprims",
+        "graphamp",
+        "_c10d_functional",
+        "c10d_functional",
+        "_c10d_functional_autograd",
+        "_dtensor",
+        "inductor",
+        "quantized",
+        "_quantized",
+        "quantized_decomposed",
+        "mkldnn",
+        "onednn",
+    }
+)
+
+
+def _namespace(op: Any) -> str:
+    name = getattr(op, "_qualified_op_name", None) or op.name()
+    return name.split("::")[0]
 
 
 def _qualname(cls: type) -> str:
