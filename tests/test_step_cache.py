@@ -337,6 +337,29 @@ def test_a_forged_entry_runs_no_code_and_is_not_used(how, caplog):
     _assert_same(first, second)
 
 
+def test_even_an_authenticated_entry_builds_only_what_a_step_holds(caplog):
+    """The second wall: a planted pickle authenticated with the user's own secret (as a
+    graphamp that pickled too much would write it) is refused by the unpickler."""
+    import builtins
+    import pickle
+
+    data = _mlp_batches()
+    first = _train(_mlp, data)
+    (path,) = _entries()
+    key = os.path.basename(path)[: -len(".step")]
+    with open(os.path.join(step_cache.root(), "secret"), "rb") as f:
+        secret = f.read()
+    payload = pickle.dumps(_Planted())
+    with open(path, "wb") as f:
+        f.write(b"graphamp-step-cache 2\n" + step_cache._mac(secret, key, payload) + payload)  # noqa: SLF001
+    with caplog.at_level(logging.WARNING, logger="graphamp"):
+        second = _train(_mlp, data)
+    assert not hasattr(builtins, "graphamp_planted_code_ran")
+    assert "may not build builtins.exec" in caplog.text, caplog.text
+    assert not _loaded(second[0])
+    _assert_same(first, second)
+
+
 def test_an_entry_copied_over_another_keys_entry_is_refused(caplog):
     mlp_data, gpt_data = _mlp_batches(), _gpt_batches()
     _train(_mlp, mlp_data)

@@ -24,7 +24,8 @@ authenticated: the HMAC's key is a secret of 32 random bytes made on first use i
 own directory (``secret``, mode 0600), and an entry whose HMAC does not match (planted, edited
 and re-digested, copied from another key's file, written by another user or another graphamp)
 is ignored with a warning and rebuilt, as is one that is unreadable, truncated or of another
-format. The directory must be the user's own: it, the directories graphamp creates in it and
+format. An authenticated entry is unpickled by an allow-listed unpickler
+(``step_unpickler.py``) that builds only what a step holds. The directory must be the user's own: it, the directories graphamp creates in it and
 the secret are checked to be owned by the user, not symbolic links, and writable by no one else
 (``private_directory``); otherwise the step cache is off for the process, with a warning.
 Entries are written to a temporary file, flushed to disk and renamed into place, so two
@@ -49,6 +50,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from . import step_unpickler
 from .inductor_cache import cache_directory
 
 log = logging.getLogger("graphamp")
@@ -108,9 +110,7 @@ def load(graph_name: str, key: str, fake_mode: FakeTensorMode) -> CachedStep | N
         )
         return None
     try:
-        from torch.fx._graph_pickler import GraphPickler
-
-        step = GraphPickler.loads(payload, fake_mode)
+        step = step_unpickler.loads(payload, fake_mode)  # what a step holds, nothing else
     except Exception as e:  # noqa: BLE001 - a damaged or foreign pickle can raise anything
         _warn(graph_name, path, f"it does not load ({type(e).__name__}: {e})")
         return None

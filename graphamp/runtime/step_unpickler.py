@@ -1,0 +1,103 @@
+"""The step cache's unpickler: it builds only what a step entry holds.
+
+An entry is authenticated before it is unpickled (``step_cache.py``); this is the second wall,
+for an entry that passes the first (the user's own, from a graphamp that pickled more than it
+should): unpickling can call only the classes and functions below, so even an authenticated
+entry can build nothing else (``torch.load(weights_only=True)``'s approach). The list is what
+torch's ``GraphPickler`` writes for graphamp's steps (fx graph pieces, traced tensors' metadata,
+dtypes and sizes, a ShapeEnv's symbols) and graphamp's own records; an entry asking for
+anything else fails to load and is rebuilt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+from typing import Any
+
+import torch
+import torch.fx._graph_pickler as graph_pickler
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# modules whose classes an entry may build (and, for GraphPickler, its data classes' methods)
+_CLASS_MODULES = frozenset(
+    {
+        "torch.fx._graph_pickler",
+        "torch._subclasses.meta_utils",
+        "torch.fx.immutable_collections",
+        "torch.fx.passes.shape_prop",
+        "torch.fx.traceback",
+        "torch.fx.graph",
+        "torch.fx.experimental.symbolic_shapes",
+        "torch._guards",
+        "torch.utils._ordered_set",
+        "torch.utils._pytree",
+        "torch.utils._sympy.value_ranges",
+        "torch.utils._traceback",
+    }
+)
+_BUILTINS = frozenset(
+    {"set", "frozenset", "slice", "complex", "range", "tuple", "list", "dict", "int", "float"}
+    | {"bool", "str", "bytes"}
+)
+_FUNCTIONS = {
+    ("collections", "OrderedDict"),
+    ("traceback", "FrameSummary"),
+    ("torch.serialization", "_get_layout"),
+}
+
+
+def loads(payload: bytes, fake_mode: FakeTensorMode) -> Any:
+    """``GraphPickler.loads`` with the allow-listed unpickler."""
+    with graph_pickler.patch_pytree_map_over_slice():
+        state = graph_pickler._UnpickleState(fake_mode)  # noqa: SLF001 - GraphPickler's own
+        with io.BytesIO(payload) as stream:
+            return _StepUnpickler(stream, state).load()
+
+
+class _StepUnpickler(graph_pickler._GraphUnpickler):  # noqa: SLF001 - GraphPickler's own
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name == "getattr":
+            return _pickle_data_getattr
+        if module == "logging" and name == "getLogger":
+            return _torch_logger
+        found = super().find_class(module, name)
+        if _allowed(module, name, found):
+            return found
+        raise pickle.UnpicklingError(f"a step entry may not build {module}.{name}")
+
+
+def _allowed(module: str, name: str, found: Any) -> bool:
+    if module == "builtins":
+        return name in _BUILTINS
+    if (module, name) in _FUNCTIONS:
+        return True
+    if module == "torch":  # dtypes, layouts, memory formats, sizes, devices
+        kinds = (torch.dtype, torch.layout, torch.memory_format)
+        return found in (torch.Size, torch.device) or isinstance(found, kinds)
+    if module == "torch._utils":  # memory formats by their dotted name
+        return isinstance(found, torch.memory_format)
+    if module in _CLASS_MODULES or module.startswith("sympy."):
+        data_method = module == "torch.fx._graph_pickler" and ".unpickle" in name
+        return isinstance(found, type) or data_method
+    if module.split(".")[0] == "graphamp":  # graphamp's records: dataclasses
+        return isinstance(found, type) and dataclasses.is_dataclass(found)
+    return False
+
+
+def _pickle_data_getattr(obj: Any, name: str) -> Any:
+    """GraphPickler reduces an op to ``getattr(<its pickle data>, "unpickle")``: that, and
+    nothing else (a general getattr reaches any module through ``__globals__``)."""
+    if type(obj).__module__ != "torch.fx._graph_pickler" or name.startswith("_"):
+        raise pickle.UnpicklingError(f"a step entry may not read {type(obj).__name__}.{name}")
+    return getattr(obj, name)
+
+
+def _torch_logger(name: str) -> Any:
+    """A ShapeEnv pickles its logger by name: torch's loggers only."""
+    import logging
+
+    if name != "torch" and not name.startswith("torch."):
+        raise pickle.UnpicklingError(f"a step entry may not get the logger {name!r}")
+    return logging.getLogger(name)
