@@ -12,7 +12,7 @@ Where: ``graphamp/steps`` under inductor's cache directory (``TORCHINDUCTOR_CACH
 setting moves or clears both; ``GRAPHAMP_CACHE_DIR`` moves graphamp's alone (the tests give each
 test its own). ``config.set_step_cache(False)`` turns it off for a Graph.
 
-An entry is a header (format, an HMAC-SHA256 of the key it was saved under, graphamp's version
+An entry is a header (format, an HMAC-SHA256 of the key it was saved under, graphamp's source
 and the payload) and the step graph pickled by torch's ``GraphPickler``, node metadata included (the dumps and ``step_memory`` read it). The traced
 values (``meta["val"]``) of static sizes are stored as (shape, strides, dtype, device) and made
 fake tensors again on load: GraphPickler's general form of them was 0.4 s of a 0.46 s load of a
@@ -52,6 +52,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from . import step_unpickler
 from .inductor_cache import cache_directory
+from .step_key import graphamp_source
 
 log = logging.getLogger("graphamp")
 
@@ -169,11 +170,9 @@ _opened_lock = threading.Lock()
 
 
 def _mac(secret: bytes, key: str, payload: bytes) -> bytes:
-    """What authenticates an entry: the key it is saved under, graphamp's version, the payload."""
-    from .. import __version__
-
+    """What authenticates an entry: the key it is saved under, graphamp's source, the payload."""
     mac = hmac.new(secret, digestmod=hashlib.sha256)
-    for part in (key.encode(), __version__.encode(), payload):
+    for part in (key.encode(), graphamp_source().encode(), payload):
         mac.update(len(part).to_bytes(8, "little"))
         mac.update(part)
     return mac.digest()

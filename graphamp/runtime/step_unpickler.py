@@ -43,6 +43,8 @@ _BUILTINS = frozenset(
 )
 _FUNCTIONS = {
     ("collections", "OrderedDict"),
+    ("collections", "Counter"),  # a ShapeEnv's counters, with inductor
+    ("collections", "defaultdict"),
     ("traceback", "FrameSummary"),
     ("torch.serialization", "_get_layout"),
 }
