@@ -11,6 +11,7 @@ anything else fails to load and is rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import pickle
@@ -52,7 +53,9 @@ _FUNCTIONS = {
 
 def loads(payload: bytes, fake_mode: FakeTensorMode) -> Any:
     """``GraphPickler.loads`` with the allow-listed unpickler."""
-    with graph_pickler.patch_pytree_map_over_slice():
+    # torch 2.13 onwards patches pytree while unpickling; torch 2.11 had no such patch
+    patch = getattr(graph_pickler, "patch_pytree_map_over_slice", contextlib.nullcontext)
+    with patch():
         state = graph_pickler._UnpickleState(fake_mode)  # noqa: SLF001 - GraphPickler's own
         with io.BytesIO(payload) as stream:
             return _StepUnpickler(stream, state).load()
