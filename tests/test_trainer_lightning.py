@@ -219,3 +219,79 @@ def test_a_module_without_training_loss_says_what_to_write(tmp_path):
 
     with pytest.raises(CaptureError, match="must define training_loss"):
         _fit(Missing(), tmp_path, max_steps=1)
+
+
+# -- a switch done halfway says what is missing ----------------------------------------------------
+
+
+class HalfSwitched(GraphampModule):
+    """The base class changed, the stock module's training_step kept."""
+
+    def __init__(self, returns_loss=True):
+        super().__init__()
+        self.model = _model()
+        self.returns_loss = returns_loss
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x), y)
+        self.log("train_loss", loss)
+        return loss if self.returns_loss else None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_own_training_step_that_skips_graphamp_step_is_refused_at_once(tmp_path):
+    module = HalfSwitched()
+    with pytest.raises(ConfigError, match="without calling self.graphamp_step.*training_loss"):
+        _fit(module, tmp_path, max_steps=5)
+    assert module._graphamp_steps == 0
+
+
+def test_a_whole_epoch_of_skipped_batches_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="whole epoch.*graphamp_step"):
+        _fit(HalfSwitched(returns_loss=False), tmp_path, epochs=1)
+
+
+class Logging(Ours):
+    """An own training_step that calls graphamp_step and logs more: a full switch."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.graphamp_step(batch)
+        self.log("train_loss", loss)
+        self.log("batch_idx", float(batch_idx))
+        return loss
+
+
+def test_an_own_training_step_calling_graphamp_step_trains(tmp_path):
+    module = Logging()
+    trainer, rows = _fit(module, tmp_path, max_steps=3)
+    assert trainer.global_step == 3 and module.graph.step_count == 3
+    assert [r["batch_idx"] for r in rows] == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "option, named",
+    [
+        (
+            {"gradient_clip_val": 0.5},
+            r"remove Trainer\(gradient_clip_val=0.5\).*clip_grad_max_norm = 0.5",
+        ),
+        (
+            {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "value"},
+            "clipping by value has no graphamp equivalent",
+        ),
+        (
+            {"accumulate_grad_batches": 4},
+            r"batches 4 times larger.*set_gradient_accumulation_steps\(4\)",
+        ),
+    ],
+)
+def test_lightnings_clipping_and_accumulation_name_graphamps_own(option, named, tmp_path):
+    """Refused before anything runs, with graphamp's equivalent (Lightning's own message says
+    to go back to automatic optimization)."""
+    module = Ours()
+    with pytest.raises(ConfigError, match=named):
+        _fit(module, tmp_path, max_steps=1, **option)
+    assert module.graph is None

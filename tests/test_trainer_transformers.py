@@ -426,16 +426,48 @@ def test_an_optimizer_without_an_in_graph_update_fails_when_training_starts(tmp_
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
-def test_a_ragged_last_batch_with_accumulation_fails_when_training_starts(tmp_path):
-    """10 examples in batches of 4: the third batch has 2. Refused when training reaches it
-    (20 steps of 2 micro-batches), not when it stops before (max_steps=1)."""
-    short = GraphampTrainer(
-        model=_gpt2(), args=_args(tmp_path, max_steps=1), train_dataset=_lm_data(10)
-    )
-    short.get_train_dataloader()
-    trainer = GraphampTrainer(model=_gpt2(), args=_args(tmp_path), train_dataset=_lm_data(10))
-    with pytest.raises(ConfigError, match="dataloader_drop_last=True"):
-        trainer.train()
+def _uneven_run(trainer_type, tmp_path, per_item_mean):
+    """22 examples in batches of 4, 3 micro-batches per step: each epoch's second step has
+    micro-batches of 4, 4 and 2 rows. Two epochs."""
+    args = _args(tmp_path, gradient_accumulation_steps=3, max_steps=4, warmup_steps=1)
+    kwargs = {"configure_graph": _aot_eager} if trainer_type is GraphampTrainer else {}
+    model = _gpt2()
+    trainer = trainer_type(model=model, args=args, train_dataset=_lm_data(22), **kwargs)
+    if per_item_mean:  # each micro-batch's own mean, divided by the step's micro-batch count
+        trainer.model_accepts_loss_kwargs = False
+    trainer.train()
+    return model, [h for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize(
+    "per_item_mean", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["num_items", "mean"]
+)
+def test_an_uneven_last_micro_batch_trains_as_the_stock_trainer(per_item_mean, tmp_path):
+    """The smaller last micro-batch is grown with rows labelled -100 (no loss): the losses,
+    gradient norms and parameters are the stock Trainer's, with the loss normalised by the
+    step's label count (GPT-2's default) or as each micro-batch's mean."""
+    stock_model, stock = _uneven_run(transformers.Trainer, tmp_path / "stock", per_item_mean)
+    model, ours = _uneven_run(GraphampTrainer, tmp_path / "ours", per_item_mean)
+    assert len(ours) == len(stock) == 4
+    for a, b in zip(ours, stock):
+        assert _rel(a["loss"], b["loss"]) < 1e-5, (ours, stock)
+        assert _rel(a["grad_norm"], b["grad_norm"]) < 1e-5, (ours, stock)
+    for (name, p), q in zip(model.named_parameters(), stock_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_an_uneven_last_batch_without_integer_labels_is_refused_before_training(tmp_path):
+    """Question answering's labels are positions and a regression's are floats: no label
+    says "no loss", so a smaller last batch is refused when training starts, by name."""
+    from graphamp.integrations.trainer_checks import refuse_ragged_accumulation
+
+    args = _args(tmp_path)  # batches of 4, 2 micro-batches per step, 20 steps
+    refuse_ragged_accumulation(args, 10, ["labels"], None)
+    with pytest.raises(ConfigError, match="start_positions.*dataloader_drop_last=True"):
+        refuse_ragged_accumulation(args, 10, ["start_positions", "end_positions"], None)
+    with pytest.raises(ConfigError, match="regression labels are floats"):
+        refuse_ragged_accumulation(args, 10, ["labels"], "regression")
+    refuse_ragged_accumulation(_args(tmp_path, max_steps=1), 10, ["start_positions"], None)
 
 
 def test_micro_batches_are_padded_on_the_right_to_the_longest(caplog):
@@ -460,8 +492,12 @@ def test_micro_batches_are_padded_on_the_right_to_the_longest(caplog):
         micro_batches.combine(
             [{"pixel_values": torch.ones(1, 2)}, {"pixel_values": torch.ones(1, 3)}], pads
         )
-    with pytest.raises(InputError, match="dataloader_drop_last"):
-        micro_batches.combine([a, {k: v[:1] for k, v in b.items()}], pads)
+    grown = micro_batches.combine([a, {k: v[:1] for k, v in b.items()}], pads)
+    assert grown["labels"].tolist() == [0, 0, 1, -100] and grown["input_ids"].shape == (4, 5)
+    assert grown["attention_mask"][3].tolist() == [1.0] * 5  # a copy of its first row
+    floats = {"input_ids": a["input_ids"], "labels": torch.zeros(2)}
+    with pytest.raises(InputError, match="integer 'labels'.*dataloader_drop_last"):
+        micro_batches.combine([floats, {k: v[:1] for k, v in floats.items()}], pads)
 
 
 def test_graphamp_imports_without_the_trainers():

@@ -29,13 +29,16 @@ Kept from Lightning: its Trainer, data, logging (``train_loss``, ``loss_scale``,
 checkpoint under ``"graphamp"``). ``Trainer(precision=...)``: ``"32-true"``, ``"16-mixed"``
 (graphamp's AMP and GradScaler) or ``"bf16-mixed"``; one device (a parallel strategy is
 refused: its gradient sync is not in graphamp's step). Clipping: ``self.clip_grad_max_norm``
-(Lightning refuses ``Trainer(gradient_clip_val=...)`` with manual optimization); graphamp's own
-options: override ``configure_graph(graph)``.
+(``Trainer(gradient_clip_val=...)`` and ``accumulate_grad_batches`` are refused with graphamp's
+equivalents, and a ``training_step`` of the user's that returns a loss without calling
+``graphamp_step`` is refused at its first batch: a switch done halfway never trains nothing
+in silence); graphamp's own options: override ``configure_graph(graph)``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
@@ -79,6 +82,28 @@ class GraphampModule(pl.LightningModule):
         self.graph: LightningStep | None = None  # made at the first training step
         self._graph_state: dict | None = None  # from a checkpoint, loaded into the new graph
         self._skipped: torch.Tensor | None = None
+        self._graphamp_steps = 0  # graphamp_step calls: a training_step must make one
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass's own ``training_step`` is checked after every call: one that returns a
+        loss without calling ``graphamp_step`` trained nothing (a half-done switch)."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("training_step")
+        if own is not None and not getattr(own, "_graphamp_checked", False):
+            cls.training_step = _checked_training_step(own)  # type: ignore[method-assign]
+
+    @property  # type: ignore[override]
+    def trainer(self) -> pl.Trainer:
+        return pl.LightningModule.trainer.fget(self)  # type: ignore[attr-defined]
+
+    @trainer.setter
+    def trainer(self, trainer: pl.Trainer | None) -> None:
+        """Where the module meets its Trainer, before Lightning checks the run: Lightning's
+        own clipping and accumulation options are refused here with graphamp's equivalents
+        (Lightning's message would say to switch back to automatic optimization)."""
+        if trainer is not None:
+            _refuse_lightning_options(trainer)
+        pl.LightningModule.trainer.fset(self, trainer)  # type: ignore[attr-defined]
 
     def training_loss(self, batch: Any) -> torch.Tensor:
         raise NotImplementedError(
@@ -99,6 +124,7 @@ class GraphampModule(pl.LightningModule):
         """One optimizer step through graphamp; call it from your own ``training_step`` to log
         more. Logs ``loss_scale`` and ``skipped_steps`` (device values, no host sync)."""
         graph = self.graph if self.graph is not None else self._make_graph()
+        self._graphamp_steps += 1
         loss = graph(batch)
         for optimizer in self._lightning_optimizers():
             optimizer.step()  # Lightning counts the step; no gradients, so nothing changes
@@ -110,6 +136,12 @@ class GraphampModule(pl.LightningModule):
         return loss
 
     def on_train_epoch_end(self) -> None:
+        if self._graphamp_steps == 0:
+            raise ConfigError(
+                f"{type(self).__name__}: a whole epoch went by without a call of "
+                "self.graphamp_step(batch), so nothing was trained; write training_loss(self, "
+                "batch) and let GraphampModule's training_step run it"
+            )
         self._step_schedulers("epoch")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -157,6 +189,53 @@ class GraphampModule(pl.LightningModule):
                     "the scheduler's 'monitor'"
                 )
             scheduler.step(metric)
+
+
+def _checked_training_step(step: Callable) -> Callable:
+    @functools.wraps(step)
+    def training_step(self: GraphampModule, *args: Any, **kwargs: Any) -> Any:
+        before = self._graphamp_steps
+        out = step(self, *args, **kwargs)
+        if out is not None and self._graphamp_steps == before:
+            raise ConfigError(
+                f"{type(self).__name__}.training_step returned a loss without calling "
+                "self.graphamp_step(batch): with GraphampModule the optimizer step is "
+                "graphamp's, so this batch trained nothing. Move the forward and the loss into "
+                "training_loss(self, batch) and delete training_step (or call "
+                "loss = self.graphamp_step(batch) in it, then log); return None to skip a batch"
+            )
+        return out
+
+    training_step._graphamp_checked = True  # type: ignore[attr-defined]
+    return training_step
+
+
+def _refuse_lightning_options(trainer: Any) -> None:
+    """Lightning's clipping and accumulation act on a backward that graphamp's step holds."""
+    if getattr(getattr(trainer, "state", None), "fn", None) != "fit":
+        return
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if clip:
+        raise ConfigError(
+            f"GraphampModule clips inside graphamp's step: remove Trainer(gradient_clip_val="
+            f"{clip}) and set self.clip_grad_max_norm = {clip} in the module's __init__ (after "
+            "unscaling, as Lightning's clipping is with 16-mixed)"
+            + ("" if _clips_by_norm(trainer) else "; clipping by value has no graphamp equivalent")
+        )
+    steps = getattr(trainer, "accumulate_grad_batches", 1)
+    if steps != 1:
+        raise ConfigError(
+            f"GraphampModule accumulates inside graphamp's step: remove Trainer("
+            f"accumulate_grad_batches={steps}), give the DataLoader batches {steps} times "
+            "larger and set graph.config.set_gradient_accumulation_steps("
+            f"{steps}) in configure_graph(self, graph): each batch is split into {steps} "
+            "micro-batches and one optimizer step is taken"
+        )
+
+
+def _clips_by_norm(trainer: Any) -> bool:
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    return str(getattr(algorithm, "value", algorithm) or "norm") == "norm"
 
 
 def _refuse_parallel(strategy: Any) -> None:

@@ -5,7 +5,11 @@ optimizer step's micro-batches as equal slices along dim 0 of one batch
 (``config.set_gradient_accumulation_steps``). So the micro-batches are concatenated. A padding
 collator (``DataCollatorWithPadding``) pads each micro-batch to its own longest sequence; those
 are padded again, on the right, to the step's longest, with the values the collators use, so
-the padded positions stay masked and unlabelled and the loss is unchanged.
+the padded positions stay masked and unlabelled and the loss is unchanged. An epoch's last
+micro-batch, when it is smaller, is grown to the others' size with rows that carry no loss
+(copies of its first row, every label ``IGNORE_INDEX``), so the step keeps equal slices and its
+compiled program; the loss is unchanged where each row's loss depends on that row alone (not
+with BatchNorm, or a mixture-of-experts balancing loss over the whole batch).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ def pad_values(pad_token_id: int | None, pad_token_type_id: int = 0) -> dict[str
 def combine(
     batches: list[Mapping[str, Any]], pads: dict[str, int | None], padding_side: str = "right"
 ) -> dict[str, Any]:
-    """The micro-batches as one batch: tensors concatenated along dim 0 (sequence dimensions
-    padded to the longest first), other values kept (they must agree)."""
+    """The micro-batches as one batch: tensors concatenated along dim 0 (a smaller last
+    micro-batch grown first, sequence dimensions padded to the longest), other values kept
+    (they must agree)."""
     keys = list(batches[0])
     for b in batches[1:]:
         if list(b) != keys:
@@ -43,6 +48,7 @@ def combine(
                 f"graphamp's Trainer: the micro-batches of one optimizer step have different "
                 f"fields ({keys} and {list(b)}); the collator must give every batch the same ones"
             )
+    batches = _equal_rows(batches)
     out = {}
     for key in keys:
         values = [b[key] for b in batches]
@@ -55,6 +61,43 @@ def combine(
             )
         else:
             out[key] = values[0]
+    return out
+
+
+def _rows(batch: Mapping[str, Any]) -> int | None:
+    sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _equal_rows(batches: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Micro-batches of one size: a smaller one (an epoch's last batch) grown with rows that
+    carry no loss. Its labels say which rows count (``IGNORE_INDEX``: transformers' "no loss
+    here", which its losses skip in the sum and the mean alike); without integer ``labels``
+    there is no such row, and the step is refused."""
+    found = [_rows(b) for b in batches]
+    sizes = [n for n in found if n is not None]
+    if len(sizes) < len(found) or len(set(sizes)) == 1:
+        return batches  # equal already, or rows that disagree: _same_shape says which field
+    labels = batches[0].get("labels")
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+        raise InputError(
+            f"graphamp's Trainer: the micro-batches of one optimizer step have {sorted(set(sizes))} "
+            "rows and graphamp cannot grow the smaller one with rows that carry no loss (that "
+            "needs integer 'labels', where -100 means no loss). Set dataloader_drop_last=True, "
+            "or make the dataset a multiple of the batch size"
+        )
+    full = max(sizes)
+    return [b if n == full else _grown(b, n, full) for b, n in zip(batches, sizes)]
+
+
+def _grown(batch: Mapping[str, Any], rows: int, full: int) -> dict[str, Any]:
+    out = dict(batch)
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            extra = value[:1].expand(full - rows, *value.shape[1:])
+            if key == "labels":
+                extra = torch.full_like(extra, IGNORE_INDEX)
+            out[key] = torch.cat([value, extra], dim=0)
     return out
 
 

@@ -90,19 +90,28 @@ def refuse_unsupported(trainer: Any) -> None:
             )
 
 
-def refuse_ragged_accumulation(args: Any, n_examples: int | None) -> None:
-    """With gradient accumulation, graphamp splits one batch into equal micro-batches: a last
-    batch smaller than the others cannot be one of them (refused if training reaches it)."""
+def refuse_ragged_accumulation(
+    args: Any, n_examples: int | None, label_names: list[str], problem_type: Any
+) -> None:
+    """With gradient accumulation graphamp runs an optimizer step's micro-batches as equal
+    slices of one batch; a smaller last batch is grown with rows whose labels say "no loss"
+    (``micro_batches``). Refused, before training, where no label can say that: a model
+    trained without ``labels`` (question answering's positions) or on float labels."""
     steps, batch = args.gradient_accumulation_steps, args.per_device_train_batch_size
     if steps == 1 or args.dataloader_drop_last or n_examples is None or n_examples % batch == 0:
         return
     if 0 < args.max_steps and args.max_steps * steps <= n_examples // batch:
         return  # training stops before the epoch's last batch
+    floats = problem_type in ("regression", "multi_label_classification")
+    if "labels" in label_names and not floats:
+        return
+    why = f"its {problem_type} labels are floats" if floats else f"its labels are {label_names}"
     raise ConfigError(
         f"graphamp's Trainer does not support gradient_accumulation_steps={steps} with a "
         f"last batch of {n_examples % batch} examples (the dataset's {n_examples} examples "
         f"are not a multiple of per_device_train_batch_size={batch}): graphamp runs an "
-        "optimizer step's micro-batches as equal slices of one batch. Set "
+        "optimizer step's micro-batches as equal slices of one batch and grows a smaller one "
+        f"with rows whose integer 'labels' are -100, and {why}. Set "
         "dataloader_drop_last=True, or make the dataset a multiple of the batch size"
     )
 

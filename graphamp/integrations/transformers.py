@@ -146,7 +146,12 @@ class Trainer(transformers.Trainer):
 
     def get_train_dataloader(self) -> Any:
         dataset: Any = self.train_dataset
-        refuse_ragged_accumulation(self.args, len(dataset) if hasattr(dataset, "__len__") else None)
+        refuse_ragged_accumulation(
+            self.args,
+            len(dataset) if hasattr(dataset, "__len__") else None,
+            list(self.label_names),
+            getattr(getattr(self.model, "config", None), "problem_type", None),
+        )
         return super().get_train_dataloader()
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple:
