@@ -254,7 +254,13 @@ def _capture(b: _Build) -> None:
         b.inputs.check_micro_batches(config.grad_acc_steps, spec.name)
         traced = b.batch.micro_batch(config.grad_acc_steps)
     b.captured = capture_forward(
-        b.root, traced, spec.name, None, config.amp_active, b.request.lifted
+        b.root,
+        traced,
+        spec.name,
+        None,
+        config.amp_active,
+        b.request.lifted,
+        b.request.lifted_inputs,
     )
     b.module_pins = {}
     if config.amp_active:

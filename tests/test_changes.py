@@ -516,6 +516,9 @@ def test_an_input_that_requires_grad_works_from_the_first_call():
 
 
 def test_a_python_number_that_changes_every_call_warns_once_and_names_it():
+    """A float that only feeds arithmetic (a temperature) becomes a step input at its first
+    change: two compiles, no warning. A number build() needs as a Python number (here a
+    branch) compiles per value and is named, once, in the warning."""
     model = seed_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -526,8 +529,11 @@ def test_a_python_number_that_changes_every_call_warns_once_and_names_it():
             self.add_optimizer(opt)
             self.config.set_backend("aot_eager")
 
-        def build(self, x, y, temperature):
-            loss = F.cross_entropy(self.model(x) / temperature, y)
+        def build(self, x, y, temperature, cap):
+            logits = self.model(x) / temperature
+            if cap > 2.0:
+                logits = logits.clamp(-cap, cap)
+            loss = F.cross_entropy(logits, y)
             loss.backward()
             return loss
 
@@ -536,9 +542,15 @@ def test_a_python_number_that_changes_every_call_warns_once_and_names_it():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for t in (1.0, 1.5, 2.0, 2.5, 3.0, 3.5):
-            g(x, y, t)
+            g(x, y, t, 10.0)
+        assert len(g.compiled_steps) == 2
+        for cap in (1.0, 1.5, 2.5, 3.0, 3.5):
+            g(x, y, 1.0, cap)
+        built = len(g.compiled_steps)
+        g(x, y, 1.7, 10.0)  # the temperature is still an input
+        assert len(g.compiled_steps) == built
     messages = [str(w.message) for w in caught if "baked into the graph" in str(w.message)]
-    assert len(messages) == 1 and "temperature" in messages[0] and "torch.tensor" in messages[0]
+    assert len(messages) == 1 and "cap" in messages[0] and "torch.tensor" in messages[0]
 
 
 # -- 8. threads -----------------------------------------------------------------------------------

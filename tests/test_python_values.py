@@ -420,3 +420,127 @@ def _double_mean(out):
 
 
 _criterion = _mean
+
+
+# -- float arguments of g(...) (issue 39): lifted as step inputs once they change ----------------
+
+
+class ArgumentWeighted(nn.Module):
+    """A VAE-like loss whose KL weight and temperature come as arguments, as a loop passes
+    them: ``g(x, kl_weight=w, temperature=t)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(8, 8)
+        self.dec = nn.Linear(4, 8)
+
+    def forward(self, x, kl_weight, temperature=1.0, how="plain"):
+        mu, logvar = self.enc(x).chunk(2, dim=-1)
+        kl = -0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).mean()
+        if how == "gated":  # a Python branch on the number: it cannot be a step input
+            kl = kl * 2 if kl_weight > 0.25 else kl
+        if how == "slope":  # an op that takes it as a Python number
+            mu = F.leaky_relu(mu, kl_weight)
+        return F.mse_loss(self.dec(mu) / temperature, x) + kl_weight * kl
+
+
+def _weighted_run(graph: bool, how="plain", steps=6, backend="aot_eager", amp=None):
+    torch.manual_seed(0)
+    model = ArgumentWeighted()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    class Step(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            self.config.set_backend(backend)
+            if amp is not None:
+                self.config.enable_amp(True, dtype=amp)
+
+        def build(self, x, kl_weight, temperature=1.0):
+            loss = self.model(x, kl_weight, temperature, how)
+            loss.backward()
+            return loss
+
+    g = Step() if graph else None
+    losses = []
+    for step, x in enumerate((_data() * 200)[:steps]):
+        w, t = step / steps, 1.0 + (step % 3) / 4  # both change; t comes back to old values
+        if g is not None:
+            losses.append(g(x, w, temperature=t).detach().clone())
+        else:
+            opt.zero_grad(set_to_none=True)
+            loss = model(x, w, t, how)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach().clone())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()], g
+
+
+def test_float_arguments_that_change_become_step_inputs_like_eager(caplog):
+    """A KL weight annealed over 300 calls and a temperature cycling through three values,
+    passed as arguments: two compiles (the first values baked in, then both as inputs), no
+    warning about baked-in numbers, and the losses and parameters eager's (fp32)."""
+    eager = _weighted_run(graph=False, steps=300)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the baked-in numbers warning would raise
+            losses, params, g = _weighted_run(graph=True, steps=300)
+    assert len(g.compiled_steps) == 2
+    # a 0-dim float32 tensor in place of a Python float: the same values, with at most an ulp
+    # or two of difference in a few steps
+    torch.testing.assert_close(losses, eager[0], rtol=1e-6, atol=0)
+    for a, b in zip(params, eager[1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "float argument(s) kl_weight, kw_temperature" in messages, messages
+
+
+@pytest.mark.parametrize("how", ["gated", "slope"])
+def test_a_float_argument_used_as_a_python_number_stays_baked_in_and_is_honoured(how, caplog):
+    """A branch on the argument, or an op that takes it as a number: the lifted capture fails,
+    the values are baked in again (one step per value, as before) and training equals eager."""
+    eager = _weighted_run(graph=False, how=how)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        losses, params, g = _weighted_run(graph=True, how=how)
+    torch.testing.assert_close(losses, eager[0])
+    for a, b in zip(params, eager[1]):
+        torch.testing.assert_close(a, b)
+    assert "needs them as Python numbers" in caplog.text
+    assert len(g.compiled_steps) >= 6  # every new (weight, temperature) pair compiles
+
+
+def test_int_and_bool_arguments_are_not_lifted():
+    """Integers are sizes and indices, booleans switches: they stay part of the step's key."""
+
+    class Step(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.add_optimizer(torch.optim.SGD(self.lin.parameters(), lr=0.1))
+            self.config.set_backend("eager")
+
+        def build(self, x, k, flip):
+            out = self.lin(x)[:, :k]
+            loss = (-out if flip else out).pow(2).mean()
+            loss.backward()
+            return loss
+
+    g = Step()
+    x = torch.randn(2, 4)
+    for k, flip in [(1, False), (2, False), (2, True), (3, True)]:
+        g(x, k, flip)
+    assert len(g.compiled_steps) == 4 and not g._run.lifted_args
+
+
+@pytest.mark.inductor
+def test_float_arguments_lifted_with_inductor_and_bf16():
+    """The same annealed arguments with inductor and bf16 AMP: two compiles, and within bf16
+    of eager fp32."""
+    eager = _weighted_run(graph=False, steps=8)
+    losses, _, g = _weighted_run(graph=True, steps=8, backend="inductor", amp=torch.bfloat16)
+    assert len(g.compiled_steps) == 2
+    torch.testing.assert_close(losses, eager[0], rtol=3e-2, atol=3e-3)

@@ -61,11 +61,14 @@ def capture_forward(
     device: torch.device | None = None,
     amp: bool = False,
     lifted: tuple[AttributeRead, ...] = (),
+    lifted_inputs: frozenset[int] = frozenset(),
 ) -> CapturedForward:
     """Trace ``root``'s build() on fake copies of its state and ``inputs``.
 
     ``lifted``: Python floats build() reads that are traced as inputs of the step instead of
     constants (``records.guards.LiftedValue``; their tensors lead ``CapturedForward.constants``).
+    ``lifted_inputs``: the tensor inputs that are g(...)'s float arguments made tensors; like
+    ``lifted`` values, refused where an op needs them as Python numbers.
 
     ``amp``: graphamp's AMP will decide the dtypes, so ops given tensors of several floating
     dtypes (which eager PyTorch refuses without autocast) are left for its casts to reconcile.
@@ -81,7 +84,7 @@ def capture_forward(
     # sizes symbolic: what a trace of the state before the first call assumes of them must not
     # reach the build's guards, so that trace runs on a copy of the batch in a ShapeEnv of its own
     first = inputs.with_tensors(scratch_batch(inputs.tensors)) if symbolic else inputs
-    once = (graph_name, device, amp, lifted)
+    once = (graph_name, device, amp, lifted, lifted_inputs)
     captured, written = _capture_once(root, first, *once)
     if not written:
         return _capture_once(root, inputs, *once)[0] if symbolic else captured
@@ -133,6 +136,7 @@ def _capture_once(
     device: torch.device | None,
     amp: bool,
     lifted: tuple[AttributeRead, ...],
+    lifted_inputs: frozenset[int],
 ) -> tuple[CapturedForward, list[WrittenValue]]:
     """One trace of build(), cleaned up; and what build() changed on the user's objects."""
     param_names = [n for n, _ in root.named_parameters()]
@@ -151,7 +155,11 @@ def _capture_once(
         loss_scale="loss_scale",
     )
     rename_placeholders(gm, names + [f"c_{n}" for n in value_names])
-    refuse_values_read_on_the_host(nodes[len(layout) :], lifted, graph_name)
+    values = [(read.label, node) for read, node in zip(lifted, nodes[len(layout) :])]
+    values += [
+        (f"argument {input_names[i]}", placeholders.inputs[i]) for i in sorted(lifted_inputs)
+    ]
+    refuse_values_read_on_the_host(values, graph_name)
     mutated = check_input_mutations(traced.mutated, layout, param_names, input_names, graph_name)
     # the lifted values' placeholders are the last ones: constants, read live at every call
     constants, constant_names = lift_constants(gm, _tensor_attributes(root))
@@ -343,19 +351,18 @@ def _example_inputs(
     return example
 
 
-def refuse_values_read_on_the_host(
-    values: list[fx.Node], lifted: tuple[AttributeRead, ...], graph_name: str
-) -> None:
-    """A lifted value that an op takes as a Python number (``leaky_relu``'s slope, a size) is
-    read back from its tensor in the step (``aten._local_scalar_dense``): a host read at every
-    step, a sync on a GPU. Such a value is not lifted (the runtime bakes it in again)."""
-    for read, placeholder in zip(lifted, values):
+def refuse_values_read_on_the_host(values: list[tuple[str, fx.Node]], graph_name: str) -> None:
+    """A lifted value (label, placeholder) that an op takes as a Python number
+    (``leaky_relu``'s slope, a size) is read back from its tensor in the step
+    (``aten._local_scalar_dense``): a host read at every step, a sync on a GPU. Such a value is
+    not lifted (the runtime bakes it in again)."""
+    for label, placeholder in values:
         todo, seen = [placeholder], set()
         while todo:
             node = todo.pop()
             if node.target is torch.ops.aten._local_scalar_dense.default:
                 raise CaptureError(
-                    f"{graph_name}.build() uses {read.label} where a Python number is needed "
+                    f"{graph_name}.build() uses {label} where a Python number is needed "
                     f"({', '.join(str(u.target) for u in node.users)})"
                 )
             if node not in seen:

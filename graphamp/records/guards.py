@@ -234,6 +234,7 @@ class BuildRequest:
     structure: Structure  # the structure key of the call (the program assumes it)
     dynamic: frozenset[tuple[int, int]] = frozenset()  # batch dimensions traced as symbols
     lifted: tuple[AttributeRead, ...] = ()  # Python floats traced as inputs (LiftedValue)
+    lifted_inputs: frozenset[int] = frozenset()  # tensor inputs that are float arguments
 
 
 @dataclass(eq=False)

@@ -151,6 +151,41 @@ def flatten_inputs(args: tuple, kwargs: dict) -> FlatInputs:
     return FlatInputs(tensors, sig, args, kwargs)
 
 
+def lift_numbers(
+    args: tuple, kwargs: dict, positions: frozenset[int], holder: Callable[[int, float], Any]
+) -> tuple[tuple, dict]:
+    """g(...)'s arguments with the Python floats at these leaf positions replaced by
+    ``holder(position, value)`` (a 0-dim float32 tensor holding the value): step inputs, so a
+    new value compiles nothing (``runtime/calls``)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    for i in positions:
+        if i < len(leaves) and type(leaves[i]) is float:
+            leaves[i] = holder(i, leaves[i])
+    args, kwargs = pytree.tree_unflatten(leaves, spec)
+    return tuple(args), dict(kwargs)
+
+
+def lifted_tensor_indices(args: tuple, kwargs: dict, positions: frozenset[int]) -> frozenset[int]:
+    """Which tensor inputs (indices among the call's tensors) are lifted float arguments."""
+    leaves, _ = pytree.tree_flatten((args, kwargs))
+    out, n = set(), 0
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            if i in positions:
+                out.add(n)
+            n += 1
+    return frozenset(out)
+
+
+def changed_floats(old: InputSignature, new: InputSignature) -> frozenset[int]:
+    """The leaf positions of the Python floats whose values differ between two calls with the
+    same structure and tensors (none when anything else differs)."""
+    if old.structure != new.structure or old.tensors != new.tensors:
+        return frozenset()
+    pairs = enumerate(zip(old.constants, new.constants))
+    return frozenset(i for i, (a, b) in pairs if type(a) is type(b) is float and a != b)
+
+
 def check_arity(build: Callable, args: tuple, kwargs: dict, graph_name: str) -> None:
     """Raise InputError naming build()'s signature if g(...) cannot bind to it."""
     try:

@@ -19,7 +19,14 @@ import torch.nn as nn
 from ..errors import CaptureError
 from ..forensics.autofix import Autofix
 from ..records.guards import AttributeRead, BuildRequest, Change, liftable
-from ..records.inputs import FlatInputs, check_arity, flatten_inputs
+from ..records.inputs import (
+    FlatInputs,
+    changed_floats,
+    check_arity,
+    flatten_inputs,
+    lift_numbers,
+    lifted_tensor_indices,
+)
 from ..records.spec import OptimizerSlot, Program
 from ..records.state import SharedState
 from . import ambient, interrupts, schedulers
@@ -58,6 +65,13 @@ class GraphRuntime:
     # and the places whose values could not be (build() needs them as Python numbers)
     lifted: dict[tuple, AttributeRead] = field(default_factory=dict)
     unliftable: set[tuple] = field(default_factory=set)
+    # the same for g(...)'s float arguments, by leaf position (``lift_arguments``)
+    lifted_args: frozenset[int] = frozenset()
+    unliftable_args: frozenset[int] = frozenset()
+    lifted_args_built: bool = False  # a step was built with them: a later failure is not theirs
+    # (position, device) -> the 0-dim float32 tensor a lifted argument is filled into at each
+    # call: a fill on the device, where a new tensor would copy from the host (a sync on a GPU)
+    arg_holders: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
 
 def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
@@ -71,15 +85,105 @@ def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
 
 
 def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
-    inputs = flatten_inputs(args, kwargs)
+    inputs = _lifted_inputs(run, args, kwargs)
     key = _key(run, inputs)
     program = run.programs.find(key, inputs)
     if program is None:
-        program = _build(run, inputs, key, args, kwargs)
+        program, inputs = _build_lifting(run, args, kwargs, inputs, key)
     return program.captured.unflatten_outputs(run_step(run, program, inputs))
 
 
-def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple, args: tuple, kwargs: dict) -> Program:
+def _lifted_inputs(run: GraphRuntime, args: tuple, kwargs: dict) -> FlatInputs:
+    """The call's inputs, its float arguments at lifted positions as 0-dim tensors."""
+    inputs = flatten_inputs(args, kwargs)
+    if not run.lifted_args:
+        return inputs
+    device = _value_device(run, inputs)
+
+    def holder(position: int, value: float) -> torch.Tensor:
+        held = run.arg_holders.get((position, device))
+        if held is None:
+            held = torch.empty((), dtype=torch.float32, device=device)
+            run.arg_holders[(position, device)] = held
+        return held.fill_(value)
+
+    args, kwargs = lift_numbers(args, kwargs, run.lifted_args, holder)
+    return flatten_inputs(args, kwargs)
+
+
+def _build_lifting(
+    run: GraphRuntime, args: tuple, kwargs: dict, inputs: FlatInputs, key: tuple
+) -> tuple[Program, FlatInputs]:
+    """``_build``, after lifting the float arguments whose change caused it (a KL weight or a
+    temperature passed to g(...) each call is likely to change again): from then on each is
+    a step input, a 0-dim float32 tensor, as a changed float that build() reads is. If build()
+    needs one as a Python number (a branch, a size, an op's number argument), capture fails
+    and they are baked in again, for good. Returns the program and the inputs it runs on."""
+    proven = run.lifted_args if run.lifted_args_built else frozenset()
+    changed: set[int] = set()
+    for program in run.programs.values():
+        if program.guards is not None:
+            changed |= changed_floats(program.guards.signature, inputs.signature)
+    new = frozenset(changed) - run.unliftable_args - run.lifted_args
+    if new:
+        names = inputs.leaf_names(run.build)
+        log.info(
+            "%s: the float argument(s) %s of g(...) changed between calls: from now on the step "
+            "takes them as inputs (0-dim float32 tensors), so a new value compiles nothing",
+            run.name,
+            ", ".join(names[i][0] for i in sorted(new)),
+        )
+        run.lifted_args, run.lifted_args_built = run.lifted_args | new, False
+        inputs = _lifted_inputs(run, args, kwargs)
+        key = _key(run, inputs)
+        found = run.programs.find(key, inputs)
+        if found is not None:
+            return found, inputs
+    try:
+        lifted_inputs = lifted_tensor_indices(inputs.args, inputs.kwargs, run.lifted_args)
+        program = _build(run, inputs, key, inputs.args, inputs.kwargs, lifted_inputs)
+    except CaptureError as e:
+        blamed = run.lifted_args - proven  # the ones lifted since the last step built with them
+        if not blamed:
+            raise
+        log.info(
+            "%s: capturing with float argument(s) %s as step inputs failed (%s): build() needs "
+            "them as Python numbers, so each new value compiles a step of its own",
+            run.name,
+            ", ".join(sorted(inputs.leaf_names(run.build)[i][0] for i in blamed)),
+            str(e).splitlines()[0][:200],
+        )
+        run.unliftable_args |= blamed
+        run.lifted_args, run.lifted_args_built = proven, bool(proven)
+        inputs = _lifted_inputs(run, args, kwargs)
+        key = _key(run, inputs)
+        lifted_inputs = lifted_tensor_indices(inputs.args, inputs.kwargs, run.lifted_args)
+        program = run.programs.find(key, inputs) or _build(
+            run, inputs, key, inputs.args, inputs.kwargs, lifted_inputs
+        )
+        return program, inputs
+    run.lifted_args_built = bool(run.lifted_args)
+    return program, inputs
+
+
+def _value_device(run: GraphRuntime, inputs: FlatInputs) -> torch.device:
+    """Where the step's lifted values live: its inputs' device, else its parameters'."""
+    for t in inputs.tensors:
+        return t.device
+    for module in run.modules.values():
+        for p in module.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _build(
+    run: GraphRuntime,
+    inputs: FlatInputs,
+    key: tuple,
+    args: tuple,
+    kwargs: dict,
+    lifted_inputs: frozenset[int] = frozenset(),
+) -> Program:
     """No cached step serves this call: say why, choose the dimensions to make symbolic, build
     one (the Graph's pipeline) and keep it."""
     check_arity(run.build, args, kwargs, run.name)
@@ -95,7 +199,8 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple, args: tuple, kwarg
         warn_about_numbers(run.name, *baked)
     run.programs.count_build(run.name, key[1], str(change or "first call"), config.recompile_limit)
     sibling = run.programs.family_member(key)
-    program = _compile(run, inputs, BuildRequest(key[1], dynamic, _lifted(run, change)))
+    request = BuildRequest(key[1], dynamic, _lifted(run, change), lifted_inputs)
+    program = _compile(run, inputs, request)
     if program.captured.undo_writes is not None:
         key = _settled_key(run, inputs, program)
     if sibling is not None and program.amp is not None and sibling.amp is not None:
@@ -153,7 +258,9 @@ def _compile(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Pr
         )
         run.unliftable.update(run.lifted)
         run.lifted.clear()
-        return run.compile(inputs, BuildRequest(request.structure, request.dynamic))
+        return run.compile(
+            inputs, BuildRequest(request.structure, request.dynamic, (), request.lifted_inputs)
+        )
 
 
 def _key(run: GraphRuntime, inputs: FlatInputs) -> Key:
