@@ -425,7 +425,8 @@ def _compile(b: _Build) -> None:
     label = f"{b.spec.name}: compiling the step ({b.compile_detail})"
 
     def compile_once() -> StepFn:
-        return compile_step(b.step_gm, b.example, config.backend, dict(config.inductor_options))
+        options = dict(config.inductor_options)
+        return compile_step(b.step_gm, b.example, config.backend, options, b.loaded)
 
     with CompileProgress(label, show=b.spec.progress and config.backend != "eager"):
         b.compiled, caches = compile_from_cache(b.spec.name, config.backend, compile_once)

@@ -67,6 +67,25 @@ def test_backend_gets_a_shape_env_and_static_fake_inputs():
     assert seen == {"shape_env": True, "fakes": True, "static": True, "same_mode": True}
 
 
+def test_a_step_from_the_step_cache_does_not_start_inductors_compile_pool(monkeypatch):
+    """inductor's backend starts its pool of compile processes at every call; a step served
+    from the caches compiles nothing, and on two cores the pool's start made the first
+    seconds' steps 3x slower. Cold, the pool is started as before."""
+    import torch._inductor.async_compile as async_compile
+    import torch._inductor.compile_fx as compile_fx
+
+    gm, example = _toy_step_graph()
+    seen = []
+    monkeypatch.setattr(
+        async_compile, "maybe_warm_pool", lambda: seen.append(os.environ.get("TORCH_WARM_POOL"))
+    )
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda graph, inputs, **kw: graph)
+    compile_step(gm, example, "inductor", cached=True)
+    compile_step(gm, example, "inductor")
+    assert seen == ["0", os.environ.get("TORCH_WARM_POOL")]
+    assert os.environ.get("TORCH_WARM_POOL") != "0"  # put back
+
+
 def test_aot_eager_compiles_in_the_tracing_context_and_matches_the_graph():
     """AOTAutograd runs tensorify_python_scalars once a ShapeEnv is present: with the step's
     static fakes there is no unbound size symbol for it to trip on."""

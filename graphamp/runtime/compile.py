@@ -10,8 +10,10 @@ as they do for torch.compile. Replaying the compiled step as a CUDA graph is ``c
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from typing import Callable, Sequence
+from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -27,8 +29,17 @@ def compile_step(
     example: list[torch.Tensor],
     backend: str,
     inductor_options: dict | None = None,
+    cached: bool = False,
 ) -> StepFn:
-    """A callable ``fn(*flat) -> outputs`` running ``gm`` compiled with ``backend``."""
+    """A callable ``fn(*flat) -> outputs`` running ``gm`` compiled with ``backend``.
+
+    ``cached``: the step came from graphamp's step cache, so inductor's caches are expected to
+    hold its code, and inductor's pool of compile processes is not started for it. torch's
+    inductor backend starts that pool at every call, as early as it can, for the kernels it
+    may compile; on a restart it compiles nothing, and the pool's start (processes importing
+    torch) took the cores from the first seconds of training: the seed MLP's steady step ran
+    3x slower (4.4-5.0 ms against 1.6 ms) on two CPU cores until the pool was up. A miss in
+    inductor's caches still compiles, the pool starting when it is needed."""
     if backend == "eager":
         return gm
     import torch._dynamo  # noqa: F401 - registers the backends
@@ -48,8 +59,14 @@ def compile_step(
     options = {}
     if backend == "inductor":
         options = {**default_inductor_options(gm, example), **(inductor_options or {})}
-    with _inductor_config(options), tracing(TracingContext(fake_mode)):
+    no_pool = cached and backend == "inductor"
+    with _inductor_config(options), tracing(TracingContext(fake_mode)), _pool_warm_up(not no_pool):
         return compiler(gm, fakes)
+
+
+def _pool_warm_up(wanted: bool):
+    """``TORCH_WARM_POOL=0`` for one backend call (inductor reads it at every call)."""
+    return nullcontext() if wanted else mock.patch.dict(os.environ, {"TORCH_WARM_POOL": "0"})
 
 
 def _views_as_reshapes(gm: fx.GraphModule) -> None:
