@@ -16,7 +16,7 @@ class CaptureError(GraphampError, RuntimeError):
 
 
 class UnsupportedOptimizerError(GraphampError, TypeError):
-    """The optimizer (or one of its options) has no in-graph implementation."""
+    """The optimizer (or one of its options) cannot be one update inside the step."""
 
 
 class ConfigError(GraphampError, ValueError):

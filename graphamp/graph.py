@@ -32,7 +32,7 @@ from .inspect.report import (
 from .records.guards import BuildRequest
 from .records.history import TrainingHistory
 from .records.inputs import FlatInputs
-from .records.optimizers import check_optimizer_slot
+from .records.optimizers import TRACED, check_optimizer_slot, optimizer_kind
 from .records.spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .records.state import SharedState
 from .records.validate import check_choice
@@ -165,6 +165,8 @@ class Graph:
         max_norm, norm_type = check_optimizer_slot(
             optimizer, lr_sch, clip_grad_max_norm, clip_grad_norm_type, added
         )
+        if optimizer_kind(optimizer) == TRACED:  # its state must be tensors: said here, not at
+            pipeline.check_traceable_state(optimizer)  # the first call
         self._optimizer_slots.append(OptimizerSlot(optimizer, lr_sch, max_norm, norm_type))
         schedulers.silence_order_warning(optimizer)
         hook = getattr(optimizer, "register_load_state_dict_post_hook", None)

@@ -54,6 +54,9 @@ from .step import (
     outline_blocks,
     recompute_checkpointed,
 )
+from .step.traced_optimizer import check_traceable_state
+
+__all__ = ["build_program", "check_traceable_state", "trace_autocast"]
 
 log = logging.getLogger("graphamp")
 

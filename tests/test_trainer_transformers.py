@@ -419,9 +419,10 @@ def test_an_optimizer_without_an_in_graph_update_fails_when_training_starts(tmp_
     model = _gpt2()
     before = copy.deepcopy(model.state_dict())
     trainer = GraphampTrainer(
-        model=model, args=_args(tmp_path, optim="adagrad"), train_dataset=_lm_data(8)
+        model=model, args=_args(tmp_path, optim="adafactor"), train_dataset=_lm_data(8)
     )
-    with pytest.raises(UnsupportedOptimizerError, match="optim='adagrad'.*adamw_torch"):
+    # transformers' Adafactor keeps its step count as a Python int: it cannot be traced
+    with pytest.raises(UnsupportedOptimizerError, match="optim='adafactor'.*Python int.*adamw"):
         trainer.train()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 

@@ -156,21 +156,14 @@ def _capture_once(
     )
     rename_placeholders(gm, names + [f"c_{n}" for n in value_names])
     values = [(read.label, node) for read, node in zip(lifted, nodes[len(layout) :])]
-    values += [
-        (f"argument {input_names[i]}", placeholders.inputs[i]) for i in sorted(lifted_inputs)
-    ]
+    values += [(f"argument {input_names[i]}", placeholders.inputs[i]) for i in lifted_inputs]
     refuse_values_read_on_the_host(values, graph_name)
     mutated = check_input_mutations(traced.mutated, layout, param_names, input_names, graph_name)
     # the lifted values' placeholders are the last ones: constants, read live at every call
     constants, constant_names = lift_constants(gm, _tensor_attributes(root))
     constants = [*traced.value_holders, *constants]
     constant_names = [*value_names, *constant_names]
-    drop_autograd_detaches(gm)
-    detach_no_grad_values(gm)
-    changed = keep_changed_buffers(gm, placeholders.buffers, traced.num_results, mutated)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
+    changed = _cleaned_up(gm, placeholders.buffers, traced.num_results, mutated)
     captured = CapturedForward(
         gm=gm,
         param_names=param_names,
@@ -193,6 +186,18 @@ def _capture_once(
     captured.unused_params = params_without_path_to_losses(captured)
     log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
     return captured, traced.written
+
+
+def _cleaned_up(gm: fx.GraphModule, buffers: list, num_results: int, mutated: Any) -> Any:
+    """The captured graph without autograd's detaches, its no-grad values detached and only
+    the buffers build() changes written; returns those buffers (``keep_changed_buffers``)."""
+    drop_autograd_detaches(gm)
+    detach_no_grad_values(gm)
+    changed = keep_changed_buffers(gm, buffers, num_results, mutated)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return changed
 
 
 @dataclass

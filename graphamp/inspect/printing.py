@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..records.fxutil import dtype_after_amp, is_compute_node, op_name
+from ..records.optimizers import SUPPORTED
 from ..records.spec import GraphSpec, Program
 from ..records.validate import dtype_name
 
@@ -111,9 +112,10 @@ def _optimizer_lines(spec: GraphSpec) -> list[str]:
             f"{k}={group[k]}" for k in ("lr", "momentum", "betas", "weight_decay") if k in group
         )
         clip = f", clip_grad_max_norm={slot.clip_max_norm}" if slot.clip_max_norm else ""
+        path = "graphamp's multi-tensor update" if type(opt) in SUPPORTED else "its step() traced"
         lines.append(
             f"{INDENT}(OPTIMIZER:{i}:{type(opt).__name__}({hyper}, "
-            f"param_groups={len(opt.param_groups)}{clip}))"
+            f"param_groups={len(opt.param_groups)}{clip}): {path})"
         )
     return lines
 

@@ -120,7 +120,8 @@ def refuse_optimizer(optim: Any, error: Exception) -> UnsupportedOptimizerError:
     """The error for an optimizer graphamp has no in-graph update for."""
     name = getattr(optim, "value", optim)  # TrainingArguments holds an OptimizerNames enum
     return UnsupportedOptimizerError(
-        f"graphamp's Trainer cannot train with optim={name!r}: {error} Use "
-        "optim='adamw_torch', 'adamw_torch_fused' or 'sgd' (or pass a torch.optim SGD, Adam "
-        "or AdamW through Trainer(optimizers=(optimizer, scheduler)))"
+        f"graphamp's Trainer cannot train with optim={name!r}: {error}. Use an optimizer "
+        "whose step is tensor arithmetic: optim='adamw_torch', 'adamw_torch_fused', 'sgd', "
+        "'rmsprop', 'adagrad' (or pass any torch.optim optimizer but LBFGS, SparseAdam and "
+        "Adafactor through Trainer(optimizers=(optimizer, scheduler)))"
     )

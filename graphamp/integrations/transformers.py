@@ -175,7 +175,10 @@ class Trainer(transformers.Trainer):
         rows = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
         num_items = micro_batches.per_row(self._num_items, rows, self.args.device)
         graph.config.set_gradient_accumulation_steps(len(batches))
-        loss = graph(batch, num_items)
+        try:
+            loss = graph(batch, num_items)
+        except UnsupportedOptimizerError as e:  # found when its step was traced
+            raise refuse_optimizer(self.args.optim, e) from e
         self._after_step(graph)
         return loss
 

@@ -9,6 +9,7 @@ device, as torch keeps them for ``capturable=True``. The update math itself is t
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,24 +19,29 @@ from ..errors import ConfigError, UnsupportedOptimizerError
 from .validate import check_number
 
 SUPPORTED = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
+# Every other optimizer's own step() is traced into the step (step/traced_optimizer.py)
+TRACED = "traced"
 # The float hyperparameters each kind reads per param group: graph inputs (0-dim fp32 tensors),
-# so a scheduler changing them never recompiles.
+# so a scheduler changing them never recompiles. A traced optimizer's other options are baked
+# into its step and part of the key (group_flags).
 HYPER = {
     "sgd": ("lr", "momentum", "dampening", "weight_decay"),
     "adam": ("lr", "beta1", "beta2", "eps", "weight_decay"),
+    TRACED: ("lr",),
 }
 
 
 def optimizer_kind(optimizer: Any) -> str:
-    """ "sgd" or "adam"; raises for optimizers and options without an in-graph update."""
+    """ "sgd" or "adam" (graphamp's multi-tensor updates), "traced" for any other optimizer;
+    raises for optimizers and options that cannot be one update inside the step."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedOptimizerError(
+            f"{type(optimizer).__qualname__} is not a torch.optim.Optimizer"
+        )
     kind = SUPPORTED.get(type(optimizer))
     if kind is None:
-        names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED)
-        raise UnsupportedOptimizerError(
-            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} has no in-graph "
-            f"implementation; graphamp supports {names}. Use one of those, or train that part "
-            "eagerly outside the Graph"
-        )
+        refuse_untraceable(optimizer)
+        kind = TRACED
     for group in optimizer.param_groups:
         if group.get("differentiable"):
             raise UnsupportedOptimizerError(
@@ -82,6 +88,8 @@ def validate_clip(max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
 
 def group_flags(kind: str, optimizer: torch.optim.Optimizer, group: dict) -> tuple:
     """The options of a param group that change the traced update (part of the cache key)."""
+    if kind == TRACED:  # every option but the lr (an input) is baked into the traced step
+        return tuple((k, _frozen(v)) for k, v in sorted(group.items()) if k not in ("params", "lr"))
     maximize = bool(group.get("maximize", False))
     if kind == "sgd":
         return (
@@ -102,8 +110,20 @@ def group_flags(kind: str, optimizer: torch.optim.Optimizer, group: dict) -> tup
     )
 
 
+def _frozen(value: Any) -> Any:
+    """An option's value as something hashable that a key can hold."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.detach().reshape(-1).tolist()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 def state_keys(kind: str, flags: dict) -> tuple[str, ...]:
-    """The per-parameter state torch keeps for a group with these flags."""
+    """The per-parameter state torch keeps for a group with these flags (a traced optimizer's
+    are found per parameter: ``GroupPlan.param_keys``)."""
+    if kind == TRACED:
+        return ()
     if kind == "sgd":
         return ("momentum_buffer",) if flags["momentum"] else ()
     return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if flags["amsgrad"] else ())
@@ -134,6 +154,9 @@ class GroupPlan:
     params: list[int]  # forward-parameter positions of the group's trainable parameters
     flags: tuple  # structure that changes the traced graph (part of the cache key)
     state_keys: tuple[str, ...]  # per-parameter state in torch's format, for this group
+    # a traced optimizer's: each parameter's state keys, and their first values (not in the key)
+    param_keys: list[tuple[str, ...]] | None = None
+    initial: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -152,8 +175,25 @@ class OptimizerPlan:
         for group in self.groups:
             params = self.params[i : i + len(group.params)]
             i += len(group.params)
-            out += [(p, key) for key in group.state_keys for p in params]
+            if group.param_keys is not None:  # a traced optimizer: parameter by parameter
+                out += [(p, key) for p, keys in zip(params, group.param_keys) for key in keys]
+            else:
+                out += [(p, key) for key in group.state_keys for p in params]
         return out
+
+    def initial_state(self, p: torch.Tensor, key: str) -> torch.Tensor:
+        """A fresh state tensor: torch's format for graphamp's own updates, what the
+        optimizer's first step creates for a traced one (on the parameter's device)."""
+        if self.kind != TRACED:
+            return init_state(key, p)
+        i = 0
+        for group in self.groups:
+            params = self.params[i : i + len(group.params)]
+            i += len(group.params)
+            for q, first in zip(params, group.initial or ()):
+                if q is p:
+                    return first[key].make(p.device)
+        raise KeyError(key)
 
     def fresh_params(self) -> list[torch.Tensor]:
         """The parameters that need a momentum-start flag (``starts_from_gradient``), group by
@@ -180,7 +220,58 @@ class OptimizerPlan:
         return HYPER[self.kind]
 
     def hyper_values(self, group: dict) -> tuple[Any, ...]:
+        if self.kind == TRACED:
+            return (float(group["lr"]),)
         if self.kind == "sgd":
             return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"])
         beta1, beta2 = group["betas"]
         return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+
+
+@dataclass(frozen=True)
+class InitialState:
+    """One state tensor as the optimizer first creates it: a constant fill (zeros, ones,
+    ``full(lr)``), or the tensor itself when its elements differ."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: float | None
+    value: torch.Tensor | None = None
+
+    @staticmethod
+    def of(t: torch.Tensor) -> InitialState:
+        flat = t.detach().reshape(-1)
+        constant = flat.numel() == 0 or bool((flat == flat[0]).all())
+        if constant:
+            return InitialState(tuple(t.shape), t.dtype, float(flat[0]) if flat.numel() else 0.0)
+        return InitialState(tuple(t.shape), t.dtype, None, t.detach().clone().cpu())
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        if self.value is not None:
+            return self.value.to(device)
+        return torch.full(self.shape, self.fill or 0.0, dtype=self.dtype, device=device)
+
+
+def refuse_untraceable(optimizer: torch.optim.Optimizer) -> None:
+    """UnsupportedOptimizerError for optimizers whose step cannot be one traced update."""
+    name = type(optimizer).__name__
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise UnsupportedOptimizerError(
+            f"{name}.step(closure) evaluates the loss again inside the step (a line search), "
+            "which one traced step cannot do: train it eagerly, or use an optimizer whose "
+            "step takes no closure"
+        )
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and not type(
+        optimizer
+    ).__module__.startswith("torch.optim"):
+        raise UnsupportedOptimizerError(
+            f"{name}.step() takes the grad scaler itself (_step_supports_amp_scaling) to "
+            "unscale and skip inside its step; graphamp's step unscales and skips for every "
+            "optimizer, so this one's own scaling would run on nothing: use its plain form"
+        )
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise UnsupportedOptimizerError(
+            "SparseAdam updates sparse gradients only, and graphamp's gradients are dense: use "
+            "torch.optim.Adam (nn.Embedding(sparse=False))"
+        )

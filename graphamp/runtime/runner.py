@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from torch.autograd.graph import increment_version
 
 from ..errors import CaptureError
 from ..forensics.device_record import ForensicsState
-from ..records.optimizers import OptimizerPlan, init_state
+from ..records.optimizers import TRACED, OptimizerPlan
 from ..records.replays import apply_replays
 from ..records.spec import StepPlan
 from ..records.state import SharedState
@@ -312,7 +312,9 @@ def materialize_optimizer_state(plan: StepPlan):
             if plan.zero_stage and key != "step":
                 t = _zero_row(opt, key, p, existing, plan.process_group)
             elif t is None:
-                t = init_state(key, p)
+                t = opt.initial_state(p, key)
+            elif opt.kind == TRACED:
+                t = _traced_state(opt, key, p, t)
             elif key == "step":
                 t = torch.as_tensor(t).to(device=p.device, dtype=torch.float32)
             elif t.shape != p.shape or t.device != p.device:
@@ -325,6 +327,20 @@ def materialize_optimizer_state(plan: StepPlan):
                 install.append((opt.optimizer, p, key, t))
             flat.append(t)
     return flat, install
+
+
+def _traced_state(opt: OptimizerPlan, key: str, p: torch.Tensor, t: Any) -> torch.Tensor:
+    """An existing state tensor of a traced optimizer, on the parameter's device, checked
+    against what the optimizer's first step makes."""
+    first = opt.initial_state(p, key)
+    t = torch.as_tensor(t)
+    if t.shape != first.shape or t.dtype != first.dtype:
+        raise CaptureError(
+            f"optimizer {opt.index} state {key!r} is {tuple(t.shape)} {t.dtype}, where "
+            f"{type(opt.optimizer).__name__}'s first step makes {tuple(first.shape)} "
+            f"{first.dtype}: the loaded optimizer state does not belong to these parameters"
+        )
+    return t.to(device=p.device)
 
 
 def _zero_row(opt: OptimizerPlan, key: str, p: torch.Tensor, existing, group) -> torch.Tensor:

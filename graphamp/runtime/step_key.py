@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from ..records.layouts import StepLayout
 from ..records.ops import FunctionCall
+from ..records.optimizers import SUPPORTED
 
 FORMAT = "graphamp-step-1"
 
@@ -42,6 +43,8 @@ _SKIPPED_META = frozenset({"from_node"})
 # which is in the key) and a callback that undoes capture's writes if a later stage fails
 _SKIPPED_FIELDS = {
     "CapturedForward": frozenset({"undo_writes", "attribute_reads"}),
+    # a traced optimizer's first state values: used when the state is made, not traced
+    "GroupPlan": frozenset({"initial"}),
 }
 
 
@@ -156,7 +159,13 @@ class _Digest:
             self.feed(obj.settings())
         elif isinstance(obj, torch.optim.Optimizer):
             # its options that change the traced update are the plan's GroupPlan.flags; the
-            # hyperparameters are inputs of the step
+            # hyperparameters are inputs of the step. An optimizer outside torch.optim whose
+            # own step() is traced runs code the key cannot see
+            if type(obj) not in SUPPORTED and not type(obj).__module__.startswith("torch.optim"):
+                raise Uncacheable(
+                    f"the step traces {_qualname(type(obj))}.step(), whose Python code the key "
+                    "cannot see"
+                )
             self._text(f"optimizer:{_qualname(type(obj))}")
         elif isinstance(obj, StepLayout):
             self._text("layout")

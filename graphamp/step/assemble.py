@@ -25,7 +25,7 @@ import torch.fx.traceback as fx_traceback
 
 from ..records.fxutil import NodeTagger, rename_placeholders, trace_functional
 from ..records.layouts import StepInputs
-from ..records.optimizers import OptimizerPlan
+from ..records.optimizers import TRACED, OptimizerPlan
 from ..records.spec import StepPlan
 from .collectives import agree_on_overflow, agree_on_probes, average_over_ranks
 from .gradients import forward_and_gradients, parameter_casts, run_forward
@@ -33,6 +33,7 @@ from .history_row import record_history
 from .optimizer_update import densify_sparse_grads, masked, update_optimizer
 from .overflow_probes import ProbeRecorder, record_overflow
 from .scaling import clip_grad_norm, count_nonfinite_norm, unscale_and_check, write_scale_update
+from .traced_optimizer import tensorify_scalar_reads
 from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
 
@@ -52,6 +53,8 @@ def assemble_step(
     with fx_traceback.preserve_node_meta() if record_origins else nullcontext():
         gm = trace_functional(step, example, propagate_input_mutations=True)
     rename_placeholders(gm, plan.layout.names)
+    if any(o.kind == TRACED for o in plan.optimizers):
+        tensorify_scalar_reads(gm)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

@@ -21,9 +21,12 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ..errors import CaptureError
+from ..errors import CaptureError, UnsupportedOptimizerError
 from ..records.optimizers import GroupPlan, OptimizerPlan, starts_from_gradient
+from .traced_optimizer import traced_update
 
 
 @dataclass
@@ -154,10 +157,16 @@ def update_optimizer(
     optimizer's, in ``opt.forward_positions`` order; its state, hyperparameter and
     momentum-start tensors are taken from the shared iterators (in the layout's order)."""
     offset = 0
-    for group in opt.groups:
+    for g, group in enumerate(opt.groups):
         idx = range(offset, offset + len(group.params))
         offset += len(group.params)
         hyper = {name: next(hypers) for name in opt.hyper_names}
+        if group.param_keys is not None:  # a traced optimizer: parameter by parameter
+            own = [{key: next(states) for key in keys} for keys in group.param_keys]
+            if idx:
+                mine = [params[i] for i in idx]
+                _traced(opt, g, mine, [grads[i] for i in idx], own, hyper["lr"], skip)
+            continue
         state = {key: [next(states) for _ in idx] for key in group.state_keys}
         starts = starts_from_gradient(opt.kind, dict(group.flags))
         fresh = [next(fresh_flags) for _ in idx] if starts else None
@@ -173,3 +182,29 @@ def update_optimizer(
         for flag in fresh or ():  # the buffer has started, unless the step is skipped
             flag.copy_(masked(skip, flag, torch.zeros_like(flag)))
     counter.copy_(masked(skip, counter, counter + 1))
+
+
+def _traced(opt, g, params, grads, states, lr, skip) -> None:
+    """A traced optimizer's step on one group, masked and written like the others."""
+    name = type(opt.optimizer).__name__
+    try:
+        new_params, new_states = traced_update(opt.optimizer, g, params, grads, states, lr)
+    except (GuardOnDataDependentSymNode, DataDependentOutputException) as e:
+        raise UnsupportedOptimizerError(
+            f"optimizer {opt.index} ({name}): its step() reads the values of its tensors on "
+            f"the host ({str(e).splitlines()[0][:120]}), so it cannot be one traced update "
+            "inside the step (on a GPU each read would be a sync). Train it eagerly, or use "
+            "an optimizer whose step is tensor arithmetic"
+        ) from None
+    for old, new in zip(params, new_params):
+        old.copy_(masked(skip, old, new))
+    for olds, news in zip(states, new_states):
+        for key, old in olds.items():
+            new = news.get(key)
+            if new is None or new.shape != old.shape or new.dtype != old.dtype:
+                raise CaptureError(
+                    f"optimizer {opt.index} ({type(opt.optimizer).__name__}): its step left "
+                    f"state[{key!r}] {'unset' if new is None else f'as {tuple(new.shape)} {new.dtype}'}"
+                    f", where its first step made {tuple(old.shape)} {old.dtype}"
+                )
+            old.copy_(masked(skip, old, new))

@@ -10,12 +10,20 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..errors import CaptureError, ConfigError
+from ..errors import CaptureError, ConfigError, UnsupportedOptimizerError
 from ..records.fxutil import warn_at_user_line
-from ..records.optimizers import GroupPlan, OptimizerPlan, group_flags, optimizer_kind, state_keys
+from ..records.optimizers import (
+    TRACED,
+    GroupPlan,
+    OptimizerPlan,
+    group_flags,
+    optimizer_kind,
+    state_keys,
+)
 from ..records.probes import ProbeTable
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
 from .overflow_probes import plan_probes
+from .traced_optimizer import probe_initial_state
 
 
 def build_plan(
@@ -98,16 +106,26 @@ def _optimizer_plans(
     for k, slot in enumerate(spec.optimizers):
         opt = slot.optimizer
         kind = optimizer_kind(opt)
+        if kind == TRACED and spec.config.zero_stage:
+            raise UnsupportedOptimizerError(
+                f"{spec.name}: ZeRO shards the state of graphamp's own SGD, Adam and AdamW "
+                f"updates; {type(opt).__name__}'s own step() is traced whole, not yet by rows"
+            )
         groups, updated = [], []
-        for group in opt.param_groups:
-            positions = []
+        for g, group in enumerate(opt.param_groups):
+            positions, mine = [], []
             for p in group["params"]:
                 i = _forward_position(spec, captured, position, owner, k, opt, p)
                 if p.requires_grad and i not in captured.unused_params:
                     positions.append(i)
-                    updated.append(p)
+                    mine.append(p)
+            updated += mine
             flags = group_flags(kind, opt, group)
-            groups.append(GroupPlan(positions, flags, state_keys(kind, dict(flags))))
+            plan = GroupPlan(positions, flags, state_keys(kind, dict(flags)))
+            if kind == TRACED:  # its state, found by one eager step on copies
+                plan.initial = probe_initial_state(opt, g, mine)
+                plan.param_keys = [tuple(first) for first in plan.initial]
+            groups.append(plan)
         plans.append(
             OptimizerPlan(
                 index=k,

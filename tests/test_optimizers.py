@@ -1,0 +1,238 @@
+"""Every optimizer in the step: graphamp's own updates for SGD, Adam and AdamW, and any other
+optimizer's own step() traced into the step (``step/traced_optimizer.py``).
+
+The oracle is torch's own optimizer database (``optim_db`` in
+``torch.testing._internal.common_optimizers``): each optimizer on each of its sample settings
+trains a small model through a Graph and eagerly, from the same weights and batches; the
+parameters and the optimizer state must agree. Then what a step inside a graph adds: a skipped
+fp16 step leaves everything as it was, a scheduler changing the lr compiles nothing, a
+third-party optimizer written in plain torch trains, and what cannot be traced is refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphamp
+from graphamp import UnsupportedOptimizerError
+
+common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
+
+# refused by name (test below): a closure (LBFGS), sparse gradients only (SparseAdam), host
+# reads of its own tensors in every step (Adafactor's .item() of norms and step counts)
+REFUSED = {"LBFGS", "SparseAdam", "Adafactor"}
+BUILT_IN = {"SGD", "Adam", "AdamW"}  # graphamp's multi-tensor updates (tested elsewhere too)
+
+
+def _settings():
+    """(optimizer class, its sample kwargs, description) for every optim_db entry on the CPU."""
+    out = []
+    for info in common_optimizers.optim_db:
+        cls = info.optim_cls
+        if cls.__name__ in REFUSED:
+            continue
+        func = info.optim_inputs_func
+        takes_dtype = "dtype" in inspect.signature(func).parameters
+        inputs = func(device="cpu", dtype=torch.float32) if takes_dtype else func(device="cpu")
+        for sample in inputs:
+            kwargs = dict(sample.kwargs)
+            if kwargs.get("differentiable") or kwargs.get("fused"):
+                continue  # differentiable: refused by name; fused: a CUDA kernel
+            marks = () if sample.desc == "default" else (pytest.mark.slow,)
+            out.append(pytest.param(cls, kwargs, id=f"{cls.__name__}-{sample.desc}", marks=marks))
+    return out
+
+
+def _model(cls) -> nn.Module:
+    torch.manual_seed(0)
+    bias = cls is not torch.optim.Muon  # Muon updates matrices only
+    return nn.Sequential(nn.Linear(8, 16, bias=bias), nn.Tanh(), nn.Linear(16, 4, bias=bias))
+
+
+def _batches(n=4):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)) for _ in range(n)]
+
+
+def _graph(model, optimizer, amp=None, scaler=None, lr_sch=None):
+    class Step(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(optimizer, lr_sch=lr_sch)
+            self.config.set_backend("aot_eager")
+            if amp is not None:
+                self.config.enable_amp(True, dtype=amp)
+            if scaler is not None:
+                self.set_grad_scaler(scaler)
+
+        def build(self, x, y):
+            loss = F.mse_loss(self.model(x), y)
+            loss.backward()
+            return loss
+
+    return Step()
+
+
+def _eager(model, optimizer, batches, lr_sch=None):
+    for x, y in batches:
+        optimizer.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if lr_sch is not None:
+            lr_sch.step()
+
+
+def _close(cls):
+    # Muon orthogonalises in bfloat16 (Newton-Schulz): the traced norm and matmuls round
+    # differently from eager's kernels there
+    return dict(rtol=2e-2, atol=2e-3) if cls is torch.optim.Muon else dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls, kwargs", _settings())
+def test_every_optimizer_in_torchs_database_trains_like_eager(cls, kwargs):
+    model, twin = _model(cls), _model(cls)
+    optimizer, eager_optimizer = cls(model.parameters(), **kwargs), cls(twin.parameters(), **kwargs)
+    g = _graph(model, optimizer)
+    batches = _batches()
+    for x, y in batches:
+        g(x, y)
+    _eager(twin, eager_optimizer, batches)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, **_close(cls))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        mine, theirs = optimizer.state[p], eager_optimizer.state[q]
+        assert sorted(mine) == sorted(theirs)
+        for key in theirs:
+            torch.testing.assert_close(
+                torch.as_tensor(mine[key]).cpu(), torch.as_tensor(theirs[key]).cpu(), **_close(cls)
+            )
+    assert len(g.compiled_steps) == 1
+    path = "multi-tensor update" if cls.__name__ in BUILT_IN else "its step() traced"
+    assert path in repr(g)
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [(torch.optim.RMSprop, {"momentum": 0.9, "centered": True}), (torch.optim.NAdam, {})],
+    ids=["RMSprop", "NAdam"],
+)
+def test_a_skipped_fp16_step_leaves_a_traced_optimizer_as_it_was(cls, kwargs):
+    """An overflow in the first step (a scale far past fp16's range) skips it: the parameters
+    and the state the optimizer's first step would make stay bitwise as they were; the next
+    steps train."""
+    model = _model(cls)
+    before = copy.deepcopy(model)
+    optimizer = cls(model.parameters(), lr=1e-2, **kwargs)
+    g = _graph(model, optimizer, torch.float16, graphamp.GradScaler(init_scale=2.0**24))
+    x, y = _batches(1)[0]
+    g(x, y)
+    assert bool(g.history.latest()["skipped"])
+    for p, q in zip(model.parameters(), before.parameters()):
+        assert torch.equal(p, q)
+    for state in optimizer.state.values():
+        assert all(
+            float(torch.as_tensor(v).abs().sum()) == 0
+            for k, v in state.items()
+            if k != "mu_product"
+        )
+    for _ in range(12):  # the scale backs off until the steps are finite
+        g(x, y)
+    assert not bool(g.history.latest()["skipped"])
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before.parameters()))
+
+
+def test_a_scheduler_changing_a_traced_optimizers_lr_compiles_once():
+    """The lr is a step input: ExponentialLR changes it every step, one program serves all,
+    and the run equals eager."""
+    model, twin = _model(torch.optim.RMSprop), _model(torch.optim.RMSprop)
+    opt, eager_opt = (
+        torch.optim.RMSprop(model.parameters(), lr=1e-2),
+        torch.optim.RMSprop(twin.parameters(), lr=1e-2),
+    )
+    sch = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7)
+    eager_sch = torch.optim.lr_scheduler.ExponentialLR(eager_opt, gamma=0.7)
+    g = _graph(model, opt, lr_sch=sch)
+    batches = _batches(6)
+    for x, y in batches:
+        g(x, y)
+    _eager(twin, eager_opt, batches, eager_sch)
+    assert (
+        len(g.compiled_steps) == 1 and opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"]
+    )
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), written as a
+    third-party package writes it: plain torch, in-place updates, lr passed as ``alpha``."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = exp_avg * beta1 + p.grad * (1 - beta1)
+                p.add_(update.sign(), alpha=-group["lr"])
+                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+def test_a_third_party_optimizer_in_plain_torch_trains_like_eager():
+    model, twin = _model(Lion), _model(Lion)
+    opt = Lion(model.parameters(), lr=1e-3, weight_decay=0.1)
+    eager_opt = Lion(twin.parameters(), lr=1e-3, weight_decay=0.1)
+    g = _graph(model, opt)
+    batches = _batches(5)
+    for x, y in batches:
+        g(x, y)
+    _eager(twin, eager_opt, batches)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.state[p]["exp_avg"], eager_opt.state[q]["exp_avg"])
+
+
+class CountsInPython(Lion):
+    """Keeps its step count as a Python int: it would be baked into a traced step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                p.add_(p.grad, alpha=-group["lr"] / state["step"])
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda ps: torch.optim.LBFGS(ps), "closure"),
+        (lambda ps: torch.optim.SparseAdam(ps), "SparseAdam updates sparse gradients"),
+        (lambda ps: torch.optim.Adafactor(ps), "reads the values of its tensors on the host"),
+        (lambda ps: CountsInPython(ps, lr=0.1), r"state\['step'\] as a Python int"),
+        (lambda ps: torch.optim.RMSprop(ps, differentiable=True), "differentiable=True"),
+    ],
+    ids=["LBFGS", "SparseAdam", "Adafactor", "python-state", "differentiable"],
+)
+def test_what_cannot_be_one_traced_update_is_refused_by_name(make, words):
+    model = _model(torch.optim.RMSprop)
+    with pytest.raises(UnsupportedOptimizerError, match=words):
+        g = _graph(model, make(model.parameters()))
+        g(*_batches(1)[0])
