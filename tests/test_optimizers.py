@@ -22,7 +22,13 @@ import torch.nn.functional as F
 import graphamp
 from graphamp import UnsupportedOptimizerError
 
+_BACKENDS = torch.backends.flags_frozen.__globals__  # torch.backends' own module globals
+_FLAG = "__allow_nonbracketed_mutation_flag"
+_flags_allowed = _BACKENDS[_FLAG]
 common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
+# torch's test utilities forbid setting torch.backends' flags outside a context manager, for
+# the whole process, when imported: put it back for the tests that run after these
+_BACKENDS[_FLAG] = _flags_allowed
 
 # refused by name (test below): a closure (LBFGS), sparse gradients only (SparseAdam), host
 # reads of its own tensors in every step (Adafactor's .item() of norms and step counts)
@@ -236,3 +242,28 @@ def test_what_cannot_be_one_traced_update_is_refused_by_name(make, words):
     with pytest.raises(UnsupportedOptimizerError, match=words):
         g = _graph(model, make(model.parameters()))
         g(*_batches(1)[0])
+
+
+@pytest.mark.inductor
+def test_a_traced_optimizer_with_scalar_state_under_inductor_and_fp16():
+    """NAdam keeps 0-dim state (mu_product, step) beside parameter-shaped state: the
+    inductor-compiled step with fp16 AMP and a GradScaler trains like eager autocast +
+    GradScaler, in one compile."""
+    model, twin = _model(torch.optim.NAdam), _model(torch.optim.NAdam)
+    opt = torch.optim.NAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    eager_opt = torch.optim.NAdam(twin.parameters(), lr=1e-2, weight_decay=0.01)
+    g = _graph(model, opt, torch.float16, graphamp.GradScaler())
+    g.config.set_backend("inductor")
+    scaler = torch.amp.GradScaler("cpu")
+    for x, y in _batches(6):
+        g(x, y)
+        eager_opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(twin(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(eager_opt)
+        scaler.update()
+    assert len(g.compiled_steps) == 1
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-3, atol=2e-4)
+        assert opt.state[p]["mu_product"].shape == ()

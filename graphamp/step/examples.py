@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..records.optimizers import init_state
+from ..records.optimizers import TRACED
 from ..records.probes import record_tensors
 from ..records.sharding import chunk_of
 from ..records.spec import StepPlan
@@ -75,8 +75,8 @@ def _optimizer_state(plan: StepPlan) -> list[Any]:
             if plan.zero_stage and key != "step":
                 world = dist.get_world_size(plan.process_group)
                 out.append(torch.zeros(chunk_of(p.numel(), world), dtype=p.dtype, device=p.device))
-            elif isinstance(existing, torch.Tensor) and key != "step":
+            elif isinstance(existing, torch.Tensor) and (key != "step" or opt.kind == TRACED):
                 out.append(existing)
             else:
-                out.append(init_state(key, p))
+                out.append(opt.initial_state(p, key))
     return out
