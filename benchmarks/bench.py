@@ -265,7 +265,7 @@ def measure(variant, workload, base_model, device, args) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return run_variant(variant, workload, base_model, device, args)
-    except Exception as e:  # noqa: BLE001 - reported in the row and the table, then go on
+    except Exception as e:  # reported in the row and the table, then go on
         traceback.print_exc()
         gc.collect()
         if device.type == "cuda":

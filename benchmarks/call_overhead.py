@@ -47,7 +47,7 @@ def make_graph() -> graphamp.Graph:
 def replace_compiled_step_with_noop(g: graphamp.Graph, x, y) -> None:
     """Run one real call, then swap the compiled program for one returning those outputs."""
     g(x, y)
-    (program,) = g._programs.values()  # noqa: SLF001 - a benchmark of graphamp's internals
+    (program,) = g._programs.values()  # a benchmark of graphamp's internals
     runner = program.runner
     outputs = runner.compiled(*runner.gather([x, y]))
     runner.compiled = lambda *flat: outputs

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from models import Block, TinyGPT, lm_loss  # noqa: E402
+from models import Block, TinyGPT, lm_loss
 
-import graphamp  # noqa: E402
-from graphamp.inspect.memory import step_memory  # noqa: E402
+import graphamp
+from graphamp.inspect.memory import step_memory
 
 
 def measure(base, args, ckpt: bool, amp):

@@ -49,7 +49,7 @@ def measure(name: str, backend: str, steps: int) -> dict:
     x, y = workload.batches[0]
     g(x, y)  # compile
     step_ms = _step_ms(g, workload.batches, steps)
-    run = g._run  # noqa: SLF001 - a benchmark of graphamp's internals
+    run = g._run  # a benchmark of graphamp's internals
     (program,) = run.programs.values()
     inputs = flatten_inputs((x, y), {})
 

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from models import ManualAttentionBlock, TinyGPT, lm_loss  # noqa: E402
+from models import ManualAttentionBlock, TinyGPT, lm_loss
 
-import graphamp  # noqa: E402
+import graphamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONEFLOW_INFER = ["aten._softmax", "aten._log_softmax", "aten.native_layer_norm"]

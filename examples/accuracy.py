@@ -217,7 +217,7 @@ def table(results: dict) -> str:
     for name in DTYPES:
 
         def rel(task, m):
-            return "" if name == "fp32" else f"{results[task][name][m + '_rel_diff']:+.2%}"  # noqa: E731
+            return "" if name == "fp32" else f"{results[task][name][m + '_rel_diff']:+.2%}"
 
         lines.append(
             f"| {name} | {lm[name]['val_loss']:.4f} | {rel('char_lm', 'val_loss')} | "

@@ -318,7 +318,7 @@ class Graph:
         program = self._require_program()
         try:
             report = self.precision_report(with_autocast=program.amp is not None)
-        except Exception as e:  # noqa: BLE001 - the oracle is extra information; say why it is missing
+        except Exception as e:  # the oracle is extra information; say why it is missing
             log.warning(
                 "%s: autocast comparison skipped in the dump: %s: %s",
                 type(self).__name__,

@@ -127,7 +127,7 @@ def build_program(
                 return _build_program(b)
         except _PASS_THROUGH:
             raise
-        except Exception as e:  # noqa: BLE001 - every other failure becomes graphamp's
+        except Exception as e:  # every other failure becomes graphamp's
             raise stage_error(spec, b.stage, e) from e
 
 
@@ -406,7 +406,7 @@ def _outline(b: _Build) -> None:
     outlined = copy_graph_module(b.step_gm)
     try:
         b.outline = outline_blocks(outlined)
-    except Exception as e:  # noqa: BLE001 - outlining is an optimisation; the step is correct without it
+    except Exception as e:  # outlining is an optimisation; the step is correct without it
         b.outline = OutlineResult(left_inline=[f"all ({type(e).__name__}: {e})"])
         return
     b.step_gm = outlined
@@ -513,5 +513,5 @@ def trace_autocast(program: Program) -> AutocastTrace:
             return autocast_forward(root, example, amp.dtype, program.device)
     except _PASS_THROUGH:
         raise
-    except Exception as e:  # noqa: BLE001 - as in build_program
+    except Exception as e:  # as in build_program
         raise stage_error(program.spec, "capture", e) from e

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from helpers import make_graph  # noqa: E402
-from models import seed_mlp  # noqa: E402
+from helpers import make_graph
+from models import seed_mlp
 
-import graphamp  # noqa: E402
+import graphamp
 
 
 def _masked_ce(g, x, y):

@@ -11,9 +11,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_worker import make_model  # noqa: E402
+from dist_worker import make_model
 
-import graphamp  # noqa: E402
+import graphamp
 
 
 def main():

@@ -298,7 +298,7 @@ def agreement() -> dict[tuple[str, str, str], tuple[int, int]]:
                         and entry.id not in DIFFERENCES
                         and check(entry, dtype, inputs) is None
                     )
-                except Exception:  # noqa: BLE001 - a capture or run failure is a disagreement
+                except Exception:  # a capture or run failure is a disagreement
                     ok = False
                 key = (str(dtype).removeprefix("torch."), entry.list_name, inputs)
                 counts[key][0] += ok

@@ -564,7 +564,7 @@ def test_two_threads_calling_a_cold_graph_capture_once_and_both_train():
     def call():
         try:
             results.append(t.g(x, y))
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=call) for _ in range(2)]
@@ -617,7 +617,7 @@ def test_graphs_compiling_at_once_in_several_threads_train_as_when_built_alone()
         try:
             start.wait()
             together[k] = _train_two_steps(k, fresh[k])
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]

@@ -280,7 +280,7 @@ def test_a_failure_the_retry_repeats_is_raised_and_out_of_memory_is_not_retried(
         calls.append(1)
         from torch._inductor import scheduler
 
-        scheduler._real_dep_names(None)  # noqa: SLF001 - raises inside inductor's scheduler
+        scheduler._real_dep_names(None)  # raises inside inductor's scheduler
 
     with pytest.raises(TypeError):
         rebuild_if_cache_unreadable("G", compiler_bug)

@@ -547,7 +547,7 @@ def test_reduce_lr_on_plateau_stepped_outside_the_graph_works_as_eager():
         return lrs.ReduceLROnPlateau(
             o,
             patience=0,
-            factor=0.5,  # noqa: E731
+            factor=0.5,
             threshold=0.5,
         )
 

@@ -704,7 +704,7 @@ def test_the_overflow_record_is_part_of_the_step_transaction(monkeypatch):
     g, _, _ = _overflowing_graph("matmul")
     g.debug(1)  # the host reads the record after every step
     g(*_batch())
-    runner = g._programs[next(iter(g._programs))].runner  # noqa: SLF001 - inject failures
+    runner = g._programs[next(iter(g._programs))].runner  # inject failures
     forensics = runner.forensics
     assert int(forensics.count) == 1 and len(g.overflow_report().events) == 1
     ring = forensics.ring.clone()

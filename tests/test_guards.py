@@ -296,7 +296,7 @@ def test_the_check_before_each_call_reads_no_tensor_and_no_module_tree():
     x, y = _data(1)[0]
     g(x, y)
     guards = g.compiled_steps[-1]
-    program = g._programs.last()  # noqa: SLF001 - the record behind the public view
+    program = g._programs.last()  # the record behind the public view
     labels = {r.label for r in program.guards.attributes}
     assert {
         "self.model.act.negative_slope",

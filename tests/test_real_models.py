@@ -21,7 +21,7 @@ def _optional(module: str):
     torchvision is built for one torch release): its models are then skipped, not the file."""
     try:
         return importlib.import_module(module)
-    except Exception:  # noqa: BLE001 - ImportError, or torchvision's operator registration error
+    except Exception:  # ImportError, or torchvision's operator registration error
         return None
 
 

@@ -10,7 +10,7 @@ sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 )
 
-import soak  # noqa: E402
+import soak
 
 
 def test_a_few_hundred_steps_with_injected_overflows_keep_every_rule():

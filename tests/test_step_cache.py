@@ -351,7 +351,7 @@ def test_even_an_authenticated_entry_builds_only_what_a_step_holds(caplog):
         secret = f.read()
     payload = pickle.dumps(_Planted())
     with open(path, "wb") as f:
-        f.write(b"graphamp-step-cache 2\n" + step_cache._mac(secret, key, payload) + payload)  # noqa: SLF001
+        f.write(b"graphamp-step-cache 2\n" + step_cache._mac(secret, key, payload) + payload)
     with caplog.at_level(logging.WARNING, logger="graphamp"):
         second = _train(_mlp, data)
     assert not hasattr(builtins, "graphamp_planted_code_ran")
@@ -420,7 +420,7 @@ def test_stale_temporary_files_are_removed_and_fresh_ones_kept():
         with open(path, "wb") as f:
             f.write(b"half")
     os.utime(stale, (0, 0))
-    step_cache._opened.clear()  # noqa: SLF001 - as a new process opens the directory
+    step_cache._opened.clear()  # as a new process opens the directory
     _train(_mlp, _mlp_batches(1))
     assert not os.path.exists(stale) and os.path.exists(fresh)
 

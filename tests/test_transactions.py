@@ -172,7 +172,7 @@ def test_an_error_inside_the_step_leaves_everything_from_before(monkeypatch):
     x, y = torch.randn(32, 64), torch.randint(0, 8, (32,))
     g(x, y)
     before = _state(model, opt)
-    runner = g._programs[next(iter(g._programs))].runner  # noqa: SLF001 - inject a failure
+    runner = g._programs[next(iter(g._programs))].runner  # inject a failure
 
     def failing(*flat):
         raise RuntimeError("injected failure in the compiled step")
@@ -195,7 +195,7 @@ def test_a_graph_called_from_another_thread_keeps_working():
         try:
             for _ in range(5):
                 g(x, y)
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:  # reported below
             errors.append(e)
 
     worker = threading.Thread(target=train)
@@ -222,7 +222,7 @@ def test_a_ctrl_c_during_a_step_goes_once_to_the_handler_set_before_graphamps(be
     x, y = torch.randn(32, 64), torch.randint(0, 8, (32,))
     g(x, y)
     assert signal.getsignal(signal.SIGINT) is not theirs  # graphamp's now receives the signal
-    runner = g._programs[next(iter(g._programs))].runner  # noqa: SLF001 - interrupt inside it
+    runner = g._programs[next(iter(g._programs))].runner  # interrupt inside it
     compiled = runner.compiled
 
     def interrupted(*flat):

@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_worker import global_batches, leave, make_model  # noqa: E402
+from dist_worker import global_batches, leave, make_model
 
-import graphamp  # noqa: E402
+import graphamp
 
 WIDTH, CLIP = 63, 1.0  # 63: parameters whose sizes do not divide by the rank count
 

@@ -174,7 +174,7 @@ def watch_object(obj: Any, label: str) -> None:
 
 
 def _recording(original: Any) -> Any:
-    def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807 - the slot it fills
+    def __getattribute__(self: Any, name: str) -> Any:  # the slot it fills
         value = original(self, name)
         if getattr(_local, "reads", None) is not None:
             _record(self, name, value)

@@ -66,7 +66,7 @@ def _new_bytes(node: fx.Node) -> int:
     if node.op != "call_function" or node is not _owner(node):
         return 0
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:  # noqa: SLF001
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
         return 0
     return value_bytes(node.meta.get("val"))
 

@@ -52,7 +52,7 @@ class AmpContext:
 
 def packet_of(node: fx.Node) -> Any:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+    if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket
     return target
 

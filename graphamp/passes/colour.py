@@ -69,7 +69,7 @@ class DataFlow:
         self.g = g
         # networkx's own algorithms read these dict-of-dicts directly; its public views build an
         # AtlasView object per lookup, which costs a third of colouring on a 100k-node graph.
-        self.succ, self.pred = g._succ, g._pred  # noqa: SLF001
+        self.succ, self.pred = g._succ, g._pred
 
     def reach(
         self, starts: Iterable[fx.Node], traversable: Callable[[fx.Node], bool], reverse: bool

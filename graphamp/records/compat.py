@@ -57,7 +57,7 @@ def _propagating_functionalize(
     from torch._C._functorch import _propagate_functional_input_mutation
 
     def inner(*args: Any) -> Any:
-        exclude = torch._C._ExcludeDispatchKeyGuard(  # noqa: SLF001 - as torch's own wrapper
+        exclude = torch._C._ExcludeDispatchKeyGuard(  # as torch's own wrapper
             torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
         )
         with exclude:
@@ -77,8 +77,8 @@ def _propagating_functionalize(
 
 
 def _unwrap(t: FunctionalTensor) -> torch.Tensor:
-    torch._sync(t)  # noqa: SLF001
-    return torch._from_functional_tensor(t.elem)  # noqa: SLF001
+    torch._sync(t)
+    return torch._from_functional_tensor(t.elem)
 
 
 def preserve_backward_stack_traces(losses: list[torch.Tensor]) -> None:

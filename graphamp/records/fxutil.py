@@ -168,13 +168,13 @@ def tracing_graph() -> fx.Graph | None:
 
 def last_node(graph: fx.Graph) -> fx.Node:
     # fx.Graph keeps its nodes in a circular list closed by a sentinel root node.
-    return graph._root.prev  # noqa: SLF001 - the only O(1) way to find the tail
+    return graph._root.prev  # the only O(1) way to find the tail
 
 
 def nodes_after(graph: fx.Graph, marker: fx.Node) -> Iterator[fx.Node]:
     """Nodes appended after ``marker`` (the value of last_node() taken earlier)."""
     node = marker.next
-    root = graph._root  # noqa: SLF001
+    root = graph._root
     while node is not root:
         yield node
         node = node.next
@@ -219,7 +219,7 @@ def rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
             candidate += "_"
         taken.add(candidate)
         node.target = candidate
-        node._rename(candidate)  # noqa: SLF001 - public API has no rename for nodes
+        node._rename(candidate)  # public API has no rename for nodes
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -292,8 +292,8 @@ def op_name(node: fx.Node) -> str:
     if function is not None:
         return f"autograd.Function {function.__qualname__}"
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+    if isinstance(target, torch._ops.OpOverload):
         return str(target.overloadpacket)
-    if isinstance(target, torch._ops.OpOverloadPacket):  # noqa: SLF001
+    if isinstance(target, torch._ops.OpOverloadPacket):
         return str(target)
     return getattr(target, "__name__", str(target))

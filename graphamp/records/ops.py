@@ -417,16 +417,16 @@ def resolve_op(op: Any) -> Any:
     ``"mylib.my_op"``; a custom ``torch.autograd.Function`` subclass stands for itself."""
     if isinstance(op, type) and issubclass(op, torch.autograd.Function):
         return op
-    if isinstance(op, torch._ops.OpOverload):  # noqa: SLF001
+    if isinstance(op, torch._ops.OpOverload):
         return op.overloadpacket
-    if isinstance(op, torch._ops.OpOverloadPacket):  # noqa: SLF001
+    if isinstance(op, torch._ops.OpOverloadPacket):
         return op
     if isinstance(op, str):
         ns, _, name = op.rpartition(".")
         namespace = getattr(torch.ops, ns or "aten", None)
         if namespace is not None and name and hasattr(namespace, name):
             packet = getattr(namespace, name)
-            if isinstance(packet, torch._ops.OpOverloadPacket):  # noqa: SLF001
+            if isinstance(packet, torch._ops.OpOverloadPacket):
                 return packet
     raise ConfigError(
         f"no such op {op!r}: name an op as torch.ops.aten.gelu, 'aten.gelu', 'gelu' or "

@@ -66,10 +66,6 @@ class ConfigSnapshot:
     step_cache: bool = True  # assembled steps saved on disk for restarts (set_step_cache)
 
     @property
-    def activation_checkpointing(self) -> bool:
-        return bool(self.checkpoint_module_types or self.checkpoint_module_names)
-
-    @property
     def amp_active(self) -> bool:
         """AMP is on and its opt level changes something (O0 is fp32)."""
         return self.amp_enabled and self.amp_opt_level != "O0"

@@ -99,7 +99,7 @@ def shape_guard(mode: FakeTensorMode, batch: list[torch.Tensor], dynamic: Dims) 
     if env is None:  # a mode without a ShapeEnv makes no symbols
         return ShapeGuard()
     # torch._dynamo is imported on first use (it is slow to import), as runtime.compile does
-    from torch._dynamo.source import LocalSource  # noqa: PLC0415
+    from torch._dynamo.source import LocalSource
 
     sources = [LocalSource(f"t{i}") for i in range(len(batch))]
     guards = env.produce_guards(batch, sources, ignore_static=False)

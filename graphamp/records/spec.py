@@ -151,10 +151,6 @@ class CapturedForward:
         return len(self.loss_frames)
 
     @property
-    def num_inputs(self) -> int:
-        return len(self.input_names)
-
-    @property
     def layout(self) -> ForwardLayout:
         """The order of this forward's inputs (no parameter copies: the AMP passes add them)."""
         return ForwardLayout(

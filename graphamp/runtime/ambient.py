@@ -39,7 +39,7 @@ def _autocast_on() -> bool:
 
 
 if _any_autocast is not None:  # one C call where torch has it
-    _autocast_on = _any_autocast  # noqa: F811
+    _autocast_on = _any_autocast
 
 
 def neutral_modes() -> ContextManager | None:
@@ -79,11 +79,3 @@ def capture_modes() -> ContextManager:
 def mode_key() -> tuple:
     """The modes that change the captured program: part of the cache key."""
     return _default_dtype(), _deterministic()
-
-
-def describe_mode_key(key: tuple) -> str:
-    dtype, deterministic = key
-    return (
-        f"default dtype {str(dtype).replace('torch.', '')}, deterministic algorithms "
-        f"{'on' if deterministic else 'off'}"
-    )

@@ -42,7 +42,7 @@ def compile_step(
     inductor's caches still compiles, the pool starting when it is needed."""
     if backend == "eager":
         return gm
-    import torch._dynamo  # noqa: F401 - registers the backends
+    import torch._dynamo  # registers the backends
 
     compiler = torch._dynamo.lookup_backend(backend)
     # The backend sees the step as torch.compile's backends see Dynamo's graphs: inside a

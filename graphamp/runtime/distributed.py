@@ -88,7 +88,7 @@ def build_on_every_rank(
     try:
         result = build()
         status = ("ok", fingerprint_of(result))
-    except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
+    except Exception as e:  # reported to every rank below, then re-raised
         error = e
         status = ("error", f"{type(e).__name__}: {e}")
     try:

@@ -72,7 +72,7 @@ def rebuild_if_cache_unreadable(graph_name: str, compile_once: Callable[[], T]) 
         return compile_once()
     except (GraphampError, torch.OutOfMemoryError):
         raise
-    except Exception as e:  # noqa: BLE001 - a damaged file can raise anything
+    except Exception as e:  # a damaged file can raise anything
         if not read_the_cache(e):
             raise
         cause = e

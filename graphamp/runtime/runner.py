@@ -127,7 +127,7 @@ class Runner:
             else:  # a dynamic step: one graph per batch shape, lazily
                 self.compiled = CudaGraphsBySize(self.compiled, n_state, self.gather(batch), sizes)
             self.uses_cuda_graph = True
-        except Exception as e:  # noqa: BLE001 - fall back, and say why
+        except Exception as e:  # fall back, and say why
             log.warning(
                 "%s: CUDA graph capture failed, running without it: %s: %s",
                 graph_name,

@@ -36,7 +36,7 @@ def silence_order_warning(optimizer: torch.optim.Optimizer) -> None:
     """LR schedulers warn when step() runs before optimizer.step(); graphamp steps the optimizer
     inside the compiled program, so mark it as stepped for them."""
     # the flag torch's schedulers check
-    optimizer._opt_called = True  # type: ignore[attr-defined]  # noqa: SLF001
+    optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
 def _attributes(sch: Any) -> list[tuple[Any, dict]]:

@@ -112,7 +112,7 @@ def load(graph_name: str, key: str, fake_mode: FakeTensorMode) -> CachedStep | N
         return None
     try:
         step = step_unpickler.loads(payload, fake_mode)  # what a step holds, nothing else
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign pickle can raise anything
+    except Exception as e:  # a damaged or foreign pickle can raise anything
         _warn(graph_name, path, f"it does not load ({type(e).__name__}: {e})")
         return None
     if not isinstance(step, CachedStep) or not isinstance(step.step_gm, fx.GraphModule):
@@ -120,7 +120,7 @@ def load(graph_name: str, key: str, fake_mode: FakeTensorMode) -> CachedStep | N
         return None
     try:
         _put_values(step.step_gm, step.values, fake_mode)
-    except Exception as e:  # noqa: BLE001 - as above
+    except Exception as e:  # as above
         _warn(graph_name, path, f"its values do not load ({type(e).__name__}: {e})")
         return None
     for gm in _graph_modules(step.step_gm):
@@ -137,7 +137,7 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
 
         values = [(path, name, _encode(meta["val"])) for path, name, _, meta in taken]
         payload = GraphPickler.dumps(replace(step, values=values), Options(ops_filter=None))
-    except Exception as e:  # noqa: BLE001 - a graph the pickler does not support is not cached
+    except Exception as e:  # a graph the pickler does not support is not cached
         log.info("%s: step cache: not saved (%s: %s)", graph_name, type(e).__name__, e)
         return False
     finally:

@@ -56,12 +56,12 @@ def loads(payload: bytes, fake_mode: FakeTensorMode) -> Any:
     # torch 2.13 onwards patches pytree while unpickling; torch 2.11 had no such patch
     patch = getattr(graph_pickler, "patch_pytree_map_over_slice", contextlib.nullcontext)
     with patch():
-        state = graph_pickler._UnpickleState(fake_mode)  # noqa: SLF001 - GraphPickler's own
+        state = graph_pickler._UnpickleState(fake_mode)  # GraphPickler's own
         with io.BytesIO(payload) as stream:
             return _StepUnpickler(stream, state).load()
 
 
-class _StepUnpickler(graph_pickler._GraphUnpickler):  # noqa: SLF001 - GraphPickler's own
+class _StepUnpickler(graph_pickler._GraphUnpickler):  # GraphPickler's own
     def find_class(self, module: str, name: str) -> Any:
         if module == "builtins" and name == "getattr":
             return _pickle_data_getattr

@@ -107,13 +107,13 @@ def _cheap(node: fx.Node) -> bool:
     """A deterministic pointwise op, a view or a dtype cast producing one tensor: recomputing
     it in a backward kernel costs less than storing and loading it."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
     if not isinstance(node.meta.get("val"), torch.Tensor):
         return False
-    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:  # noqa: SLF001
+    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
         return False
-    if target is torch.ops.aten._to_copy.default:  # noqa: SLF001
+    if target is torch.ops.aten._to_copy.default:
         return set(node.kwargs) <= {"dtype"}  # a cast, not a move to another device or layout
     return target.is_view or torch.Tag.pointwise in target.tags
 

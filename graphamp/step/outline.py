@@ -210,7 +210,7 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> _Extracted:
         env[arg].meta = dict(arg.meta)
     for i, node in enumerate(nodes):
         env[node] = graph.node_copy(node, lambda a: env[a])
-        env[node]._rename(f"n{i}")  # noqa: SLF001 - canonical names: equal blocks, equal code
+        env[node]._rename(f"n{i}")  # canonical names: equal blocks, equal code
     returned = []
     seen = [_storage(a) for a in inputs]
     for result in results:

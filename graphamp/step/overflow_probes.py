@@ -164,8 +164,7 @@ def _kind(node: fx.Node, kinds: list[str | None], placeholder_index: int) -> str
     if node.op != "call_function":
         return None
     if node.target in _VIEW_LIKE or (
-        isinstance(node.target, torch._ops.OpOverload)  # noqa: SLF001
-        and node.target.is_view
+        isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
     ):
         return None
     if _bounded_by_inputs(node):

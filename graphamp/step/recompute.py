@@ -76,8 +76,8 @@ def _region(node: fx.Node, regions: frozenset[str]) -> str | None:
 
 def _recomputable(node: fx.Node) -> bool:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
-        schema = target._schema  # noqa: SLF001
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
         if schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
             return False
     return True

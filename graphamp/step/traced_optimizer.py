@@ -166,12 +166,12 @@ def _options(group: dict, options: dict) -> dict:
 def _compiling() -> Iterator[None]:
     """torch's optimizers take their traced path (tensors for step counts, no host reads, no
     device checks meant for eager capturable steps) when ``torch.compiler.is_compiling()``."""
-    saved = torch.compiler._is_compiling_flag  # noqa: SLF001 - what torch.compile sets
-    torch.compiler._is_compiling_flag = True  # noqa: SLF001
+    saved = torch.compiler._is_compiling_flag  # what torch.compile sets
+    torch.compiler._is_compiling_flag = True
     try:
         yield
     finally:
-        torch.compiler._is_compiling_flag = saved  # noqa: SLF001
+        torch.compiler._is_compiling_flag = saved
 
 
 class _FirstValues(dict):
