@@ -517,3 +517,16 @@ def test_graphamp_imports_without_the_trainers():
         cwd=os.path.dirname(os.path.dirname(__file__)),
     )
     assert out.stdout.strip() == "False"
+
+
+def test_optim_rmsprop_traces_torchs_rmsprop_and_equals_the_stock_trainer(tmp_path):
+    """optim='rmsprop' is torch's RMSprop: its own step() traced into graphamp's step, the
+    losses those of the stock Trainer over 5 steps."""
+    runs = []
+    for trainer_type in (transformers.Trainer, GraphampTrainer):
+        args = _args(tmp_path / trainer_type.__module__, optim="rmsprop", max_steps=5)
+        _, logs = _train(trainer_type, _gpt2(), args, _lm_data())
+        runs.append([h["loss"] for h in logs])
+    stock, ours = runs
+    assert len(ours) == len(stock) == 5
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(ours, stock)), (ours, stock)
