@@ -3,12 +3,14 @@ against (a plain training step; torch.autocast, with or without a torch.amp.Grad
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import graphamp
 
@@ -199,3 +201,35 @@ def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
             assert_bitwise(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+class Twin:
+    """A graph over ``model`` and an eager twin, stepped on the same batches: each step's
+    loss, and at ``check()`` the parameters and the optimizer state, must agree with eager
+    fp32 (or with ``torch.autocast`` + the eager step when ``amp`` is given)."""
+
+    def __init__(self, model, make_opt, amp=None, make_sch=None, **kwargs):
+        self.ref = copy.deepcopy(model)
+        self.model = model
+        self.opt, self.ref_opt = make_opt(model), make_opt(self.ref)
+        self.sch = make_sch(self.opt) if make_sch else None
+        self.ref_sch = make_sch(self.ref_opt) if make_sch else None
+        self.g = make_graph(
+            model, nn.CrossEntropyLoss(), self.opt, amp=amp, lr_sch=self.sch, **kwargs
+        )
+        self.amp = amp
+
+    def step(self, x, y, rtol=1e-5, atol=1e-6, graph_context=contextlib.nullcontext):
+        with graph_context():
+            loss = self.g(x, y)
+        if self.amp is None:
+            ref = eager_step(self.ref, F.cross_entropy, self.ref_opt, x, y, self.ref_sch)
+        else:
+            ref = autocast_step(lambda: F.cross_entropy(self.ref(x), y), self.ref_opt, self.amp)
+            ref = ref.loss
+        torch.testing.assert_close(loss, ref.float().detach(), rtol=rtol, atol=atol)
+        return loss
+
+    def check(self, rtol=1e-5, atol=1e-6):
+        assert_state_close(self.model, self.ref, rtol=rtol, atol=atol)
+        assert_optimizer_close(self.opt, self.ref_opt, rtol=rtol, atol=atol)

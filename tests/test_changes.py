@@ -14,10 +14,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import (
+    Twin,
     assert_optimizer_close,
     assert_state_close,
     assert_unchanged,
     autocast_step,
+    eager_step,
     make_graph,
     snapshot,
 )
@@ -33,39 +35,6 @@ def _batches(n=4, batch=16):
         (torch.randn(batch, 256, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
         for _ in range(n)
     ]
-
-
-def _eager_step(model, opt, x, y):
-    opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    return loss.detach()
-
-
-class Twin:
-    """A graph over ``model`` and an eager twin, stepped on the same batches."""
-
-    def __init__(self, model, make_opt, amp=None, **kwargs):
-        self.ref = copy.deepcopy(model)
-        self.model = model
-        self.opt, self.ref_opt = make_opt(model), make_opt(self.ref)
-        self.g = make_graph(model, nn.CrossEntropyLoss(), self.opt, amp=amp, **kwargs)
-        self.amp = amp
-
-    def step(self, x, y, rtol=1e-5, atol=1e-6):
-        loss = self.g(x, y)
-        if self.amp is None:
-            ref_loss = _eager_step(self.ref, self.ref_opt, x, y)
-        else:
-            ref_loss = autocast_step(
-                lambda: F.cross_entropy(self.ref(x), y), self.ref_opt, self.amp
-            ).loss
-        torch.testing.assert_close(loss, ref_loss.float().detach(), rtol=rtol, atol=atol)
-
-    def check(self, rtol=1e-5, atol=1e-6):
-        assert_state_close(self.model, self.ref, rtol=rtol, atol=atol)
-        assert_optimizer_close(self.opt, self.ref_opt, rtol=rtol, atol=atol)
 
 
 # -- 1. optimizer hyperparameters -----------------------------------------------------------------
@@ -230,7 +199,7 @@ def test_the_graphs_model_reassigned_trains_the_new_model():
     t.g._optimizer_slots.clear()  # a new model, a new optimizer (see next test for the API way)
     t.g.add_optimizer(other_opt)
     t.g(*data[1])
-    _eager_step(other_ref, other_ref_opt, *data[1])
+    eager_step(other_ref, F.cross_entropy, other_ref_opt, *data[1])
     assert_state_close(other, other_ref)
 
 
@@ -575,7 +544,7 @@ def test_two_threads_calling_a_cold_graph_capture_once_and_both_train():
     assert not errors and len(results) == 2
     assert len(t.g.compiled_steps) == 1 and t.g.compiled_steps[0].calls == 2
     for _ in range(2):
-        _eager_step(t.ref, t.ref_opt, x, y)
+        eager_step(t.ref, F.cross_entropy, t.ref_opt, x, y)
     t.check()
     assert not torch.compiler.is_compiling()
 
@@ -720,7 +689,9 @@ CALLS_IN_BUILD = {
 def test_calls_that_would_do_nothing_in_a_graph_are_refused_with_the_fix(name):
     model = seed_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _eager_step(model, opt, *_batches(1)[0])  # stale .grad everywhere: must not be stepped in
+    eager_step(
+        model, F.cross_entropy, opt, *_batches(1)[0]
+    )  # stale .grad everywhere: must not be stepped in
     before = snapshot(model, opt)
     call, message = CALLS_IN_BUILD[name]
 

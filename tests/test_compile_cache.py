@@ -1,4 +1,4 @@
-"""Issue 31: a restart on the same inductor cache directory reuses the compiled step.
+"""A restart on the same inductor cache directory reuses the compiled step.
 
 inductor's FX-graph cache and AOTAutograd's cache bypass themselves unless the backend runs in a
 TracingContext whose fake mode has a ShapeEnv; compile_step gives it one, with the step's own

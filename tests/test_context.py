@@ -10,6 +10,7 @@ import io
 import pickle
 import re
 
+import helpers
 import pytest
 import torch
 import torch.nn as nn
@@ -19,6 +20,7 @@ from helpers import (
     assert_optimizer_close,
     assert_state_close,
     assert_unchanged,
+    eager_step,
     make_graph,
     snapshot,
 )
@@ -41,39 +43,11 @@ def _batches(n=4):
     ]
 
 
-def _eager_step(model, opt, x, y, sch=None):
-    opt.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    if sch is not None:
-        sch.step()
-    return loss.detach()
-
-
-class Twin:
-    """A graph over a model and an eager twin, stepped on the same batches."""
-
-    def __init__(self, model=None, make_opt=None, make_sch=None, **kwargs):
-        model = model if model is not None else _mlp()
-        make_opt = make_opt or (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
-        self.ref = copy.deepcopy(model)
-        self.model = model
-        self.opt, self.ref_opt = make_opt(model), make_opt(self.ref)
-        self.sch = make_sch(self.opt) if make_sch else None
-        self.ref_sch = make_sch(self.ref_opt) if make_sch else None
-        self.g = make_graph(model, nn.CrossEntropyLoss(), self.opt, lr_sch=self.sch, **kwargs)
-
-    def step(self, x, y, graph_context=contextlib.nullcontext):
-        with graph_context():
-            loss = self.g(x, y)
-        ref = _eager_step(self.ref, self.ref_opt, x, y, self.ref_sch)
-        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
-        return loss
-
-    def check(self):
-        assert_state_close(self.model, self.ref)
-        assert_optimizer_close(self.opt, self.ref_opt)
+def Twin(model=None, make_opt=None, **kwargs) -> helpers.Twin:
+    """``helpers.Twin`` over this module's MLP and SGD with momentum unless given others."""
+    model = model if model is not None else _mlp()
+    make_opt = make_opt or (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    return helpers.Twin(model, make_opt, **kwargs)
 
 
 # -- 1. ambient modes --------------------------------------------------------------------------
@@ -135,7 +109,7 @@ def test_an_ambient_mode_gives_the_same_steps_as_plain_eager(mode, first_inside)
         [inside, outside, inside, outside] if first_inside else [outside, inside, outside, inside]
     )
     for (x, y), ctx in zip(_batches(), order):
-        loss = t.step(x, y, ctx)
+        loss = t.step(x, y, graph_context=ctx)
         assert loss.dtype == torch.float32 and not loss.requires_grad
     t.check()
 
@@ -330,7 +304,7 @@ def test_torchs_own_forward_caches_are_put_back_silently():
     gen = torch.Generator().manual_seed(2)
     for _ in range(2):
         x, y = torch.randn(4, 5, 16, generator=gen), torch.randint(0, 4, (4,), generator=gen)
-        torch.testing.assert_close(g(x, y), _eager_step(ref, ref_opt, x, y))
+        torch.testing.assert_close(g(x, y), eager_step(ref, F.cross_entropy, ref_opt, x, y))
     assert all(not isinstance(w, torch._subclasses.FakeTensor) for w in model.rnn._flat_weights)
     assert_state_close(model, ref)
 

@@ -1,4 +1,4 @@
-"""Issue 31, item 2: repeated blocks compiled once (``config.set_outline_blocks``, on by default).
+"""Repeated blocks compiled once (``config.set_outline_blocks``, on by default).
 
 Each model trains two steps with outlining off and on, from the same seed: losses, parameters
 and optimizer state must agree bitwise, and the outlined step must call shared subgraphs.

@@ -1,4 +1,4 @@
-"""Issue 31, item 3: the first call says what it is doing.
+"""The first call says what it is doing.
 
 One INFO line per stage with its seconds and node counts; a progress line on a terminal while a
 long compile runs (never on a non-terminal); ``config.set_progress(False)`` silences the line,

@@ -1,4 +1,4 @@
-"""Issue 35: every Python value a step reads is checked, not only registered modules' attributes.
+"""Every Python value a step reads is checked, not only registered modules' attributes.
 
 Each case trains the same model eagerly and through graphamp while the training loop changes a
 Python value the step reads (a global, a closure variable, a class attribute, the contents of a
