@@ -19,7 +19,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from helpers import make_graph
-from models import seed_mlp
+from models import seed_mlp, tiny_gpt2
 
 import graphamp
 
@@ -98,13 +98,7 @@ REAL_MODELS = ("hf_gpt2", "resnet18")
 
 def _real_model(name: str, gen: torch.Generator):
     if name == "hf_gpt2":
-        import transformers
-
-        config = transformers.GPT2Config(
-            vocab_size=64, n_layer=3, n_embd=32, n_head=2, n_positions=32, resid_pdrop=0.1
-        )
-        config._attn_implementation = "eager"
-        model = transformers.GPT2LMHeadModel(config)
+        model = tiny_gpt2("eager", n_layer=3, resid_pdrop=0.1)
 
         def build(g, x, y):
             loss = g.model(x, labels=y).loss

@@ -115,3 +115,25 @@ class TinyGPT(nn.Module):
 
 def lm_loss(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def tiny_gpt2(attn: str | None = None, **overrides):
+    """transformers' GPT2LMHeadModel built from a config (no download): 2 layers of width 32,
+    a vocabulary of 64, no dropout, unless ``overrides`` say otherwise; ``attn`` picks the
+    attention implementation ("eager", "sdpa")."""
+    import transformers
+
+    settings = dict(
+        vocab_size=64,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    config = transformers.GPT2Config(**{**settings, **overrides})
+    if attn is not None:
+        config._attn_implementation = attn
+    return transformers.GPT2LMHeadModel(config)

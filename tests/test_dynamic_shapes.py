@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import assert_state_close, eager_step, make_graph
-from models import SmallCNN, TinyGPT, lm_loss
+from models import SmallCNN, TinyGPT, lm_loss, tiny_gpt2
 
 import graphamp
 from graphamp.runtime.cudagraph import CudaGraphsBySize
@@ -153,18 +153,8 @@ def _padded_gpt2_run(backend, amp=None, optimizer=torch.optim.AdamW):
     """GPT-2 from a config trained by graphamp and by eager (autocast when ``amp``) on padded
     batches of changing length, the collator's way: padded positions masked in attention and
     left out of the loss. Returns the Graph, both models and both loss lists."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        vocab_size=64,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    pytest.importorskip("transformers")
+    model = tiny_gpt2()
     twin = copy.deepcopy(model)
     opt = optimizer(model.parameters(), lr=1e-3)
     twin_opt = optimizer(twin.parameters(), lr=1e-3)

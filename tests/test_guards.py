@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import assert_state_close, eager_step, make_graph
-from models import SmallCNN
+from models import SmallCNN, tiny_gpt2
 
 import graphamp
 
@@ -164,19 +164,8 @@ def test_an_attribute_of_the_graph_that_build_reads_is_honoured():
 
 def test_a_transformers_config_setting_read_in_forward_is_honoured():
     """The attention implementation is a config setting GPT-2 reads in forward()."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        n_embd=32,
-        n_layer=1,
-        n_head=2,
-        vocab_size=50,
-        n_positions=16,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation="sdpa",
-    )
-    model = transformers.GPT2LMHeadModel(config)
+    pytest.importorskip("transformers")
+    model = tiny_gpt2(n_layer=1, vocab_size=50, n_positions=16, attn_implementation="sdpa")
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)

@@ -13,9 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torchvision
-import transformers
 from helpers import assert_bitwise, make_graph
-from models import Block, TinyGPT, lm_loss
+from models import Block, TinyGPT, lm_loss, tiny_gpt2
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import graphamp
@@ -24,18 +23,7 @@ INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 
 def _hf_gpt2():
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_layer=3,
-        n_embd=32,
-        n_head=2,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    config._attn_implementation = "eager"
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_gpt2("eager", n_layer=3)
 
 
 def _hf_loss(out, y):

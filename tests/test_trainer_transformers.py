@@ -16,6 +16,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # the Trainer's own requirement
 
+from models import tiny_gpt2  # noqa: E402
+
 from graphamp import ConfigError, GradScaler, InputError, UnsupportedOptimizerError  # noqa: E402
 from graphamp.integrations import micro_batches  # noqa: E402
 from graphamp.integrations.transformers import STATE_FILE  # noqa: E402
@@ -40,19 +42,7 @@ def _aot_eager(g):
 
 def _gpt2():
     torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_positions=32,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config)
+    return tiny_gpt2(bos_token_id=0, eos_token_id=0)
 
 
 def _lm_data(n=160, length=16):
