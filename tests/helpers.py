@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -233,3 +234,16 @@ class Twin:
     def check(self, rtol=1e-5, atol=1e-6):
         assert_state_close(self.model, self.ref, rtol=rtol, atol=atol)
         assert_optimizer_close(self.opt, self.ref_opt, rtol=rtol, atol=atol)
+
+
+def import_torch_testing(name: str) -> Any:
+    """A module of torch's own test suite, ``torch.testing._internal.<name>``. Importing its
+    ``common_utils`` freezes ``torch.backends``' flags for the whole process
+    (``disable_global_flags``), so a later test that sets ``torch.backends.cudnn.benchmark``
+    would fail: they are unfrozen again here."""
+    flags = torch.backends.flags_frozen.__globals__  # torch.backends' own module globals
+    allowed = flags["__allow_nonbracketed_mutation_flag"]
+    try:
+        return importlib.import_module(f"torch.testing._internal.{name}")
+    finally:
+        flags["__allow_nonbracketed_mutation_flag"] = allowed

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from helpers import import_torch_testing
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphamp
@@ -43,9 +44,7 @@ def _autocast_test_lists_module() -> types.ModuleType:
     ``TestCase``; ``common_utils`` needs the ``expecttest`` package, which is not a graphamp
     dependency, so without it a stand-in provides those two names while the module loads."""
     try:
-        from torch.testing._internal import autocast_test_lists
-
-        return autocast_test_lists
+        return import_torch_testing("autocast_test_lists")
     except ModuleNotFoundError as e:
         if e.name != "expecttest":
             raise
