@@ -79,7 +79,13 @@ def main():
         model = overflowing_model(seed=rank)
     else:
         model = make_model(seed=rank, width=64 if mode != "mismatch" or rank == 0 else 48)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6 if mode == "autofix" else 0.1, momentum=0.9)
+    opt = (
+        torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9)  # its step() traced
+        if mode == "rmsprop"
+        else torch.optim.SGD(
+            model.parameters(), lr=1e-6 if mode == "autofix" else 0.1, momentum=0.9
+        )
+    )
     registered = nn.parallel.DistributedDataParallel(model) if mode == "ddp" else model
 
     class DP(graphamp.Graph):

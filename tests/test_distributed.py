@@ -53,10 +53,13 @@ def run_ranks(mode: str, tmp_path) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
-def single_process_reference():
+def single_process_reference(mode="train"):
     """The same training on one process with the concatenated batch."""
     model = make_model(seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if mode == "rmsprop":
+        opt = torch.optim.RMSprop(model.parameters(), lr=1e-3, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         g = make_graph(
@@ -67,14 +70,22 @@ def single_process_reference():
     return model.state_dict(), g.history.fetch()["skipped"], g.grad_scaler.get_scale()
 
 
-@pytest.mark.parametrize("mode", ["train", pytest.param("ddp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "train",
+        pytest.param("ddp", marks=pytest.mark.slow),
+        pytest.param("rmsprop", marks=pytest.mark.slow),
+    ],
+)
 def test_data_parallel_ranks_agree_and_equal_one_process(mode, tmp_path):
+    """SGD (graphamp's own update), SGD under DDP, and RMSprop (its own step() traced)."""
     ranks = run_ranks(mode, tmp_path)
     for k in ranks[0]["params"]:
         assert torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]), k  # bitwise
     expected_skips = [1.0 if s == POISON_STEP else 0.0 for s in range(len(ranks[0]["skipped"]))]
     assert ranks[0]["skipped"] == ranks[1]["skipped"] == expected_skips  # all ranks skipped it
-    params, skipped, scale = single_process_reference()
+    params, skipped, scale = single_process_reference(mode)
     assert skipped == expected_skips and ranks[0]["scale"] == ranks[1]["scale"] == scale
     for k, v in params.items():
         torch.testing.assert_close(ranks[0]["params"][k], v, rtol=1e-5, atol=1e-6)
