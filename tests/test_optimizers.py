@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import import_torch_testing
+from helpers import import_torch_testing, make_graph
 
 import graphamp
 from graphamp import UnsupportedOptimizerError
@@ -65,23 +65,7 @@ def _batches(n=4):
 
 
 def _graph(model, optimizer, amp=None, scaler=None, lr_sch=None):
-    class Step(graphamp.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(optimizer, lr_sch=lr_sch)
-            self.config.set_backend("aot_eager")
-            if amp is not None:
-                self.config.enable_amp(True, dtype=amp)
-            if scaler is not None:
-                self.set_grad_scaler(scaler)
-
-        def build(self, x, y):
-            loss = F.mse_loss(self.model(x), y)
-            loss.backward()
-            return loss
-
-    return Step()
+    return make_graph(model, F.mse_loss, optimizer, amp=amp, scaler=scaler, lr_sch=lr_sch)
 
 
 def _eager(model, optimizer, batches, lr_sch=None):

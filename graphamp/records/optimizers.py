@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -171,10 +171,8 @@ class OptimizerPlan:
 
     def state_slots(self) -> list[tuple[torch.Tensor, str]]:
         """(parameter, state key) for every state tensor, in the step's input order."""
-        out, i = [], 0
-        for group in self.groups:
-            params = self.params[i : i + len(group.params)]
-            i += len(group.params)
+        out = []
+        for group, params in self._group_params():
             if group.param_keys is not None:  # a traced optimizer: parameter by parameter
                 out += [(p, key) for p, keys in zip(params, group.param_keys) for key in keys]
             else:
@@ -186,25 +184,31 @@ class OptimizerPlan:
         optimizer's first step creates for a traced one (on the parameter's device)."""
         if self.kind != TRACED:
             return init_state(key, p)
-        i = 0
-        for group in self.groups:
-            params = self.params[i : i + len(group.params)]
-            i += len(group.params)
+        return self.first_state(p, key).make(p.device)
+
+    def first_state(self, p: torch.Tensor, key: str) -> InitialState:
+        """A traced optimizer's record of what its first step makes of ``p``'s ``key``."""
+        for group, params in self._group_params():
             for q, first in zip(params, group.initial or ()):
                 if q is p:
-                    return first[key].make(p.device)
+                    return first[key]
         raise KeyError(key)
 
     def fresh_params(self) -> list[torch.Tensor]:
         """The parameters that need a momentum-start flag (``starts_from_gradient``), group by
         group: the order of this optimizer's ``StepInputs.momentum_fresh``."""
-        out, i = [], 0
-        for group in self.groups:
-            params = self.params[i : i + len(group.params)]
-            i += len(group.params)
+        out = []
+        for group, params in self._group_params():
             if starts_from_gradient(self.kind, dict(group.flags)):
                 out += params
         return out
+
+    def _group_params(self) -> Iterator[tuple[GroupPlan, list[torch.Tensor]]]:
+        """Each group with its parameters (``params`` holds them group after group)."""
+        i = 0
+        for group in self.groups:
+            yield group, self.params[i : i + len(group.params)]
+            i += len(group.params)
 
     def has_state(self) -> bool:
         """Has the optimizer stepped before (eagerly, or in a loaded checkpoint)?"""

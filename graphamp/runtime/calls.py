@@ -65,7 +65,7 @@ class GraphRuntime:
     # and the places whose values could not be (build() needs them as Python numbers)
     lifted: dict[tuple, AttributeRead] = field(default_factory=dict)
     unliftable: set[tuple] = field(default_factory=set)
-    # the same for g(...)'s float arguments, by leaf position (``lift_arguments``)
+    # the same for g(...)'s float arguments, by leaf position (``_build_lifting``)
     lifted_args: frozenset[int] = frozenset()
     unliftable_args: frozenset[int] = frozenset()
     lifted_args_built: bool = False  # a step was built with them: a later failure is not theirs
@@ -140,8 +140,7 @@ def _build_lifting(
         if found is not None:
             return found, inputs
     try:
-        lifted_inputs = lifted_tensor_indices(inputs.args, inputs.kwargs, run.lifted_args)
-        program = _build(run, inputs, key, inputs.args, inputs.kwargs, lifted_inputs)
+        program = _build(run, inputs, key)
     except CaptureError as e:
         blamed = run.lifted_args - proven  # the ones lifted since the last step built with them
         if not blamed:
@@ -157,11 +156,7 @@ def _build_lifting(
         run.lifted_args, run.lifted_args_built = proven, bool(proven)
         inputs = _lifted_inputs(run, args, kwargs)
         key = _key(run, inputs)
-        lifted_inputs = lifted_tensor_indices(inputs.args, inputs.kwargs, run.lifted_args)
-        program = run.programs.find(key, inputs) or _build(
-            run, inputs, key, inputs.args, inputs.kwargs, lifted_inputs
-        )
-        return program, inputs
+        return run.programs.find(key, inputs) or _build(run, inputs, key), inputs
     run.lifted_args_built = bool(run.lifted_args)
     return program, inputs
 
@@ -176,17 +171,10 @@ def _value_device(run: GraphRuntime, inputs: FlatInputs) -> torch.device:
     return torch.device("cpu")
 
 
-def _build(
-    run: GraphRuntime,
-    inputs: FlatInputs,
-    key: tuple,
-    args: tuple,
-    kwargs: dict,
-    lifted_inputs: frozenset[int] = frozenset(),
-) -> Program:
+def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple) -> Program:
     """No cached step serves this call: say why, choose the dimensions to make symbolic, build
     one (the Graph's pipeline) and keep it."""
-    check_arity(run.build, args, kwargs, run.name)
+    check_arity(run.build, inputs.args, inputs.kwargs, run.name)
     names = inputs.names(run.build)
     change = run.programs.why_rebuilt(key, inputs, names)
     config = run.config
@@ -199,6 +187,7 @@ def _build(
         warn_about_numbers(run.name, *baked)
     run.programs.count_build(run.name, key[1], str(change or "first call"), config.recompile_limit)
     sibling = run.programs.family_member(key)
+    lifted_inputs = lifted_tensor_indices(inputs.args, inputs.kwargs, run.lifted_args)
     request = BuildRequest(key[1], dynamic, _lifted(run, change), lifted_inputs)
     program = _compile(run, inputs, request)
     if program.captured.undo_writes is not None:

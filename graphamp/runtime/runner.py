@@ -332,7 +332,7 @@ def materialize_optimizer_state(plan: StepPlan):
 def _traced_state(opt: OptimizerPlan, key: str, p: torch.Tensor, t: Any) -> torch.Tensor:
     """An existing state tensor of a traced optimizer, on the parameter's device, checked
     against what the optimizer's first step makes."""
-    first = opt.initial_state(p, key)
+    first = opt.first_state(p, key)
     t = torch.as_tensor(t)
     if t.shape != first.shape or t.dtype != first.dtype:
         raise CaptureError(

@@ -47,7 +47,7 @@ def probe_initial_state(
     for p in params:
         existing = optimizer.state.get(p)
         if existing:  # made at construction (Adagrad's sum) or by earlier eager steps
-            out.append({k: InitialState.of(v) for k, v in _tensor_state(optimizer, existing)})
+            out.append(_initial(optimizer, existing))
             continue
         work = p.detach().clone()
         work.grad = torch.full_like(work, float("nan"))
@@ -55,10 +55,7 @@ def probe_initial_state(
         shadow = _shadow(optimizer, {**group, **_options(group, _PROBE_OPTIONS)}, [work], state)
         with torch.no_grad():
             type(optimizer).step(shadow)  # not an instance attribute (a scheduler wraps one)
-        first = state[work].first
-        for key, value in first.items():
-            _check_initial(optimizer, key, value)
-        out.append({k: InitialState.of(v) for k, v in first.items()})
+        out.append(_initial(optimizer, state[work].first))
     return out
 
 
@@ -187,10 +184,11 @@ class _FirstValues(dict):
         super().__setitem__(key, value)
 
 
-def _tensor_state(optimizer: Any, state: dict) -> Iterator[tuple[str, Any]]:
+def _initial(optimizer: Any, state: dict) -> dict[str, InitialState]:
+    """A parameter's state as its first values, each checked (``_check_initial``)."""
     for key, value in state.items():
         _check_initial(optimizer, key, value)
-        yield key, value
+    return {key: InitialState.of(value) for key, value in state.items()}
 
 
 def _check_initial(optimizer: Any, key: str, value: Any) -> None:
