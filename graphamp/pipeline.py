@@ -395,9 +395,16 @@ def _assemble(b: _Build) -> None:
 
 
 def _outlining(b: _Build) -> bool:
-    # not tried yet: with activation checkpointing (recompute copies regions) or symbolic sizes
+    # not tried yet: with activation checkpointing (recompute copies regions) or symbolic sizes,
     config = b.spec.config
-    return config.outline_blocks and b.spec.training and not b.regions and not b.request.dynamic
+    # nor where build() differentiates itself (its backward ops are in the forward graph)
+    return (
+        config.outline_blocks
+        and b.spec.training
+        and not b.regions
+        and not b.request.dynamic
+        and not b.plan.captured.gradient_code.present
+    )
 
 
 def _outline(b: _Build) -> None:

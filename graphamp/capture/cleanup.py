@@ -1,6 +1,7 @@
 """After tracing: check what build() changed, make the captured forward pure, describe it.
 
-build() may change buffers in place (BatchNorm statistics), never parameters or its arguments;
+build() may change buffers in place (BatchNorm statistics) and parameters (under no_grad, as SAM
+does; a value it makes that way is a gradient leaf of the parameter), never its arguments;
 values computed under ``torch.no_grad()`` must carry no gradient; only buffers build() really
 changed stay among the outputs; parameters no loss depends on are left out of the update.
 """
@@ -35,27 +36,21 @@ def mutated_inputs(flat: tuple) -> list[int]:
 def check_input_mutations(
     mutated: list[int],
     layout: ForwardLayout,
-    param_names: list[str],
     input_names: list[str],
     graph_name: str,
 ) -> list[int]:
-    """In-place changes to parameters or to g(...)'s arguments are errors; returns the mutated
-    buffers' indexes (their new values are among the forward's outputs). ``mutated``: positions
-    among the traced function's flat inputs (``layout``)."""
+    """In-place changes to g(...)'s arguments are errors; returns the mutated buffers' indexes
+    (their new values are among the forward's outputs). Parameters build() changes (SAM's
+    perturbation) are the step's ``GradientCode.changed_params``. ``mutated``: positions among
+    the traced function's flat inputs (``layout``)."""
     groups = layout.split(range(len(layout)))
     for i in mutated:
-        if i in groups.params:
-            raise CaptureError(
-                f"{graph_name}.build() changes parameter {param_names[groups.params.index(i)]!r} "
-                "in place. Parameters are updated only by the optimizer inside the graph; change "
-                "them outside g(...)"
-            )
         if i in groups.inputs:
             raise CaptureError(
                 f"{graph_name}.build() changes its argument {input_names[groups.inputs.index(i)]!r}"
                 " in place; work on a copy (x = x.clone()) or return the new value instead"
             )
-    return [groups.buffers.index(i) for i in mutated]
+    return [groups.buffers.index(i) for i in mutated if i in groups.buffers]
 
 
 def lift_constants(
@@ -110,8 +105,8 @@ def drop_autograd_detaches(gm: fx.GraphModule) -> None:
 def detach_no_grad_values(gm: fx.GraphModule) -> None:
     """Values computed under torch.no_grad() in build() carry no gradient, as in eager mode."""
     for node in list(gm.graph.nodes):
-        if not node.meta.get("no_grad"):
-            continue
+        if not node.meta.get("no_grad") or "param_version" in node.meta:
+            continue  # a parameter's new value is a gradient leaf of that parameter
         users = [u for u in node.users if not u.meta.get("no_grad")]
         val = node.meta.get("val")
         if not users or not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
@@ -134,17 +129,21 @@ def keep_changed_buffers(
     buffers: list[fx.Node],
     first_buffer_output: int,
     mutated: list[int],
+    trailing: int = 0,
 ) -> list[int]:
     """Drop the outputs of buffers build() left unchanged (``buffers``: the buffers'
-    placeholders); returns the changed buffers' indexes, in output order."""
+    placeholders; ``trailing`` outputs follow theirs); returns the changed buffers' indexes, in
+    output order."""
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = list(output_node.args[0])
-    buffer_outs = outs[first_buffer_output:]
+    tail = outs[len(outs) - trailing :] if trailing else []
+    buffer_outs = outs[first_buffer_output : len(outs) - trailing]
     changed = [i for i, node in enumerate(buffer_outs) if node is not buffers[i]]
     unexpected = set(mutated) - set(changed)
     if unexpected:  # a copy_ into a buffer that functional_call did not see: keep its value
         raise CaptureError(f"internal: buffer update not visible for {sorted(unexpected)}")
-    output_node.args = (tuple(outs[:first_buffer_output] + [buffer_outs[i] for i in changed]),)
+    kept = [buffer_outs[i] for i in changed]
+    output_node.args = (tuple(outs[:first_buffer_output] + kept + tail),)
     return changed
 
 
@@ -155,8 +154,10 @@ def params_without_path_to_losses(captured: CapturedForward) -> set[int]:
     output_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     _, losses, _, _ = captured.split_outputs(output_node.args[0])
     params = captured.layout.split([n for n in graph.nodes if n.op == "placeholder"]).params
-    used: set[int] = set()
-    for loss, restrict in zip(losses, captured.loss_inputs):
+    code = captured.gradient_code
+    used: set[int] = set(code.grad_params)  # the .grad build() left
+    taken = code.losses_taken  # build() took these losses' gradients itself
+    for loss, restrict in list(zip(losses, captured.loss_inputs))[taken:]:
         reached: set[fx.Node] = set()
         stack = [loss] if isinstance(loss, fx.Node) else []
         while stack:

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.overrides import TorchFunctionMode
@@ -39,6 +40,7 @@ from ..records.fxutil import (
 )
 from ..records.ops import CAPTURE_REWRITES, capture_sdpa
 from .dtype_checks import mixed_dtypes
+from .gradient_book import GradientBook
 from .op_errors import VALUE_DEPENDENT, mark_torch_function
 from .scaler_refusal import called_from_torch_grad_scaler, torch_grad_scaler_error
 from .scope_reads import untraced
@@ -68,6 +70,8 @@ class CaptureMode(TorchFunctionMode):
         sdpa_policy: torch.dtype | None = None,
         loss_scale: torch.Tensor | None = None,
         mixed_dtypes_ok: bool = False,
+        params: tuple[torch.Tensor, ...] = (),
+        aliases: dict[int, torch.Tensor] | None = None,
     ):
         super().__init__()
         self.module_names = module_names
@@ -80,6 +84,13 @@ class CaptureMode(TorchFunctionMode):
         # Set by the autocast oracle: attention follows autocast's lower_precision_fp policy.
         self.sdpa_policy = sdpa_policy
         self.losses: list[RecordedLoss] = []
+        # the .grad of the traced tensors (gradient_book.py): build() may read and write them
+        self.book = GradientBook(params, loss_scale) if loss_scale is not None else None
+        self._param_ids = {id(p): i for i, p in enumerate(params)}
+        # id(the user's parameter or buffer) -> its traced value: code that reaches the state
+        # through another path than the module (an optimizer's param_groups, as zero_grad()
+        # and SAM's optimizer do) reads and writes the traced values, as the module's code does
+        self.aliases = aliases or {}
         self._backward_seen: dict[int, RecordedLoss] = {}
         self._stack: list[tuple[str, str]] = []
         self._stack_meta: dict[str, tuple[str, str]] = {}
@@ -146,12 +157,18 @@ class CaptureMode(TorchFunctionMode):
     # -- torch functions --------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.aliases:
+            args, kwargs = pytree.tree_map_only(torch.Tensor, self._traced, (args, kwargs))
         self._refuse(func, args, kwargs)
         if func in _HOST_READS:
             culprit = _torch_function_reading()
             if culprit is not None and culprit[1] in _SAFE_ANSWERS:
                 return _SAFE_ANSWERS[culprit[1]]
             raise _host_read_error(func, culprit)
+        if func in _GRAD_ACCESS:
+            return self._grad_access(func, args)
+        if func == _DATA.__set__:
+            return self._set_data(*args)
         if func is torch.Tensor.backward:
             return self._record_backward(*args, **kwargs)
         if func is torch.autograd.backward:
@@ -166,14 +183,65 @@ class CaptureMode(TorchFunctionMode):
             raise
         if graph is not None and marker is not None:
             self._tag(graph, marker, func in _GRADIENT_CUTS)
+            self._mark_parameter_version(func, args, graph, marker)
         return out
+
+    def _set_data(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        """``target.data = value`` (SAM's restore): the traced tensor takes ``value``'s
+        values, as ``copy_`` under no_grad; what would change its shape or dtype is refused."""
+        where = _where(current_user_frame())
+        if _is_real(target):
+            raise self._real_tensor_write_error(_DATA.__set__, (target,), {})
+        if value.shape != target.shape or value.dtype != target.dtype:
+            raise CaptureError(
+                f"build() sets .data{where} to a tensor of shape {tuple(value.shape)} and "
+                f"dtype {value.dtype}, where the tensor has {tuple(target.shape)} and "
+                f"{target.dtype}: graphamp keeps every parameter's shape and dtype; copy the "
+                "values in (with torch.no_grad(): p.copy_(value))"
+            )
+        with torch.no_grad():
+            self.__torch_function__(torch.Tensor.copy_, (), (target, value))
+
+    def _traced(self, t: torch.Tensor) -> torch.Tensor:
+        return self.aliases.get(id(t), t)
+
+    def _grad_access(self, func, args: tuple) -> Any:
+        """``tensor.grad`` read or written by build(): the gradient book's (module docstring)."""
+        if _grad_access_from_optimizer_step():
+            raise _grad_access_error(_GRAD_ACCESS[func])
+        if self.book is None:  # a trace with no loss scale: nothing differentiates here
+            raise CaptureError(
+                f"build() reads a .grad{_where(current_user_frame())} where none exists"
+            )
+        graph = tracing_graph()
+        marker = last_node(graph) if graph is not None else None
+        with untraced():
+            if _GRAD_ACCESS[func] == "reads":
+                out = self.book.get(args[0], self.losses)
+            else:
+                self.book.set(args[0], args[1], self.losses)
+                out = None
+        if graph is not None and marker is not None:
+            self._tag(graph, marker, user_cut=True)  # the gradients carry no gradient
+        return out
+
+    def _mark_parameter_version(self, func, args: tuple, graph: fx.Graph, marker: fx.Node) -> None:
+        """An in-place op on a parameter (SAM's ``p.add_(e)`` under no_grad) makes the
+        parameter's next value: as in eager, a later forward's gradient goes to the parameter
+        itself, so the step differentiates with respect to that value as a leaf."""
+        if not args or not isinstance(args[0], torch.Tensor) or not _in_place(func):
+            return
+        position = self._param_ids.get(id(args[0]))
+        if position is None:
+            return
+        new = [n for n in nodes_after(graph, marker) if n.op == "call_function"]
+        if new:
+            new[-1].meta["param_version"] = position
 
     def _refuse(self, func, args: tuple, kwargs: dict) -> None:
         """Raise for what build() must not do inside a captured step."""
         if called_from_torch_grad_scaler():  # scale(), unscale_(), ... of torch's own scaler
             raise torch_grad_scaler_error(current_user_frame())
-        if func in _GRAD_ACCESS:
-            raise _grad_access_error(_GRAD_ACCESS[func])
         if _writes_real_tensor(func, args, kwargs):
             raise self._real_tensor_write_error(func, args, kwargs)
         mixed = mixed_dtypes(func, args, kwargs, amp=self.mixed_dtypes_ok)
@@ -294,9 +362,14 @@ def _writes_real_tensor(func, args, kwargs) -> bool:
     out = kwargs.get("out")
     if isinstance(out, torch.Tensor) and _is_real(out):
         return True
+    return (
+        _in_place(func) and bool(args) and isinstance(args[0], torch.Tensor) and _is_real(args[0])
+    )
+
+
+def _in_place(func) -> bool:
     name = getattr(func, "__name__", "")
-    in_place = (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
-    return in_place and bool(args) and isinstance(args[0], torch.Tensor) and _is_real(args[0])
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
 
 
 _IN_PLACE_DUNDERS = frozenset(
@@ -427,45 +500,32 @@ _PLUMBING = tuple(
     os.path.join(_TORCH_DIR, d)
     for d in ("_subclasses", "overrides.py", "_tensor.py", "utils" + os.sep + "_", "fx", "_ops.py")
 )
-# .grad inside build(): gradients live inside the compiled step, and parameters have none while
-# it is captured. Reading or writing .grad there is optimizer or clipping code that would do
-# nothing (clip_grad_norm_ clips no gradient) or worse (a stale .grad stepped into the model).
+# .grad inside build() is the gradient book's (gradient_book.py), except from torch.optim's step():
+# the optimizers added with add_optimizer step inside the compiled step, after build(), and a
+# step() in build() would update the parameters twice.
 _GRAD_ACCESS = {_GRAD.__get__: "reads", _GRAD.__set__: "writes"}
-_GRAD_FIXES = {
-    "clip_grad": "clip with add_optimizer(optimizer, clip_grad_max_norm=..., "
-    "clip_grad_norm_type=...): graphamp clips after unscaling, inside the step",
-    "torch.optim": "remove optimizer.step() / zero_grad() from build(): the optimizers added "
-    "with add_optimizer are stepped inside the compiled step, on fresh gradients",
-}
+_STEP_FIX = (
+    "remove optimizer.step() from build(): the optimizers added with add_optimizer are "
+    "stepped inside the compiled step, on the gradients build() leaves in .grad"
+)
+
+
+def _grad_access_from_optimizer_step() -> bool:
+    """A torch.optim function other than zero_grad (which only clears .grad) reads or writes."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("torch.optim") and frame.f_code.co_name != "zero_grad":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _grad_access_error(how: str) -> CaptureError:
-    modules = _torch_modules_on_stack()
-    key = next((k for k in _GRAD_FIXES for m in modules if k in m), None)
-    who = next((f"torch's {m}" for m in modules if key and key in m), "build()")
-    fix = (
-        _GRAD_FIXES[key]
-        if key
-        else (
-            "use the gradients inside build() with torch.autograd.grad, or return what you need "
-            "from build() and act on it outside"
-        )
-    )
     return CaptureError(
-        f"{who} {how} a tensor's .grad inside build(){_where(current_user_frame())}. graphamp "
-        f"computes gradients inside the compiled step; .grad is never filled in there. Fix: {fix}"
+        f"torch.optim {how} a tensor's .grad inside build(){_where(current_user_frame())}. "
+        f"Fix: {_STEP_FIX}"
     )
-
-
-def _torch_modules_on_stack() -> list[str]:
-    """Modules of the torch code between the user's frame and here, innermost first."""
-    frame: FrameType | None = sys._getframe(1)
-    out: list[str] = []
-    while frame is not None and is_library_file(frame.f_code.co_filename):
-        if frame.f_code.co_filename.startswith(_TORCH_DIR):
-            out.append(frame.f_globals.get("__name__", "torch"))
-        frame = frame.f_back
-    return out
 
 
 # torch helpers whose value reads only choose a faster path: the answer that keeps the general
@@ -544,8 +604,13 @@ def _functional_batch_norm(
         out, _, _, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
             input, weight, bias, running_mean, running_var, True, momentum, eps
         )
-        running_mean.copy_(new_mean)
-        running_var.copy_(new_var)
+        # the backward of training-mode batch norm never reads the running statistics, but
+        # saves them: a version bump would fail a gradient build() takes later (SAM, AGC),
+        # where eager's in-op update does not
+        with torch.autograd._unsafe_preserve_version_counter(running_mean):
+            running_mean.copy_(new_mean)
+        with torch.autograd._unsafe_preserve_version_counter(running_var):
+            running_var.copy_(new_var)
         return out
     if training or running_mean is None or running_var is None:
         return aten._native_batch_norm_legit.no_stats(input, weight, bias, True, momentum, eps)[0]

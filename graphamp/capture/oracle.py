@@ -102,7 +102,12 @@ def autocast_forward(
     ]
     args, kwargs = inputs.rebuild(fake_inputs)
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-    capture = CaptureMode(names, sdpa_policy=dtype)
+    # gradients build() reads are taken as in capture, seeded with a scale of one
+    params = tuple(state[n] for n, _ in root.named_parameters())
+    one = fake_copy(mode, torch.ones(()), target)
+    real = [*root.named_parameters(), *root.named_buffers()]
+    aliases = {id(t): state[n] for n, t in real}
+    capture = CaptureMode(names, sdpa_policy=dtype, loss_scale=one, params=params, aliases=aliases)
     recorder = _Recorder(capture)
     buffer_names = [n for n, _ in root.named_buffers()]
     with (

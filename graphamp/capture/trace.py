@@ -19,13 +19,18 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import CaptureError, GraphampError
-from ..records.fxutil import rename_placeholders, trace_functional, user_frame_of_exception
+from ..records.fxutil import (
+    drop_profiler_markers,
+    rename_placeholders,
+    trace_functional,
+    user_frame_of_exception,
+)
 from ..records.guards import AttributeRead, LiftedValue
 from ..records.inputs import FlatInputs
 from ..records.layouts import ForwardLayout
 from ..records.ops import FunctionCall
 from ..records.shapes import is_symbolic, scratch_batch
-from ..records.spec import TENSOR, CapturedForward
+from ..records.spec import TENSOR, CapturedForward, GradientCode
 from .cleanup import (
     check_input_mutations,
     detach_no_grad_values,
@@ -158,12 +163,13 @@ def _capture_once(
     values = [(read.label, node) for read, node in zip(lifted, nodes[len(layout) :])]
     values += [(f"argument {input_names[i]}", placeholders.inputs[i]) for i in lifted_inputs]
     refuse_values_read_on_the_host(values, graph_name)
-    mutated = check_input_mutations(traced.mutated, layout, param_names, input_names, graph_name)
+    mutated = check_input_mutations(traced.mutated, layout, input_names, graph_name)
     # the lifted values' placeholders are the last ones: constants, read live at every call
     constants, constant_names = lift_constants(gm, _tensor_attributes(root))
     constants = [*traced.value_holders, *constants]
     constant_names = [*value_names, *constant_names]
-    changed = _cleaned_up(gm, placeholders.buffers, traced.num_results, mutated)
+    code = traced.gradient_code
+    changed = _cleaned_up(gm, placeholders.buffers, traced.num_results, mutated, code.num_outputs)
     captured = CapturedForward(
         gm=gm,
         param_names=param_names,
@@ -182,18 +188,22 @@ def _capture_once(
         num_written=len(traced.written_outputs),
         attribute_reads=tuple(traced.attribute_reads),
         lifted=tuple(map(LiftedValue, lifted, traced.value_holders)),
+        gradient_code=code,
     )
     captured.unused_params = params_without_path_to_losses(captured)
     log.debug("captured %s.build(): %d nodes", graph_name, len(gm.graph.nodes))
     return captured, traced.written
 
 
-def _cleaned_up(gm: fx.GraphModule, buffers: list, num_results: int, mutated: Any) -> Any:
+def _cleaned_up(
+    gm: fx.GraphModule, buffers: list, num_results: int, mutated: Any, trailing: int
+) -> Any:
     """The captured graph without autograd's detaches, its no-grad values detached and only
     the buffers build() changes written; returns those buffers (``keep_changed_buffers``)."""
     drop_autograd_detaches(gm)
+    drop_profiler_markers(gm.graph)  # zero_grad() in build()
     detach_no_grad_values(gm)
-    changed = keep_changed_buffers(gm, buffers, num_results, mutated)
+    changed = keep_changed_buffers(gm, buffers, num_results, mutated, trailing)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
@@ -205,7 +215,9 @@ class TracedBuild:
     """build() traced once: the graph, and what build() did while it ran (filled by the trace).
 
     The graph's outputs are ``(*build()'s tensors, *tensors build() wrote on the user's
-    objects, *losses, *explicit loss gradients, *every buffer's value after build())``."""
+    objects, *losses, *explicit loss gradients, *every buffer's value after build(), *the
+    parameters' .grad build() left, *the parameters' values build() changed)``
+    (``GradientCode``)."""
 
     function_calls: list[FunctionCall] = field(default_factory=list)  # custom Functions applied
     attribute_reads: list[AttributeRead] = field(default_factory=list)  # what build() read
@@ -216,6 +228,7 @@ class TracedBuild:
     written: list[WrittenValue] = field(default_factory=list)  # Python state build() changed
     written_outputs: list[torch.Tensor] = field(default_factory=list)  # the tensors among it
     value_holders: list[torch.Tensor] = field(default_factory=list)  # one per lifted value
+    gradient_code: GradientCode = field(default_factory=GradientCode)
     output_spec: pytree.TreeSpec = field(init=False)  # build()'s return structure
     gm: fx.GraphModule = field(init=False)
 
@@ -297,7 +310,13 @@ def _traced_function(
         replacement = {id(t): v for t, v in zip(state, [*parts.params, *parts.buffers])}
         real_of = {id(v): t for t, v in zip(state, [*parts.params, *parts.buffers])}
         args, kwargs = inputs.rebuild(parts.inputs)
-        mode = CaptureMode(module_names, loss_scale=parts.loss_scale, mixed_dtypes_ok=amp)
+        mode = CaptureMode(
+            module_names,
+            loss_scale=parts.loss_scale,
+            mixed_dtypes_ok=amp,
+            params=tuple(parts.params),
+            aliases=replacement,
+        )
         scope = ScopeReads(graph_name, skip={read.place() for read in lifted})
         with (
             refusing_host_randomness(graph_name, watched),
@@ -318,18 +337,54 @@ def _traced_function(
             written = written_values(graph_name, changes, real_of)
         traced.written, traced.written_outputs = written
         traced.attribute_reads = reads + scope.recorded()
-        leaves, traced.output_spec = pytree.tree_flatten(out)
-        position = {id(t): i for i, t in enumerate(parts.params)}
-        traced.losses = mode.losses
-        traced.output_template = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-        traced.loss_inputs = [parameter_positions(r, position) for r in mode.losses]
         traced.mutated = mutated_inputs(every)
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        losses = [r.tensor for r in mode.losses]
-        grads = [r.gradient for r in mode.losses if r.gradient is not None]
-        return (*tensors, *traced.written_outputs, *losses, *grads, *new_buffers)
+        return _outputs(traced, mode, out, parts.params, layout, new_buffers)
 
     return forward
+
+
+def _outputs(
+    traced: TracedBuild,
+    mode: CaptureMode,
+    out: Any,
+    params: list[torch.Tensor],
+    layout: ForwardLayout,
+    new_buffers: list[torch.Tensor],
+) -> tuple:
+    """The traced function's outputs (``TracedBuild``'s order) after build() returned
+    ``out``; what build() did is recorded in ``traced``."""
+    leaves, traced.output_spec = pytree.tree_flatten(out)
+    position = {id(t): i for i, t in enumerate(params)}
+    traced.losses = mode.losses
+    traced.output_template = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+    traced.loss_inputs = [parameter_positions(r, position) for r in mode.losses]
+    traced.gradient_code, explicit = _gradient_code(mode, layout, traced.mutated)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    losses = [r.tensor for r in mode.losses]
+    grads = [r.gradient for r in mode.losses if r.gradient is not None]
+    new_params = [params[i] for i in traced.gradient_code.changed_params]
+    return (
+        *tensors,
+        *traced.written_outputs,
+        *losses,
+        *grads,
+        *new_buffers,
+        *explicit,
+        *new_params,
+    )
+
+
+def _gradient_code(
+    mode: CaptureMode, layout: ForwardLayout, mutated: list[int]
+) -> tuple[GradientCode, list[torch.Tensor]]:
+    """What build()'s own gradient code leaves for the step (``gradient_book.py``), and the
+    parameters' .grad it left."""
+    changed = [i for i in mutated if i < layout.params]
+    if mode.book is None:
+        return GradientCode(0, (), tuple(changed)), []
+    explicit = mode.book.explicit()
+    positions = tuple(i for i, _ in explicit)
+    return GradientCode(mode.book.taken, positions, tuple(changed)), [g for _, g in explicit]
 
 
 def _example_inputs(

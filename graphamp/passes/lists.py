@@ -243,6 +243,15 @@ DENY = _packets(
     "_upsample_bicubic2d_aa",
     # OneFlow's amp_black_identity
     "graphamp.full_precision",
+    # backward ops of the gradients build() takes itself (gradient code, penalties): the
+    # backward of an fp32 op stays fp32, and the loss scale's check reads fp32 gradients
+    "_log_softmax_backward_data",
+    "_softmax_backward_data",
+    "nll_loss_backward",
+    "native_batch_norm_backward",
+    "native_layer_norm_backward",
+    "native_group_norm_backward",
+    "_amp_foreach_non_finite_check_and_unscale",
 )
 
 INFER = _packets(
@@ -386,6 +395,7 @@ CLEAR = _packets(
     "relu",
     "relu6",
     "threshold",
+    "threshold_backward",
     "clamp_min",
     "clamp_max",
     "maximum",

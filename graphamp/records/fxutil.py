@@ -297,3 +297,11 @@ def op_name(node: fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverloadPacket):
         return str(target)
     return getattr(target, "__name__", str(target))
+
+
+def drop_profiler_markers(graph: fx.Graph) -> None:
+    """Remove torch's profiler markers (``record_function`` around ``Optimizer.step()`` and
+    ``zero_grad()``): they time nothing inside a compiled step, and their custom ops would keep
+    the step out of the step cache."""
+    for node in [n for n in graph.nodes if str(n.target).startswith("profiler.")][::-1]:
+        graph.erase_node(node)  # an exit marker first, then the enter marker it uses

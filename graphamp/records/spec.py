@@ -101,6 +101,30 @@ class GraphSpec:
 # -- what capture hands the AMP passes and the planner ----------------------------------------------
 
 
+@dataclass(frozen=True)
+class GradientCode:
+    """What build() did with gradients itself (``capture/gradient_book.py``): read or wrote a
+    ``.grad``, or changed parameters in place (SAM's perturbation). The forward's outputs end with
+    the parameters' ``.grad`` build() left (``grad_params`` order), then the new values of the
+    parameters it changed (``changed_params`` order)."""
+
+    losses_taken: int = 0  # the first n losses: build() took their gradients; the step does not
+    grad_params: tuple[int, ...] = ()  # parameter positions whose .grad build() left set
+    changed_params: tuple[int, ...] = ()  # parameter positions build() changed in place
+
+    def __post_init__(self) -> None:
+        if list(self.grad_params) != sorted(set(self.grad_params)):
+            raise ValueError(f"grad_params must ascend without repeats: {self.grad_params}")
+
+    @property
+    def present(self) -> bool:
+        return bool(self.losses_taken or self.grad_params or self.changed_params)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.grad_params) + len(self.changed_params)
+
+
 @dataclass
 class CapturedForward:
     """build() traced once on fake tensors: a functional aten-level forward graph.
@@ -110,7 +134,7 @@ class CapturedForward:
     ``constant_names``); ``loss_scale`` (0-dim fp32) scales the gradients build() takes itself
     (``torch.autograd.grad``), 1 without a scaler. Outputs are ``(*build()'s tensors, *tensors
     build() writes on the user's objects, *losses, *explicit loss gradients, *new values of
-    mutated buffers)``: ``split_outputs`` cuts them (the written tensors count among the user
+    mutated buffers, *gradient_code's outputs)``: ``split_outputs`` cuts them (the written tensors count among the user
     outputs; ``replays`` says where each goes after a call).
     """
 
@@ -145,6 +169,7 @@ class CapturedForward:
     lifted: tuple[
         LiftedValue, ...
     ] = ()  # Python floats fed as inputs (their holders lead constants)
+    gradient_code: GradientCode = field(default_factory=GradientCode)
 
     @property
     def num_losses(self) -> int:
@@ -164,12 +189,20 @@ class CapturedForward:
         """(build()'s tensors, losses, explicit loss gradients, new buffer values)."""
         n_out, n_loss = self.num_user_outputs, self.num_losses
         n_grad = sum(self.loss_grad_given)
+        end = len(outs) - self.gradient_code.num_outputs
         return (
             list(outs[:n_out]),
             list(outs[n_out : n_out + n_loss]),
             list(outs[n_out + n_loss : n_out + n_loss + n_grad]),
-            list(outs[n_out + n_loss + n_grad :]),
+            list(outs[n_out + n_loss + n_grad : end]),
         )
+
+    def gradient_code_outputs(self, outs: Sequence[Any]) -> tuple[list, list]:
+        """(the parameters' .grad build() left, the new values of the parameters it changed):
+        ``gradient_code``'s outputs, after the buffers'."""
+        code = self.gradient_code
+        tail = list(outs[len(outs) - code.num_outputs :]) if code.num_outputs else []
+        return tail[: len(code.grad_params)], tail[len(code.grad_params) :]
 
     def unflatten_outputs(self, tensors: Sequence[Any]) -> Any:
         """build()'s return value with ``tensors`` where it returned tensors (the written

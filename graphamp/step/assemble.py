@@ -2,7 +2,7 @@
 
     parameter casts → forward → loss × scale → grads (autograd) → [all-reduce | ZeRO
     reduce-scatter]
-    → unscale + found_inf → clip → optimizer update masked by found_inf → [overflow record]
+    → unscale + found_inf → [+ the .grad build() left, checked] → clip → optimizer update masked by found_inf → [overflow record]
     → history row → [ZeRO all-gather of the updated parameters] → scale update → BatchNorm
     statistics masked
 
@@ -28,11 +28,17 @@ from ..records.layouts import StepInputs
 from ..records.optimizers import TRACED, OptimizerPlan
 from ..records.spec import StepPlan
 from .collectives import agree_on_overflow, agree_on_probes, average_over_ranks
-from .gradients import forward_and_gradients, parameter_casts, run_forward
+from .gradients import ForwardResult, forward_and_gradients, parameter_casts, run_forward
 from .history_row import record_history
 from .optimizer_update import densify_sparse_grads, masked, update_optimizer
 from .overflow_probes import ProbeRecorder, record_overflow
-from .scaling import clip_grad_norm, count_nonfinite_norm, unscale_and_check, write_scale_update
+from .scaling import (
+    add_explicit_gradients,
+    clip_grad_norm,
+    count_nonfinite_norm,
+    unscale_and_check,
+    write_scale_update,
+)
 from .traced_optimizer import tensorify_scalar_reads
 from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
@@ -84,13 +90,15 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: b
         elif plan.process_group is not None and not plan.zero_stage:
             with NodeTagger({"graphamp_subgraph": "data_parallel"}):
                 grads = average_over_ranks(grads, plan.process_group)
-        updates, norms = _unscale_and_clip(plan, grads, scale)
+        before = _write_changed_params(plan, s, fwd)
+        updates, norms = _unscale_and_clip(plan, grads, scale, fwd)
         _update_optimizers(plan, s, updates)
         found_total = any_skip = None
         if plan.scaler is not None:
             with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
                 found_total = _total(updates)
                 any_skip = found_total > 0
+            _unless_skipped(s.params, before, any_skip)
         if recorder is not None:  # reads the step counter and scale before they are written
             agree = (
                 (lambda v: agree_on_probes(v, plan.process_group))
@@ -111,6 +119,25 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: b
     return step
 
 
+def _write_changed_params(plan: StepPlan, s: StepInputs, fwd: ForwardResult) -> dict:
+    """The parameters build() changed in place (SAM's restore, a clamp) take their new values:
+    the optimizer updates those. Returns the values before, by position (with a scaler: a
+    skipped step puts them back, as it keeps the buffers)."""
+    before = {}
+    for i, value in zip(plan.captured.gradient_code.changed_params, fwd.new_params):
+        if plan.scaler is not None:
+            before[i] = s.params[i].clone()
+        s.params[i].copy_(value)
+    return before
+
+
+def _unless_skipped(params: list, before: dict, any_skip: torch.Tensor) -> None:
+    """A skipped step is skipped whole: parameters build() changed get their values back, as
+    the buffers do."""
+    for i, old in before.items():
+        params[i].copy_(masked(any_skip, old, params[i]))
+
+
 def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: StepInputs) -> tuple:
     cap = plan.captured
     one = torch.ones((), dtype=torch.float32, device=s.params[0].device if s.params else None)
@@ -122,9 +149,12 @@ def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: StepInputs) -> tuple:
         constants=s.constants,
         param_copies=parameter_casts(plan, s.params),
     )
-    user, _, _, new_buffers = cap.split_outputs(run_forward(fwd_gm, forward_inputs))
+    outs = run_forward(fwd_gm, forward_inputs)
+    user, _, _, new_buffers = cap.split_outputs(outs)
     for i, value in zip(cap.mutated_buffers, new_buffers):
         s.buffers[i].copy_(value)
+    for i, value in zip(cap.gradient_code.changed_params, cap.gradient_code_outputs(outs)[1]):
+        s.params[i].copy_(value)
     return tuple(user)
 
 
@@ -149,8 +179,12 @@ class _OptimizerUpdate:
     found: torch.Tensor | None  # this optimizer's overflow flag (None without a scaler)
 
 
-def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Tensor | None):
-    """Per optimizer: unscale and check for overflow, then clip (after unscaling, always)."""
+def _unscale_and_clip(
+    plan: StepPlan, grads: list[torch.Tensor], scale: torch.Tensor | None, fwd: ForwardResult
+):
+    """Per optimizer: unscale and check for overflow, add the .grad build() left (unscaled
+    already) and check the sums (after the user's gradient code), then clip (after unscaling,
+    always)."""
     position = {p: j for j, p in enumerate(plan.trainable)}
     updates, norms = [], []
     for opt in plan.optimizers:
@@ -159,6 +193,11 @@ def _unscale_and_clip(plan: StepPlan, grads: list[torch.Tensor], scale: torch.Te
         if scale is not None:
             with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
                 opt_grads, found = unscale_and_check(opt_grads, scale)
+        if fwd.explicit:
+            with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
+                opt_grads, found = add_explicit_gradients(
+                    opt.forward_positions, opt_grads, fwd.explicit, fwd.reached, found
+                )
         if opt.clip_max_norm is not None:
             with NodeTagger({"graphamp_subgraph": "clip_grad"}):
                 norm_of = (

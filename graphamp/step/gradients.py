@@ -7,7 +7,7 @@ micro-batch at a time under gradient accumulation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -29,9 +29,17 @@ class _ForwardRunner(fx.Interpreter):
     """Runs the AMP forward graph while make_fx records; tags the nodes it produces and shows
     each value to the overflow probes, if any."""
 
-    def __init__(self, gm: fx.GraphModule, recorder: ProbeRecorder | None):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        recorder: ProbeRecorder | None,
+        versions: list[tuple[int, torch.Tensor]] | None = None,
+    ):
         super().__init__(gm)
         self.recorder = recorder
+        # (parameter position, leaf) for each value build() gave a parameter in place: with
+        # ``versions``, each is a fresh gradient leaf, as the parameter itself is in eager
+        self.versions = versions
 
     def run_node(self, n: fx.Node) -> Any:
         graph = tracing_graph()
@@ -45,6 +53,9 @@ class _ForwardRunner(fx.Interpreter):
                         new.meta[key] = n.meta[key]
         if self.recorder is not None:
             self.recorder.observe(n, out)
+        if self.versions is not None and "param_version" in n.meta:
+            out = out.detach().requires_grad_(True)
+            self.versions.append((n.meta["param_version"], out))
         return out
 
     def call_function(self, target, args, kwargs):
@@ -64,12 +75,17 @@ def _functional_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = 
 
 
 def run_forward(
-    fwd_gm: fx.GraphModule, inputs: list, recorder: ProbeRecorder | None = None
+    fwd_gm: fx.GraphModule,
+    inputs: list,
+    recorder: ProbeRecorder | None = None,
+    versions: list[tuple[int, torch.Tensor]] | None = None,
 ) -> list:
     """The forward graph's outputs for ``inputs`` (``StepPlan.forward_layout``); its nodes are
-    traced into the step tagged ``forward``."""
+    traced into the step tagged ``forward``. ``versions`` collects the parameters' in-place
+    values as gradient leaves (``_ForwardRunner``)."""
+    runner = _ForwardRunner(fwd_gm, recorder, versions)
     with NodeTagger({"graphamp_subgraph": "forward"}):
-        return list(_ForwardRunner(fwd_gm, recorder).run(*inputs, enable_io_processing=False))
+        return list(runner.run(*inputs, enable_io_processing=False))
 
 
 @dataclass
@@ -80,6 +96,11 @@ class ForwardResult:
     losses: list[torch.Tensor]  # one per backward() call (averaged over micro-batches)
     grads: list[torch.Tensor]  # one per plan.trainable position, in the parameter's dtype
     new_buffers: list[torch.Tensor]  # new values of captured.mutated_buffers
+    # build()'s own gradient code (GradientCode): the .grad it left, by parameter position
+    # (unscaled already), the positions the other losses reached, the parameters' new values
+    explicit: dict[int, torch.Tensor] = field(default_factory=dict)
+    reached: set[int] = field(default_factory=set)
+    new_params: list[torch.Tensor] = field(default_factory=list)
 
 
 def parameter_casts(plan: StepPlan, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -108,26 +129,22 @@ def forward_and_gradients(
 ) -> ForwardResult:
     """Run the forward on each micro-batch, seed each loss with ``scale`` (None: 1) and add the
     parameter gradients up; BatchNorm statistics carry from one micro-batch to the next.
-
     Plain autograd differentiates the traced forward (``torch.autograd.grad``): the forward's
     ops record their backward as in eager mode, custom autograd Functions included. Gradients
     with respect to a parameter's low-precision copy are cast back, as a cast's backward does.
-
     ``reduce_each`` (ZeRO stage 2) maps each micro-batch's gradients, in ``plan.trainable``
-    order, to what is summed over micro-batches (the rank's shards): full gradients then live
-    for one micro-batch only. With a ``recorder`` (overflow tracing), every probed value and the
-    gradient arriving at it are measured. ``record_origins``: see ``assemble_step``."""
+    order, to what is summed over micro-batches (the rank's shards). A ``recorder`` (overflow
+    tracing) measures every probed value and its gradient."""
     cap = plan.captured
     params = s.params
     copies = parameter_casts(plan, params)
     total: dict[int, torch.Tensor] = {}
-    users, micro_losses = [], []
-    current = list(s.buffers)
+    users, micro_losses, current = [], [], list(s.buffers)
     for k, micro in enumerate(_micro_batches(s.inputs, plan.acc_steps)):
         leaves = _GradientLeaves.of(plan, params, copies)
         # each micro-batch's forward is its own instance of every checkpointed region
         with torch.enable_grad(), NodeTagger({MICRO_BATCH: k}):
-            forward_inputs = plan.forward_layout.flatten(
+            inputs = plan.forward_layout.flatten(
                 params=leaves.params,
                 buffers=current,
                 inputs=micro,
@@ -135,13 +152,14 @@ def forward_and_gradients(
                 constants=s.constants,
                 param_copies=leaves.copies,
             )
-            user, losses, loss_grads, new_buffers = cap.split_outputs(
-                run_forward(fwd_gm, forward_inputs, recorder)
-            )
+            versions: list[tuple[int, torch.Tensor]] = []
+            outs = run_forward(fwd_gm, inputs, recorder, versions)
+            user, losses, loss_grads, new_buffers = cap.split_outputs(outs)
         seeds = _seeds(plan, losses, loss_grads, scale)
         micro_grads: dict[int, torch.Tensor] = total if reduce_each is None else {}
+        wrt = leaves.wrt + [(i, v) for i, v in versions if i in leaves.trainable]
         with NodeTagger({"graphamp_subgraph": "backward"}):
-            _accumulate_grads(plan, losses, seeds, leaves.wrt, params, micro_grads, record_origins)
+            _accumulate_grads(plan, losses, seeds, wrt, params, micro_grads, record_origins)
         if reduce_each is not None:
             reduced = reduce_each(_in_trainable_order(plan, micro_grads, params))
             for i, g in zip(plan.trainable, reduced):
@@ -150,11 +168,15 @@ def forward_and_gradients(
         micro_losses.append([loss.detach() for loss in losses])
         for i, value in zip(cap.mutated_buffers, new_buffers):
             current[i] = value.detach()
+    left, new_params = cap.gradient_code_outputs(outs)  # one micro-batch (plan.py)
     return ForwardResult(
         _combine_micro_outputs(users, cap.num_written),
         _mean_losses(micro_losses),
         _in_trainable_order(plan, total, params),
         [current[i] for i in cap.mutated_buffers],
+        {i: g.detach() for i, g in zip(cap.gradient_code.grad_params, left)},
+        set(total),
+        [v.detach() for v in new_params],
     )
 
 
@@ -164,6 +186,7 @@ class _GradientLeaves:
 
     params: list[torch.Tensor]  # the parameters, trainable ones read directly as fresh leaves
     copies: list[torch.Tensor]  # the low-precision copies, trainable ones as fresh leaves
+    trainable: set[int]  # forward positions of the parameters that get gradients
     # (forward position, leaf): the parameters read in their own dtype, then the copies (whose
     # gradient is cast back, as a cast's backward does)
     wrt: list[tuple[int, torch.Tensor]]
@@ -180,7 +203,7 @@ class _GradientLeaves:
             if i in trainable:
                 cs[j] = copies[j].detach().requires_grad_(True)
                 wrt.append((i, cs[j]))
-        return cls(ps, cs, wrt)
+        return cls(ps, cs, trainable, wrt)
 
 
 def _in_trainable_order(plan: StepPlan, grads: dict, params: list) -> list[torch.Tensor]:
@@ -235,8 +258,10 @@ def _accumulate_grads(
     if record_origins:  # backward nodes get their forward op's seq_nr (assemble_step)
         preserve_backward_stack_traces(losses)
     groups: dict = {}
+    taken = plan.captured.gradient_code.losses_taken  # build() took their gradients itself
     for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(losses)):
-        groups.setdefault(restrict, []).append(index)
+        if index >= taken:
+            groups.setdefault(restrict, []).append(index)
     for n, (restrict, members) in enumerate(groups.items()):
         chosen = [(i, leaf) for i, leaf in wrt if restrict is None or i in restrict]
         grads = torch.autograd.grad(

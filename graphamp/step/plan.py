@@ -39,6 +39,7 @@ def build_plan(
     ``param_ids`` are ``id()`` of the forward's parameters in placeholder order (to find each
     optimizer's parameters among them)."""
     _check_losses(spec, captured)
+    _check_gradient_code(spec, captured, process_group)
     plans = _optimizer_plans(spec, captured, {pid: i for i, pid in enumerate(param_ids)})
     trainable = [i for opt in plans for i in opt.forward_positions]
     if spec.training and not trainable:
@@ -82,6 +83,28 @@ def _check_zero_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
                 f"bucket, but optimizer {opt.index} holds {sorted(map(str, dtypes))}: give "
                 "parameters of each dtype their own optimizer (add_optimizer twice)"
             )
+
+
+def _check_gradient_code(spec: GraphSpec, captured: CapturedForward, process_group) -> None:
+    """Gradient code in build() (``GradientCode``) runs once per step, on the whole batch's
+    gradients: not yet per micro-batch, nor between the backward and the data-parallel
+    reduction (eager DDP reduces inside backward(), before the user's code sees .grad)."""
+    if not (spec.training and captured.gradient_code.present):
+        return
+    clash = (
+        "gradient accumulation (set_gradient_accumulation_steps)"
+        if spec.config.grad_acc_steps > 1
+        else "data parallel or ZeRO"
+        if process_group is not None
+        else None
+    )
+    if clash is not None:
+        raise CaptureError(
+            f"{spec.name}.build() reads or writes .grad, or changes parameters in place, and "
+            f"the Graph uses {clash}: graphamp does not combine the two yet. Fix: train this "
+            "step in one process without accumulation, or move the gradient code to "
+            "add_optimizer's clip_grad_max_norm where it is clipping"
+        )
 
 
 def _check_losses(spec: GraphSpec, captured: CapturedForward) -> None:

@@ -29,6 +29,31 @@ def unscale_and_check(grads: list[torch.Tensor], scale: torch.Tensor):
     return grads, found_inf
 
 
+def add_explicit_gradients(
+    positions: list[int],
+    grads: list[torch.Tensor],
+    explicit: dict[int, torch.Tensor],
+    reached: set[int],
+    found: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The gradients with the ``.grad`` build() left added (``positions``: the parameters of
+    ``grads``; ``explicit`` and ``reached``: ``ForwardResult``'s), as eager's ``backward()``
+    adds to ``.grad``: ``.grad + new``. With a scaler, the sums are checked for overflow (after
+    the user's gradient code) and ``found`` counts them."""
+    out, summed = list(grads), []
+    for j, i in enumerate(positions):
+        if i in explicit:
+            out[j] = explicit[i] + grads[j] if i in reached else explicit[i]
+            summed.append(j)
+    if found is not None and summed:
+        checked = [out[j] for j in summed]
+        # multiplying by one is exact: only the check is wanted
+        torch._amp_foreach_non_finite_check_and_unscale_(checked, found, torch.ones_like(found))
+        for j, g in zip(summed, checked):
+            out[j] = g
+    return out, found
+
+
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float, norm_of=None):
     """torch.nn.utils.clip_grad_norm_ on values: (clipped grads, total norm). ``norm_of(grads,
     norm_type)`` computes the total norm where the grads are shards (ZeRO)."""

@@ -31,6 +31,7 @@ import torch.compiler
 import torch.fx as fx
 
 from ..errors import UnsupportedOptimizerError
+from ..records.fxutil import drop_profiler_markers
 from ..records.optimizers import InitialState
 
 # group options set for the traced step: the capturable single-tensor form, no fused kernels
@@ -95,8 +96,7 @@ def tensorify_scalar_reads(gm: fx.GraphModule) -> None:
     graph's profiler markers (``record_function`` around ``step()``) are dropped. A read this
     cannot rewrite is refused, by op: it would be a host read, a sync on a GPU, every step."""
     graph = gm.graph
-    for node in [n for n in graph.nodes if str(n.target).startswith("profiler.")][::-1]:
-        graph.erase_node(node)  # an exit marker first, then the enter marker it uses
+    drop_profiler_markers(graph)
     reads = [n for n in graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default]
     for read in reads:
         if read.meta.get("graphamp_subgraph") != "optimizer":
