@@ -6,6 +6,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import os
+import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -247,3 +251,30 @@ def import_torch_testing(name: str) -> Any:
         return importlib.import_module(f"torch.testing._internal.{name}")
     finally:
         flags["__allow_nonbracketed_mutation_flag"] = allowed
+
+
+# -- several processes ----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> str:
+    """``script args`` under torchrun on ``nproc`` CPU processes (one thread each); its stderr.
+    A failed run fails the test with the end of stderr."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        script,
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr

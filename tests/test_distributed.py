@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -21,35 +18,16 @@ from dist_worker import (
     make_model,
     overflowing_model,
 )
-from helpers import make_graph
+from helpers import make_graph, torchrun
 
 import graphamp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(mode: str, tmp_path) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-        os.path.join(HERE, "dist_worker.py"),
-        mode,
-        str(tmp_path),
-    ]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    (tmp_path / "stderr.txt").write_text(done.stderr)
-    assert done.returncode == 0, done.stderr[-3000:]
+    stderr = torchrun(os.path.join(HERE, "dist_worker.py"), mode, str(tmp_path))
+    (tmp_path / "stderr.txt").write_text(stderr)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

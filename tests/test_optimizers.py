@@ -196,6 +196,55 @@ def test_a_third_party_optimizer_in_plain_torch_trains_like_eager():
         torch.testing.assert_close(opt.state[p]["exp_avg"], eager_opt.state[q]["exp_avg"])
 
 
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"): Adam's step scaled
+    per tensor by the trust ratio ||w|| / ||step||, one where a norm is zero. Written in plain
+    torch with the step count as a tensor and the zero-norm case with torch.where, as timm's
+    ``Lamb`` writes it, so it has no host read."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m_hat = exp_avg / (1 - beta1 ** state["step"])
+                v_hat = exp_avg_sq / (1 - beta2 ** state["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
+                w_norm, u_norm = p.norm(2), update.norm(2)
+                one = torch.ones_like(w_norm)
+                trust = torch.where(w_norm > 0, torch.where(u_norm > 0, w_norm / u_norm, one), one)
+                p.sub_(update * (group["lr"] * trust))
+
+
+def test_lamb_written_in_plain_torch_trains_like_eager():
+    model, twin = _model(Lamb), _model(Lamb)
+    opt, eager_opt = Lamb(model.parameters(), lr=1e-2), Lamb(twin.parameters(), lr=1e-2)
+    g = _graph(model, opt)
+    batches = _batches(5)
+    for x, y in batches:
+        g(x, y)
+    _eager(twin, eager_opt, batches)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key], eager_opt.state[q][key])
+
+
 class CountsInPython(Lion):
     """Keeps its step count as a Python int: it would be baked into a traced step."""
 

@@ -3,6 +3,7 @@ same model, data, optimizer, schedule and clipping; fp32 losses equal, checkpoin
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -11,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 L = pytest.importorskip("lightning.pytorch")
+
+from helpers import free_port  # noqa: E402
 
 from graphamp import CaptureError, ConfigError  # noqa: E402
 from graphamp.integrations import lightning as integration  # noqa: E402
@@ -198,14 +201,45 @@ def test_true_half_precision_is_refused_by_name(tmp_path):
         _fit(Ours(), tmp_path, precision="bf16-true", max_steps=1)
 
 
-def test_a_parallel_strategy_is_refused_by_name():
-    """DDP's gradient sync is not in graphamp's step: refused before the first step (tested on
-    the Trainer's strategy, without starting processes)."""
+def test_a_sharding_strategy_is_refused_by_name():
+    """One device trains alone, DDP on several data parallel; a strategy that shards or
+    spreads the model is refused before the first step (tested on strategy objects, without
+    starting processes: FSDP needs a GPU here)."""
     single = L.Trainer(accelerator="cpu", devices=1, logger=False)
-    integration._refuse_parallel(single.strategy)
-    ddp = L.Trainer(accelerator="cpu", devices=1, strategy="ddp", logger=False)
-    with pytest.raises(ConfigError, match="strategy=DDPStrategy.*devices=1.*enable_data_parallel"):
-        integration._refuse_parallel(ddp.strategy)
+    assert integration._data_parallel(single.strategy) is False
+    ddp = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    assert integration._data_parallel(ddp.strategy) is True
+    with pytest.raises(ConfigError, match="strategy=ModelParallelStrategy.*strategy='ddp'"):
+        integration._data_parallel(L.strategies.ModelParallelStrategy())
+
+
+@pytest.mark.slow
+def test_ddp_on_two_processes_equals_stock_lightning(tmp_path):
+    """strategy="ddp", devices=2 on the CPU (gloo), the processes Lightning starts itself: the
+    logged losses of rank 0 and the final parameters equal the stock module's."""
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_ddp_worker.py")
+    runs = {}
+    for kind in ("stock", "ours"):
+        out = tmp_path / f"{kind}.pt"
+        done = subprocess.run(
+            [sys.executable, worker, kind, str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[kind] = torch.load(out, weights_only=True)
+    ours, stock = runs["ours"], runs["stock"]
+    assert ours["world_size"] == 2 and ours["global_step"] == stock["global_step"] == STEPS // 2
+    for a, b in zip(ours["loss"], stock["loss"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (a, b)
+    for name, p in stock["params"].items():
+        torch.testing.assert_close(ours["params"][name], p, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_a_module_without_training_loss_says_what_to_write(tmp_path):

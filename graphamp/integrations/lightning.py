@@ -27,8 +27,9 @@ write there is refused at capture, and a read would be a value the step depends 
 Kept from Lightning: its Trainer, data, logging (``train_loss``, ``loss_scale``,
 ``skipped_steps``), callbacks, validation and checkpoints (graphamp's state rides in the
 checkpoint under ``"graphamp"``). ``Trainer(precision=...)``: ``"32-true"``, ``"16-mixed"``
-(graphamp's AMP and GradScaler) or ``"bf16-mixed"``; one device (a parallel strategy is
-refused: its gradient sync is not in graphamp's step). Clipping: ``self.clip_grad_max_norm``
+(graphamp's AMP and GradScaler) or ``"bf16-mixed"``; one device, or ``strategy="ddp"`` on
+several (graphamp's step averages the gradients over DDP's processes; FSDP and DeepSpeed are
+refused: their sharding is not in graphamp's step yet). Clipping: ``self.clip_grad_max_norm``
 (``Trainer(gradient_clip_val=...)`` and ``accumulate_grad_batches`` are refused with graphamp's
 equivalents, and a ``training_step`` of the user's that returns a loss without calling
 ``graphamp_step`` is refused at its first batch: a switch done halfway never trains nothing
@@ -154,8 +155,10 @@ class GraphampModule(pl.LightningModule):
             self.graph.load_state_dict(self._graph_state)
 
     def _make_graph(self) -> LightningStep:
-        _refuse_parallel(self.trainer.strategy)
+        data_parallel = _data_parallel(self.trainer.strategy)
         graph = LightningStep(self, str(self.trainer.precision))
+        if data_parallel:  # DDP's process group; its gradient sync is graphamp's step's
+            graph.config.enable_data_parallel()
         self.configure_graph(graph)
         if self._graph_state is not None:
             graph.load_state_dict(self._graph_state)
@@ -238,17 +241,20 @@ def _clips_by_norm(trainer: Any) -> bool:
     return str(getattr(algorithm, "value", algorithm) or "norm") == "norm"
 
 
-def _refuse_parallel(strategy: Any) -> None:
-    """One process on one device: a strategy that shards or spreads the step (DDP, FSDP,
-    DeepSpeed) would see graphamp's step bypass its gradient sync, training each process apart."""
-    if not isinstance(strategy, pl.strategies.SingleDeviceStrategy):
-        raise ConfigError(
-            f"GraphampModule trains one process on one device, got Trainer(strategy="
-            f"{type(strategy).__name__}): its gradient sync is not in graphamp's step. Use "
-            "Trainer(devices=1); for data parallel or sharded optimizer state, train with a "
-            "graphamp.Graph and config.enable_data_parallel() or config.enable_zero(stage=1|2) "
-            "(docs/distributed.md)"
-        )
+def _data_parallel(strategy: Any) -> bool:
+    """Whether the step averages gradients over DDP's processes (``strategy="ddp"`` or
+    ``"ddp_spawn"`` on several devices). A strategy that shards or spreads the model (FSDP,
+    DeepSpeed, model parallel) is refused: its sharding is not in graphamp's step yet."""
+    if isinstance(strategy, pl.strategies.SingleDeviceStrategy):
+        return False
+    if type(strategy) is pl.strategies.DDPStrategy:
+        return strategy.world_size > 1
+    raise ConfigError(
+        f"GraphampModule trains on one device or data parallel (strategy='ddp'), got "
+        f"Trainer(strategy={type(strategy).__name__}): its sharding is not in graphamp's step "
+        "yet. Use strategy='ddp'; for sharded optimizer state, train with a graphamp.Graph and "
+        "config.enable_zero(stage=1|2) (docs/distributed.md)"
+    )
 
 
 def _amp_dtype(precision: str) -> torch.dtype | None:

@@ -12,9 +12,9 @@ from typing import Any, Callable, NamedTuple
 from ..errors import ConfigError, UnsupportedOptimizerError
 
 _PARALLEL = (
-    "graphamp's Trainer trains one process on one device. For data parallel or sharded "
-    "optimizer state, train with a graphamp.Graph and config.enable_data_parallel() or "
-    "config.enable_zero(stage=1|2) (docs/distributed.md)"
+    "graphamp's Trainer trains data parallel under torchrun or accelerate launch (one device "
+    "per process), but does not shard or spread the model yet. For sharded optimizer state, "
+    "train with a graphamp.Graph and config.enable_zero(stage=1|2) (docs/distributed.md)"
 )
 
 
@@ -39,7 +39,6 @@ REFUSALS = (
         lambda t: getattr(t.args, "parallelism_config", None) is not None,
         _PARALLEL,
     ),
-    Refusal("a distributed launch (world_size > 1)", lambda t: t.args.world_size > 1, _PARALLEL),
     Refusal(
         "several GPUs in one process (n_gpu > 1, DataParallel)",
         lambda t: t.args.n_gpu > 1,

@@ -23,6 +23,9 @@ callbacks, logging, evaluation, checkpoints, schedules):
   log) beside the loss.
 - Checkpoints hold ``graphamp_state.pt`` (``Trainer.graph.state_dict()``: scaler, counters,
   history) beside the scaler's usual place; ``resume_from_checkpoint`` loads it.
+- Under ``torchrun`` / ``accelerate launch`` (``world_size > 1``) the step is data parallel:
+  graphamp averages the gradients over the processes inside the step (accelerate's DDP wrapper
+  only synchronises the start; its backward hooks never run).
 - Options graphamp cannot honour raise ``ConfigError`` when the Trainer is made or training
   starts (``trainer_checks.py``).
 
@@ -96,6 +99,8 @@ class TrainerStep(Graph):
             self.config.enable_amp(True, dtype=dtype)
         if dtype == torch.float16:
             self.set_grad_scaler(GradScaler())
+        if args.world_size > 1:  # torchrun / accelerate launch: accelerate made the group
+            self.config.enable_data_parallel()
         self.trainer = trainer  # not a module: not registered, only called in build()
 
     def build(self, inputs: dict, num_items: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""Run by tests/test_trainer_lightning.py: Lightning's Trainer with strategy="ddp" on 2 CPU
+processes (gloo), which Lightning starts itself by running this script again:
+
+    python tests/lightning_ddp_worker.py KIND OUT
+
+KIND: stock (a LightningModule with automatic optimization) or ours (GraphampModule), the
+modules of test_trainer_lightning.py. Rank 0 writes the logged losses and the final parameters
+to OUT.
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lightning.pytorch as L
+from test_trainer_lightning import Losses, Ours, Stock, _loader
+
+
+def main(kind: str, out: str) -> None:
+    warnings.simplefilter("ignore")
+    module = Ours() if kind == "ours" else Stock()
+    losses = Losses()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=os.path.dirname(out),
+        callbacks=[losses],
+        gradient_clip_val=1.0 if kind == "stock" else None,
+    )
+    trainer.fit(module, _loader())
+    if trainer.global_rank == 0:
+        torch.save(
+            {
+                "world_size": trainer.world_size,
+                "global_step": trainer.global_step,
+                "loss": [row["train_loss"] for row in losses.rows],
+                "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+            },
+            out,
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
