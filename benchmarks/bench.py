@@ -14,6 +14,8 @@ and each variant, all variants of a workload one after the other in one process 
                       (not run unless named: the cost of overflow forensics, as a ratio to the
                       untraced variant of the same run)
     graphamp_fp16_inline, graphamp_bf16_inline   the same with repeated blocks inlined
+    graphamp_bf16_fp8, graphamp_bf16_fp8rw       bf16 with fp8 matmuls (tensorwise, rowwise);
+                      not run unless named
                       (config.set_outline_blocks(False); not run unless named: what outlining
                       costs or saves in the steady step and the first call, as ratios)
 
@@ -67,7 +69,8 @@ VARIANTS = (
 )
 TRACED_VARIANTS = ("graphamp_fp16_traced", "graphamp_bf16_traced")  # only when named
 INLINE_VARIANTS = ("graphamp_fp16_inline", "graphamp_bf16_inline")  # only when named
-SUFFIXES = ("_traced", "_inline")
+FP8_VARIANTS = ("graphamp_bf16_fp8", "graphamp_bf16_fp8rw")  # enable_fp8, only when named
+SUFFIXES = ("_traced", "_inline", "_fp8rw", "_fp8")
 
 
 def _base_variant(variant: str) -> str:
@@ -112,6 +115,9 @@ def make_step(variant: str, workload, model, device, backend: str, inductor_opti
                     self.config.enable_overflow_tracing()
                 if variant.endswith("_inline"):
                     self.config.set_outline_blocks(False)
+                if variant.endswith(("_fp8", "_fp8rw")):
+                    recipe = "rowwise" if variant.endswith("_fp8rw") else "tensorwise"
+                    self.config.enable_fp8(True, recipe=recipe)
 
             def build(self, x, y):
                 loss = workload.loss(self.model(x), y)
@@ -391,6 +397,11 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
                     f"{r['outline_step_ratio']:.3f}x, first call "
                     f"{r['outline_first_call_ratio']:.2f}x"
                 )
+            if r.get("fp8_speedup"):
+                lines.append(
+                    f"- {r['variant']}: {r['fp8_speedup']:.3f}x the speed of "
+                    f"{_base_variant(r['variant'])} (bf16) in the same run"
+                )
             if r.get("error"):
                 lines.append(f"- {r['variant']}: FAILED: {r['error']}")
             if r.get("precision"):
@@ -417,6 +428,8 @@ def add_ratios(rows: list[dict]) -> None:
         ]
         if base and r["variant"].endswith("_traced"):
             r["tracing_cost"] = r["ms_per_step"] / base[0]["ms_per_step"]
+        if base and r["variant"].endswith(("_fp8", "_fp8rw")):  # fp8 over bf16, same run
+            r["fp8_speedup"] = base[0]["ms_per_step"] / r["ms_per_step"]
         if base and r["variant"].endswith("_inline"):  # outlined (the default) over inlined
             r["outline_step_ratio"] = base[0]["ms_per_step"] / r["ms_per_step"]
             r["outline_first_call_ratio"] = base[0]["first_call_s"] / r["first_call_s"]
@@ -445,7 +458,7 @@ def main(argv=None) -> list[dict]:
         "--variant",
         nargs="*",
         default=list(VARIANTS),
-        choices=VARIANTS + TRACED_VARIANTS + INLINE_VARIANTS,
+        choices=VARIANTS + TRACED_VARIANTS + INLINE_VARIANTS + FP8_VARIANTS,
     )
     parser.add_argument("--steps", type=int, default=50, help="measured steps (default 50)")
     parser.add_argument("--warmup", type=int, default=10)

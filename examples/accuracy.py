@@ -1,5 +1,6 @@
-"""Does mixed precision through graphamp reach fp32's accuracy on real data? Two tasks, three
-runs each (fp32, fp16 + GradScaler, bf16), same seed, same steps:
+"""Does mixed precision through graphamp reach fp32's accuracy on real data? Two tasks, five
+runs each (fp32, fp16 + GradScaler, bf16, and bf16 with fp8 matmuls by the tensorwise and the
+rowwise recipe; fp8 is held to bf16), same seed, same steps:
 
 - a character-level language model (a 2-layer transformer) on the text Python ships in
   ``pydoc_data.topics``: validation loss (nats per character) on the last 10% of the text;
@@ -26,7 +27,15 @@ import torch.nn.functional as F
 
 import graphamp
 
-DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+# name -> (AMP dtype, fp8 recipe); fp8 runs keep every linear layer whose sizes allow it in fp8
+RUNS = {
+    "fp32": (None, None),
+    "fp16": (torch.float16, None),
+    "bf16": (torch.bfloat16, None),
+    "fp8": (torch.bfloat16, "tensorwise"),
+    "fp8_rowwise": (torch.bfloat16, "rowwise"),
+}
+BASELINE = {"fp16": "fp32", "bf16": "fp32", "fp8": "bf16", "fp8_rowwise": "bf16"}
 
 
 # -- character-level language model ---------------------------------------------------------------
@@ -80,7 +89,7 @@ def lm_batch(data, gen, batch, seq):
     return x, y
 
 
-def train_char_lm(dtype, steps, seed=0, batch=32, seq=64, dim=128):
+def train_char_lm(run, steps, seed=0, batch=32, seq=64, dim=128):
     train, val, vocab = load_text()
     torch.manual_seed(seed)
     model = CharLM(vocab, dim=dim, seq=seq)
@@ -90,7 +99,7 @@ def train_char_lm(dtype, steps, seed=0, batch=32, seq=64, dim=128):
         model,
         opt,
         sch,
-        dtype,
+        run,
         lambda m, x, y: F.cross_entropy(m(x).reshape(-1, vocab), y.reshape(-1)),
     )
     gen = torch.Generator().manual_seed(seed)
@@ -139,14 +148,14 @@ def digits_cnn():
     )
 
 
-def train_digits(dtype, epochs, seed=0, batch=64):
+def train_digits(run, epochs, seed=0, batch=64):
     (xtr, ytr), (xte, yte) = load_digits()
     torch.manual_seed(seed)
     model = digits_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     steps = epochs * (len(ytr) // batch)
     sch = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    g = _graph(model, opt, sch, dtype, lambda m, x, y: F.cross_entropy(m(x), y))
+    g = _graph(model, opt, sch, run, lambda m, x, y: F.cross_entropy(m(x), y))
     gen = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         perm = torch.randperm(len(ytr), generator=gen)
@@ -163,7 +172,9 @@ def train_digits(dtype, epochs, seed=0, batch=64):
     }
 
 
-def _graph(model, opt, sch, dtype, loss_of):
+def _graph(model, opt, sch, run, loss_of):
+    dtype, fp8 = RUNS[run]
+
     class Train(graphamp.Graph):
         def __init__(self):
             super().__init__()
@@ -174,6 +185,8 @@ def _graph(model, opt, sch, dtype, loss_of):
                 self.config.enable_amp(True, dtype=dtype)
             if dtype == torch.float16:
                 self.set_grad_scaler(graphamp.GradScaler())
+            if fp8 is not None:
+                self.config.enable_fp8(True, recipe=fp8, keep_first_last=False)
 
         def build(self, x, y):
             loss = loss_of(self.model, x, y)
@@ -183,14 +196,14 @@ def _graph(model, opt, sch, dtype, loss_of):
     return Train()
 
 
-def run(tiny: bool) -> dict:
+def run(tiny: bool, runs=tuple(RUNS)) -> dict:
     lm_steps, epochs = (12, 5) if tiny else (500, 20)
     lm_kwargs = {"batch": 8, "seq": 32, "dim": 64} if tiny else {}
     results = {"char_lm": {}, "digits": {}, "steps": {"char_lm": lm_steps, "digits_epochs": epochs}}
-    for name, dtype in DTYPES.items():
+    for name in runs:
         start = time.perf_counter()
-        results["char_lm"][name] = train_char_lm(dtype, lm_steps, **lm_kwargs)
-        results["digits"][name] = train_digits(dtype, epochs)
+        results["char_lm"][name] = train_char_lm(name, lm_steps, **lm_kwargs)
+        results["digits"][name] = train_digits(name, epochs)
         print(
             f"{name}: char LM {results['char_lm'][name]}, digits {results['digits'][name]} "
             f"({time.perf_counter() - start:.0f} s)",
@@ -201,23 +214,27 @@ def run(tiny: bool) -> dict:
         ("digits", "test_accuracy"),
         ("digits", "test_loss"),
     ):
-        base = results[task]["fp32"][metric]
-        for name in ("fp16", "bf16"):
-            results[task][name][f"{metric}_rel_diff"] = (results[task][name][metric] - base) / base
+        for name, baseline in BASELINE.items():
+            if name in results[task] and baseline in results[task]:
+                base = results[task][baseline][metric]
+                value = results[task][name][metric]
+                results[task][name][f"{metric}_rel_diff"] = (value - base) / base
     return results
 
 
 def table(results: dict) -> str:
     lm, dg = results["char_lm"], results["digits"]
     lines = [
-        "| run | char LM val loss (nats/char) | vs fp32 | digits test accuracy | vs fp32 | "
+        "| run | char LM val loss (nats/char) | vs baseline | digits test accuracy | vs baseline | "
         "digits test loss | skipped steps (LM, digits) |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
-    for name in DTYPES:
+    for name in lm:
 
         def rel(task, m):
-            return "" if name == "fp32" else f"{results[task][name][m + '_rel_diff']:+.2%}"
+            key = m + "_rel_diff"
+            value = results[task][name].get(key)
+            return "" if value is None else f"{value:+.2%} ({BASELINE[name]})"
 
         lines.append(
             f"| {name} | {lm[name]['val_loss']:.4f} | {rel('char_lm', 'val_loss')} | "
@@ -231,19 +248,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None, help="write JSON and markdown results here")
+    parser.add_argument(
+        "--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which runs (default all)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    results = run(args.tiny)
+    results = run(args.tiny, tuple(args.runs))
     text = table(results)
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out + ".json", "w") as f:
             json.dump(results, f, indent=2)
+        runs = "" if args.runs == list(RUNS) else " --runs " + " ".join(args.runs)
         with open(args.out + ".md", "w") as f:
             f.write(
-                f"# Accuracy: fp16 and bf16 against fp32\n\nCPU, torch {torch.__version__}, "
-                f"`python examples/accuracy.py --out {args.out}`; char LM "
+                f"# Accuracy: fp16 and bf16 against fp32, fp8 against bf16\n\nCPU, torch "
+                f"{torch.__version__}, `python examples/accuracy.py{runs} --out {args.out}`; "
+                "char LM "
                 f"{results['steps']['char_lm']} steps, digits "
                 f"{results['steps']['digits_epochs']} epochs.\n\n{text}\n"
             )

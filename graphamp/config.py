@@ -15,6 +15,7 @@ from typing import Any, Iterable
 import torch
 
 from .errors import ConfigError
+from .records.fp8_numerics import RECIPES as FP8_RECIPES
 from .records.ops import resolve_op
 from .records.pins import AmpPin
 from .records.settings import BACKENDS, AutofixSettings, ConfigSnapshot, ListOverrides
@@ -84,6 +85,38 @@ class GraphConfig:
         self._set(
             amp_enabled=check_bool("enable_amp(mode)", mode),
             amp_dtype=check_low_precision_dtype("enable_amp(dtype", dtype),
+        )
+
+    def enable_fp8(
+        self,
+        mode: bool = True,
+        *,
+        recipe: str = "tensorwise",
+        keep: Iterable[str] = (),
+        keep_first_last: bool = True,
+    ) -> None:
+        """fp8 matmuls on top of bf16 AMP (``enable_amp(True, dtype=torch.bfloat16)``): the
+        linear layers' matmuls run in float8 with scales computed inside the step from each
+        tensor's amax. ``recipe``: ``"tensorwise"`` (one scale per tensor; e4m3 forward, e5m2
+        gradients) or ``"rowwise"`` (a scale per row / column, e4m3). ``keep``: module paths
+        whose matmuls stay bf16; ``keep_first_last``: the first and last linear layers stay
+        bf16 (the precision report says why each matmul is where it is). The delayed recipe
+        (amax histories) is not built yet and is refused by name."""
+        mode = check_bool("enable_fp8(mode)", mode)
+        if recipe == "delayed":
+            raise ConfigError(
+                "enable_fp8(recipe='delayed') is not available yet (amax histories in the step's "
+                "state); use recipe='tensorwise' or 'rowwise', whose scales are computed from "
+                "each tensor's amax in the step"
+            )
+        recipe = check_choice("enable_fp8(recipe", recipe, FP8_RECIPES)
+        paths = tuple(keep)
+        if not all(isinstance(p, str) for p in paths):
+            raise ConfigError(f"enable_fp8(keep=...) takes module paths (strings), got {paths!r}")
+        self._set(
+            fp8_recipe=recipe if mode else None,
+            fp8_keep=paths,
+            fp8_keep_first_last=check_bool("enable_fp8(keep_first_last)", keep_first_last),
         )
 
     def set_amp_opt_level(self, level: str) -> None:

@@ -275,11 +275,35 @@ def _capture(b: _Build) -> None:
     )
 
 
+def _fp8_recipe(b: _Build) -> str | None:
+    """The fp8 recipe when enable_fp8 is on, after checking what it needs: bf16 AMP, and on
+    CUDA a GPU with fp8 matmuls (compute capability 8.9, Ada and Hopper, or later)."""
+    config, name = b.spec.config, b.spec.name
+    if config.fp8_recipe is None:
+        return None
+    if not config.amp_active or config.amp_dtype != torch.bfloat16:
+        raise ConfigError(
+            f"{name}: enable_fp8 runs on top of bf16 AMP: call "
+            "config.enable_amp(True, dtype=torch.bfloat16) (fp16 with fp8 is not offered: fp8 "
+            "keeps its own scales, and bf16's range needs no loss scaler beneath them)"
+        )
+    device = b.device
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ConfigError(
+                f"{name}: enable_fp8 needs a GPU with fp8 matmuls (compute capability 8.9 or "
+                f"later: Ada, Hopper); this one has {capability[0]}.{capability[1]}"
+            )
+    return config.fp8_recipe
+
+
 def _amp_passes(b: _Build) -> None:
     """The AMP passes on a copy of the captured forward (AMP off: the captured forward)."""
     spec, config, captured = b.spec, b.spec.config, b.captured
     b.records.append(PassRecord("captured", captured.gm.code, b.timings["capture"], True))
     b.forward, b.amp = captured.gm, None
+    fp8 = _fp8_recipe(b)
     if not config.amp_active:
         return
     placeholders = [n.name for n in captured.gm.graph.nodes if n.op == "placeholder"]
@@ -293,6 +317,9 @@ def _amp_passes(b: _Build) -> None:
         pinned_nodes=pins.nodes,
         parameters=frozenset(captured.layout.split(placeholders).params),
         user_outputs=captured.num_user_outputs,
+        fp8=fp8,
+        fp8_keep=frozenset(config.fp8_keep),
+        fp8_keep_first_last=config.fp8_keep_first_last,
     )
 
     def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:

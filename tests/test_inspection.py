@@ -131,19 +131,20 @@ def test_dump_writes_every_file(which, mlp_graph, cnn_graph, tmp_path):
         g(torch.randn(128, 256), torch.randint(0, 10, (128,)))
     out = g.dump(str(tmp_path / "dump"))
     files = sorted(os.listdir(out))
-    assert files[:7] == [
+    assert files[:8] == [
         "00_captured.py",
         "01_colour_by_lists.py",
         "02_hoist_parameter_casts.py",
         "03_insert_casts.py",
         "04_remove_hints.py",
         "05_fold_cast_chains.py",
-        "06_step.py",
+        "06_use_fp8_matmuls.py",  # unchanged without enable_fp8
+        "07_step.py",
     ]
     assert {"precision.csv", "graph.dot", "graph.svg", "report.html", "summary.json"} <= set(files)
     code = open(os.path.join(out, "05_fold_cast_chains.py")).read()
     assert "def forward(" in code and "torch.ops.aten._to_copy.default" in code
-    step = open(os.path.join(out, "06_step.py")).read()
+    step = open(os.path.join(out, "07_step.py")).read()
     assert "_amp_foreach_non_finite_check_and_unscale" in step
     rows = list(csv.DictReader(open(os.path.join(out, "precision.csv"))))
     assert rows and set(rows[0]) == {

@@ -371,6 +371,7 @@ def test_every_pass_returns_a_pass_result_and_the_pipeline_is_one_tuple():
         "insert_casts",
         "remove_hints",
         "fold_cast_chains",
+        "use_fp8_matmuls",
     ]
     gm = trace(lambda x, w: torch.mm(x, w), X, W)
     ctx = AmpContext()

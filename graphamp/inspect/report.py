@@ -56,11 +56,14 @@ class PrecisionReport:
     autocast: dict[str, int] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     recomputed_regions: tuple[str, ...] = ()  # activation checkpointing's regions
+    ops_fp8: int = 0  # matmuls in fp8 (enable_fp8; counted among ops_low)
 
     def summary(self) -> str:
         text = (
             f"converted {self.ops_low}/{self.ops_total} ops to {self.dtype} with {self.casts} casts"
         )
+        if self.ops_fp8:
+            text += f", {self.ops_fp8} of them fp8 matmuls"
         if self.parameter_copies:
             text += (
                 f" (+{self.parameter_copies} low-precision parameter copies made at the "
@@ -161,8 +164,9 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
         dtype=_short_dtype(amp.dtype) if amp is not None else "fp32",
         casts=amp.stats.get("casts", 0) if amp else 0,
         parameter_copies=len(amp.hoisted) if amp else 0,
-        ops_low=sum(r["colour"] == "allow" for r in rows),
-        ops_total=sum(r["colour"] in ("allow", "deny", "fp32") for r in rows),
+        ops_low=sum(r["colour"] in ("allow", "fp8") for r in rows),
+        ops_total=sum(r["colour"] in ("allow", "fp8", "deny", "fp32") for r in rows),
+        ops_fp8=sum(r["colour"] == "fp8" for r in rows),
         unknown_ops=dict(amp.unknown_ops) if amp else {},
         autocast=autocast_counts(program, trace) if trace is not None else None,
         timings=dict(program.timings),

@@ -17,6 +17,7 @@ from ..errors import GraphampError
 from .base import AmpContext
 from .colour import colour_by_lists
 from .fold_casts import fold_cast_chains
+from .fp8_matmuls import use_fp8_matmuls
 from .hoist_param_casts import hoist_parameter_casts
 from .insert_casts import insert_casts
 from .lint import check_amp_invariants
@@ -28,6 +29,7 @@ AMP_PIPELINE = (
     insert_casts,
     remove_hints,
     fold_cast_chains,
+    use_fp8_matmuls,
 )
 
 AfterPass = Callable[[str, fx.GraphModule, bool, float], None]

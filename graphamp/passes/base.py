@@ -40,6 +40,10 @@ class AmpContext:
     # was captured (fp32 from low-precision inputs, as autocast's fp32 ops do) it is returned
     # wide, so it cannot overflow where autocast's does not (insert_casts.fix_outputs)
     user_outputs: int = 0
+    # fp8 matmuls (passes/fp8_matmuls.py): the recipe, or None for none; module paths kept in bf16
+    fp8: str | None = None
+    fp8_keep: frozenset[str] = frozenset()
+    fp8_keep_first_last: bool = True
     # filled by the passes
     stats: dict[str, Any] = field(default_factory=dict)
     unknown_ops: dict[str, int] = field(default_factory=dict)

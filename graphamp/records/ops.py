@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from ..errors import ConfigError
+from .fp8_numerics import FP8_MM, fp8_matmul
 from .fxutil import NodeTagger
 from .op_repairs import REPAIRED_OPS
 
@@ -409,6 +410,7 @@ EXPANSIONS = {
     LOW_PRECISION_HINT: lambda x: x,
     FULL_PRECISION_HINT: lambda x: x,
     torch.ops.graphamp.rnn.default: _expand_rnn,
+    FP8_MM: fp8_matmul,
 }
 
 

@@ -64,6 +64,9 @@ class ConfigSnapshot:
     cuda_graph_sizes: int = 8  # CUDA graphs kept per dynamic step, one per batch shape (0: none)
     outline_blocks: bool = True  # repeated blocks as shared subgraphs (set_outline_blocks)
     step_cache: bool = True  # assembled steps saved on disk for restarts (set_step_cache)
+    fp8_recipe: str | None = None  # fp8 matmuls (enable_fp8): "tensorwise", "rowwise" or off
+    fp8_keep: tuple[str, ...] = ()  # module paths whose matmuls stay bf16
+    fp8_keep_first_last: bool = True  # the first and last linear layers stay bf16
 
     @property
     def amp_active(self) -> bool:

@@ -1,0 +1,115 @@
+"""use_fp8_matmuls: the bf16 matmuls of linear layers become fp8 (``config.enable_fp8``).
+
+Runs last, on the coloured graph with its casts: a matmul the passes lowered to bf16 (``mm``, or
+``addmm`` with its bias added after) becomes ``graphamp::fp8_mm(a, b, recipe)``
+(``records/fp8_numerics.py``: quantised by dynamic scales inside the step, forward and
+backward), unless a rule keeps it in bf16. The rules are data, each with the reason the precision report prints:
+
+- its sizes are not all multiples of 16 (``torch._scaled_mm``'s requirement), or are symbolic;
+- it is the first or the last linear layer of the forward (torchao and Transformer Engine leave
+  those in higher precision: the input projection sees raw features, and the output layer's
+  logits feed the loss directly);
+- it sits in a module the user kept out of fp8 (``enable_fp8(..., keep=[...])``).
+
+Attention's matmuls (``bmm``, scaled dot-product attention) are not linear layers and stay bf16.
+Every matmul gets ``meta["fp8"]``: ``"fp8"`` or the reason it stayed bf16.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..records.fp8_numerics import FP8_MM
+from .base import AmpContext, PassResult, dtype_after_amp
+
+aten = torch.ops.aten
+_MATMULS = (aten.mm.default, aten.addmm.default)
+
+
+def use_fp8_matmuls(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
+    if ctx.fp8 is None:
+        return PassResult(gm, False)
+    matmuls = [n for n in gm.graph.nodes if n.target in _MATMULS and _is_bf16(n)]
+    ends = _first_and_last_layers(matmuls) if ctx.fp8_keep_first_last else set()
+    changed = False
+    for node in matmuls:
+        kept = next((why for rule, why in _RULES if rule(node, ctx, ends)), None)
+        node.meta["fp8"] = kept or "fp8"
+        if kept is not None:
+            node.meta["amp_reason"] = f"{node.meta.get('amp_reason', '')}; {kept}"
+        else:
+            _to_fp8(gm.graph, node, ctx.fp8)
+            changed = True
+    return PassResult(gm, changed)
+
+
+def _is_bf16(node: fx.Node) -> bool:
+    return dtype_after_amp(node) == torch.bfloat16 and not node.kwargs
+
+
+def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    a, b = node.args[-2:]
+    assert isinstance(a, fx.Node) and isinstance(b, fx.Node)  # aten.mm / addmm's schema
+    return a, b
+
+
+def _sizes(node: fx.Node) -> list:
+    a, b = _operands(node)
+    return [*a.meta["val"].shape, b.meta["val"].shape[-1]]
+
+
+def _not_multiples_of_16(node: fx.Node, _ctx: AmpContext, _ends: set) -> bool:
+    sizes = _sizes(node)
+    return any(type(s) is not int or s % 16 for s in sizes)
+
+
+def _module_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack), "") if stack else ""
+
+
+def _first_and_last_layers(matmuls: list[fx.Node]) -> set[str]:
+    modules = [m for m in (_module_of(n) for n in matmuls) if m]
+    return {modules[0], modules[-1]} if modules else set()
+
+
+def _first_or_last(node: fx.Node, _ctx: AmpContext, ends: set) -> bool:
+    return _module_of(node) in ends
+
+
+def _kept_by_user(node: fx.Node, ctx: AmpContext, _ends: set) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(path in ctx.fp8_keep for path in stack)
+
+
+_RULES: tuple[tuple[Callable[[fx.Node, AmpContext, set], bool], str], ...] = (
+    (_not_multiples_of_16, "bf16: sizes not all multiples of 16 (torch._scaled_mm needs them)"),
+    (_kept_by_user, "bf16: in a module kept out of fp8 (enable_fp8(keep=...))"),
+    (
+        _first_or_last,
+        "bf16: first or last linear layer (kept in higher precision, as torchao "
+        "and Transformer Engine advise)",
+    ),
+)
+
+
+def _to_fp8(graph: fx.Graph, node: fx.Node, recipe: str) -> None:
+    """``mm(a, b)`` -> ``fp8_mm(a, b)``; ``addmm(bias, a, b)`` -> ``fp8_mm(a, b) + bias``."""
+    a, b = _operands(node)
+    meta: dict[str, object] = {
+        k: node.meta[k] for k in ("val", "nn_module_stack", "user_frame") if k in node.meta
+    }
+    with graph.inserting_before(node):
+        fp8 = graph.call_function(FP8_MM, (a, b, recipe))
+        fp8.meta.update(meta, amp_dtype=torch.bfloat16, amp_colour="fp8", fp8="fp8")
+        fp8.meta["amp_reason"] = f"fp8 matmul ({recipe} scales): a linear layer's matmul"
+        out = fp8
+        if node.target is aten.addmm.default:
+            out = graph.call_function(aten.add.Tensor, (fp8, node.args[0]))
+            out.meta.update(meta, amp_dtype=torch.bfloat16, amp_colour="allow")
+            out.meta["amp_reason"] = "the bias of an fp8 matmul, added in bf16"
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)

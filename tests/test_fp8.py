@@ -1,0 +1,211 @@
+"""fp8 matmuls (config.enable_fp8): the numerics of each recipe against a reference written from
+its definition, the graph's choices, training against bf16, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import make_graph
+
+from graphamp import ConfigError
+from graphamp.records.fp8_numerics import E4M3, E5M2, fp8_matmul
+
+RECIPES = ("tensorwise", "rowwise")
+
+
+def _reference_quantized(x: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
+    """x after a round trip through ``dtype`` with the recipe's scale (fp32, dequantised):
+    scale = the format's largest value over amax (per tensor, or per slice along ``dim``),
+    values saturated, then divided back."""
+    largest = torch.finfo(dtype).max
+    x32 = x.float()
+    amax = x32.abs().amax() if dim is None else x32.abs().amax(dim=dim, keepdim=True)
+    scale = largest / amax.clamp(min=1e-12)
+    return (x32 * scale).clamp(-largest, largest).to(dtype).float() / scale
+
+
+def _reference(a, b, grad, recipe):
+    """(out, grad_a, grad_b) from the recipe's definition: each matmul's operands quantised as
+    the recipe says, multiplied in fp32."""
+    if recipe == "tensorwise":
+        qa, qb = _reference_quantized(a, E4M3, None), _reference_quantized(b, E4M3, None)
+        qg = _reference_quantized(grad, E5M2, None)
+        return qa @ qb, qg @ qb.t(), qa.t() @ qg
+    out = _reference_quantized(a, E4M3, 1) @ _reference_quantized(b, E4M3, 0)
+    grad_a = _reference_quantized(grad, E4M3, 1) @ _reference_quantized(b, E4M3, 1).t()
+    grad_b = _reference_quantized(a, E4M3, 0).t() @ _reference_quantized(grad, E4M3, 0)
+    return out, grad_a, grad_b
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_matches_its_definition_forward_and_backward(recipe):
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.randn(48, 64, generator=gen) * 3).to(torch.bfloat16).requires_grad_()
+    b = (torch.randn(64, 32, generator=gen) / 5).to(torch.bfloat16).requires_grad_()
+    grad = (torch.randn(48, 32, generator=gen) * 1e-3).to(torch.bfloat16)
+    out = fp8_matmul(a, b, recipe)
+    out.backward(grad)
+    expected = _reference(a.detach(), b.detach(), grad, recipe)
+    # the fp8 products are exact in fp32; what differs is the bf16 rounding of each result
+    for got, want in zip((out, a.grad, b.grad), expected):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+    # and the fp8 error against full precision stays within the formats' rounding
+    full = a.detach().float() @ b.detach().float()
+    assert (out.float() - full).norm() / full.norm() < 0.08
+
+
+def test_a_zero_tensor_gets_a_finite_scale():
+    a = torch.zeros(16, 16, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(16, 16).to(torch.bfloat16).requires_grad_()
+    out = fp8_matmul(a, b, "tensorwise")
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isfinite(b.grad).all()
+
+
+def _mlp(hidden=64, out=16):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, hidden),
+        nn.GELU(),
+        nn.Linear(hidden, out),
+    )
+
+
+def _batch(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(64, 32, generator=gen), torch.randint(0, 16, (64,), generator=gen)
+
+
+def _fp8_graph(model, opt=None, **fp8):
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return make_graph(
+        model,
+        F.cross_entropy,
+        opt,
+        amp=torch.bfloat16,
+        configure=lambda g: g.config.enable_fp8(True, **fp8),
+    )
+
+
+def _colours(g) -> dict[str, str]:
+    """Each matmul row of the precision report: module -> its colour (fp8 or allow)."""
+    rows = g.precision_report(with_autocast=False).rows
+    return {
+        r["module"]: r["colour"]
+        for r in rows
+        if r["op"] in ("graphamp.fp8_mm", "aten.addmm", "aten.mm")
+    }
+
+
+def test_the_middle_layers_run_in_fp8_and_the_report_says_why_the_others_do_not():
+    g = _fp8_graph(_mlp())
+    g(*_batch())
+    assert _colours(g) == {
+        "model.0": "allow",  # first layer
+        "model.2": "fp8",
+        "model.4": "fp8",
+        "model.6": "allow",  # last layer
+    }
+    report = g.precision_report(with_autocast=False)
+    kept = [r for r in report.rows if r["module"] == "model.0" and r["op"] == "aten.addmm"]
+    assert "first or last linear layer" in kept[0]["why"]
+    assert "2 of them fp8 matmuls" in report.summary()
+
+
+def test_keep_and_sizes_decide_too():
+    """keep= moves a module out of fp8; a layer of 10 outputs cannot be fp8 (multiples of 16);
+    keep_first_last=False lets the first layer in."""
+    model = _mlp(out=10)
+    g = _fp8_graph(model, keep=["model.4"], keep_first_last=False)
+    g(*_batch()[0:1], torch.randint(0, 10, (64,)))
+    assert _colours(g) == {
+        "model.0": "fp8",
+        "model.2": "fp8",
+        "model.4": "allow",  # kept by the user
+        "model.6": "allow",  # 10 outputs
+    }
+    rows = g.precision_report(with_autocast=False).rows
+    why = {r["module"]: r["why"] for r in rows if r["op"] == "aten.addmm"}
+    assert "kept out of fp8" in why["model.4"] and "multiples of 16" in why["model.6"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_trains_like_bf16(recipe):
+    """Twenty AdamW steps on one batch: fp8's losses follow bf16's within fp8's rounding, and
+    both fall."""
+    bf16_model = _mlp()
+    fp8_model = copy.deepcopy(bf16_model)
+    opt = torch.optim.AdamW(bf16_model.parameters(), lr=1e-3)
+    bf16 = make_graph(bf16_model, F.cross_entropy, opt, amp=torch.bfloat16)
+    fp8 = _fp8_graph(fp8_model, recipe=recipe)
+    x, y = _batch()
+    pairs = [(float(bf16(x, y)), float(fp8(x, y))) for _ in range(20)]
+    for a, b in pairs:
+        assert abs(a - b) <= 0.02 * a, pairs
+    assert pairs[-1][1] < pairs[0][1] * 0.95
+
+
+def test_a_checkpoint_resumes_bitwise():
+    """Dynamic scales keep no state: a run restarted from the model's, optimizer's and graph's
+    state dicts computes what the uninterrupted run does, bitwise."""
+    straight_model = _mlp()
+    straight = _fp8_graph(straight_model)
+    batches = [_batch(seed) for seed in range(6)]
+    losses = [straight(x, y).detach().clone() for x, y in batches]
+    first_model = _mlp()
+    first_opt = torch.optim.AdamW(first_model.parameters(), lr=1e-3)
+    first = _fp8_graph(first_model, first_opt)
+    for x, y in batches[:3]:
+        first(x, y)
+    saved = copy.deepcopy((first_model.state_dict(), first_opt.state_dict(), first.state_dict()))
+    resumed_model = _mlp()
+    resumed_opt = torch.optim.AdamW(resumed_model.parameters(), lr=1e-3)
+    resumed = _fp8_graph(resumed_model, resumed_opt)
+    resumed_model.load_state_dict(saved[0])
+    resumed_opt.load_state_dict(saved[1])
+    resumed.load_state_dict(saved[2])
+    for (x, y), expected in zip(batches[3:], losses[3:]):
+        assert torch.equal(resumed(x, y), expected)
+    for p, q in zip(resumed_model.parameters(), straight_model.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "configure, words",
+    [
+        (lambda g: g.config.enable_amp(True), r"bf16 AMP.*dtype=torch\.bfloat16"),
+        (lambda g: None, r"bf16 AMP"),
+    ],
+)
+def test_fp8_without_bf16_amp_is_refused_by_name(configure, words):
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def setup(g):
+        configure(g)
+        g.config.enable_fp8(True)
+
+    g = make_graph(model, F.cross_entropy, opt, configure=setup)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ConfigError, match=words):
+        g(*_batch())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_bad_fp8_settings_fail_where_they_are_written():
+    g = make_graph(_mlp(), F.cross_entropy, None)
+    with pytest.raises(ConfigError, match="delayed.*not available yet"):
+        g.config.enable_fp8(True, recipe="delayed")
+    with pytest.raises(ConfigError, match="unknown enable_fp8\\(recipe 'e4m3'"):
+        g.config.enable_fp8(True, recipe="e4m3")
+    with pytest.raises(ConfigError, match="module paths"):
+        g.config.enable_fp8(True, keep=[3])
