@@ -262,9 +262,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> str:
-    """``script args`` under torchrun on ``nproc`` CPU processes (one thread each); its stderr.
-    A failed run fails the test with the end of stderr."""
+def torchrun(
+    script: str, *args: str, nproc: int = 2, timeout: float = 240, env: dict | None = None
+) -> str:
+    """``script args`` under torchrun on ``nproc`` CPU processes (one thread each, ``env``
+    added to the environment); its stderr. A failed run fails the test with the end of stderr."""
     cmd = [
         sys.executable,
         "-m",
@@ -274,7 +276,7 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 240) -> s
         script,
         *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr

@@ -7,14 +7,12 @@ tests/test_scaler.py holds to torch.amp.GradScaler and torch.optim.AdamW).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 import torch
 from dist_worker import POISON_STEP, STEPS, global_batches, make_model
-from test_distributed import _free_port
+from helpers import torchrun
 from zero_worker import WIDTH, make_training, state_bytes
 
 import graphamp
@@ -24,25 +22,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def run_zero(nproc: int, stage: int, out, *, acc=1, first=0, last=STEPS, resume=None, sizes=None):
     out.mkdir(exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}",
-        os.path.join(HERE, "zero_worker.py"),
-        str(stage),
-        str(acc),
-        str(first),
-        str(last),
-        str(out),
-    ] + ([str(resume)] if resume else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if sizes is not None:
-        env["GRAPHAMP_TEST_SIZES"] = ",".join(map(str, sizes))
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    (out / "stderr.txt").write_text(done.stderr)
-    assert done.returncode == 0, done.stderr[-3000:]
+    args = [str(stage), str(acc), str(first), str(last), str(out)] + (
+        [str(resume)] if resume else []
+    )
+    env = {"GRAPHAMP_TEST_SIZES": ",".join(map(str, sizes))} if sizes is not None else None
+    stderr = torchrun(
+        os.path.join(HERE, "zero_worker.py"), *args, nproc=nproc, timeout=400, env=env
+    )
+    (out / "stderr.txt").write_text(stderr)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
 
 
@@ -129,19 +116,7 @@ def test_a_checkpoint_from_two_ranks_resumes_with_four_and_in_one_process(tmp_pa
 
 @pytest.mark.slow
 def test_a_model_wrapped_with_fully_shard_gets_an_error_pointing_to_enable_zero(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-        os.path.join(HERE, "fsdp_worker.py"),
-        str(tmp_path),
-    ]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(os.path.join(HERE, "fsdp_worker.py"), str(tmp_path), timeout=300)
     for r in range(2):
         error = torch.load(tmp_path / f"rank{r}.pt", weights_only=True).get("error", "")
         # refused when registered, before any capture (graph.py _unwrapped)
