@@ -63,6 +63,11 @@ class _Generated(Exception):
     """Raised once inductor has written the step's code: nothing is loaded or run."""
 
 
+class _Captured(BaseException):
+    """Raised by the stand-in compile stage once it has the step (a BaseException: graphamp
+    turns an Exception from its compile stage into a CompileError)."""
+
+
 def pretend_h100(sink: list[str]) -> None:
     """Answer torch's CUDA queries as an H100 would and stop inductor after code generation."""
     import torch._dynamo.device_interface as device_interface
@@ -115,9 +120,9 @@ def capture_step(workload, variant: str) -> tuple[fx.GraphModule, list, dict]:
     the CPU; the compile stage is replaced by a function that keeps what it was given."""
     got: dict = {}
 
-    def keep(gm, example, backend, options):
+    def keep(gm, example, backend, options=None, cached=False):  # compile_step's signature
         got.update(gm=gm, example=example)
-        raise _Generated()
+        raise _Captured()
 
     real = pipeline.compile_step
     pipeline.compile_step = keep
@@ -127,7 +132,7 @@ def capture_step(workload, variant: str) -> tuple[fx.GraphModule, list, dict]:
         start = time.perf_counter()
         try:
             g(*workload.batches[0])
-        except _Generated:
+        except _Captured:
             pass
         got["capture_and_assemble_s"] = time.perf_counter() - start
     finally:
@@ -216,7 +221,9 @@ def main(argv=None) -> list[dict]:
         "--workload", nargs="*", default=["mlp", "gpt2", "resnet50"], choices=sorted(WORKLOADS)
     )
     parser.add_argument(
-        "--variant", default="graphamp_fp16", choices=["graphamp_fp16", "graphamp_bf16"]
+        "--variant",
+        default="graphamp_fp16",
+        choices=["graphamp_fp16", "graphamp_bf16", "graphamp_bf16_fp8", "graphamp_bf16_fp8rw"],
     )
     parser.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--save-code", default=None, help="folder for the generated code")
