@@ -14,7 +14,8 @@ and each variant, all variants of a workload one after the other in one process 
                       (not run unless named: the cost of overflow forensics, as a ratio to the
                       untraced variant of the same run)
     graphamp_fp16_inline, graphamp_bf16_inline   the same with repeated blocks inlined
-    graphamp_bf16_fp8, graphamp_bf16_fp8rw       bf16 with fp8 matmuls (tensorwise, rowwise);
+    graphamp_bf16_fp8, graphamp_bf16_fp8rw, graphamp_bf16_fp8dl
+                      bf16 with fp8 matmuls (tensorwise, rowwise, delayed);
                       not run unless named
                       (config.set_outline_blocks(False); not run unless named: what outlining
                       costs or saves in the steady step and the first call, as ratios)
@@ -69,8 +70,10 @@ VARIANTS = (
 )
 TRACED_VARIANTS = ("graphamp_fp16_traced", "graphamp_bf16_traced")  # only when named
 INLINE_VARIANTS = ("graphamp_fp16_inline", "graphamp_bf16_inline")  # only when named
-FP8_VARIANTS = ("graphamp_bf16_fp8", "graphamp_bf16_fp8rw")  # enable_fp8, only when named
-SUFFIXES = ("_traced", "_inline", "_fp8rw", "_fp8")
+# enable_fp8, only when named: suffix -> recipe
+FP8_RECIPES = {"_fp8": "tensorwise", "_fp8rw": "rowwise", "_fp8dl": "delayed"}
+FP8_VARIANTS = tuple(f"graphamp_bf16{suffix}" for suffix in FP8_RECIPES)
+SUFFIXES = ("_traced", "_inline", *FP8_RECIPES)
 
 
 def _base_variant(variant: str) -> str:
@@ -115,8 +118,8 @@ def make_step(variant: str, workload, model, device, backend: str, inductor_opti
                     self.config.enable_overflow_tracing()
                 if variant.endswith("_inline"):
                     self.config.set_outline_blocks(False)
-                if variant.endswith(("_fp8", "_fp8rw")):
-                    recipe = "rowwise" if variant.endswith("_fp8rw") else "tensorwise"
+                recipe = next((r for s, r in FP8_RECIPES.items() if variant.endswith(s)), None)
+                if recipe is not None:
                     self.config.enable_fp8(True, recipe=recipe)
 
             def build(self, x, y):
@@ -428,7 +431,7 @@ def add_ratios(rows: list[dict]) -> None:
         ]
         if base and r["variant"].endswith("_traced"):
             r["tracing_cost"] = r["ms_per_step"] / base[0]["ms_per_step"]
-        if base and r["variant"].endswith(("_fp8", "_fp8rw")):  # fp8 over bf16, same run
+        if base and r["variant"].endswith(tuple(FP8_RECIPES)):  # fp8 over bf16, same run
             r["fp8_speedup"] = base[0]["ms_per_step"] / r["ms_per_step"]
         if base and r["variant"].endswith("_inline"):  # outlined (the default) over inlined
             r["outline_step_ratio"] = base[0]["ms_per_step"] / r["ms_per_step"]

@@ -23,7 +23,7 @@
 #   first_call  benchmarks/first_call.py on the GPU: GPT-2 6-layer and ViT-tiny, graphamp vs
 #               torch.compile + autocast, each in a fresh process, cold then warm inductor cache
 #   kernels     benchmarks/kernel_count.py: structural launch counts of the step (mlp, gpt2-6l)
-#   fp8         GPT-2 124M bf16, bf16 + fp8 matmuls (tensorwise, rowwise), torch.compile bf16
+#   fp8         GPT-2 124M bf16, bf16 + fp8 matmuls (tensorwise, rowwise, delayed), torch.compile bf16
 #   llama_bf16  1.1B Llama-style decoder bf16 vs compile_bf16 (tokens/s, MFU, memory, first call)
 #   llama_fp16  the same, fp16 + GradScaler vs compile+autocast+GradScaler
 # Kernels per step: the "profile" field of graphamp's rows (--profile: kernels_per_step and the top
@@ -91,7 +91,7 @@ part_gpt2_warm() {
 part_fp8() {
   # fp8 needs compute capability 8.9 (H100/H200); torchao's float8 peer is not installed there
   bench --workload gpt2 --variant graphamp_bf16 graphamp_bf16_fp8 graphamp_bf16_fp8rw \
-    compile_bf16 --steps 50 --tag fp8
+    graphamp_bf16_fp8dl compile_bf16 --steps 50 --tag fp8
 }
 part_llama_bf16() {
   bench --workload llama1b --variant graphamp_bf16 compile_bf16 --steps 20 --warmup 5 \

@@ -35,7 +35,7 @@ import torch.fx as fx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench import make_step  # noqa: E402
+from bench import FP8_VARIANTS, make_step  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 import graphamp.pipeline as pipeline  # noqa: E402
@@ -223,7 +223,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--variant",
         default="graphamp_fp16",
-        choices=["graphamp_fp16", "graphamp_bf16", "graphamp_bf16_fp8", "graphamp_bf16_fp8rw"],
+        choices=["graphamp_fp16", "graphamp_bf16", *FP8_VARIANTS],
     )
     parser.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--save-code", default=None, help="folder for the generated code")

@@ -1,6 +1,6 @@
-"""Does mixed precision through graphamp reach fp32's accuracy on real data? Two tasks, five
-runs each (fp32, fp16 + GradScaler, bf16, and bf16 with fp8 matmuls by the tensorwise and the
-rowwise recipe; fp8 is held to bf16), same seed, same steps:
+"""Does mixed precision through graphamp reach fp32's accuracy on real data? Two tasks, six
+runs each (fp32, fp16 + GradScaler, bf16, and bf16 with fp8 matmuls by the tensorwise, rowwise
+and delayed recipes; fp8 is held to bf16), same seed, same steps:
 
 - a character-level language model (a 2-layer transformer) on the text Python ships in
   ``pydoc_data.topics``: validation loss (nats per character) on the last 10% of the text;
@@ -34,8 +34,15 @@ RUNS = {
     "bf16": (torch.bfloat16, None),
     "fp8": (torch.bfloat16, "tensorwise"),
     "fp8_rowwise": (torch.bfloat16, "rowwise"),
+    "fp8_delayed": (torch.bfloat16, "delayed"),
 }
-BASELINE = {"fp16": "fp32", "bf16": "fp32", "fp8": "bf16", "fp8_rowwise": "bf16"}
+BASELINE = {
+    "fp16": "fp32",
+    "bf16": "fp32",
+    "fp8": "bf16",
+    "fp8_rowwise": "bf16",
+    "fp8_delayed": "bf16",
+}
 
 
 # -- character-level language model ---------------------------------------------------------------

@@ -94,21 +94,19 @@ class GraphConfig:
         recipe: str = "tensorwise",
         keep: Iterable[str] = (),
         keep_first_last: bool = True,
+        history: int = 16,
+        margin: int = 0,
     ) -> None:
         """fp8 matmuls on top of bf16 AMP (``enable_amp(True, dtype=torch.bfloat16)``): the
-        linear layers' matmuls run in float8 with scales computed inside the step from each
-        tensor's amax. ``recipe``: ``"tensorwise"`` (one scale per tensor; e4m3 forward, e5m2
-        gradients) or ``"rowwise"`` (a scale per row / column, e4m3). ``keep``: module paths
-        whose matmuls stay bf16; ``keep_first_last``: the first and last linear layers stay
-        bf16 (the precision report says why each matmul is where it is). The delayed recipe
-        (amax histories) is not built yet and is refused by name."""
+        linear layers' matmuls run in float8. ``recipe``: ``"tensorwise"`` (one scale per
+        tensor from its amax; e4m3 forward, e5m2 gradients), ``"rowwise"`` (a scale per row /
+        column, e4m3) or ``"delayed"`` (Transformer Engine's: tensorwise formats, each scale
+        from the amax history of the last ``history`` steps, divided by ``2**margin``; the
+        histories are step state: in ``g.state_dict()``, untouched by a skipped step, agreed
+        across ranks). ``keep``: module paths whose matmuls stay bf16; ``keep_first_last``:
+        the first and last linear layers stay bf16 (the precision report says why each matmul
+        is where it is)."""
         mode = check_bool("enable_fp8(mode)", mode)
-        if recipe == "delayed":
-            raise ConfigError(
-                "enable_fp8(recipe='delayed') is not available yet (amax histories in the step's "
-                "state); use recipe='tensorwise' or 'rowwise', whose scales are computed from "
-                "each tensor's amax in the step"
-            )
         recipe = check_choice("enable_fp8(recipe", recipe, FP8_RECIPES)
         paths = tuple(keep)
         if not all(isinstance(p, str) for p in paths):
@@ -117,6 +115,8 @@ class GraphConfig:
             fp8_recipe=recipe if mode else None,
             fp8_keep=paths,
             fp8_keep_first_last=check_bool("enable_fp8(keep_first_last)", keep_first_last),
+            fp8_history=check_int("enable_fp8(history)", history, at_least=1),
+            fp8_margin=check_int("enable_fp8(margin)", margin, at_least=0),
         )
 
     def set_amp_opt_level(self, level: str) -> None:

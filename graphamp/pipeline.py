@@ -320,6 +320,8 @@ def _amp_passes(b: _Build) -> None:
         fp8=fp8,
         fp8_keep=frozenset(config.fp8_keep),
         fp8_keep_first_last=config.fp8_keep_first_last,
+        fp8_history=config.fp8_history,
+        fp8_margin=config.fp8_margin,
     )
 
     def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
@@ -356,7 +358,8 @@ def _resolve_pins(spec: GraphSpec, root: BuildRoot, captured: CapturedForward) -
 
 def _plan(b: _Build) -> None:
     hoisted = b.amp.hoisted if b.amp is not None else []
-    layout = b.captured.layout.with_param_copies(len(hoisted))
+    fp8_state = list(b.amp.fp8_state) if b.amp is not None else []
+    layout = b.captured.layout.with_param_copies(len(hoisted)).with_fp8_state(len(fp8_state))
     params = layout.split([n for n in b.forward.graph.nodes if n.op == "placeholder"]).params
     index = {node.name: i for i, node in enumerate(params)}
     b.plan = build_plan(
@@ -367,6 +370,7 @@ def _plan(b: _Build) -> None:
         [(index[name], dtype) for name, dtype in hoisted],
         {i for i, node in enumerate(params) if node.users},
         b.process_group,
+        fp8_state,
     )
 
 
@@ -431,6 +435,7 @@ def _outlining(b: _Build) -> bool:
         and not b.regions
         and not b.request.dynamic
         and not b.plan.captured.gradient_code.present
+        and not b.plan.fp8_state  # nor with the delayed fp8 recipe's state inputs
     )
 
 

@@ -4,6 +4,7 @@
 
 MODE: train (config.enable_data_parallel), ddp (the model registered wrapped in DDP), bf16,
 mismatch (rank 1 builds a different model: every rank must raise, none may hang),
+fp8_delayed (bf16 with the delayed fp8 recipe and a scaler: the amax histories must agree),
 interrupt (rank 1 is interrupted before a step and stays alive: rank 0 must get an error within
 the process group's timeout, with its state from before that step), autofix (fp16 with AMP
 autofix; only rank 1's shard overflows the first layer's matmul: every rank must pin it at the
@@ -69,6 +70,40 @@ def configure_autofix(g):
     g.config.enable_amp_autofix(after=2)
 
 
+def make_dp_graph(mode, registered, opt):
+    class DP(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = registered
+            self.add_optimizer(opt)
+            self.config.set_backend("aot_eager")
+            if mode != "ddp":
+                self.config.enable_data_parallel()
+            if mode == "bf16":
+                self.config.enable_amp(True, dtype=torch.bfloat16)
+            else:
+                if mode == "fp8_delayed":  # the first layer (16 rows a rank) in fp8
+                    self.config.enable_amp(True, dtype=torch.bfloat16)
+                    self.config.enable_fp8(True, recipe="delayed", keep_first_last=False)
+                self.set_grad_scaler(graphamp.GradScaler(init_scale=256.0))
+            if mode == "autofix":
+                configure_autofix(self)
+
+        def build(self, x, y):
+            loss = nn.functional.cross_entropy(self.model(x), y)
+            loss.backward()
+            return loss
+
+    return DP()
+
+
+def local_batch(mode, x, y, rank, shard):
+    xs, ys = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
+    if mode == "fp8_delayed":  # fp8 matmuls need multiples of 16 rows
+        xs, ys = torch.cat([xs, xs * 0.5]), torch.cat([ys, ys])
+    return xs, ys
+
+
 def main():
     mode, out_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -88,27 +123,7 @@ def main():
     )
     registered = nn.parallel.DistributedDataParallel(model) if mode == "ddp" else model
 
-    class DP(graphamp.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = registered
-            self.add_optimizer(opt)
-            self.config.set_backend("aot_eager")
-            if mode != "ddp":
-                self.config.enable_data_parallel()
-            if mode == "bf16":
-                self.config.enable_amp(True, dtype=torch.bfloat16)
-            else:
-                self.set_grad_scaler(graphamp.GradScaler(init_scale=256.0))
-            if mode == "autofix":
-                configure_autofix(self)
-
-        def build(self, x, y):
-            loss = nn.functional.cross_entropy(self.model(x), y)
-            loss.backward()
-            return loss
-
-    g = DP()
+    g = make_dp_graph(mode, registered, opt)
     shard = GLOBAL_BATCH // world
     result = {}
     if mode == "interrupt":
@@ -117,11 +132,12 @@ def main():
         # without a scaler (bf16) nothing would skip the poisoned step
         batches = autofix_batches() if mode == "autofix" else global_batches(poison=mode != "bf16")
         for x, y in batches:
-            g(x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard])
+            g(*local_batch(mode, x, y, rank, shard))
         result["params"] = {k: v.clone() for k, v in model.state_dict().items()}
         result["pins"] = [(p.describe(), p.step) for p in g.config.amp_pins]
         result["skipped"] = g.history.fetch()["skipped"]
         result["scale"] = g.grad_scaler.get_scale() if g.grad_scaler else None
+        result["fp8_histories"] = g.state_dict()["fp8_histories"]
     except graphamp.GraphampError as e:
         result["error"] = f"{type(e).__name__}: {e}"
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -135,3 +135,21 @@ def test_data_parallel_without_a_process_group_is_a_clear_error():
     g = make_graph(make_model(0), nn.CrossEntropyLoss(), None)
     with pytest.raises(graphamp.ConfigError, match="init_process_group"):
         g.config.enable_data_parallel()
+
+
+@pytest.mark.slow
+def test_delayed_fp8_histories_agree_across_ranks(tmp_path):
+    """Each rank sees its own shard, so its amaxes differ; the step agrees on the largest
+    (one all-reduce max), so every rank's histories, and so its scales, are the same. The
+    poisoned step is skipped on both ranks and leaves the histories as they were."""
+    ranks = run_ranks("fp8_delayed", tmp_path)
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    first, second = (r["fp8_histories"] for r in ranks)
+    assert first and first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+        assert (first[name] > 0).any()
+    assert list(ranks[0]["skipped"]) == list(ranks[1]["skipped"])
+    assert ranks[0]["skipped"][POISON_STEP]
+    for (k, v), w in zip(ranks[0]["params"].items(), ranks[1]["params"].values()):
+        assert torch.equal(v, w), k

@@ -4,6 +4,7 @@ its definition, the graph's choices, training against bf16, and the refusals."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -11,10 +12,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from helpers import make_graph
 
+import graphamp
 from graphamp import ConfigError
-from graphamp.records.fp8_numerics import E4M3, E5M2, fp8_matmul
+from graphamp.records.fp8_numerics import E4M3, E5M2, fp8_matmul, fp8_matmul_delayed
 
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise")  # dynamic scales; the delayed recipe has its own tests
 
 
 def _reference_quantized(x: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
@@ -65,6 +67,20 @@ def test_a_zero_tensor_gets_a_finite_scale():
     out = fp8_matmul(a, b, "tensorwise")
     out.sum().backward()
     assert torch.equal(out, torch.zeros_like(out)) and torch.isfinite(b.grad).all()
+
+
+@pytest.mark.parametrize("recipe", [*RECIPES, "delayed"])
+def test_an_inf_stays_non_finite_through_an_fp8_matmul(recipe):
+    """Saturation is for finite values beyond the format (a stale delayed scale); an inf or
+    NaN must still reach the step's overflow check (torch's CPU cast would saturate inf)."""
+    a = torch.randn(16, 16).to(torch.bfloat16)
+    a[3, 5] = float("inf")
+    b = torch.randn(16, 16).to(torch.bfloat16)
+    if recipe == "delayed":
+        out = fp8_matmul_delayed(a, b, torch.zeros(3, 5), 0)
+    else:
+        out = fp8_matmul(a, b, recipe)
+    assert not torch.isfinite(out[3]).all()
 
 
 def _mlp(hidden=64, out=16):
@@ -138,7 +154,87 @@ def test_keep_and_sizes_decide_too():
     assert "kept out of fp8" in why["model.4"] and "multiples of 16" in why["model.6"]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+def _delayed_reference(x: torch.Tensor, dtype: torch.dtype, history: list[float]) -> torch.Tensor:
+    """x through ``dtype`` with Transformer Engine's delayed scale: the format's largest value
+    over the largest amax of the history (1 while it holds none), dequantised."""
+    amax = max(history)
+    scale = torch.finfo(dtype).max / amax if amax > 0 else 1.0
+    largest = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-largest, largest).to(dtype).float() / scale
+
+
+def test_the_delayed_recipe_scales_from_the_history_and_records_this_step():
+    """Three steps by hand: each scale comes from the history before the step (1 at first),
+    each operand's amax lands in column 0, and the step's roll pushes it into the history."""
+    from graphamp.records.fp8_numerics import rolled_history
+
+    gen = torch.Generator().manual_seed(0)
+    state = torch.zeros(3, 1 + 4)
+    for step in range(3):
+        a = (torch.randn(32, 64, generator=gen) * (step + 1)).to(torch.bfloat16)
+        b = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+        grad = (torch.randn(32, 48, generator=gen) * 1e-2).to(torch.bfloat16)
+        before = state[:, 1:].clone()
+        a.requires_grad_(), b.requires_grad_()
+        out = fp8_matmul_delayed(a, b, state, 0)
+        out.backward(grad)
+        qa = _delayed_reference(a.detach(), E4M3, before[0].tolist())
+        qb = _delayed_reference(b.detach(), E4M3, before[1].tolist())
+        qg = _delayed_reference(grad, E5M2, before[2].tolist())
+        for got, want in ((out, qa @ qb), (a.grad, qg @ qb.t()), (b.grad, qa.t() @ qg)):
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+        amaxes = [t.detach().abs().amax().float() for t in (a, b, grad)]
+        assert torch.equal(state[:, 0], torch.stack(amaxes))
+        state = rolled_history(state)
+        assert torch.equal(state[:, 1], torch.stack(amaxes)) and torch.equal(
+            state[:, 2:], before[:, :-1]
+        )
+
+
+def test_delayed_histories_are_step_state_untouched_by_a_skipped_step():
+    """The histories fill as steps run, are in g.state_dict(), stay bitwise when a step is
+    skipped (an inf batch under a scaler), and a resumed run equals the uninterrupted one."""
+
+    def make():
+        model = _mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def setup(g):
+            g.config.enable_fp8(True, recipe="delayed", history=4)
+            g.set_grad_scaler(graphamp.GradScaler(init_scale=2.0**8))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a scaler beside bf16 is unusual: here it skips
+            g = make_graph(model, F.cross_entropy, opt, amp=torch.bfloat16, configure=setup)
+        return model, opt, g
+
+    batches = [_batch(seed) for seed in range(6)]
+    model, opt, g = make()
+    for x, y in batches[:3]:
+        g(x, y)
+    histories = g.state_dict()["fp8_histories"]
+    assert len(histories) == 2 and all(h.shape == (3, 4) for h in histories.values())
+    assert all((h[:, :3] > 0).all() and (h[:, 3] == 0).all() for h in histories.values())
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), g.state_dict()))
+    x, y = batches[3]
+    poisoned = x.clone()
+    poisoned[0, 0] = float("inf")
+    g(poisoned, y)  # skipped
+    after = g.state_dict()["fp8_histories"]
+    assert all(torch.equal(after[k], histories[k]) for k in histories)
+    straight = [g(x, y).detach().clone() for x, y in batches[3:]]
+    model2, opt2, g2 = make()
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    g2.load_state_dict(saved[2])
+    g2(poisoned, batches[3][1])  # the same skipped step
+    resumed = [g2(x, y).detach().clone() for x, y in batches[3:]]
+    assert all(torch.equal(a, b) for a, b in zip(resumed, straight))
+    for p, q in zip(model2.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("recipe", [*RECIPES, "delayed"])
 def test_fp8_trains_like_bf16(recipe):
     """Twenty AdamW steps on one batch: fp8's losses follow bf16's within fp8's rounding, and
     both fall."""
@@ -203,8 +299,8 @@ def test_fp8_without_bf16_amp_is_refused_by_name(configure, words):
 
 def test_bad_fp8_settings_fail_where_they_are_written():
     g = make_graph(_mlp(), F.cross_entropy, None)
-    with pytest.raises(ConfigError, match="delayed.*not available yet"):
-        g.config.enable_fp8(True, recipe="delayed")
+    with pytest.raises(ConfigError, match=r"enable_fp8\(history\) must be a positive int"):
+        g.config.enable_fp8(True, recipe="delayed", history=0)
     with pytest.raises(ConfigError, match="unknown enable_fp8\\(recipe 'e4m3'"):
         g.config.enable_fp8(True, recipe="e4m3")
     with pytest.raises(ConfigError, match="module paths"):

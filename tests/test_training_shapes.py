@@ -245,7 +245,7 @@ def test_inputs_as_dicts_and_tuples():
 @pytest.mark.slow
 def test_every_precision_reaches_its_baseline_accuracy_on_real_data():
     """examples/accuracy.py in its tiny mode: pydoc's text and scikit-learn's digits; fp16 and
-    bf16 within 1% of fp32, fp8 (both recipes) within 1% of bf16."""
+    bf16 within 1% of fp32, fp8 (each recipe) within 1% of bf16."""
     pytest.importorskip("sklearn")
     import importlib.util
     import os
@@ -257,6 +257,6 @@ def test_every_precision_reaches_its_baseline_accuracy_on_real_data():
     accuracy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(accuracy)
     results = accuracy.run(tiny=True)
-    for name in ("fp16", "bf16", "fp8", "fp8_rowwise"):  # fp8 against bf16, the others fp32
+    for name in ("fp16", "bf16", "fp8", "fp8_rowwise", "fp8_delayed"):  # fp8 against bf16
         assert abs(results["char_lm"][name]["val_loss_rel_diff"]) < 0.01
         assert abs(results["digits"][name]["test_accuracy_rel_diff"]) < 0.01

@@ -44,10 +44,14 @@ class AmpContext:
     fp8: str | None = None
     fp8_keep: frozenset[str] = frozenset()
     fp8_keep_first_last: bool = True
+    fp8_history: int = 16  # the delayed recipe's history length and margin
+    fp8_margin: int = 0
     # filled by the passes
     stats: dict[str, Any] = field(default_factory=dict)
     unknown_ops: dict[str, int] = field(default_factory=dict)
     hoisted: list[tuple[str, torch.dtype]] = field(default_factory=list)
+    # the delayed recipe's state: one placeholder per fp8 matmul, after the parameter copies
+    fp8_state: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_low_precision_dtype("AmpContext(dtype", self.dtype)

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..records.fp8_numerics import FP8_MM
+from ..records.fp8_numerics import FP8_MM, FP8_MM_DELAYED, HISTORY_ROWS
 from .base import AmpContext, PassResult, dtype_after_amp
 
 aten = torch.ops.aten
@@ -32,6 +32,7 @@ _MATMULS = (aten.mm.default, aten.addmm.default)
 def use_fp8_matmuls(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     if ctx.fp8 is None:
         return PassResult(gm, False)
+    ctx.fp8_state.clear()
     matmuls = [n for n in gm.graph.nodes if n.target in _MATMULS and _is_bf16(n)]
     ends = _first_and_last_layers(matmuls) if ctx.fp8_keep_first_last else set()
     changed = False
@@ -41,9 +42,20 @@ def use_fp8_matmuls(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
         if kept is not None:
             node.meta["amp_reason"] = f"{node.meta.get('amp_reason', '')}; {kept}"
         else:
-            _to_fp8(gm.graph, node, ctx.fp8)
+            _to_fp8(gm.graph, node, ctx)
             changed = True
     return PassResult(gm, changed)
+
+
+def _history_input(graph: fx.Graph, node: fx.Node, ctx: AmpContext) -> fx.Node:
+    """The delayed recipe's state for ``node``: a new last input, (3, 1 + history) fp32."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        state = graph.placeholder(f"fp8_history_{node.name}")
+    a_val = _operands(node)[0].meta["val"]
+    state.meta["val"] = a_val.new_zeros((HISTORY_ROWS, 1 + ctx.fp8_history), dtype=torch.float32)
+    ctx.fp8_state.append(state.name)
+    return state
 
 
 def _is_bf16(node: fx.Node) -> bool:
@@ -96,14 +108,20 @@ _RULES: tuple[tuple[Callable[[fx.Node, AmpContext, set], bool], str], ...] = (
 )
 
 
-def _to_fp8(graph: fx.Graph, node: fx.Node, recipe: str) -> None:
-    """``mm(a, b)`` -> ``fp8_mm(a, b)``; ``addmm(bias, a, b)`` -> ``fp8_mm(a, b) + bias``."""
+def _to_fp8(graph: fx.Graph, node: fx.Node, ctx: AmpContext) -> None:
+    """``mm(a, b)`` -> ``fp8_mm(a, b)``; ``addmm(bias, a, b)`` -> ``fp8_mm(a, b) + bias``
+    (``fp8_mm_delayed(a, b, its history, margin)`` for the delayed recipe)."""
     a, b = _operands(node)
+    recipe = ctx.fp8
     meta: dict[str, object] = {
         k: node.meta[k] for k in ("val", "nn_module_stack", "user_frame") if k in node.meta
     }
+    history = _history_input(graph, node, ctx) if recipe == "delayed" else None
     with graph.inserting_before(node):
-        fp8 = graph.call_function(FP8_MM, (a, b, recipe))
+        if history is not None:
+            fp8 = graph.call_function(FP8_MM_DELAYED, (a, b, history, ctx.fp8_margin))
+        else:
+            fp8 = graph.call_function(FP8_MM, (a, b, recipe))
         fp8.meta.update(meta, amp_dtype=torch.bfloat16, amp_colour="fp8", fp8="fp8")
         fp8.meta["amp_reason"] = f"fp8 matmul ({recipe} scales): a linear layer's matmul"
         out = fp8

@@ -14,6 +14,11 @@ Recipes (the names torchao's ``Float8LinearConfig.from_recipe_name`` uses):
 - ``rowwise``: one scale per row of the left operand and per column of the right, everything
   in e4m3 (torch's rowwise ``_scaled_mm`` takes e4m3); the backward quantises the saved bf16
   values again along the axes its matmuls reduce over.
+- ``delayed`` (Transformer Engine's recipe): tensorwise formats, but each scale comes from the
+  amax history of that operand over the last steps (step state, ``FP8History``) instead of the
+  tensor being cast, so no reduction precedes a cast. The step records each operand's amax in
+  its history's first column (the largest over micro-batches); after the backward the step
+  rolls the histories (untouched by a skipped step, agreed across ranks).
 
 ``torch._scaled_mm`` wants its second operand column-major; both recipes give it that layout.
 """
@@ -25,7 +30,7 @@ from torch import Tensor
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = ("tensorwise", "rowwise", "delayed")
 AMAX_EPS = 1e-12  # a zero tensor gets a finite scale (torchao's EPS)
 
 
@@ -34,10 +39,8 @@ def quantize(x: Tensor, dtype: torch.dtype, dim: int | None = None) -> tuple[Ten
     ``scale = max / amax`` over the whole tensor (``dim`` None) or along ``dim`` (kept)."""
     magnitude = x.abs()
     amax = magnitude.amax() if dim is None else magnitude.amax(dim=dim, keepdim=True)
-    largest = torch.finfo(dtype).max
-    scale = largest / amax.float().clamp(min=AMAX_EPS)
-    scaled = (x.float() * scale).clamp(-largest, largest)
-    return scaled.to(dtype), scale.reciprocal()
+    scale = torch.finfo(dtype).max / amax.float().clamp(min=AMAX_EPS)
+    return cast_with_scale(x, dtype, scale), scale.reciprocal()
 
 
 def _column_major(x: Tensor) -> Tensor:
@@ -98,6 +101,91 @@ def _rowwise_backward(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tenso
     left, left_inv = a_cols.t().contiguous(), a_cols_inv.reshape(-1, 1)
     grad_b = scaled_mm(left, left_inv, _column_major(g_cols), g_cols_inv, grad.dtype)
     return grad_a, grad_b
+
+
+# -- delayed scaling: one (3, 1 + H) fp32 state tensor per fp8 matmul ------------------------------
+# rows: the left operand (activations), the right one (weights), the gradient; column 0: this
+# step's amax so far; columns 1..H: the amax history, newest first.
+HISTORY_ROWS = 3
+
+
+def history_scale(history: Tensor, row: int, dtype: torch.dtype, margin: int) -> Tensor:
+    """Transformer Engine's scale from one row's history: ``max / amax / 2**margin`` over the
+    largest amax it holds; 1 while the history holds no amax yet."""
+    amax = history[row, 1:].amax()
+    scale = torch.finfo(dtype).max / amax.clamp(min=AMAX_EPS) / 2.0**margin
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def cast_with_scale(x: Tensor, dtype: torch.dtype, scale: Tensor) -> Tensor:
+    """``x * scale`` in ``dtype``, finite values saturated at the format's largest (a stale
+    scale must not overflow); inf and NaN become NaN (torch's CPU conversion would saturate
+    inf to a finite value), so an overflow still reaches the step's check."""
+    largest = torch.finfo(dtype).max
+    scaled = x.float() * scale
+    nan = torch.full_like(scaled, float("nan"))
+    return torch.where(scaled.isfinite(), scaled.clamp(-largest, largest), nan).to(dtype)
+
+
+def _record_amax(history: Tensor, row: int, x: Tensor) -> None:
+    """The largest |x| of this step so far, in place in column 0 (non-finite values record
+    nothing: they never enter a history)."""
+    amax = x.abs().amax().float()
+    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    history[row, 0] = torch.maximum(history[row, 0], amax)
+
+
+class Fp8MatMulDelayed(torch.autograd.Function):
+    """``a @ b`` with tensorwise fp8 formats and scales from ``history`` (written in place)."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, history: Tensor, margin: int) -> Tensor:  # type: ignore[override]
+        a_scale = history_scale(history, 0, E4M3, margin)
+        b_scale = history_scale(history, 1, E4M3, margin)
+        _record_amax(history, 0, a)
+        _record_amax(history, 1, b)
+        a8 = cast_with_scale(a, E4M3, a_scale)
+        b8 = cast_with_scale(b.contiguous(), E4M3, b_scale)
+        a_inv, b_inv = a_scale.reciprocal(), b_scale.reciprocal()
+        ctx.margin = margin
+        ctx.save_for_backward(a8, a_inv, b8, b_inv, history)
+        return scaled_mm(a8, a_inv, _column_major(b8), b_inv, a.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:  # type: ignore[override]
+        a8, a_inv, b8, b_inv, history = ctx.saved_tensors
+        g_scale = history_scale(history, 2, E5M2, ctx.margin)
+        _record_amax(history, 2, grad)
+        g8, g_inv = cast_with_scale(grad, E5M2, g_scale), g_scale.reciprocal()
+        grad_a = scaled_mm(g8, g_inv, b8.t(), b_inv, grad.dtype)
+        grad_b = scaled_mm(a8.t().contiguous(), a_inv, _column_major(g8), g_inv, grad.dtype)
+        return grad_a, grad_b, None, None
+
+
+def rolled_history(history: Tensor) -> Tensor:
+    """The history after a step: column 0's amaxes pushed in front (the oldest dropped),
+    column 0 cleared for the next step."""
+    newest = history[:, :1]
+    return torch.cat([torch.zeros_like(newest), newest, history[:, 1:-1]], dim=1)
+
+
+def fp8_matmul_delayed(a: Tensor, b: Tensor, history: Tensor, margin: int) -> Tensor:
+    """What a ``graphamp::fp8_mm_delayed`` node expands to in the step."""
+    return Fp8MatMulDelayed.apply(a, b, history, margin)
+
+
+@torch.library.custom_op("graphamp::fp8_mm_delayed", mutates_args=("history",))
+def _fp8_mm_delayed_op(a: Tensor, b: Tensor, history: Tensor, margin: int) -> Tensor:
+    with torch.no_grad():
+        return fp8_matmul_delayed(a, b, history, margin)
+
+
+@_fp8_mm_delayed_op.register_fake
+def _(a: Tensor, b: Tensor, history: Tensor, margin: int) -> Tensor:  # noqa: ARG001 - the op's schema
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+FP8_MM_DELAYED = torch.ops.graphamp.fp8_mm_delayed.default
 
 
 def fp8_matmul(a: Tensor, b: Tensor, recipe: str) -> Tensor:

@@ -36,17 +36,19 @@ class ForwardInputs(Generic[T]):
     loss_scale: T  # 0-dim fp32: gradients build() takes itself are scaled by it (1: no scaler)
     constants: list[T]  # tensors build() read that are neither state nor arguments
     param_copies: list[T]  # low-precision parameter copies (StepPlan.param_casts order)
+    fp8_state: list[T]  # the delayed fp8 recipe's amax histories (StepPlan.fp8_state order)
 
 
 @dataclass(frozen=True)
 class ForwardLayout:
     """The order of the forward graph's inputs:
-    ``(*params, *buffers, *inputs, loss_scale, *constants, *param_copies)``.
+    ``(*params, *buffers, *inputs, loss_scale, *constants, *param_copies, *fp8_state)``.
 
     Capture traces build() over the first four groups and lifts what build() read from outside
     into ``constants`` after them (``CapturedForward.layout``); the AMP pass
     ``hoist_parameter_casts`` appends the low-precision parameter copies
-    (``StepPlan.forward_layout``). Capture, the planner, the overflow probes, the gradients
+    and ``use_fp8_matmuls`` the delayed recipe's histories (``StepPlan.forward_layout``).
+    Capture, the planner, the overflow probes, the gradients
     subgraph and the eval step build and read the forward's inputs through this class only.
     """
 
@@ -55,6 +57,7 @@ class ForwardLayout:
     inputs: int
     constants: int = 0
     param_copies: int = 0
+    fp8_state: int = 0
 
     def flatten(
         self,
@@ -65,6 +68,7 @@ class ForwardLayout:
         loss_scale: T,
         constants: Sequence[T] = (),
         param_copies: Sequence[T] = (),
+        fp8_state: Sequence[T] = (),
     ) -> list[T]:
         """The forward's flat inputs; ValueError if a group's size is not the layout's."""
         groups = {
@@ -73,6 +77,7 @@ class ForwardLayout:
             "inputs": inputs,
             "constants": constants,
             "param_copies": param_copies,
+            "fp8_state": fp8_state,
         }
         for name, values in groups.items():
             if len(values) != getattr(self, name):
@@ -80,26 +85,39 @@ class ForwardLayout:
                     f"forward input group {name!r} has {len(values)} values, the layout "
                     f"{getattr(self, name)}"
                 )
-        return [*params, *buffers, *inputs, loss_scale, *constants, *param_copies]
+        return [*params, *buffers, *inputs, loss_scale, *constants, *param_copies, *fp8_state]
 
     def split(self, flat: Sequence[T]) -> ForwardInputs[T]:
         """The groups of the forward's flat inputs (or of its placeholders)."""
         if len(flat) != len(self):
             raise ValueError(f"the forward has {len(self)} inputs, got {len(flat)}")
-        ends = [self.params, self.buffers, self.inputs, 1, self.constants, self.param_copies]
+        ends = [
+            self.params,
+            self.buffers,
+            self.inputs,
+            1,
+            self.constants,
+            self.param_copies,
+            self.fp8_state,
+        ]
         cuts, start = [], 0
         for n in ends:
             cuts.append(list(flat[start : start + n]))
             start += n
-        params, buffers, inputs, (loss_scale,), constants, copies = cuts
-        return ForwardInputs(params, buffers, inputs, loss_scale, constants, copies)
+        params, buffers, inputs, (loss_scale,), constants, copies, fp8 = cuts
+        return ForwardInputs(params, buffers, inputs, loss_scale, constants, copies, fp8)
 
     def with_param_copies(self, n: int) -> ForwardLayout:
         """This layout after the AMP passes hoisted ``n`` parameter casts."""
         return dataclasses.replace(self, param_copies=n)
 
+    def with_fp8_state(self, n: int) -> ForwardLayout:
+        """This layout after ``use_fp8_matmuls`` gave ``n`` matmuls a delayed-scaling state."""
+        return dataclasses.replace(self, fp8_state=n)
+
     def __len__(self) -> int:
-        return self.params + self.buffers + self.inputs + 1 + self.constants + self.param_copies
+        fixed = self.params + self.buffers + self.inputs + 1 + self.constants
+        return fixed + self.param_copies + self.fp8_state
 
 
 # -- the compiled step ---------------------------------------------------------------------------
@@ -123,6 +141,7 @@ class StepInputs(Generic[T]):
     history: list[T]  # step, table (training graphs)
     shard: list[T]  # ZeRO: this rank's index
     forensics: list[T]  # count, ring, ranges (overflow tracing)
+    fp8: list[T]  # the delayed fp8 recipe's amax histories (StepPlan.fp8_state)
     constants: list[T]
     inputs: list[T]
 

@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from ..errors import ConfigError
-from .fp8_numerics import FP8_MM, fp8_matmul
+from .fp8_numerics import FP8_MM, FP8_MM_DELAYED, fp8_matmul, fp8_matmul_delayed
 from .fxutil import NodeTagger
 from .op_repairs import REPAIRED_OPS
 
@@ -411,6 +411,7 @@ EXPANSIONS = {
     FULL_PRECISION_HINT: lambda x: x,
     torch.ops.graphamp.rnn.default: _expand_rnn,
     FP8_MM: fp8_matmul,
+    FP8_MM_DELAYED: fp8_matmul_delayed,
 }
 
 

@@ -67,6 +67,8 @@ class ConfigSnapshot:
     fp8_recipe: str | None = None  # fp8 matmuls (enable_fp8): "tensorwise", "rowwise" or off
     fp8_keep: tuple[str, ...] = ()  # module paths whose matmuls stay bf16
     fp8_keep_first_last: bool = True  # the first and last linear layers stay bf16
+    fp8_history: int = 16  # delayed recipe: steps of amax history per operand
+    fp8_margin: int = 0  # delayed recipe: scales divided by 2**margin
 
     @property
     def amp_active(self) -> bool:

@@ -239,11 +239,15 @@ class StepPlan:
     zero_stage: int = 0  # ZeRO (step/zero.py): 0 off; 1, 2 optimizer state sharded per rank
     # overflow tracing: the values the step measures (None: tracing off, or an eval graph)
     probes: ProbeTable | None = None
+    # the delayed fp8 recipe: one amax-history state per fp8 matmul (its forward input's name)
+    fp8_state: list[str] = field(default_factory=list)
+    fp8_history: int = 0  # its history length (steps)
 
     @property
     def forward_layout(self) -> ForwardLayout:
         """The order of the inputs of the forward the step runs (after the AMP passes)."""
-        return self.captured.layout.with_param_copies(len(self.param_casts))
+        layout = self.captured.layout.with_param_copies(len(self.param_casts))
+        return layout.with_fp8_state(len(self.fp8_state))
 
 
 # -- what a build leaves for running and inspection -------------------------------------------------

@@ -36,6 +36,17 @@ class SharedState:
     momentum: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     broadcast_done: bool = False  # data parallel: rank 0's state was broadcast once
     step_count: int = 0  # calls of the Graph that ran (overflow-skipped steps included)
+    # the delayed fp8 recipe: forward input name -> its (3, 1 + history) amax state
+    fp8: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def fp8_history(self, name: str, columns: int, device: torch.device) -> torch.Tensor:
+        """The amax state of fp8 matmul ``name`` (made once, zeros: no amax yet); shared by
+        every compiled step of the graph, saved in its state dict."""
+        state = self.fp8.get(name)
+        if state is None or state.shape[1] != columns:
+            state = torch.zeros((3, columns), dtype=torch.float32, device=device)
+        self.fp8[name] = state = state.to(device)  # a loaded state moves to the step's device
+        return state
 
     def counter(self, index: int, device: torch.device, started: bool) -> torch.Tensor:
         """Optimizer ``index``'s applied-step counter on ``device`` (created once; a new one

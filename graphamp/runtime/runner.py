@@ -91,6 +91,9 @@ class Runner:
             plan.scaler._materialize(device)
             self.scaler_state = plan.scaler.state_tensors()
         self.history = state.history.materialize(device) if plan.training else []
+        # the delayed fp8 recipe's amax states (shared by the graph's steps, in its state dict)
+        columns = 1 + plan.fp8_history
+        self.fp8 = [state.fp8_history(name, columns, device) for name in plan.fp8_state]
         self.shard: list[torch.Tensor] = []  # ZeRO: this rank's index, a graph input
         if plan.zero_stage:
             rank = dist.get_rank(plan.process_group)
@@ -201,6 +204,7 @@ class Runner:
             "history": self.history,
             "shard": self.shard,
             "forensics": self.forensics.tensors() if self.forensics is not None else [],
+            "fp8": self.fp8,
             "constants": self.plan.captured.constants,
             "inputs": inputs,
         }

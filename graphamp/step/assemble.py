@@ -10,8 +10,9 @@ The whole step becomes one FX graph (make_fx over Python functionalization, fake
 inputs are the state tensors and the batch (``plan.layout``); it writes every state tensor in
 place (``copy_`` into its inputs, which the compiler keeps in place) and returns build()'s
 tensors. Nodes carry ``meta["graphamp_subgraph"]``: parameter_casts, forward, backward,
-grad_scaler, clip_grad, data_parallel, zero, optimizer, forensics (overflow tracing only),
-history (and recompute, added after tracing by ``recompute.py``).
+grad_scaler, clip_grad, data_parallel, zero, optimizer, forensics (overflow tracing only), fp8
+(the delayed recipe's histories), history (and recompute, added after tracing by
+``recompute.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
+from ..records.fp8_numerics import rolled_history
 from ..records.fxutil import NodeTagger, rename_placeholders, trace_functional
 from ..records.layouts import StepInputs
 from ..records.optimizers import TRACED, OptimizerPlan
 from ..records.spec import StepPlan
-from .collectives import agree_on_overflow, agree_on_probes, average_over_ranks
+from .collectives import agree_on_amax, agree_on_overflow, agree_on_probes, average_over_ranks
 from .gradients import ForwardResult, forward_and_gradients, parameter_casts, run_forward
 from .history_row import record_history
 from .optimizer_update import densify_sparse_grads, masked, update_optimizer
@@ -75,6 +77,7 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: b
         if not plan.training:
             return _eval_step(plan, fwd_gm, s)
         scale = s.scale
+        _clear_step_amaxes(s.fp8)
         reduce_each = (
             (lambda grads: _scatter_per_optimizer(plan, grads))
             if plan.zero_stage == 2 and plan.acc_steps > 1
@@ -109,6 +112,7 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: b
         with NodeTagger({"graphamp_subgraph": "history"}):
             # before the scaler state is written: a read after copy_ sees the new value
             record_history(s.history, fwd.losses, scale, any_skip, norms)
+        _roll_fp8_histories(plan, s.fp8, any_skip)
         if plan.scaler is not None:
             with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
                 write_scale_update(plan.scaler, s.scaler, found_total, any_skip)
@@ -131,6 +135,27 @@ def _write_changed_params(plan: StepPlan, s: StepInputs, fwd: ForwardResult) -> 
     return before
 
 
+def _clear_step_amaxes(histories: list) -> None:
+    """The delayed fp8 recipe: this step's amaxes (column 0) start afresh (a skipped step
+    left the last one there)."""
+    for history in histories:
+        history[:, 0] = 0.0
+
+
+def _roll_fp8_histories(plan: StepPlan, histories: list, any_skip) -> None:
+    """The delayed fp8 recipe: this step's amaxes (agreed across ranks) pushed into each
+    history; a skipped step leaves the histories as they were."""
+    if not histories:
+        return
+    with NodeTagger({"graphamp_subgraph": "fp8"}):
+        if plan.process_group is not None:
+            agreed = agree_on_amax(torch.stack([h[:, 0] for h in histories]), plan.process_group)
+            for h, amax in zip(histories, agreed.unbind(0)):
+                h[:, 0] = amax
+        for h in histories:
+            h.copy_(masked(any_skip, h, rolled_history(h)))
+
+
 def _unless_skipped(params: list, before: dict, any_skip: torch.Tensor) -> None:
     """A skipped step is skipped whole: parameters build() changed get their values back, as
     the buffers do."""
@@ -148,6 +173,7 @@ def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: StepInputs) -> tuple:
         loss_scale=one,
         constants=s.constants,
         param_copies=parameter_casts(plan, s.params),
+        fp8_state=s.fp8,
     )
     outs = run_forward(fwd_gm, forward_inputs)
     user, _, _, new_buffers = cap.split_outputs(outs)

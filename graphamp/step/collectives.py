@@ -38,3 +38,9 @@ def agree_on_probes(vector: torch.Tensor, group) -> torch.Tensor:
     magnitude, code = agreed.split(vector.shape[0])
     inf, nan = torch.full_like(vector, math.inf), torch.full_like(vector, math.nan)
     return torch.where(code == 0, magnitude, torch.where(code == 2, nan, inf))
+
+
+def agree_on_amax(amaxes: torch.Tensor, group) -> torch.Tensor:
+    """The delayed fp8 recipe's amaxes of this step, the largest over the ranks (finite by
+    construction: non-finite values are never recorded), so every rank scales alike."""
+    return funcol.all_reduce(amaxes, "max", group)

@@ -144,14 +144,7 @@ def forward_and_gradients(
         leaves = _GradientLeaves.of(plan, params, copies)
         # each micro-batch's forward is its own instance of every checkpointed region
         with torch.enable_grad(), NodeTagger({MICRO_BATCH: k}):
-            inputs = plan.forward_layout.flatten(
-                params=leaves.params,
-                buffers=current,
-                inputs=micro,
-                loss_scale=_loss_scale(scale, params),
-                constants=s.constants,
-                param_copies=leaves.copies,
-            )
+            inputs = _forward_inputs(plan, s, leaves, current, micro, scale)
             versions: list[tuple[int, torch.Tensor]] = []
             outs = run_forward(fwd_gm, inputs, recorder, versions)
             user, losses, loss_grads, new_buffers = cap.split_outputs(outs)
@@ -177,6 +170,19 @@ def forward_and_gradients(
         {i: g.detach() for i, g in zip(cap.gradient_code.grad_params, left)},
         set(total),
         [v.detach() for v in new_params],
+    )
+
+
+def _forward_inputs(plan: StepPlan, s: StepInputs, leaves, buffers, micro, scale) -> list:
+    """One micro-batch's forward inputs (``StepPlan.forward_layout``)."""
+    return plan.forward_layout.flatten(
+        params=leaves.params,
+        buffers=buffers,
+        inputs=micro,
+        loss_scale=_loss_scale(scale, s.params),
+        constants=s.constants,
+        param_copies=leaves.copies,
+        fp8_state=s.fp8,
     )
 
 

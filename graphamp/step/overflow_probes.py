@@ -233,7 +233,9 @@ def _grad_params(
     placeholders: list[fx.Node],
     index: dict,
 ) -> tuple[GradParam, ...]:
-    groups = captured.layout.with_param_copies(len(param_casts)).split(placeholders)
+    layout = captured.layout.with_param_copies(len(param_casts))
+    # the delayed fp8 recipe's histories follow the copies
+    groups = layout.with_fp8_state(len(placeholders) - len(layout)).split(placeholders)
     out = []
     for i in trainable:
         nodes = [groups.params[i]] + [

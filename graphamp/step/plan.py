@@ -34,6 +34,7 @@ def build_plan(
     param_casts: list[tuple[int, torch.dtype]],
     direct_use: set[int],
     process_group=None,
+    fp8_state: list[str] | None = None,
 ) -> StepPlan:
     """The StepPlan for ``captured`` (``forward``: the graph after the AMP passes);
     ``param_ids`` are ``id()`` of the forward's parameters in placeholder order (to find each
@@ -63,13 +64,15 @@ def build_plan(
         trainable=trainable,
         optimizers=plans,
         scaler=scaler,
-        layout=_layout(captured, plans, scaler, spec.training, zero, probes),
+        layout=_layout(captured, plans, scaler, spec.training, zero, probes, fp8_state or []),
         param_casts=param_casts,
         direct_use=direct_use,
         acc_steps=spec.config.grad_acc_steps,
         process_group=process_group if spec.training else None,
         zero_stage=zero,
         probes=probes,
+        fp8_state=list(fp8_state or []),
+        fp8_history=spec.config.fp8_history,
     )
 
 
@@ -189,6 +192,7 @@ def _layout(
     training: bool,
     zero_stage: int = 0,
     probes: ProbeTable | None = None,
+    fp8_state: list[str] | None = None,
 ) -> StepLayout:
     """Placeholder names of the step's inputs, group by group (spec.STEP_INPUT_GROUPS)."""
     state, hyper, fresh = [], [], []
@@ -225,6 +229,7 @@ def _layout(
                 if probes is not None
                 else []
             ),
+            "fp8": list(fp8_state or []),
             "constants": [f"c_{n}" for n in cap.constant_names],
             "inputs": [f"in_{n}" for n in cap.input_names],
         }
