@@ -22,6 +22,7 @@ from .config import GraphConfig
 from .errors import ConfigError, GraphDefinitionError
 from .forensics.reports import OverflowReport, RangeReport
 from .inspect.dump import dump_program
+from .inspect.fp8_report import Fp8Report, fp8_report
 from .inspect.printing import graph_repr
 from .inspect.report import (
     PrecisionReport,
@@ -292,6 +293,19 @@ class Graph:
                 "g.config.enable_overflow_tracing() (the next call rebuilds the step with it)"
             )
         return RangeReport(type(self).__name__, forensics.range_rows())
+
+    def fp8_report(self) -> Fp8Report:
+        """The delayed fp8 recipe: per operand of each fp8 matmul, the last step's amax, the
+        amax its scale was computed from, and whether its values saturated (clipped at the
+        format's largest number) and by how much (one copy of the histories)."""
+        if self.config.fp8_recipe != "delayed":
+            raise ConfigError(
+                f"{type(self).__name__}: saturation is read from the delayed recipe's amax "
+                "histories; enable_fp8(True, recipe='delayed') keeps them (the other recipes "
+                "scale each tensor by its own amax and never saturate)"
+            )
+        program = self._require_program()
+        return fp8_report(program, self._run.state.fp8, self.config.fp8_margin)
 
     # -- inspection -----------------------------------------------------------------------------
     def debug(self, v_level: int = 1) -> None:
