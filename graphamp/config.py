@@ -104,8 +104,8 @@ class GraphConfig:
         from the amax history of the last ``history`` steps, divided by ``2**margin``; the
         histories are step state: in ``g.state_dict()``, untouched by a skipped step, agreed
         across ranks). ``keep``: module paths whose matmuls stay bf16; ``keep_first_last``:
-        the first and last linear layers stay bf16 (the precision report says why each matmul
-        is where it is)."""
+        the input projection (a linear layer reading g(...)'s input) and the output layer (the
+        last matmul) stay bf16 (the precision report says why each matmul is where it is)."""
         mode = check_bool("enable_fp8(mode)", mode)
         recipe = check_choice("enable_fp8(recipe", recipe, FP8_RECIPES)
         paths = tuple(keep)

@@ -43,7 +43,7 @@ class AmpContext:
     # fp8 matmuls (passes/fp8_matmuls.py): the recipe, or None for none; module paths kept in bf16
     fp8: str | None = None
     fp8_keep: frozenset[str] = frozenset()
-    fp8_keep_first_last: bool = True
+    fp8_keep_first_last: bool = True  # the input projection and output layer stay bf16
     fp8_history: int = 16  # the delayed recipe's history length and margin
     fp8_margin: int = 0
     # filled by the passes

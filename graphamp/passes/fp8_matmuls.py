@@ -6,9 +6,9 @@ Runs last, on the coloured graph with its casts: a matmul the passes lowered to 
 backward), unless a rule keeps it in bf16. The rules are data, each with the reason the precision report prints:
 
 - its sizes are not all multiples of 16 (``torch._scaled_mm``'s requirement), or are symbolic;
-- it is the first or the last linear layer of the forward (torchao and Transformer Engine leave
-  those in higher precision: the input projection sees raw features, and the output layer's
-  logits feed the loss directly);
+- it is the input projection (a linear layer reading the step's input) or the output layer
+  (the last matmul), which torchao and Transformer Engine leave in higher precision: the first
+  sees raw features, the last's logits feed the loss directly;
 - it sits in a module the user kept out of fp8 (``enable_fp8(..., keep=[...])``).
 
 Attention's matmuls (``bmm``, scaled dot-product attention) are not linear layers and stay bf16.
@@ -84,8 +84,37 @@ def _module_of(node: fx.Node) -> str:
 
 
 def _first_and_last_layers(matmuls: list[fx.Node]) -> set[str]:
-    modules = [m for m in (_module_of(n) for n in matmuls) if m]
-    return {modules[0], modules[-1]} if modules else set()
+    """The modules of the input projection (a matmul reading a g(...) input directly, as an
+    MLP's first layer or a ViT's patch embedding does) and of the output layer (the last
+    matmul: a head or classifier). A transformer's first block reads an embedding, not an
+    input, so its blocks stay alike (and outlined)."""
+    ends = {_module_of(n) for n in matmuls if _reads_an_input(n)}
+    if matmuls:
+        ends.add(_module_of(matmuls[-1]))
+    return {m for m in ends if m}
+
+
+_PASS_THROUGH = frozenset(
+    {
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten._to_copy.default,
+        aten.t.default,
+        aten.expand.default,
+        aten.clone.default,
+    }
+)
+
+
+def _reads_an_input(node: fx.Node) -> bool:
+    value = _operands(node)[0]
+    while value.op == "call_function" and value.target in _PASS_THROUGH:
+        first = value.args[0]
+        if not isinstance(first, fx.Node):
+            return False
+        value = first
+    return value.op == "placeholder" and value.name.startswith("in_")
 
 
 def _first_or_last(node: fx.Node, _ctx: AmpContext, ends: set) -> bool:
@@ -102,7 +131,7 @@ _RULES: tuple[tuple[Callable[[fx.Node, AmpContext, set], bool], str], ...] = (
     (_kept_by_user, "bf16: in a module kept out of fp8 (enable_fp8(keep=...))"),
     (
         _first_or_last,
-        "bf16: first or last linear layer (kept in higher precision, as torchao "
+        "bf16: input projection or output layer (kept in higher precision, as torchao "
         "and Transformer Engine advise)",
     ),
 )

@@ -66,7 +66,7 @@ class ConfigSnapshot:
     step_cache: bool = True  # assembled steps saved on disk for restarts (set_step_cache)
     fp8_recipe: str | None = None  # fp8 matmuls (enable_fp8): "tensorwise", "rowwise" or off
     fp8_keep: tuple[str, ...] = ()  # module paths whose matmuls stay bf16
-    fp8_keep_first_last: bool = True  # the first and last linear layers stay bf16
+    fp8_keep_first_last: bool = True  # the input projection and the output layer stay bf16
     fp8_history: int = 16  # delayed recipe: steps of amax history per operand
     fp8_margin: int = 0  # delayed recipe: scales divided by 2**margin
 
