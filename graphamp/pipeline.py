@@ -264,6 +264,7 @@ def _capture(b: _Build) -> None:
         config.amp_active,
         b.request.lifted,
         b.request.lifted_inputs,
+        b.process_group if not config.zero_stage else None,
     )
     b.module_pins = {}
     if config.amp_active:

@@ -5,6 +5,7 @@
 MODE: train (config.enable_data_parallel), ddp (the model registered wrapped in DDP), bf16,
 mismatch (rank 1 builds a different model: every rank must raise, none may hang),
 fp8_delayed (bf16 with the delayed fp8 recipe and a scaler: the amax histories must agree),
+sam (SAM written in build(): the gradients it reads are averaged over the ranks first),
 interrupt (rank 1 is interrupted before a step and stays alive: rank 0 must get an error within
 the process group's timeout, with its state from before that step), autofix (fp16 with AMP
 autofix; only rank 1's shard overflows the first layer's matmul: every rank must pin it at the
@@ -90,11 +91,32 @@ def make_dp_graph(mode, registered, opt):
                 configure_autofix(self)
 
         def build(self, x, y):
+            if mode == "sam":
+                return sam_step(self.model, x, y)
             loss = nn.functional.cross_entropy(self.model(x), y)
             loss.backward()
             return loss
 
     return DP()
+
+
+def sam_step(model, x, y, rho=0.05):
+    """SAM in build(): ascend along the gradient, backward there, come back; the optimizer
+    then steps on the second gradient."""
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    params = list(model.parameters())
+    with torch.no_grad():
+        norm = torch.stack([p.grad.norm() for p in params]).norm()
+        steps = [p.grad * (rho / (norm + 1e-12)) for p in params]
+        for p, e in zip(params, steps):
+            p.add_(e)
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    with torch.no_grad():
+        for p, e in zip(params, steps):
+            p.sub_(e)
+    return loss
 
 
 def local_batch(mode, x, y, rank, shard):

@@ -17,6 +17,7 @@ from dist_worker import (
     global_batches,
     make_model,
     overflowing_model,
+    sam_step,
 )
 from helpers import make_graph, torchrun
 
@@ -153,3 +154,29 @@ def test_delayed_fp8_histories_agree_across_ranks(tmp_path):
     assert ranks[0]["skipped"][POISON_STEP]
     for (k, v), w in zip(ranks[0]["params"].items(), ranks[1]["params"].values()):
         assert torch.equal(v, w), k
+
+
+@pytest.mark.slow
+def test_gradient_code_in_build_trains_like_one_process_on_the_global_batch(tmp_path):
+    """SAM in build() under data parallel: the gradients it reads are averaged over the ranks
+    before its code sees them (as DDP's backward() does), so both ranks perturb alike and the
+    run equals one process on the concatenated batch; the poisoned step is skipped by both."""
+    ranks = run_ranks("sam", tmp_path)
+    assert all("error" not in r for r in ranks), [r.get("error") for r in ranks]
+    model = make_model(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = make_graph(
+            model,
+            None,
+            opt,
+            scaler=graphamp.GradScaler(init_scale=256.0),
+            build=lambda self, x, y: sam_step(self.model, x, y),
+        )
+        for x, y in global_batches():
+            g(x, y)
+    for r in ranks:
+        assert list(r["skipped"]) == g.history.fetch()["skipped"]
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(r["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)

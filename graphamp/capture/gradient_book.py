@@ -12,7 +12,9 @@ Each traced tensor's ``.grad`` lives in this book while build() runs (a fake ten
 reads, writes, in-place changes (``p.grad.mul_``) and ``p.grad = None`` act on it as eager's
 ``.grad`` would; ``backward()`` after a read adds to it. What the parameters' ``.grad`` hold when
 build() returns is the step's *explicit* gradient, to which the gradients of the losses not taken
-are added, unscaled; the overflow check runs on the sum, after the user's code.
+are added, unscaled; the overflow check runs on the sum, after the user's code. Under data
+parallel the gradients build() reads are averaged over the ranks first (every rank's code then
+sees the same gradients, as under DDP).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..errors import CaptureError
 
@@ -31,6 +35,9 @@ class GradientBook:
 
     params: Sequence[torch.Tensor]  # the traced parameters, in the forward's order
     loss_scale: torch.Tensor  # the traced 0-dim scale (1 without a scaler)
+    # data parallel: the gradients build() reads are averaged over this group first, as DDP's
+    # backward() averages them before the user's code sees .grad (None: one process)
+    group: Any = None
     grads: dict[int, torch.Tensor | None] = field(default_factory=dict)  # id(leaf) -> .grad
     # id(leaf) -> (the leaf, how many recorded losses its .grad holds)
     leaves: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
@@ -109,6 +116,10 @@ class GradientBook:
             found = torch.zeros((), dtype=torch.float32, device=scale.device)
             inv_scale = scale.double().reciprocal().float()
             torch._amp_foreach_non_finite_check_and_unscale_(unscaled, found, inv_scale)
+        if self.group is not None and unscaled:
+            world = dist.get_world_size(self.group)
+            summed = funcol.all_reduce_coalesced(unscaled, "sum", self.group)
+            unscaled = [g / world for g in summed]
         for (t, _), g in zip(present, unscaled):
             old = self.grads.get(id(t))
             self.grads[id(t)] = g if old is None else old + g

@@ -72,6 +72,7 @@ class CaptureMode(TorchFunctionMode):
         mixed_dtypes_ok: bool = False,
         params: tuple[torch.Tensor, ...] = (),
         aliases: dict[int, torch.Tensor] | None = None,
+        grad_group: Any = None,
     ):
         super().__init__()
         self.module_names = module_names
@@ -85,7 +86,7 @@ class CaptureMode(TorchFunctionMode):
         self.sdpa_policy = sdpa_policy
         self.losses: list[RecordedLoss] = []
         # the .grad of the traced tensors (gradient_book.py): build() may read and write them
-        self.book = GradientBook(params, loss_scale) if loss_scale is not None else None
+        self.book = GradientBook(params, loss_scale, grad_group) if loss_scale is not None else None
         self._param_ids = {id(p): i for i, p in enumerate(params)}
         # id(the user's parameter or buffer) -> its traced value: code that reaches the state
         # through another path than the module (an optimizer's param_groups, as zero_grad()

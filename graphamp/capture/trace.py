@@ -67,13 +67,15 @@ def capture_forward(
     amp: bool = False,
     lifted: tuple[AttributeRead, ...] = (),
     lifted_inputs: frozenset[int] = frozenset(),
+    grad_group: Any = None,
 ) -> CapturedForward:
     """Trace ``root``'s build() on fake copies of its state and ``inputs``.
 
     ``lifted``: Python floats build() reads that are traced as inputs of the step instead of
     constants (``records.guards.LiftedValue``; their tensors lead ``CapturedForward.constants``).
     ``lifted_inputs``: the tensor inputs that are g(...)'s float arguments made tensors; like
-    ``lifted`` values, refused where an op needs them as Python numbers.
+    ``lifted`` values, refused where an op needs them as Python numbers. ``grad_group``: data
+    parallel's group, over which the gradients build() reads are averaged.
 
     ``amp``: graphamp's AMP will decide the dtypes, so ops given tensors of several floating
     dtypes (which eager PyTorch refuses without autocast) are left for its casts to reconcile.
@@ -89,7 +91,7 @@ def capture_forward(
     # sizes symbolic: what a trace of the state before the first call assumes of them must not
     # reach the build's guards, so that trace runs on a copy of the batch in a ShapeEnv of its own
     first = inputs.with_tensors(scratch_batch(inputs.tensors)) if symbolic else inputs
-    once = (graph_name, device, amp, lifted, lifted_inputs)
+    once = (graph_name, device, amp, lifted, lifted_inputs, grad_group)
     captured, written = _capture_once(root, first, *once)
     if not written:
         return _capture_once(root, inputs, *once)[0] if symbolic else captured
@@ -142,13 +144,14 @@ def _capture_once(
     amp: bool,
     lifted: tuple[AttributeRead, ...],
     lifted_inputs: frozenset[int],
+    grad_group: Any = None,
 ) -> tuple[CapturedForward, list[WrittenValue]]:
     """One trace of build(), cleaned up; and what build() changed on the user's objects."""
     param_names = [n for n, _ in root.named_parameters()]
     buffer_names = [n for n, _ in root.named_buffers()]
     input_names = inputs.names(root._build)
     layout = ForwardLayout(len(param_names), len(buffer_names), len(input_names))
-    traced = _trace(root, inputs, layout, graph_name, device, amp, lifted)
+    traced = _trace(root, inputs, layout, graph_name, device, amp, lifted, grad_group)
     gm = traced.gm
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     placeholders = layout.split(nodes[: len(layout)])
@@ -252,6 +255,7 @@ def _trace(
     device: torch.device | None,
     amp: bool,
     lifted: tuple[AttributeRead, ...] = (),
+    grad_group: Any = None,
 ) -> TracedBuild:
     """make_fx over the functionalized forward, with torch's errors turned into CaptureErrors.
     Each lifted value is an input after the layout's (its holder, the value as a 0-dim float32
@@ -260,7 +264,7 @@ def _trace(
     refuse_hooks(graph_name, user_modules)
     refuse_compiled_submodules(graph_name, root)
     traced = TracedBuild()
-    forward = _traced_function(root, inputs, layout, graph_name, amp, traced, lifted)
+    forward = _traced_function(root, inputs, layout, graph_name, amp, traced, lifted, grad_group)
     at = _device_of([*root.parameters(), *root.buffers(), *inputs.tensors])
     traced.value_holders = [
         torch.tensor(read.current(), dtype=torch.float32, device=at) for read in lifted
@@ -292,6 +296,7 @@ def _traced_function(
     amp: bool,
     traced: TracedBuild,
     lifted: tuple[AttributeRead, ...],
+    grad_group: Any = None,
 ) -> Callable[..., tuple]:
     """build() as a function of the forward's flat inputs (``layout``, no constants yet): the
     traced values are swapped into the user's modules while it runs; ``traced`` is filled."""
@@ -316,6 +321,7 @@ def _traced_function(
             mixed_dtypes_ok=amp,
             params=tuple(parts.params),
             aliases=replacement,
+            grad_group=grad_group,
         )
         scope = ScopeReads(graph_name, skip={read.place() for read in lifted})
         with (

@@ -90,15 +90,15 @@ def _check_zero_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
 
 def _check_gradient_code(spec: GraphSpec, captured: CapturedForward, process_group) -> None:
     """Gradient code in build() (``GradientCode``) runs once per step, on the whole batch's
-    gradients: not yet per micro-batch, nor between the backward and the data-parallel
-    reduction (eager DDP reduces inside backward(), before the user's code sees .grad)."""
+    gradients (averaged over data parallel's ranks first, as DDP's backward() does): not yet
+    per micro-batch, nor on ZeRO's gradient shards."""
     if not (spec.training and captured.gradient_code.present):
         return
     clash = (
         "gradient accumulation (set_gradient_accumulation_steps)"
         if spec.config.grad_acc_steps > 1
-        else "data parallel or ZeRO"
-        if process_group is not None
+        else "ZeRO"
+        if process_group is not None and spec.config.zero_stage
         else None
     )
     if clash is not None:
