@@ -22,7 +22,7 @@ from .config import GraphConfig
 from .errors import ConfigError, GraphDefinitionError
 from .forensics.reports import OverflowReport, RangeReport
 from .inspect.dump import dump_program
-from .inspect.fp8_report import Fp8Report, fp8_report
+from .inspect.fp8_report import Fp8Report, fp8_report, require_delayed
 from .inspect.printing import graph_repr
 from .inspect.report import (
     PrecisionReport,
@@ -295,17 +295,9 @@ class Graph:
         return RangeReport(type(self).__name__, forensics.range_rows())
 
     def fp8_report(self) -> Fp8Report:
-        """The delayed fp8 recipe: per operand of each fp8 matmul, the last step's amax, the
-        amax its scale was computed from, and whether its values saturated (clipped at the
-        format's largest number) and by how much (one copy of the histories)."""
-        if self.config.fp8_recipe != "delayed":
-            raise ConfigError(
-                f"{type(self).__name__}: saturation is read from the delayed recipe's amax "
-                "histories; enable_fp8(True, recipe='delayed') keeps them (the other recipes "
-                "scale each tensor by its own amax and never saturate)"
-            )
-        program = self._require_program()
-        return fp8_report(program, self._run.state.fp8, self.config.fp8_margin)
+        """Where the delayed fp8 recipe saturated, per operand of each fp8 matmul."""
+        require_delayed(type(self).__name__, self.config.fp8_recipe)
+        return fp8_report(self._require_program(), self._run.state.fp8, self.config.fp8_margin)
 
     # -- inspection -----------------------------------------------------------------------------
     def debug(self, v_level: int = 1) -> None:

@@ -15,34 +15,26 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import lightning.pytorch as L
-from test_trainer_lightning import Losses, Ours, Stock, _loader
+from test_trainer_lightning import Ours, Stock, _fit
 
 
 def main(kind: str, out: str) -> None:
     warnings.simplefilter("ignore")
     module = Ours() if kind == "ours" else Stock()
-    losses = Losses()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer, rows = _fit(
+        module,
+        os.path.dirname(out),
         devices=2,
         strategy="ddp",
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=False,
-        default_root_dir=os.path.dirname(out),
-        callbacks=[losses],
         gradient_clip_val=1.0 if kind == "stock" else None,
     )
-    trainer.fit(module, _loader())
     if trainer.global_rank == 0:
         torch.save(
             {
                 "world_size": trainer.world_size,
                 "global_step": trainer.global_step,
-                "loss": [row["train_loss"] for row in losses.rows],
+                "loss": [row["train_loss"] for row in rows],
                 "params": {n: p.detach().clone() for n, p in module.named_parameters()},
             },
             out,

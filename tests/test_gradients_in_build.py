@@ -108,6 +108,20 @@ def _optimizer(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
+def _trains_like_eager(step, model, ref, opt, ref_opt, graph_arg=None, ref_arg=None):
+    """``step(model, arg, x, y) -> loss`` (its backward and gradient code inside) as build() of
+    a Graph over ``model`` and ``opt``, and eagerly on ``ref`` between ``ref_opt.zero_grad()``
+    and ``ref_opt.step()``: every loss and the final state agree at rtol 1e-5."""
+    g = make_graph(model, None, opt, build=lambda self, x, y: step(self.model, graph_arg, x, y))
+    for x, y in _batches(3):
+        loss = g(x, y)
+        ref_opt.zero_grad()
+        ref_loss = step(ref, ref_arg, x, y)
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    assert_state_close(model, ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", sorted(CODE))
 @pytest.mark.parametrize("batch_norm", [False, True])
 def test_gradient_code_trains_like_eager_in_fp32(name, batch_norm):
@@ -237,20 +251,11 @@ def test_an_adversarial_input_gradient_fgsm():
         loss.backward()
         return loss
 
-    def build(self, x, y):
-        return fgsm(self.model, x, y)
-
     model = _model(batch_norm=False)
     ref = copy.deepcopy(model)
-    opt, ref_opt = _optimizer(model), _optimizer(ref)
-    g = make_graph(model, None, opt, build=build)
-    for x, y in _batches(3):
-        loss = g(x, y)
-        ref_opt.zero_grad()
-        ref_loss = fgsm(ref, x, y)
-        ref_opt.step()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    assert_state_close(model, ref, rtol=1e-5, atol=1e-6)
+    _trains_like_eager(
+        lambda model, _, x, y: fgsm(model, x, y), model, ref, _optimizer(model), _optimizer(ref)
+    )
 
 
 def test_a_parameter_clamped_in_place_in_build_trains_like_eager():
@@ -261,25 +266,15 @@ def test_a_parameter_clamped_in_place_in_build_trains_like_eager():
         with torch.no_grad():
             model[0].weight.clamp_(-0.1, 0.1)
 
-    def build(self, x, y):
-        clamp(self.model)
-        loss = F.cross_entropy(self.model(x), y)
+    def step(model, _, x, y):
+        clamp(model)
+        loss = F.cross_entropy(model(x), y)
         loss.backward()
         return loss
 
     model = _model(batch_norm=False)
     ref = copy.deepcopy(model)
-    opt, ref_opt = _optimizer(model), _optimizer(ref)
-    g = make_graph(model, None, opt, build=build)
-    for x, y in _batches(3):
-        loss = g(x, y)
-        ref_opt.zero_grad()
-        clamp(ref)
-        ref_loss = F.cross_entropy(ref(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    assert_state_close(model, ref, rtol=1e-5, atol=1e-6)
+    _trains_like_eager(step, model, ref, _optimizer(model), _optimizer(ref))
 
 
 def test_gradient_code_with_accumulation_is_refused_by_name():
@@ -318,15 +313,8 @@ def test_optimizer_zero_grad_in_build_clears_the_first_gradients(caplog):
         second.backward()
         return second
 
-    g = make_graph(model, None, opt, build=lambda self, x, y: two_losses(self.model, opt, x, y))
     with caplog.at_level("INFO", logger="graphamp"):
-        for x, y in _batches(3):
-            loss = g(x, y)
-            ref_opt.zero_grad()
-            ref_loss = two_losses(ref, ref_opt, x, y)
-            ref_opt.step()
-            torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    assert_state_close(model, ref, rtol=1e-5, atol=1e-6)
+        _trains_like_eager(two_losses, model, ref, opt, ref_opt, opt, ref_opt)
     assert "profiler" not in caplog.text
 
 
@@ -373,11 +361,4 @@ def test_a_sam_optimizer_class_trains_like_eager():
     ref = copy.deepcopy(model)
     opt, ref_opt = _optimizer(model), _optimizer(ref)
     sam_opt, ref_sam = SAMOptimizer(model.parameters()), SAMOptimizer(ref.parameters())
-    g = make_graph(model, None, opt, build=lambda self, x, y: step(self.model, sam_opt, x, y))
-    for x, y in _batches(3):
-        loss = g(x, y)
-        ref_opt.zero_grad()
-        ref_loss = step(ref, ref_sam, x, y)
-        ref_opt.step()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    assert_state_close(model, ref, rtol=1e-5, atol=1e-6)
+    _trains_like_eager(step, model, ref, opt, ref_opt, sam_opt, ref_sam)

@@ -182,20 +182,6 @@ class Lion(torch.optim.Optimizer):
                 exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
 
 
-def test_a_third_party_optimizer_in_plain_torch_trains_like_eager():
-    model, twin = _model(Lion), _model(Lion)
-    opt = Lion(model.parameters(), lr=1e-3, weight_decay=0.1)
-    eager_opt = Lion(twin.parameters(), lr=1e-3, weight_decay=0.1)
-    g = _graph(model, opt)
-    batches = _batches(5)
-    for x, y in batches:
-        g(x, y)
-    _eager(twin, eager_opt, batches)
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(opt.state[p]["exp_avg"], eager_opt.state[q]["exp_avg"])
-
-
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"): Adam's step scaled
     per tensor by the trust ratio ||w|| / ||step||, one where a norm is zero. Written in plain
@@ -231,9 +217,18 @@ class Lamb(torch.optim.Optimizer):
                 p.sub_(update * (group["lr"] * trust))
 
 
-def test_lamb_written_in_plain_torch_trains_like_eager():
-    model, twin = _model(Lamb), _model(Lamb)
-    opt, eager_opt = Lamb(model.parameters(), lr=1e-2), Lamb(twin.parameters(), lr=1e-2)
+# third-party optimizers written in plain torch: (class, settings, the state compared)
+THIRD_PARTY = {
+    "lion": (Lion, {"lr": 1e-3, "weight_decay": 0.1}, ("exp_avg",)),
+    "lamb": (Lamb, {"lr": 1e-2}, ("step", "exp_avg", "exp_avg_sq")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(THIRD_PARTY))
+def test_a_third_party_optimizer_in_plain_torch_trains_like_eager(name):
+    cls, settings, state_keys = THIRD_PARTY[name]
+    model, twin = _model(cls), _model(cls)
+    opt, eager_opt = cls(model.parameters(), **settings), cls(twin.parameters(), **settings)
     g = _graph(model, opt)
     batches = _batches(5)
     for x, y in batches:
@@ -241,7 +236,7 @@ def test_lamb_written_in_plain_torch_trains_like_eager():
     _eager(twin, eager_opt, batches)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-        for key in ("step", "exp_avg", "exp_avg_sq"):
+        for key in state_keys:
             torch.testing.assert_close(opt.state[p][key], eager_opt.state[q][key])
 
 

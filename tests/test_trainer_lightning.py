@@ -90,7 +90,7 @@ class Losses(L.Callback):
 
 def _fit(module, tmp_path, epochs=1, ckpt_path=None, **trainer_args):
     losses = Losses()
-    trainer = L.Trainer(
+    settings = dict(
         accelerator="cpu",
         devices=1,
         max_epochs=epochs,
@@ -98,9 +98,9 @@ def _fit(module, tmp_path, epochs=1, ckpt_path=None, **trainer_args):
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
-        callbacks=[losses, *trainer_args.pop("callbacks", [])],
-        **trainer_args,
     )
+    callbacks = [losses, *trainer_args.pop("callbacks", [])]
+    trainer = L.Trainer(**{**settings, **trainer_args}, callbacks=callbacks)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, _loader(), ckpt_path=ckpt_path)

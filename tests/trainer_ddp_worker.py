@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import transformers
-from models import tiny_gpt2
+from test_trainer_transformers import GraphampTrainer, _args, _gpt2, _lm_data, _train
 
 STEPS = 6
 
@@ -23,41 +23,11 @@ STEPS = 6
 def main(kind: str, out: str) -> None:
     warnings.simplefilter("ignore")
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    model = tiny_gpt2(bos_token_id=0, eos_token_id=0)
-    tokens = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(1))
-    data = [{"input_ids": t, "labels": t} for t in tokens]
-    args = transformers.TrainingArguments(
-        output_dir=os.path.dirname(out),
-        report_to=[],
-        use_cpu=True,
-        ddp_backend="gloo",
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_grad_norm=1.0,
-        max_steps=STEPS,
-        logging_steps=1,
-        save_strategy="no",
-        learning_rate=1e-3,
-        weight_decay=0.1,
-        lr_scheduler_type="cosine",
-        warmup_steps=2,
-        seed=0,
-        disable_tqdm=True,
-    )
-    if kind == "graphamp":
-        from graphamp.integrations.transformers import Trainer
-
-        trainer = Trainer(
-            model=model,
-            args=args,
-            train_dataset=data,
-            configure_graph=lambda g: g.config.set_backend("aot_eager"),
-        )
-    else:
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
+    model, data = _gpt2(), _lm_data(64)
+    # test_trainer_transformers' arguments, data parallel on gloo
+    args = _args(os.path.dirname(out), ddp_backend="gloo", max_steps=STEPS, warmup_steps=2)
+    trainer_type = GraphampTrainer if kind == "graphamp" else transformers.Trainer
+    trainer, logs = _train(trainer_type, model, args, data)
     if trainer.args.process_index == 0:
         torch.save(
             {

@@ -41,7 +41,6 @@ class GradientBook:
     grads: dict[int, torch.Tensor | None] = field(default_factory=dict)  # id(leaf) -> .grad
     # id(leaf) -> (the leaf, how many recorded losses its .grad holds)
     leaves: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
-    read: bool = False  # build() read or wrote a .grad
 
     def __post_init__(self) -> None:
         for p in self.params:
@@ -51,12 +50,12 @@ class GradientBook:
     @property
     def taken(self) -> int:
         """How many of the recorded losses build() took the gradients of (the first ones)."""
-        counts = [n for leaf, n in self.leaves.values() if _is_in(leaf, self.params)]
+        params = {id(p) for p in self.params}
+        counts = [n for key, (_, n) in self.leaves.items() if key in params]
         return min(counts) if counts else 0
 
     def get(self, tensor: torch.Tensor, losses: list) -> torch.Tensor | None:
         """``tensor.grad``, after the gradients of the losses recorded so far are taken."""
-        self.read = True
         if id(tensor) not in self.leaves and tensor.requires_grad and tensor.grad_fn is None:
             self.leaves[id(tensor)] = (tensor, 0)  # a leaf build() made (an adversarial input)
         self._take(losses)
@@ -64,7 +63,6 @@ class GradientBook:
 
     def set(self, tensor: torch.Tensor, value: torch.Tensor | None, losses: list) -> None:
         """``tensor.grad = value``; what came before it (recorded losses included) is dropped."""
-        self.read = True
         if value is not None and (value.shape != tensor.shape or value.dtype != tensor.dtype):
             raise CaptureError(
                 f"build() assigns a .grad of shape {tuple(value.shape)} and dtype {value.dtype} "

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..errors import ConfigError
 from ..records.fp8_numerics import FP8_MM_DELAYED
+from ..records.fxutil import module_path
 from ..records.spec import Program
 
 OPERANDS = ("input", "weight", "gradient")
@@ -48,6 +50,16 @@ class Fp8Report:
         return "\n".join(lines)
 
 
+def require_delayed(graph_name: str, recipe: str | None) -> None:
+    """The report reads the delayed recipe's histories; the other recipes keep none."""
+    if recipe != "delayed":
+        raise ConfigError(
+            f"{graph_name}: saturation is read from the delayed recipe's amax histories; "
+            "enable_fp8(True, recipe='delayed') keeps them (the other recipes scale each "
+            "tensor by its own amax and never saturate)"
+        )
+
+
 def fp8_report(program: Program, histories: dict[str, torch.Tensor], margin: int) -> Fp8Report:
     """One row per operand of each delayed fp8 matmul of ``program``'s forward."""
     rows = []
@@ -65,10 +77,5 @@ def fp8_report(program: Program, histories: dict[str, torch.Tensor], margin: int
             limit = before * 2.0**margin
             saturated = before > 0 and amax > limit
             factor = amax / before if before > 0 else 0.0
-            rows.append(Fp8Row(_module(node), operand, amax, before, saturated, factor))
+            rows.append(Fp8Row(module_path(node), operand, amax, before, saturated, factor))
     return Fp8Report(rows)
-
-
-def _module(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack), "") if stack else ""

@@ -17,12 +17,13 @@ Every matmul gets ``meta["fp8"]``: ``"fp8"`` or the reason it stayed bf16.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.fx as fx
 
 from ..records.fp8_numerics import FP8_MM, FP8_MM_DELAYED, HISTORY_ROWS
+from ..records.fxutil import module_path
 from .base import AmpContext, PassResult, dtype_after_amp
 
 aten = torch.ops.aten
@@ -64,8 +65,7 @@ def _is_bf16(node: fx.Node) -> bool:
 
 def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node]:
     a, b = node.args[-2:]
-    assert isinstance(a, fx.Node) and isinstance(b, fx.Node)  # aten.mm / addmm's schema
-    return a, b
+    return cast(fx.Node, a), cast(fx.Node, b)  # aten.mm / addmm take tensors: graph values
 
 
 def _sizes(node: fx.Node) -> list:
@@ -78,19 +78,14 @@ def _not_multiples_of_16(node: fx.Node, _ctx: AmpContext, _ends: set) -> bool:
     return any(type(s) is not int or s % 16 for s in sizes)
 
 
-def _module_of(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack), "") if stack else ""
-
-
 def _first_and_last_layers(matmuls: list[fx.Node]) -> set[str]:
     """The modules of the input projection (a matmul reading a g(...) input directly, as an
     MLP's first layer or a ViT's patch embedding does) and of the output layer (the last
     matmul: a head or classifier). A transformer's first block reads an embedding, not an
     input, so its blocks stay alike (and outlined)."""
-    ends = {_module_of(n) for n in matmuls if _reads_an_input(n)}
+    ends = {module_path(n) for n in matmuls if _reads_an_input(n)}
     if matmuls:
-        ends.add(_module_of(matmuls[-1]))
+        ends.add(module_path(matmuls[-1]))
     return {m for m in ends if m}
 
 
@@ -118,7 +113,7 @@ def _reads_an_input(node: fx.Node) -> bool:
 
 
 def _first_or_last(node: fx.Node, _ctx: AmpContext, ends: set) -> bool:
-    return _module_of(node) in ends
+    return module_path(node) in ends
 
 
 def _kept_by_user(node: fx.Node, ctx: AmpContext, _ends: set) -> bool:

@@ -83,11 +83,25 @@ class Fp8MatMul(torch.autograd.Function):
             return (*_rowwise_backward(grad, *ctx.saved_tensors), None)
         a8, a_inv, b8, b_inv = ctx.saved_tensors
         g8, g_inv = quantize(grad, E5M2)
-        # grad_a = g @ b.T: b8 is row-major (K, N), so b8.t() is column-major (N, K)
-        grad_a = scaled_mm(g8, g_inv, b8.t(), b_inv, grad.dtype)
-        # grad_b = a.T @ g: the left operand row-major, the right column-major
-        grad_b = scaled_mm(a8.t().contiguous(), a_inv, _column_major(g8), g_inv, grad.dtype)
-        return grad_a, grad_b, None
+        return (*_tensorwise_grads(g8, g_inv, a8, a_inv, b8, b_inv, grad.dtype), None)
+
+
+def _tensorwise_grads(
+    g8: Tensor,
+    g_inv: Tensor,
+    a8: Tensor,
+    a_inv: Tensor,
+    b8: Tensor,
+    b_inv: Tensor,
+    out: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """Both gradients from the fp8 gradient and the forward's fp8 operands (``b8``
+    row-major), one scale per tensor."""
+    # grad_a = g @ b.T: b8 is row-major (K, N), so b8.t() is column-major (N, K)
+    grad_a = scaled_mm(g8, g_inv, b8.t(), b_inv, out)
+    # grad_b = a.T @ g: the left operand row-major, the right column-major
+    grad_b = scaled_mm(a8.t().contiguous(), a_inv, _column_major(g8), g_inv, out)
+    return grad_a, grad_b
 
 
 def _rowwise_backward(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
@@ -157,9 +171,7 @@ class Fp8MatMulDelayed(torch.autograd.Function):
         g_scale = history_scale(history, 2, E5M2, ctx.margin)
         _record_amax(history, 2, grad)
         g8, g_inv = cast_with_scale(grad, E5M2, g_scale), g_scale.reciprocal()
-        grad_a = scaled_mm(g8, g_inv, b8.t(), b_inv, grad.dtype)
-        grad_b = scaled_mm(a8.t().contiguous(), a_inv, _column_major(g8), g_inv, grad.dtype)
-        return grad_a, grad_b, None, None
+        return (*_tensorwise_grads(g8, g_inv, a8, a_inv, b8, b_inv, grad.dtype), None, None)
 
 
 def rolled_history(history: Tensor) -> Tensor:

@@ -39,14 +39,20 @@ class SharedState:
     # the delayed fp8 recipe: forward input name -> its (3, 1 + history) amax state
     fp8: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def fp8_history(self, name: str, columns: int, device: torch.device) -> torch.Tensor:
-        """The amax state of fp8 matmul ``name`` (made once, zeros: no amax yet); shared by
-        every compiled step of the graph, saved in its state dict."""
-        state = self.fp8.get(name)
-        if state is None or state.shape[1] != columns:
-            state = torch.zeros((3, columns), dtype=torch.float32, device=device)
-        self.fp8[name] = state = state.to(device)  # a loaded state moves to the step's device
-        return state
+    def fp8_histories(
+        self, names: list[str], history: int, device: torch.device
+    ) -> list[torch.Tensor]:
+        """The (3, 1 + ``history``) amax states of the fp8 matmuls ``names`` (made once,
+        zeros: no amax yet); shared by every compiled step of the graph, saved in its state
+        dict."""
+        out = []
+        for name in names:
+            state = self.fp8.get(name)
+            if state is None or state.shape[1] != 1 + history:
+                state = torch.zeros((3, 1 + history), dtype=torch.float32, device=device)
+            self.fp8[name] = state = state.to(device)  # a loaded state moves to the device
+            out.append(state)
+        return out
 
     def counter(self, index: int, device: torch.device, started: bool) -> torch.Tensor:
         """Optimizer ``index``'s applied-step counter on ``device`` (created once; a new one

@@ -115,15 +115,11 @@ def _load_fp8(run: GraphRuntime, histories: dict[str, torch.Tensor]) -> None:
     """Each saved history into the graph's state, in place where a compiled step holds it
     (a history of another length starts afresh, as a new step would make it)."""
     for name, saved in histories.items():
-        state = run.state.fp8.get(name)
-        if state is not None and state.shape[1] == saved.shape[1] + 1:
-            state[:, 0] = 0.0
-            state[:, 1:] = saved.to(state.device)
-        else:
-            device = state.device if state is not None else saved.device
-            fresh = torch.zeros((3, saved.shape[1] + 1), dtype=torch.float32, device=device)
-            fresh[:, 1:] = saved.to(device)
-            run.state.fp8[name] = fresh
+        held = run.state.fp8.get(name)
+        device = held.device if held is not None else saved.device
+        (state,) = run.state.fp8_histories([name], saved.shape[1], device)
+        state[:, 0] = 0.0
+        state[:, 1:] = saved.to(device)
 
 
 def _checked_pins(saved: Any) -> list[AmpPin]:

@@ -92,8 +92,7 @@ class Runner:
             self.scaler_state = plan.scaler.state_tensors()
         self.history = state.history.materialize(device) if plan.training else []
         # the delayed fp8 recipe's amax states (shared by the graph's steps, in its state dict)
-        columns = 1 + plan.fp8_history
-        self.fp8 = [state.fp8_history(name, columns, device) for name in plan.fp8_state]
+        self.fp8 = state.fp8_histories(plan.fp8_state, plan.fp8_history, device)
         self.shard: list[torch.Tensor] = []  # ZeRO: this rank's index, a graph input
         if plan.zero_stage:
             rank = dist.get_rank(plan.process_group)

@@ -56,7 +56,7 @@ def example_inputs(
             "history": state.history.materialize(device) if plan.training else [],
             "shard": [_rank(plan, device)] if plan.zero_stage else [],
             "forensics": record_tensors(plan.probes, device) if plan.probes is not None else [],
-            "fp8": fp8_histories(plan, state, device),
+            "fp8": state.fp8_histories(plan.fp8_state, plan.fp8_history, device),
             "constants": cap.constants,
             "inputs": [t.detach() for t in inputs],
         }
@@ -81,8 +81,3 @@ def _optimizer_state(plan: StepPlan) -> list[Any]:
             else:
                 out.append(opt.initial_state(p, key))
     return out
-
-
-def fp8_histories(plan: StepPlan, state: SharedState, device: torch.device) -> list[torch.Tensor]:
-    """The delayed fp8 recipe's amax states of the step's fp8 matmuls (``plan.fp8_state``)."""
-    return [state.fp8_history(name, 1 + plan.fp8_history, device) for name in plan.fp8_state]
