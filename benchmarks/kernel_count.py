@@ -38,7 +38,8 @@ sys.path.insert(0, HERE)
 from bench import FP8_VARIANTS, make_step  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
-import graphamp.pipeline as pipeline  # noqa: E402
+import graphamp  # noqa: E402
+import graphamp.pipeline.stages as stages  # noqa: E402
 
 _H100 = dict(
     name="NVIDIA H100 80GB HBM3 (not present)",
@@ -124,8 +125,8 @@ def capture_step(workload, variant: str) -> tuple[fx.GraphModule, list, dict]:
         got.update(gm=gm, example=example)
         raise _Captured()
 
-    real = pipeline.compile_step
-    pipeline.compile_step = keep
+    real = stages.compile_step
+    stages.compile_step = keep
     try:
         model = workload.make_model()
         g = make_step(variant, workload, model, torch.device("cpu"), "inductor")
@@ -136,7 +137,7 @@ def capture_step(workload, variant: str) -> tuple[fx.GraphModule, list, dict]:
             pass
         got["capture_and_assemble_s"] = time.perf_counter() - start
     finally:
-        pipeline.compile_step = real
+        stages.compile_step = real
     return got["gm"], got["example"], got
 
 
@@ -249,7 +250,7 @@ def main(argv=None) -> list[dict]:
         row["codegen_s"] = round(time.perf_counter() - start, 2)
         row["launches"] = launches(code)
         row["torch"] = torch.__version__
-        row["graphamp_tree"] = os.path.dirname(os.path.dirname(pipeline.__file__))
+        row["graphamp_tree"] = os.path.dirname(os.path.dirname(graphamp.__file__))
         if args.save_code:
             os.makedirs(args.save_code, exist_ok=True)
             with open(os.path.join(args.save_code, f"{name}_{args.target}.py"), "w") as f:

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from graphamp.passes import AmpContext, check_amp_invariants, run_amp_passes
+from graphamp.passes import DEFAULT_LISTS, AmpContext, check_amp_invariants, run_amp_passes
 
 aten = torch.ops.aten
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,7 +70,7 @@ def measure(n_nodes: int, repeat: int) -> dict:
     for _ in range(repeat):
         gm, params = synthetic_graph(n_nodes)
         nodes = len(gm.graph.nodes)
-        ctx = AmpContext(dtype=torch.float16, parameters=params)
+        ctx = AmpContext(lists=DEFAULT_LISTS, dtype=torch.float16, parameters=params)
         start = time.perf_counter()
         gm = run_amp_passes(gm, ctx, check=False, recompile=False)
         best = min(best, time.perf_counter() - start)

@@ -21,9 +21,9 @@ from .errors import (
 )
 from .graph import Graph
 from .integrations.function import training_step
-from .records.ops import full_precision, low_precision
 from .records.pins import AmpPin
 from .scaler import GradScaler, StaticGradScaler
+from .torchkit.ops import full_precision, low_precision
 
 __version__ = "0.1.0"
 

@@ -15,8 +15,6 @@ from typing import Any, Iterable
 import torch
 
 from .errors import ConfigError
-from .records.fp8_numerics import RECIPES as FP8_RECIPES
-from .records.ops import resolve_op
 from .records.pins import AmpPin
 from .records.settings import BACKENDS, AutofixSettings, ConfigSnapshot, ListOverrides
 from .records.validate import (
@@ -28,6 +26,8 @@ from .records.validate import (
     check_low_precision_dtype,
     check_opt_level,
 )
+from .torchkit.fp8_numerics import RECIPES as FP8_RECIPES
+from .torchkit.ops import resolve_op
 
 __all__ = [
     "AutofixSettings",

@@ -1,10 +1,9 @@
 """graphamp.Graph: write the training step once in build(); call it like a function.
 
-The Graph keeps what the user registered, the cache of compiled steps (one per input
-signature) and the public entry points. A call enters ``runtime.calls.call`` once: it looks the
-compiled step up and runs it as a transaction. The first call for a signature comes back here
-(``_compile``) to hand a GraphSpec to ``pipeline.build_program``. ``docs/architecture.md``
-describes the stages.
+The Graph is a facade: it keeps what the user registered (in its ``GraphRuntime``) and the
+public entry points. A call enters ``runtime.calls.call`` once: it looks the compiled step up,
+has the pipeline build one on a miss, and runs it as a transaction; nothing comes back here.
+``docs/architecture.md`` walks one call.
 """
 
 from __future__ import annotations
@@ -27,18 +26,15 @@ from .inspect.printing import graph_repr
 from .inspect.report import (
     PrecisionReport,
     configure_logging,
-    log_program_summary,
     precision_report,
 )
-from .records.guards import BuildRequest
 from .records.history import TrainingHistory
-from .records.inputs import FlatInputs
 from .records.optimizers import TRACED, check_optimizer_slot, optimizer_kind
 from .records.spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .records.state import SharedState
 from .records.validate import check_choice
-from .runtime import ambient, schedulers
-from .runtime.calls import GraphRuntime, call
+from .runtime import schedulers
+from .runtime.calls import GraphRuntime, building_graph, call, graph_spec
 from .runtime.graph_state import graph_state_dict, load_graph_state
 from .runtime.overflows import overflow_report
 from .runtime.torch_scaler import as_graphamp_scaler
@@ -46,7 +42,6 @@ from .scaler import GradScaler
 
 log = logging.getLogger("graphamp")
 _READY = "_graphamp_ready"
-_building = threading.local()  # .name: the Graph whose build() is being captured in this thread
 
 
 class Graph:
@@ -81,13 +76,14 @@ class Graph:
             d["_optimizer_slots"],
             d["config"],
             d["_state"],
-            self._compile,
             self.build,
+            owner=self,
         )
         d["_programs"] = d["_run"].programs  # the compiled steps, least recently used first
         d["_lock"] = threading.RLock()  # one call at a time: a Graph is one training loop
         # graphamp's own attributes: capture does not treat them as settings build() reads
         d["_graphamp_own"] = frozenset(d) | {"_graphamp_own", _READY}
+        d["_run"].own_attributes = d["_graphamp_own"]
         d[_READY] = True
 
     # -- registration ---------------------------------------------------------------------------
@@ -209,7 +205,7 @@ class Graph:
         d = self.__dict__
         if _READY not in d:
             self._check_ready()
-        outer = getattr(_building, "name", None)
+        outer = building_graph()
         if outer is not None:
             raise GraphDefinitionError(
                 f"{type(self).__name__} was called inside {outer}.build(): a Graph is a whole "
@@ -220,32 +216,9 @@ class Graph:
         with d["_lock"]:
             return call(d["_run"], args, kwargs)
 
-    def _compile(self, inputs: FlatInputs, request: BuildRequest) -> Program:
-        """Capture and compile a step for this call (the runtime found none that serves it)."""
-        name = type(self).__name__
-        _building.name = name
-        try:
-            with ambient.capture_modes():
-                program = pipeline.build_program(self._spec(), inputs, self._state, request)
-        finally:
-            _building.name = None
-        log_program_summary(program)
-        return program
-
     def _spec(self) -> GraphSpec:
         """What the pipeline may read of this Graph, as of now."""
-        scaler = self._run.scaler
-        return GraphSpec(
-            name=type(self).__name__,
-            modules=tuple(self._registered_modules.items()),
-            build=self.build,
-            optimizers=tuple(self._optimizer_slots),
-            scaler=scaler if scaler is not None and scaler.enabled else None,
-            config=self.config.snapshot(),
-            history_capacity=self._state.history.capacity,
-            debug_level=self._run.debug_level,
-            progress=self.config.progress,
-        )
+        return graph_spec(self._run)
 
     def _check_ready(self) -> None:
         if _READY not in self.__dict__:

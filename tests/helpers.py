@@ -79,6 +79,15 @@ def eager_step(model, loss_fn, opt, x, y, sch=None) -> torch.Tensor:
     return loss.detach()
 
 
+def sgd_with_state(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.optim.SGD:
+    """SGD (lr 0.1, momentum 0.9) over ``model`` after one eager cross-entropy step on ``(x, y)``,
+    its gradients cleared: the optimizer has state, so a test's "unchanged" means something."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eager_step(model, F.cross_entropy, opt, x, y)
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
 # -- the eager AMP oracle: torch.autocast, with or without torch.amp.GradScaler --------------------
 
 

@@ -1,4 +1,5 @@
-"""Small real models the tests train: the seed MLP, a CNN with BatchNorm, a GPT-style LM."""
+"""Small real models the tests train (the seed MLP, other MLPs, a CNN with BatchNorm, a GPT-style
+LM) and the random classification batches they train on."""
 
 from __future__ import annotations
 
@@ -9,9 +10,48 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def mlp(
+    *widths: int,
+    act: type[nn.Module] = nn.ReLU,
+    norm: type[nn.Module] | None = None,
+    bias: bool = True,
+    act_last: bool = False,
+    seed: int | None = None,
+) -> nn.Sequential:
+    """Linear layers through ``widths`` (``mlp(16, 12, 4)``: 16 -> 12 -> 4), each hidden one
+    followed by ``norm(width)`` when given, then ``act()``; ``act_last`` puts an ``act()`` after
+    the last one too. With ``seed``, torch.manual_seed(seed) first: the same weights whatever
+    ran before. The layers are made (their weights drawn) in order, as nn.Sequential lists them."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    last = len(widths) - 2
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers.append(nn.Linear(a, b, bias=bias))
+        if i < last and norm is not None:
+            layers.append(norm(b))
+        if i < last or act_last:
+            layers.append(act())
+    return nn.Sequential(*layers)
+
+
 def seed_mlp() -> nn.Module:
     """The OneFlow AMP example's model."""
-    return nn.Sequential(nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+    return mlp(256, 128, 10)
+
+
+def batches(
+    n: int, batch: int, d_in: int | tuple[int, ...], classes: int, *, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` classification batches ``(x, y)``: x of shape ``(batch, d_in)`` (``(batch, *d_in)``
+    for a tuple) from N(0, 1), y of shape ``(batch,)`` in ``[0, classes)``; drawn x then y, batch
+    after batch, from one generator seeded ``seed`` (torch's global generator is not used)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, d_in) if isinstance(d_in, int) else (batch, *d_in)
+    return [
+        (torch.randn(*shape, generator=gen), torch.randint(0, classes, (batch,), generator=gen))
+        for _ in range(n)
+    ]
 
 
 class SmallCNN(nn.Module):

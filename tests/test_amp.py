@@ -15,9 +15,9 @@ import graphamp
 from graphamp import ConfigError
 from graphamp.capture import BuildRoot, autocast_forward, capture_forward
 from graphamp.inspect.compare import compare
-from graphamp.passes import AmpContext, run_amp_passes
-from graphamp.records.fxutil import copy_graph_module
+from graphamp.passes import DEFAULT_LISTS, AmpContext, run_amp_passes
 from graphamp.records.inputs import flatten_inputs
+from graphamp.torchkit.fxutil import copy_graph_module
 
 CUDA = torch.device("cuda")  # fake CUDA tensors: autocast's CUDA policy, measured on any machine
 
@@ -51,7 +51,7 @@ def _graphamp_vs_autocast(name, dtype):
     inputs = flatten_inputs((x, y), {})
     cap = capture_forward(root, inputs, name, device=CUDA)
     params = frozenset(n.name for n in list(cap.gm.graph.nodes)[: len(cap.param_names)])
-    ctx = AmpContext(dtype=dtype, parameters=params)
+    ctx = AmpContext(lists=DEFAULT_LISTS, dtype=dtype, parameters=params)
     forward = run_amp_passes(copy_graph_module(cap.gm), ctx)
     trace = autocast_forward(root, inputs, dtype, device=CUDA)
     return compare(forward, trace), ctx, trace

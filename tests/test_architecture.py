@@ -39,9 +39,10 @@ ALLOWED = {
         "graphamp.records",
         "graphamp.errors",
     },
+    # the facade: registrations and public entry points; a call goes down into runtime/
     "graphamp.graph": {
-        "graphamp.pipeline",
         "graphamp.runtime",
+        "graphamp.pipeline",  # the precision report's autocast oracle, add_optimizer's check
         "graphamp.inspect",
         "graphamp.forensics",
         "graphamp.config",
@@ -49,27 +50,45 @@ ALLOWED = {
         "graphamp.records",
         "graphamp.errors",
     },
+    # every call: the program cache and its keys; a miss goes down into the pipeline
+    "graphamp.runtime": {
+        "graphamp.pipeline",
+        "graphamp.inspect",
+        "graphamp.forensics",
+        "graphamp.scaler",
+        "graphamp.records",
+        "graphamp.torchkit",
+        "graphamp.errors",
+    },
+    # one build: the stages, in order
     "graphamp.pipeline": {
         "graphamp.capture",
         "graphamp.passes",
         "graphamp.step",
-        "graphamp.runtime",
+        "graphamp.backend",
+        "graphamp.runner",
         "graphamp.records",
+        "graphamp.torchkit",
         "graphamp.errors",
     },
-    "graphamp.capture": {"graphamp.records", "graphamp.errors"},
-    "graphamp.passes": {"graphamp.records", "graphamp.errors"},
-    "graphamp.step": {"graphamp.records", "graphamp.errors"},
-    "graphamp.runtime": {
+    "graphamp.capture": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
+    "graphamp.passes": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
+    "graphamp.step": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
+    # build time, after assembly: compile, the step cache and its disk key, the ranks' agreement
+    "graphamp.backend": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
+    # a compiled step bound to the live state, called on every call
+    "graphamp.runner": {"graphamp.forensics", "graphamp.records", "graphamp.errors"},
+    "graphamp.inspect": {
         "graphamp.forensics",
-        "graphamp.scaler",
         "graphamp.records",
+        "graphamp.torchkit",
         "graphamp.errors",
     },
-    "graphamp.inspect": {"graphamp.forensics", "graphamp.records", "graphamp.errors"},
-    "graphamp.forensics": {"graphamp.records", "graphamp.errors"},
-    "graphamp.config": {"graphamp.records", "graphamp.errors"},
+    "graphamp.forensics": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
+    "graphamp.config": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
     "graphamp.scaler": {"graphamp.records", "graphamp.errors"},
+    # graphamp's code over torch's machinery (fx helpers, its torch ops, fake shapes, compat)
+    "graphamp.torchkit": {"graphamp.records", "graphamp.errors"},
     "graphamp.records": {"graphamp.errors"},
     "graphamp.errors": set(),
 }
@@ -82,7 +101,6 @@ TOP_MODULES = {
     "config.py",
     "scaler.py",
     "errors.py",
-    "pipeline.py",
 }
 
 
@@ -306,6 +324,8 @@ def _definitions() -> tuple[dict[str, set[str]], set[str]]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 by_module[stem].add(node.name)
                 everything.add(node.name)
+            elif isinstance(node, ast.ImportFrom) and path.name == "__init__.py":
+                by_module[stem].update(a.asname or a.name for a in node.names)  # re-exported
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:  # module constants, and attributes set on self
@@ -362,3 +382,114 @@ def test_the_architecture_document_names_only_files_and_functions_that_exist():
             if name not in everything:
                 missing.append(token)
     assert not missing, f"docs/architecture.md names what does not exist: {missing}"
+
+
+# -- one way through a first call ------------------------------------------------------------------
+
+
+def test_a_first_call_goes_down_graph_runtime_pipeline_and_never_back_up():
+    """graph.py -> runtime/ -> pipeline/ -> the stages, and back by returning: no frame of
+    graph.py runs while runtime/ or pipeline/ is on the stack (no callback into the Graph)."""
+    model = seed_mlp()
+    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    package = str(PACKAGE) + "/"
+    looped_back, order = [], []
+
+    def part(frame):
+        name = frame.f_code.co_filename
+        if not name.startswith(package):
+            return None
+        return name[len(package) :].split("/")[0].removesuffix(".py")
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        here = part(frame)
+        if here in ("graph", "runtime", "pipeline") and (not order or order[-1] != here):
+            order.append(here)
+        if here != "graph":
+            return
+        outer = frame.f_back
+        while outer is not None:
+            if part(outer) in ("runtime", "pipeline"):
+                looped_back.append(f"{frame.f_code.co_name} under {outer.f_code.co_name}")
+                break
+            outer = outer.f_back
+
+    sys.setprofile(profile)
+    try:
+        g(torch.randn(4, 256), torch.randint(0, 10, (4,)))
+    finally:
+        sys.setprofile(None)
+    assert not looped_back, looped_back
+    assert order[:3] == ["graph", "runtime", "pipeline"], order
+
+
+def test_each_stage_is_a_function_of_records_to_a_frozen_record():
+    """The stages hand off through their signatures: every stage build.py runs has annotated
+    parameters and returns a frozen record (no mutable build object a stage fills in)."""
+    import graphamp.pipeline.build as build
+    import graphamp.pipeline.stages as stages
+
+    tree = ast.parse(pathlib.Path(build.__file__).read_text())
+    run = [
+        node.args[1].attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) in ("run", "_Stages(spec).run")
+        and len(node.args) > 1
+        and isinstance(node.args[1], ast.Attribute)
+        and ast.unparse(node.args[1].value) == "stages"
+    ]
+    assert {"capture", "amp_passes", "plan", "assemble", "compile"} <= set(run), run
+    for name in run:
+        fn = getattr(stages, name)
+        annotations = fn.__annotations__
+        assert "return" in annotations, name
+        params = fn.__code__.co_varnames[: fn.__code__.co_argcount]
+        assert all(p in annotations for p in params), f"{name}: unannotated parameters"
+    for record in (stages.BuildContext, stages.Captured, stages.Passed, stages.Choices):
+        assert record.__dataclass_params__.frozen, record
+    assert stages.StepGraph.__dataclass_params__.frozen
+    assert stages.CacheLookup.__dataclass_params__.frozen
+
+
+def test_the_runtime_holds_no_callback_into_the_graph():
+    from graphamp.runtime.calls import GraphRuntime
+
+    callables = [f.name for f in dataclasses.fields(GraphRuntime) if "Callable" in str(f.type)]
+    assert callables == ["build"]  # build() is the user's code, read for its signature
+    model = seed_mlp()
+    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    bound = [
+        f.name
+        for f in dataclasses.fields(g._run)
+        if getattr(getattr(g._run, f.name), "__self__", None) is g and f.name != "build"
+    ]
+    assert bound == []
+    assert not hasattr(graphamp.Graph, "_compile")
+
+
+def test_records_check_the_invariants_they_state():
+    from graphamp.records.spec import GradientCode
+
+    with pytest.raises(ValueError, match="ascend"):
+        GradientCode(grad_params=(2, 1))
+    model = seed_mlp()
+    g = make_graph(
+        model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1), amp=None
+    )
+    g(torch.randn(4, 256), torch.randint(0, 10, (4,)))
+    plan = g._programs.last().plan
+    for change, words in (
+        (dict(trainable=[0, 0]), "twice"),
+        (dict(acc_steps=0), "at least 1"),
+        (dict(zero_stage=3), "0, 1 or 2"),
+        (dict(zero_stage=1, process_group=None), "process group"),
+        (dict(training=False), "eval StepPlan"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            dataclasses.replace(plan, **change)
+    captured = plan.captured
+    with pytest.raises(ValueError, match="num_written"):
+        dataclasses.replace(captured, num_written=captured.num_user_outputs + 1)

@@ -33,8 +33,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import graphamp
 from graphamp.capture import fake_copy
 from graphamp.errors import CaptureError
-from graphamp.passes import AmpContext, run_amp_passes, verify_dtypes
-from graphamp.records.fxutil import copy_graph_module, dtype_after_amp
+from graphamp.passes import DEFAULT_LISTS, AmpContext, run_amp_passes, verify_dtypes
+from graphamp.torchkit.fxutil import copy_graph_module, dtype_after_amp
 
 LOW = object()  # "the AMP dtype": what torch's lower-precision lists expect
 
@@ -176,7 +176,9 @@ def forward_graph(entry: Entry, dtype: torch.dtype, args: tuple) -> fx.GraphModu
     """The AMP forward graph of ``entry`` as a one-op Graph (run once on CPU), or, for ops with
     no CPU kernel, captured on fake CUDA tensors and run through the AMP passes."""
     if entry.id in CUDA_ONLY and not torch.cuda.is_available():
-        return run_amp_passes(_hand_built_graph(entry, args), AmpContext(dtype=dtype))
+        return run_amp_passes(
+            _hand_built_graph(entry, args), AmpContext(lists=DEFAULT_LISTS, dtype=dtype)
+        )
     device = "cuda" if entry.id in CUDA_ONLY else "cpu"
     args = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, args)
     g = _one_op_graph(entry, dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -51,11 +52,7 @@ def _train_both(
 
 
 def _batches(n=3, shape=(8, 16), classes=4, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(*shape, generator=gen), torch.randint(0, classes, (shape[0],), generator=gen))
-        for _ in range(n)
-    ]
+    return models.batches(n, shape[0], shape[1:], classes, seed=seed)
 
 
 def test_detach_in_build_stops_gradients_like_eager():

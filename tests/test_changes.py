@@ -9,6 +9,7 @@ import math
 import threading
 import warnings
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -29,12 +30,8 @@ import graphamp
 from graphamp import CaptureError, ConfigError
 
 
-def _batches(n=4, batch=16):
-    gen = torch.Generator().manual_seed(0)
-    return [
-        (torch.randn(batch, 256, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
-        for _ in range(n)
-    ]
+def _batches(n=4):
+    return models.batches(n, 16, 256, 10, seed=0)
 
 
 # -- 1. optimizer hyperparameters -----------------------------------------------------------------

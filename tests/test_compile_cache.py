@@ -22,9 +22,9 @@ from torch._guards import TracingContext
 from torch._inductor.codecache import PyCodeCache
 from torch._subclasses.fake_tensor import FakeTensor
 
-from graphamp.records.fxutil import trace_functional
-from graphamp.runtime.compile import compile_step
-from graphamp.runtime.inductor_cache import rebuild_if_cache_unreadable
+from graphamp.backend.compile import compile_step
+from graphamp.backend.inductor_cache import rebuild_if_cache_unreadable
+from graphamp.torchkit.fxutil import trace_functional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -11,6 +11,7 @@ import pickle
 import re
 
 import helpers
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -31,16 +32,11 @@ from graphamp.errors import GraphDefinitionError
 
 
 def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4))
+    return models.mlp(16, 12, 4, seed=0)
 
 
 def _batches(n=4):
-    gen = torch.Generator().manual_seed(1)
-    return [
-        (torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen))
-        for _ in range(n)
-    ]
+    return models.batches(n, 8, 16, 4, seed=1)
 
 
 def Twin(model=None, make_opt=None, **kwargs) -> helpers.Twin:

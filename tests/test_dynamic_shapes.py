@@ -15,7 +15,7 @@ from helpers import assert_state_close, eager_step, make_graph
 from models import SmallCNN, TinyGPT, lm_loss, tiny_gpt2
 
 import graphamp
-from graphamp.runtime.cudagraph import CudaGraphsBySize
+from graphamp.runner.cudagraph import CudaGraphsBySize
 
 INDUCTOR = pytest.param("inductor", marks=pytest.mark.inductor)
 LENGTHS = (12, 7, 16, 9, 7, 13)

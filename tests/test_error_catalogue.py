@@ -1,10 +1,17 @@
-"""Every error is graphamp's.
+"""The catalogue of user faults: each raises graphamp's error and changes nothing.
 
-A catalogue of build() bodies and model patterns that fail somewhere in the pipeline (capture,
-assembly, compilation). For each: the exception is a GraphampError, it names the line of this
-file where the failure is (marked ``# fails: <case>``) when there is one, torch's exception is
-kept as ``__cause__`` where torch raised, and the user's model, optimizer and scaler are exactly
-as before (the same Python objects, the same values).
+1. build() bodies and model patterns that fail somewhere in the pipeline (capture, assembly,
+   compilation). For each: the exception is a GraphampError, it names the line of this file
+   where the failure is (marked ``# fails: <case>``) when there is one, torch's exception is kept
+   as ``__cause__`` where torch raised, and the user's model, optimizer and scaler are exactly as
+   before (the same Python objects, the same values).
+2. Faults found at the first call (a build() without backward, bad inputs, optimizers over the
+   wrong parameters): the error type and words that name the fault, the model and optimizer
+   (which already have state) unchanged.
+3. Bad states loaded: a ConfigError, the graph's own state unchanged.
+
+Errors that are not a step's faults (a Graph subclass defined wrong, bad configuration calls,
+a failing backend, Ctrl-C) are in tests/test_errors.py.
 """
 
 from __future__ import annotations
@@ -14,17 +21,23 @@ import pathlib
 import random
 import re
 
+import models
 import numpy as np
 import pytest
 import torch
 import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import make_graph
+from helpers import assert_unchanged, make_graph, sgd_with_state, snapshot
+from models import seed_mlp
 
 import graphamp
+from graphamp import CaptureError, InputError, UnsupportedOptimizerError
 
 THIS_FILE = pathlib.Path(__file__)
+
+
+# -- 1. build() bodies and model patterns that fail in the pipeline --------------------------------
 
 
 def _line_of(case: str) -> int:
@@ -225,15 +238,17 @@ CASES = {
     "backend": (_ce, None, True, True),
 }
 
+# case -> (the error's type, words its message must have), where a case checks more than
+# GraphampError and the line
+WORDS = {
+    "control flow": (CaptureError, r"bool\(\).*if loss > 1:"),
+    "item": (CaptureError, r"\.item\(\).*return loss \* loss\.item\(\).*torch\.where"),
+}
+
 
 def _model_and_optimizer():
-    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
-    F.cross_entropy(model(x), y).backward()  # optimizer state exists: "unchanged" means something
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return model, opt
+    model = models.mlp(8, 16, 4, norm=nn.BatchNorm1d)
+    return model, sgd_with_state(model, torch.randn(6, 8), torch.randint(0, 4, (6,)))
 
 
 def _snapshot(model, opt, scaler):
@@ -284,31 +299,159 @@ def test_every_failure_is_a_graphamp_error_naming_the_line(case, monkeypatch):
         assert where in str(err), (where, str(err))
     if has_cause:
         assert err.__cause__ is not None and not isinstance(err.__cause__, graphamp.GraphampError)
+    if case in WORDS:
+        kind, words = WORDS[case]
+        assert isinstance(err, kind), (type(err), err)
+        assert re.search(words, str(err)), (words, str(err))
     _assert_unchanged(before, model, opt, scaler)
     assert g.step_count == 0
 
 
-def test_the_compile_stage_failure_is_a_compile_error(monkeypatch):
-    monkeypatch.setattr(torch._dynamo, "lookup_backend", lambda name: _broken_backend_compiler)
-    model, opt = _model_and_optimizer()
-    g = make_graph(model, F.cross_entropy, opt)
-    with pytest.raises(graphamp.CompileError, match=r"aot_eager.*set_backend") as info:
-        g(torch.randn(6, 8), torch.randint(0, 4, (6,)))
-    assert re.search("cannot compile anything", str(info.value.__cause__))
+# -- 2. faults found at the first call -------------------------------------------------------------
 
 
-def test_ctrl_c_during_the_build_is_not_wrapped():
-    model, opt = _model_and_optimizer()
+def _xy(batch=8):
+    return torch.randn(batch, 256), torch.randint(0, 10, (batch,))
+
+
+@pytest.fixture
+def trained():
+    """A model and optimizer that already have state, so 'nothing lost' means something."""
+    model = seed_mlp()
+    return model, sgd_with_state(model, _xy()[0], _xy()[1])
+
+
+def test_build_without_backward_while_an_optimizer_is_added(trained):
+    model, opt = trained
+    before = snapshot(model, opt)
 
     def build(self, x, y):
-        raise KeyboardInterrupt
+        return nn.functional.cross_entropy(self.model(x), y)
 
     g = make_graph(model, None, opt, build=build)
-    with pytest.raises(KeyboardInterrupt):
-        g(torch.randn(6, 8), torch.randint(0, 4, (6,)))
+    with pytest.raises(CaptureError, match=r"never calls backward\(\).*loss\.backward\(\)"):
+        g(*_xy())
+    assert_unchanged(before, model, opt)
 
 
-# -- loading a state: every part checked as its constructor checks it ------------------------------
+def test_backward_twice_on_the_same_loss(trained):
+    model, opt = trained
+    before = snapshot(model, opt)
+
+    def build(self, x, y):
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        loss.backward()  # the line the error must name
+        return loss
+
+    g = make_graph(model, None, opt, build=build)
+    with pytest.raises(
+        CaptureError, match=r"twice.*test_error_catalogue\.py:\d+.*retain_graph=True"
+    ):
+        g(*_xy())
+    assert_unchanged(before, model, opt)
+
+
+def test_optimizer_over_parameters_of_no_registered_module(trained):
+    model, _ = trained
+    stranger = nn.Linear(3, 3)
+    opt = torch.optim.SGD(list(model.parameters()) + list(stranger.parameters()), lr=0.1)
+    before = snapshot(model, opt)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt)
+    with pytest.raises(CaptureError, match=r"belongs to no module registered.*self\.model = model"):
+        g(*_xy())
+    assert_unchanged(before, model, opt)
+
+
+def test_wrong_number_of_arguments(trained):
+    model, opt = trained
+    before = snapshot(model, opt)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt)
+    x, y = _xy()
+    with pytest.raises(InputError, match=r"build\(x, y\)"):
+        g(x)
+    with pytest.raises(InputError, match=r"build\(x, y\)"):
+        g(x, y, y)
+    assert_unchanged(before, model, opt)
+
+
+def test_wrong_argument_types(trained):
+    model, opt = trained
+    before = snapshot(model, opt)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt)
+    x, y = _xy()
+    with pytest.raises(InputError, match=r"ndarray.*torch\.as_tensor"):
+        g(x.numpy(), y)
+    with pytest.raises(InputError, match=r"type object"):
+        g(x, object())
+    assert isinstance(np.zeros(1), np.ndarray)
+    assert_unchanged(before, model, opt)
+
+
+def test_input_on_another_device_than_the_model(trained):
+    model, opt = trained
+    before = snapshot(model, opt)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt)
+    x, y = _xy()
+    with pytest.raises(InputError, match=r"on meta but the graph runs on cpu"):
+        g(x.to("meta"), y)
+    assert_unchanged(before, model, opt)
+
+
+@pytest.mark.parametrize(
+    "make_opt, words",
+    [
+        (lambda p: torch.optim.LBFGS(p), r"step\(closure\)"),
+        (lambda p: torch.optim.SparseAdam(p), "sparse gradients"),
+    ],
+)
+def test_unsupported_optimizer_class(make_opt, words):
+    """Refused at add_optimizer, nothing changed (every other optimizer's step is traced:
+    tests/test_optimizers.py)."""
+    model = seed_mlp()
+    opt = make_opt(model.parameters())
+    before = snapshot(model, opt)
+    with pytest.raises(UnsupportedOptimizerError, match=words):
+        make_graph(model, nn.CrossEntropyLoss(), opt)
+    assert_unchanged(before, model, opt)
+
+
+def test_backward_without_optimizer_is_an_error(trained):
+    model, _ = trained
+    before = snapshot(model)
+    g = make_graph(model, nn.CrossEntropyLoss(), None)
+    with pytest.raises(CaptureError, match=r"no optimizer is added.*add_optimizer"):
+        g(*_xy())
+    assert_unchanged(before, model)
+
+
+def test_parameter_in_two_optimizers(trained):
+    model, _ = trained
+    a = torch.optim.SGD(model.parameters(), lr=0.1)
+    b = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    before = snapshot(model, a)
+
+    def configure(self):
+        self.add_optimizer(b)
+
+    g = make_graph(model, nn.CrossEntropyLoss(), a, configure=configure)
+    with pytest.raises(CaptureError, match=r"is in optimizers 0 and 1"):
+        g(*_xy())
+    assert_unchanged(before, model, a)
+
+
+def test_model_on_two_devices():
+    model = seed_mlp()
+    model[2].to("meta")
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    before = snapshot(model[0], opt)  # meta tensors have no values to compare
+    g = make_graph(model, nn.CrossEntropyLoss(), opt)
+    with pytest.raises(InputError, match=r"one device"):
+        g(*_xy())
+    assert_unchanged(before, model[0], opt)
+
+
+# -- 3. loading a state: every part checked as its constructor checks it ---------------------------
 
 
 def _pin(**fields):

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -93,8 +94,7 @@ class Overflowing(nn.Module):
 
 
 def _batch(seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    return models.batches(1, 16, 8, 4, seed=seed)[0]
 
 
 def _overflowing_graph(kind: str, **autofix):

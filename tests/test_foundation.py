@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -21,20 +22,15 @@ import graphamp
 
 
 def _data(kind: str, steps: int):
+    if kind == "mlp":
+        return models.batches(steps, 128, 256, 10, seed=1)
+    if kind == "cnn":
+        return models.batches(steps, 8, (3, 16, 16), 10, seed=1)
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        if kind == "mlp":
-            out.append(
-                (torch.randn(128, 256, generator=g), torch.randint(0, 10, (128,), generator=g))
-            )
-        elif kind == "cnn":
-            out.append(
-                (torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g))
-            )
-        else:
-            idx = torch.randint(0, 64, (4, 17), generator=g)
-            out.append((idx[:, :-1], idx[:, 1:]))
+        idx = torch.randint(0, 64, (4, 17), generator=g)
+        out.append((idx[:, :-1], idx[:, 1:]))
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -14,7 +15,7 @@ from helpers import make_graph
 
 import graphamp
 from graphamp import ConfigError
-from graphamp.records.fp8_numerics import E4M3, E5M2, fp8_matmul, fp8_matmul_delayed
+from graphamp.torchkit.fp8_numerics import E4M3, E5M2, fp8_matmul, fp8_matmul_delayed
 
 RECIPES = ("tensorwise", "rowwise")  # dynamic scales; the delayed recipe has its own tests
 
@@ -84,21 +85,11 @@ def test_an_inf_stays_non_finite_through_an_fp8_matmul(recipe):
 
 
 def _mlp(hidden=64, out=16):
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(32, hidden),
-        nn.GELU(),
-        nn.Linear(hidden, hidden),
-        nn.GELU(),
-        nn.Linear(hidden, hidden),
-        nn.GELU(),
-        nn.Linear(hidden, out),
-    )
+    return models.mlp(32, hidden, hidden, hidden, out, act=nn.GELU, seed=0)
 
 
 def _batch(seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(64, 32, generator=gen), torch.randint(0, 16, (64,), generator=gen)
+    return models.batches(1, 64, 32, 16, seed=seed)[0]
 
 
 def _fp8_graph(model, opt=None, **fp8):
@@ -166,7 +157,7 @@ def _delayed_reference(x: torch.Tensor, dtype: torch.dtype, history: list[float]
 def test_the_delayed_recipe_scales_from_the_history_and_records_this_step():
     """Three steps by hand: each scale comes from the history before the step (1 at first),
     each operand's amax lands in column 0, and the step's roll pushes it into the history."""
-    from graphamp.records.fp8_numerics import rolled_history
+    from graphamp.torchkit.fp8_numerics import rolled_history
 
     gen = torch.Generator().manual_seed(0)
     state = torch.zeros(3, 1 + 4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -16,17 +17,11 @@ from graphamp.errors import CaptureError
 
 
 def _model(batch_norm: bool = True) -> nn.Module:
-    torch.manual_seed(0)
-    norm = nn.BatchNorm1d(16) if batch_norm else nn.Identity()
-    return nn.Sequential(nn.Linear(8, 16), norm, nn.ReLU(), nn.Linear(16, 4))
+    return models.mlp(8, 16, 4, norm=nn.BatchNorm1d if batch_norm else nn.Identity, seed=0)
 
 
 def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        (torch.randn(32, 8, generator=gen), torch.randint(0, 4, (32,), generator=gen))
-        for _ in range(n)
-    ]
+    return models.batches(n, 32, 8, 4, seed=seed)
 
 
 # -- the user's gradient code, written once and run both ways ------------------------------------

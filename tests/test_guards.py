@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -39,12 +40,8 @@ class Net(nn.Module):
         return self.fc2(self.drop(h))
 
 
-def _data(steps=4, batch=8):
-    gen = torch.Generator().manual_seed(0)
-    return [
-        (torch.randn(batch, 16, generator=gen), torch.randint(0, 5, (batch,), generator=gen))
-        for _ in range(steps)
-    ]
+def _data(steps=4):
+    return models.batches(steps, 8, 16, 5, seed=0)
 
 
 def _train(change, backend="aot_eager", change_back=False):

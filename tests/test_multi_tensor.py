@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -11,7 +12,7 @@ import graphamp
 
 
 def _mlp(layers: int) -> nn.Module:
-    return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(16, 16), nn.ReLU())])
+    return models.mlp(*[16] * (layers + 1), act_last=True)
 
 
 def _optimizer_ops(make_opt, layers: int) -> dict[str, int]:

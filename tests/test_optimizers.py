@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import inspect
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -54,9 +55,8 @@ def _settings():
 
 
 def _model(cls) -> nn.Module:
-    torch.manual_seed(0)
     bias = cls is not torch.optim.Muon  # Muon updates matrices only
-    return nn.Sequential(nn.Linear(8, 16, bias=bias), nn.Tanh(), nn.Linear(16, 4, bias=bias))
+    return models.mlp(8, 16, 4, act=nn.Tanh, bias=bias, seed=0)
 
 
 def _batches(n=4):

@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from graphamp import passes
 from graphamp.passes import AmpContext, PrecisionLists, run_amp_passes
 from graphamp.passes.lint import AmpInvariantError, check_amp_invariants
-from graphamp.records.fxutil import op_name
+from graphamp.torchkit.fxutil import op_name
 
 aten = torch.ops.aten
 SMALL = PrecisionLists(
@@ -374,7 +374,7 @@ def test_every_pass_returns_a_pass_result_and_the_pipeline_is_one_tuple():
         "use_fp8_matmuls",
     ]
     gm = trace(lambda x, w: torch.mm(x, w), X, W)
-    ctx = AmpContext()
+    ctx = AmpContext(lists=passes.DEFAULT_LISTS)
     for amp_pass in passes.AMP_PIPELINE:
         result = amp_pass(gm, ctx)
         assert isinstance(result, passes.PassResult)
@@ -487,7 +487,7 @@ def _captured(fn, *args, modules=None):
 def test_pieces_of_a_composite_op_take_the_whole_ops_list():
     # l1_loss is split into sub and abs (infer); autocast runs the whole loss in fp32
     gm = _captured(lambda a, b: torch.nn.functional.l1_loss(a, b), X16, X16)
-    passes.colour_by_lists(gm, AmpContext())
+    passes.colour_by_lists(gm, AmpContext(lists=passes.DEFAULT_LISTS))
     pieces = [n for n in gm.graph.nodes if n.meta.get("part_of") is aten.l1_loss]
     assert {op_name(n) for n in pieces} >= {"aten.sub", "aten.abs"}
     assert all(n.meta["amp_list"] == "deny" and n.meta["amp_widen"] for n in pieces)
@@ -498,7 +498,7 @@ def test_rnn_cell_pieces_run_low_and_follow_user_overrides():
     w_ih, w_hh = torch.randn(16, 4), torch.randn(16, 4)
     fn = lambda x, h, c, a, b: torch.lstm_cell(x, (h, c), a, b)  # noqa: E731
     gm = _captured(fn, X, X, X, w_ih, w_hh)
-    ctx = AmpContext()
+    ctx = AmpContext(lists=passes.DEFAULT_LISTS)
     gm = run_amp_passes(gm, ctx)
     addmms = [n for n in gm.graph.nodes if op_name(n) == "aten.addmm" or op_name(n) == "aten.mm"]
     assert addmms and all(passes.dtype_after_amp(n) == torch.float16 for n in addmms)
@@ -525,7 +525,7 @@ def test_recurrent_layers_are_kept_whole_and_their_states_follow():
     gm = _captured(lambda x: lstm(x), X.view(2, 2, 4), modules={"lstm": lstm})
     rnn = [n for n in gm.graph.nodes if op_name(n) == "graphamp.rnn"]
     assert len(rnn) == 1 and not any(op_name(n) == "aten.mkldnn_rnn_layer" for n in gm.graph.nodes)
-    gm = run_amp_passes(gm, AmpContext())
+    gm = run_amp_passes(gm, AmpContext(lists=passes.DEFAULT_LISTS))
     assert passes.dtype_after_amp(rnn[0]) == (torch.float16,) * 3
     assert passes.verify_dtypes(gm) == []
 
@@ -541,7 +541,7 @@ def test_verify_dtypes_checks_getitem_outputs():
     cap = capture_forward(
         root, flatten_inputs((X, X, X, w_ih, w_hh, bias), {}), "cell", device=torch.device("cuda")
     )
-    gm = run_amp_passes(cap.gm, AmpContext())
+    gm = run_amp_passes(cap.gm, AmpContext(lists=passes.DEFAULT_LISTS))
     fused = _node(gm, "aten._thnn_fused_lstm_cell")
     assert passes.dtype_after_amp(fused)[:2] == (torch.float16, torch.float16)
     assert passes.verify_dtypes(gm) == []

@@ -14,14 +14,15 @@ import sys
 import threading
 import time
 
+import models
 import pytest
 import torch
 import torch.nn as nn
 from helpers import make_graph
 from models import seed_mlp
 
-from graphamp.runtime import progress
-from graphamp.runtime.progress import CompileProgress
+from graphamp.backend import progress
+from graphamp.backend.progress import CompileProgress
 
 
 class FakeTerminal(io.StringIO):
@@ -41,8 +42,7 @@ def _graph(**kw):
 
 
 def _batch():
-    gen = torch.Generator().manual_seed(0)
-    return torch.randn(8, 256, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+    return models.batches(1, 8, 256, 10, seed=0)[0]
 
 
 def _stage_lines(caplog) -> dict[str, str]:

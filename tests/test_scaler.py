@@ -11,6 +11,7 @@ import sys
 import textwrap
 import warnings
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -29,13 +30,10 @@ INF_STEPS = {3, 4, 11, 20, 21, 22, 37, 50}
 
 
 def _batches(n=60, poison=INF_STEPS, shape=(32, 256), classes=10):
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for step in range(n):
-        x = torch.randn(*shape, generator=g)
+    out = models.batches(n, shape[0], shape[1:], classes, seed=3)
+    for step, (x, _) in enumerate(out):
         if step in poison:
             x[0, 0] = float("inf")
-        out.append((x, torch.randint(0, classes, (shape[0],), generator=g)))
     return out
 
 

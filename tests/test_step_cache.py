@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -23,8 +24,8 @@ from models import TinyGPT, lm_loss, seed_mlp
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphamp
+from graphamp.backend import step_cache, step_key
 from graphamp.inspect.memory import step_memory
-from graphamp.runtime import step_cache, step_key
 
 
 def _entries() -> list[str]:
@@ -37,12 +38,8 @@ def _loaded(g) -> bool:
     return "assemble" not in timings
 
 
-def _mlp_batches(n=3, gen_seed=1):
-    gen = torch.Generator().manual_seed(gen_seed)
-    return [
-        (torch.randn(16, 256, generator=gen), torch.randint(0, 10, (16,), generator=gen))
-        for _ in range(n)
-    ]
+def _mlp_batches(n=3):
+    return models.batches(n, 16, 256, 10, seed=1)
 
 
 def _gpt_batches(n=3):

@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 
+import models
 import pytest
 import torch
 import torch.nn as nn
@@ -22,10 +23,7 @@ pytestmark = pytest.mark.usefixtures("sigint_raises")
 
 
 def _mlp(layers: int = 7, width: int = 64) -> nn.Module:
-    mods = []
-    for _ in range(layers - 1):
-        mods += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*mods, nn.Linear(width, 8))
+    return models.mlp(*[width] * layers, 8, act=nn.GELU)
 
 
 class Train(graphamp.Graph):

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from ..records.compat import guarding_hint_or_throw, has_guarding_hint
 from ..records.spec import CapturedForward
+from ..torchkit.compat import guarding_hint_or_throw, has_guarding_hint
 
 
 def values_without_batch(

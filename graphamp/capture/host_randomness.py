@@ -29,7 +29,7 @@ from types import FrameType, ModuleType
 from typing import Any, Callable, Iterator
 
 from ..errors import CaptureError
-from ..records.fxutil import UserFrame
+from ..records.frames import UserFrame
 from .patching import SharedPatch
 
 try:

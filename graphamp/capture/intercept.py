@@ -30,7 +30,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.overrides import TorchFunctionMode
 
 from ..errors import CaptureError
-from ..records.fxutil import (
+from ..torchkit.fxutil import (
     UserFrame,
     current_user_frame,
     is_library_file,
@@ -38,7 +38,7 @@ from ..records.fxutil import (
     nodes_after,
     tracing_graph,
 )
-from ..records.ops import CAPTURE_REWRITES, capture_sdpa
+from ..torchkit.ops import CAPTURE_REWRITES, capture_sdpa
 from .dtype_checks import mixed_dtypes
 from .gradient_book import GradientBook
 from .op_errors import VALUE_DEPENDENT, mark_torch_function

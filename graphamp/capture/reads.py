@@ -232,7 +232,7 @@ def held_configs(modules: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 
 
 def watched_objects(
-    modules: list[tuple[str, nn.Module]], graph: Any
+    modules: list[tuple[str, nn.Module]], graph: Any, graph_own: frozenset[str] = frozenset()
 ) -> tuple[dict[int, tuple], list[type]]:
     """({id(obj): (label, names left out)}, the classes to intercept reads on) for the
     registered modules (``self.<path>``), the Graph (``self``) and the transformers configs the
@@ -247,7 +247,7 @@ def watched_objects(
     for label, config in held_configs([(f"self.{path}", m) for path, m in modules]):
         watch[id(config)] = (label, frozenset())
     if graph is not None and hasattr(graph, "__dict__"):
-        watch[id(graph)] = ("self", frozenset(getattr(graph, "_graphamp_own", ())))
+        watch[id(graph)] = ("self", graph_own)
         classes.append(type(graph))
     return watch, classes
 

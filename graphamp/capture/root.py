@@ -16,17 +16,25 @@ from ..records.model_pins import model_fp32_pins
 
 
 class BuildRoot(nn.Module):
-    """Holds a Graph's registered modules so functional_call can swap in traced tensors."""
+    """Holds a Graph's registered modules so functional_call can swap in traced tensors.
+
+    ``owner``: the object whose attributes build() reads as ``self.<name>`` (the Graph; None for
+    a plain function), watched by capture like the modules; ``own``: its attributes that are
+    graphamp's, not settings of the user's."""
 
     def __init__(
         self,
         modules: Mapping[str, nn.Module] | Iterable[tuple[str, nn.Module]],
         build: Callable[..., Any],
+        owner: Any = None,
+        own: frozenset[str] = frozenset(),
     ):
         super().__init__()
         for name, module in modules.items() if isinstance(modules, Mapping) else modules:
             self.add_module(name, module)
         self._build = build
+        self.owner = owner if hasattr(owner, "__dict__") else None
+        self.own = own
 
     def forward(self, args: tuple, kwargs: dict, buffer_names: list[str]):
         out = self._build(*args, **kwargs)

@@ -16,7 +16,8 @@ import sys
 from types import FrameType
 
 from ..errors import CaptureError
-from ..records.fxutil import UserFrame, is_library_file
+from ..records.frames import UserFrame
+from ..torchkit.fxutil import is_library_file
 
 # torch/amp/grad_scaler.py (torch.cuda.amp.GradScaler's methods run there too)
 _SCALER_FILE = os.path.join("amp", "grad_scaler.py")

@@ -46,9 +46,10 @@ import torch
 import torch.nn as nn
 
 from ..errors import CaptureError
-from ..records.fxutil import UserFrame, is_library_file
+from ..records.frames import UserFrame
 from ..records.guards import AttributeRead, CellNamespace
 from ..records.replays import MISSING, Place
+from ..torchkit.fxutil import is_library_file
 from .reads import guard_form, watch_object
 from .state_writes import Change
 

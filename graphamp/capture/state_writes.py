@@ -23,8 +23,9 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ..records.fxutil import UserFrame, current_user_frame
+from ..records.frames import UserFrame
 from ..records.replays import MISSING, Place
+from ..torchkit.fxutil import current_user_frame
 from .patching import SharedPatch
 from .reads import held_configs
 
@@ -170,8 +171,8 @@ def watched_objects(root: nn.Module) -> list[tuple[str, Any]]:
         (f"self.{n}", m) for n, m in root.named_modules() if m is not root
     ]
     watched += held_configs(watched)
-    owner = getattr(getattr(root, "_build", None), "__self__", None)  # build's Graph
-    return watched + ([("self", owner)] if owner is not None and hasattr(owner, "__dict__") else [])
+    owner = getattr(root, "owner", None)  # the Graph (BuildRoot.owner)
+    return watched + ([("self", owner)] if owner is not None else [])
 
 
 class StateWatch:

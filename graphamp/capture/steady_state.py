@@ -45,9 +45,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..errors import CaptureError
-from ..records.compat import guarding_hint_or_throw, has_guarding_hint
 from ..records.replays import MISSING, TENSOR_SLOT, Place, StateReplay
 from ..records.spec import CapturedForward
+from ..torchkit.compat import guarding_hint_or_throw, has_guarding_hint
 from .side_effects import registered_hook_error
 from .state_writes import Change
 

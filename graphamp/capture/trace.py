@@ -19,18 +19,18 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..errors import CaptureError, GraphampError
-from ..records.fxutil import (
+from ..records.guards import AttributeRead, LiftedValue
+from ..records.inputs import FlatInputs
+from ..records.layouts import ForwardLayout
+from ..records.spec import TENSOR, CapturedForward, GradientCode
+from ..torchkit.fxutil import (
     drop_profiler_markers,
     rename_placeholders,
     trace_functional,
     user_frame_of_exception,
 )
-from ..records.guards import AttributeRead, LiftedValue
-from ..records.inputs import FlatInputs
-from ..records.layouts import ForwardLayout
-from ..records.ops import FunctionCall
-from ..records.shapes import is_symbolic, scratch_batch
-from ..records.spec import TENSOR, CapturedForward, GradientCode
+from ..torchkit.ops import FunctionCall
+from ..torchkit.shapes import is_symbolic, scratch_batch
 from .cleanup import (
     check_input_mutations,
     detach_no_grad_values,
@@ -279,12 +279,10 @@ def _trace(
         raise
     except VALUE_DEPENDENT as e:  # an op fake tensors cannot run is named (op_errors.py)
         raise fake_kernel_error(graph_name, e, _at(e)) or _host_read_error(graph_name, e) from e
-    except Exception as e:
+    except Exception as e:  # anything else is worded once, by the pipeline's capture stage
         if raised_in_torch_grad_scaler(e):
             raise torch_grad_scaler_error(user_frame_of_exception(e), graph_name) from e
-        raise CaptureError(
-            f"capturing {graph_name}.build() failed{_at(e)}: {type(e).__name__}: {e}"
-        ) from e
+        raise
     return traced
 
 
@@ -302,9 +300,8 @@ def _traced_function(
     traced values are swapped into the user's modules while it runs; ``traced`` is filled."""
     module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
     watched = watched_objects(root)
-    owner = getattr(root._build, "__self__", None)  # the Graph (build is its bound method)
     user_modules = [(n, m) for n, m in root.named_modules() if m is not root]
-    reading, classes = objects_read(user_modules, owner)
+    reading, classes = objects_read(user_modules, root.owner, root.own)
     state = [*root.parameters(), *root.buffers()]
     buffer_names = [n for n, _ in root.named_buffers()]
     slots = state_slots(root)

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..records.fxutil import dtype_after_amp, is_compute_node, module_path, op_name
 from ..records.spec import STRUCTURAL_OPS, AutocastTrace, OracleOp
+from ..torchkit.fxutil import dtype_after_amp, is_compute_node, module_path, op_name
 
 
 @dataclass

@@ -15,9 +15,9 @@ import torch
 import torch.fx as fx
 
 from ..errors import ConfigError
-from ..records.fp8_numerics import FP8_MM_DELAYED
-from ..records.fxutil import module_path
 from ..records.spec import Program
+from ..torchkit.fp8_numerics import FP8_MM_DELAYED
+from ..torchkit.fxutil import module_path
 
 OPERANDS = ("input", "weight", "gradient")
 

@@ -15,8 +15,8 @@ from collections import defaultdict
 import networkx as nx
 import torch.fx as fx
 
-from ..records.fxutil import dtype_after_amp, module_path, op_name
 from ..records.validate import dtype_name
+from ..torchkit.fxutil import dtype_after_amp, module_path, op_name
 
 FILL = {  # allow / deny / infer-or-clear decided either way / cast / grad-scaler subgraph
     "allow": "#8fd18f",  # low precision

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..records.fxutil import dtype_after_amp, is_compute_node, op_name
 from ..records.optimizers import SUPPORTED
 from ..records.spec import GraphSpec, Program
 from ..records.validate import dtype_name
+from ..torchkit.fxutil import dtype_after_amp, is_compute_node, op_name
 
 INDENT = "  "
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..records.fxutil import dtype_after_amp, is_compute_node, module_path, op_name
 from ..records.spec import AutocastTrace, Program
 from ..records.validate import dtype_name
+from ..torchkit.fxutil import dtype_after_amp, is_compute_node, module_path, op_name
 from .compare import compare
 
 log = logging.getLogger("graphamp")

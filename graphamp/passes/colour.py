@@ -27,7 +27,7 @@ from typing import Callable, Iterable, cast
 import networkx as nx
 import torch.fx as fx
 
-from ..records.fxutil import op_name
+from ..torchkit.fxutil import op_name
 from .base import (
     AmpContext,
     Classifier,

@@ -22,8 +22,8 @@ from typing import Callable, cast
 import torch
 import torch.fx as fx
 
-from ..records.fp8_numerics import FP8_MM, FP8_MM_DELAYED, HISTORY_ROWS
-from ..records.fxutil import module_path
+from ..torchkit.fp8_numerics import FP8_MM, FP8_MM_DELAYED, HISTORY_ROWS
+from ..torchkit.fxutil import module_path
 from .base import AmpContext, PassResult, dtype_after_amp
 
 aten = torch.ops.aten

@@ -69,8 +69,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ..records import ops as _graphamp_ops  # noqa: F401 - registers torch.ops.graphamp.*
-from ..records.ops import resolve_op  # noqa: F401 - re-exported: graphamp.passes.resolve_op
+from ..torchkit import ops as _graphamp_ops  # noqa: F401 - registers torch.ops.graphamp.*
+from ..torchkit.ops import resolve_op  # noqa: F401 - re-exported: graphamp.passes.resolve_op
 
 aten = torch.ops.aten
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..records.ops import FULL_PRECISION_HINT, LOW_PRECISION_HINT
+from ..torchkit.ops import FULL_PRECISION_HINT, LOW_PRECISION_HINT
 from .base import AmpContext, PassResult
 
 HINTS = (LOW_PRECISION_HINT, FULL_PRECISION_HINT)

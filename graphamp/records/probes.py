@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .fxutil import UserFrame
+from .frames import UserFrame
 from .pins import AmpPin
 
 __all__ = [

@@ -18,11 +18,10 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .fxutil import UserFrame
+from .frames import UserFrame
 from .guards import AttributeRead, Guards, LiftedValue
 from .inputs import FlatInputs, InputSignature
 from .layouts import ForwardLayout, StepLayout
-from .ops import FunctionCall
 from .optimizers import OptimizerPlan
 from .probes import ProbeTable
 from .replays import StateReplay
@@ -30,8 +29,9 @@ from .settings import ConfigSnapshot
 
 if TYPE_CHECKING:  # records of other stages, typed only
     from ..forensics.device_record import ForensicsState
-    from ..passes import AmpContext
     from ..scaler import GradScaler
+    from ..torchkit.ops import FunctionCall
+    from .amp import AmpContext
 
 __all__ = [
     "AutocastTrace",
@@ -46,6 +46,10 @@ __all__ = [
     "StepPlan",
     "StepRunner",
 ]
+
+
+# a compiled step: the step's flat inputs -> its flat outputs (``backend/compile.py`` makes it)
+StepFn = Callable[..., Sequence[torch.Tensor]]
 
 
 # -- what the user registered and configured ------------------------------------------------------
@@ -91,6 +95,10 @@ class GraphSpec:
     history_capacity: int  # rows of the on-device history table
     debug_level: int  # 0..3, as set by Graph.debug
     progress: bool = True  # config.set_progress: a progress line on a terminal while compiling
+    # the object build() reads settings on as self.<name> (the Graph), watched by capture like
+    # the modules, and its attributes that are graphamp's own (not settings)
+    owner: Any = None
+    own_attributes: frozenset[str] = frozenset()
 
     @property
     def training(self) -> bool:
@@ -171,6 +179,17 @@ class CapturedForward:
     ] = ()  # Python floats fed as inputs (their holders lead constants)
     gradient_code: GradientCode = field(default_factory=GradientCode)
 
+    def __post_init__(self) -> None:
+        if len(self.loss_grad_given) != len(self.loss_frames):
+            raise ValueError("CapturedForward: one loss_grad_given per loss_frames entry")
+        if len(self.constant_names) != len(self.constants):
+            raise ValueError("CapturedForward: one constant_names entry per constant")
+        if not 0 <= self.num_written <= self.num_user_outputs:
+            raise ValueError(
+                f"CapturedForward: num_written {self.num_written} must be among the "
+                f"{self.num_user_outputs} user outputs"
+            )
+
     @property
     def num_losses(self) -> int:
         return len(self.loss_frames)
@@ -224,7 +243,8 @@ class StepPlan:
 
     captured: CapturedForward
     training: bool  # False: forward only (an eval graph); True: at least one optimizer
-    trainable: list[int]  # forward-parameter positions that get gradients, ascending
+    # forward-parameter positions that get gradients, each once (by optimizer, then position)
+    trainable: list[int]
     optimizers: list[OptimizerPlan]  # one per add_optimizer, same order
     scaler: GradScaler | None  # None for eval graphs and graphs without a scaler
     layout: StepLayout
@@ -242,6 +262,18 @@ class StepPlan:
     # the delayed fp8 recipe: one amax-history state per fp8 matmul (its forward input's name)
     fp8_state: list[str] = field(default_factory=list)
     fp8_history: int = 0  # its history length (steps)
+
+    def __post_init__(self) -> None:
+        if len(set(self.trainable)) != len(self.trainable):
+            raise ValueError(f"StepPlan.trainable names a parameter twice: {self.trainable}")
+        if self.acc_steps < 1:
+            raise ValueError(f"StepPlan.acc_steps must be at least 1, got {self.acc_steps}")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"StepPlan.zero_stage must be 0, 1 or 2, got {self.zero_stage}")
+        if not self.training and (self.optimizers or self.scaler is not None):
+            raise ValueError("an eval StepPlan (training=False) has no optimizer and no scaler")
+        if self.zero_stage and self.process_group is None:
+            raise ValueError("a ZeRO StepPlan needs the process group it shards over")
 
     @property
     def forward_layout(self) -> ForwardLayout:

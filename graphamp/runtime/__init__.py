@@ -1,15 +1,8 @@
-"""The runtime: compile the assembled step (stage 5), replay it (CUDA graphs), and run every call
-of a Graph on the live state.
+"""Every call of a Graph: find the compiled step that serves it, build one through the pipeline
+when none does, and run it as a transaction.
 
-``compile_step`` hands the assembled graph to a torch.compile backend; ``Runner`` gathers the
-user's tensors and graphamp's own state for every call of one compiled step; ``calls.call`` is
-what a call of a Graph runs (the cache key, ambient modes, the step transaction with its
-interrupts, schedulers and overflow reads); ``distributed`` coordinates the ranks of a
-data-parallel graph when a step is built.
+``calls.call`` is the one function a call enters here; ``programs`` is the Graph's cache of
+Programs and ``structure_key`` the in-memory key a call is matched by (the module tree, the
+optimizers, the settings); ``ambient``, ``interrupts``, ``schedulers`` and ``overflows`` are what a
+step does around the compiled program; ``graph_state`` is the Graph's own state dict.
 """
-
-from .compile import compile_step
-from .cudagraph import CudaGraphStep
-from .runner import Runner
-
-__all__ = ["CudaGraphStep", "Runner", "compile_step"]

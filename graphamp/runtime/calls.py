@@ -1,15 +1,20 @@
-"""One call of a Graph: find its compiled step, and run it as a transaction.
+"""One call of a Graph: find its compiled step (built by the pipeline on a miss), and run it
+as a transaction.
 
 A Graph owns one ``GraphRuntime``: what its calls share besides the compiled steps' own runners
 (the cache of Programs, the structure key, the graph's own state, the scaler, autofix). Its
 containers are the Graph's own (registered modules, optimizer slots, config), so what the user
 registers or sets is what the next call sees. ``call`` is the one function a call enters in
-``runtime/``; ``run_step`` owns a step.
+``runtime/``; on a miss ``_build`` hands a GraphSpec (``graph_spec``) to
+``pipeline.build_program`` and keeps the Program it returns; ``run_step`` owns a step. Nothing
+here calls back into the Graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -18,6 +23,8 @@ import torch.nn as nn
 
 from ..errors import CaptureError
 from ..forensics.autofix import Autofix
+from ..inspect.report import log_program_summary
+from ..pipeline import build_program
 from ..records.guards import AttributeRead, BuildRequest, Change, liftable
 from ..records.inputs import (
     FlatInputs,
@@ -27,21 +34,18 @@ from ..records.inputs import (
     lift_numbers,
     lifted_tensor_indices,
 )
-from ..records.spec import OptimizerSlot, Program
+from ..records.spec import GraphSpec, OptimizerSlot, Program
 from ..records.state import SharedState
 from . import ambient, interrupts, schedulers
-from .cache_key import StructureKey, log_rebuild, numbers_baked_in, warn_about_numbers
 from .overflows import read_overflows, watch_overflows
 from .programs import Key, ProgramCache, marked_dynamic, precision_differences
+from .structure_key import StructureKey, log_rebuild, numbers_baked_in, warn_about_numbers
 
 if TYPE_CHECKING:  # the user's objects, held and called, never constructed here
     from ..config import GraphConfig
     from ..scaler import GradScaler
 
 log = logging.getLogger("graphamp")
-
-# the Graph's miss path: capture and compile a step for these inputs (the pipeline)
-Compile = Callable[[FlatInputs, BuildRequest], Program]
 
 
 @dataclass(eq=False)
@@ -53,8 +57,9 @@ class GraphRuntime:
     optimizers: list[OptimizerSlot]  # the Graph's add_optimizer slots (the same list)
     config: GraphConfig  # the Graph's config: snapshot() at every call; autofix settings
     state: SharedState  # step count, optimizer step counters, history
-    compile: Compile
     build: Callable[..., Any]  # the Graph's bound build(): its signature names the inputs
+    owner: Any = None  # the Graph: build() reads its attributes as settings (GraphSpec.owner)
+    own_attributes: frozenset[str] = frozenset()  # the Graph's attributes that are graphamp's
     programs: ProgramCache = field(default_factory=ProgramCache)
     structure: StructureKey = field(default_factory=StructureKey)
     autofix: Autofix = field(default_factory=Autofix)
@@ -74,9 +79,37 @@ class GraphRuntime:
     arg_holders: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
 
 
+def graph_spec(run: GraphRuntime) -> GraphSpec:
+    """What the pipeline may read of the Graph, as of now."""
+    scaler = run.scaler
+    return GraphSpec(
+        name=run.name,
+        modules=tuple(run.modules.items()),
+        build=run.build,
+        optimizers=tuple(run.optimizers),
+        scaler=scaler if scaler is not None and scaler.enabled else None,
+        config=run.config.snapshot(),
+        history_capacity=run.state.history.capacity,
+        debug_level=run.debug_level,
+        progress=run.config.progress,
+        owner=run.owner,
+        own_attributes=run.own_attributes,
+    )
+
+
+# the name of the Graph whose build() this thread is capturing (a Graph called inside another's
+# build() is refused: Graph.__call__ reads it)
+_building = threading.local()
+
+
+def building_graph() -> str | None:
+    """The Graph whose step this thread is building, or None."""
+    return getattr(_building, "name", None)
+
+
 def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
-    """``g(*args, **kwargs)``: the compiled step for these inputs (the Graph compiles it on a
-    miss), run as one step; build()'s return value with this step's tensors."""
+    """``g(*args, **kwargs)``: the compiled step for these inputs (built through the pipeline
+    on a miss), run as one step; build()'s return value with this step's tensors."""
     neutral = ambient.neutral_modes()  # an ambient autocast or inference mode
     if neutral is None:
         return _call(run, args, kwargs)
@@ -191,7 +224,7 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple) -> Program:
     request = BuildRequest(key[1], dynamic, _lifted(run, change), lifted_inputs)
     program = _compile(run, inputs, request)
     if program.captured.undo_writes is not None:
-        key = _settled_key(run, inputs, program)
+        key, program = _settled(run, inputs, program)
     if sibling is not None and program.amp is not None and sibling.amp is not None:
         differ = precision_differences(sibling, program)
         if differ:
@@ -228,12 +261,24 @@ def _lifted(run: GraphRuntime, change: Change | None) -> tuple[AttributeRead, ..
     return tuple(r for r in run.lifted.values() if type(r.current()) is float)
 
 
-def _compile(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Program:
-    """The Graph's pipeline; a capture that fails with values lifted (build() uses one as a
-    Python number: a branch, a size, an argument that must be a float) is tried again with
-    those values baked in, as before, and they stay baked in."""
+def _pipeline(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Program:
+    """``pipeline.build_program`` for this call, under the modes a capture runs in."""
+    _building.name = run.name
     try:
-        return run.compile(inputs, request)
+        with ambient.capture_modes():
+            program = build_program(graph_spec(run), inputs, run.state, request)
+    finally:
+        _building.name = None
+    log_program_summary(program)
+    return program
+
+
+def _compile(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Program:
+    """The pipeline; a capture that fails with values lifted (build() uses one as a Python
+    number: a branch, a size, an argument that must be a float) is tried again with those
+    values baked in, as before, and they stay baked in."""
+    try:
+        return _pipeline(run, inputs, request)
     except CaptureError as e:
         if not request.lifted:
             raise
@@ -247,8 +292,10 @@ def _compile(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Pr
         )
         run.unliftable.update(run.lifted)
         run.lifted.clear()
-        return run.compile(
-            inputs, BuildRequest(request.structure, request.dynamic, (), request.lifted_inputs)
+        return _pipeline(
+            run,
+            inputs,
+            BuildRequest(request.structure, request.dynamic, (), request.lifted_inputs),
         )
 
 
@@ -260,14 +307,15 @@ def _key(run: GraphRuntime, inputs: FlatInputs) -> Key:
     return (inputs.signature, structure)
 
 
-def _settled_key(run: GraphRuntime, inputs: FlatInputs, program: Program) -> Key:
+def _settled(run: GraphRuntime, inputs: FlatInputs, program: Program) -> tuple[Key, Program]:
     """build() set up state on its first call (hooks, caches; ``capture/steady_state.py``) and
     capture left it as that call leaves it: the program is kept under, and assumes, the
     structure of the calls to come, or the next call would not find it."""
     key = _key(run, inputs)
-    if program.guards is not None:
-        program.guards.structure = key[1]
-    return key
+    if program.guards is None:
+        return key, program
+    guards = dataclasses.replace(program.guards, structure=key[1])
+    return key, dataclasses.replace(program, guards=guards)
 
 
 def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[torch.Tensor]:

@@ -18,10 +18,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..errors import RecompileLimitError
-from ..records.fxutil import is_compute_node, module_path, op_name
 from ..records.guards import Change, Guards, Structure, family
 from ..records.inputs import FlatInputs, InputSignature
 from ..records.spec import Program
+from ..torchkit.fxutil import is_compute_node, module_path, op_name
 
 log = logging.getLogger("graphamp")
 

@@ -24,11 +24,11 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
-from ..records.fp8_numerics import rolled_history
-from ..records.fxutil import NodeTagger, rename_placeholders, trace_functional
 from ..records.layouts import StepInputs
 from ..records.optimizers import TRACED, OptimizerPlan
 from ..records.spec import StepPlan
+from ..torchkit.fp8_numerics import rolled_history
+from ..torchkit.fxutil import NodeTagger, rename_placeholders, trace_functional
 from .collectives import agree_on_amax, agree_on_overflow, agree_on_probes, average_over_ranks
 from .gradients import ForwardResult, forward_and_gradients, parameter_casts, run_forward
 from .history_row import record_history

@@ -13,11 +13,11 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..records.compat import preserve_backward_stack_traces
-from ..records.fxutil import NodeTagger, last_node, nodes_after, tracing_graph
 from ..records.layouts import StepInputs
-from ..records.ops import EXPANSIONS
 from ..records.spec import StepPlan
+from ..torchkit.compat import preserve_backward_stack_traces
+from ..torchkit.fxutil import NodeTagger, last_node, nodes_after, tracing_graph
+from ..torchkit.ops import EXPANSIONS
 from .overflow_probes import ProbeRecorder
 
 # forward-node metadata the step's nodes inherit (dumps and reports read it)

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..records.fxutil import module_path
+from ..torchkit.fxutil import module_path
 from .block_saves import BACKWARD_OF, SavedBytes, recompute_cheap_saves
 
 Region = tuple[str, str]  # ("fw" | "bw", block path)

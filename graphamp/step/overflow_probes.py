@@ -20,11 +20,11 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..records.fxutil import NodeTagger, dtype_after_amp, module_path, op_name
-from ..records.pins import op_occurrences, pin_identity
 from ..records.probes import GradParam, Probe, ProbeTable
 from ..records.spec import CapturedForward
 from ..records.validate import dtype_name
+from ..torchkit.fxutil import NodeTagger, dtype_after_amp, module_path, op_name
+from ..torchkit.pin_match import op_occurrences, pin_identity
 
 _TAG = {"graphamp_subgraph": "forensics"}
 aten = torch.ops.aten

@@ -11,7 +11,6 @@ import torch
 import torch.fx as fx
 
 from ..errors import CaptureError, ConfigError, UnsupportedOptimizerError
-from ..records.fxutil import warn_at_user_line
 from ..records.optimizers import (
     TRACED,
     GroupPlan,
@@ -22,6 +21,7 @@ from ..records.optimizers import (
 )
 from ..records.probes import ProbeTable
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
+from ..torchkit.fxutil import warn_at_user_line
 from .overflow_probes import plan_probes
 from .traced_optimizer import probe_initial_state
 
@@ -31,14 +31,21 @@ def build_plan(
     captured: CapturedForward,
     forward: fx.GraphModule,
     param_ids: list[int],
-    param_casts: list[tuple[int, torch.dtype]],
-    direct_use: set[int],
+    hoisted: list[tuple[str, torch.dtype]],
+    fp8_state: list[str],
     process_group=None,
-    fp8_state: list[str] | None = None,
 ) -> StepPlan:
-    """The StepPlan for ``captured`` (``forward``: the graph after the AMP passes);
+    """The StepPlan for ``captured`` (``forward``: the graph after the AMP passes).
+
     ``param_ids`` are ``id()`` of the forward's parameters in placeholder order (to find each
-    optimizer's parameters among them)."""
+    optimizer's parameters among them); ``hoisted``: the parameter placeholders the AMP passes
+    read in low precision, by name, with the dtype (``AmpContext.hoisted``); ``fp8_state``: the
+    delayed fp8 recipe's state placeholders. ``process_group``: data parallel's group."""
+    layout = captured.layout.with_param_copies(len(hoisted)).with_fp8_state(len(fp8_state))
+    params = layout.split([n for n in forward.graph.nodes if n.op == "placeholder"]).params
+    index = {node.name: i for i, node in enumerate(params)}
+    param_casts = [(index[name], dtype) for name, dtype in hoisted]
+    direct_use = {i for i, node in enumerate(params) if node.users}
     _check_losses(spec, captured)
     _check_gradient_code(spec, captured, process_group)
     plans = _optimizer_plans(spec, captured, {pid: i for i, pid in enumerate(param_ids)})
@@ -64,14 +71,14 @@ def build_plan(
         trainable=trainable,
         optimizers=plans,
         scaler=scaler,
-        layout=_layout(captured, plans, scaler, spec.training, zero, probes, fp8_state or []),
+        layout=_layout(captured, plans, scaler, spec.training, zero, probes, fp8_state),
         param_casts=param_casts,
         direct_use=direct_use,
         acc_steps=spec.config.grad_acc_steps,
         process_group=process_group if spec.training else None,
         zero_stage=zero,
         probes=probes,
-        fp8_state=list(fp8_state or []),
+        fp8_state=list(fp8_state),
         fp8_history=spec.config.fp8_history,
     )
 

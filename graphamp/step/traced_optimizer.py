@@ -31,8 +31,8 @@ import torch.compiler
 import torch.fx as fx
 
 from ..errors import UnsupportedOptimizerError
-from ..records.fxutil import drop_profiler_markers
 from ..records.optimizers import InitialState
+from ..torchkit.fxutil import drop_profiler_markers
 
 # group options set for the traced step: the capturable single-tensor form, no fused kernels
 _TRACE_OPTIONS = {"capturable": True, "foreach": False, "fused": False, "differentiable": False}

@@ -3,13 +3,11 @@ frames, node tagging while tracing, and the metadata accessors every stage reads
 
 from __future__ import annotations
 
-import linecache
 import operator
 import os
 import sys
 import types
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -21,6 +19,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from ..records.frames import UserFrame
 from .compat import dispatch_functionalize
 from .effects import effects_as_plain_ops
 
@@ -38,26 +37,6 @@ def is_library_file(filename: str) -> bool:
         hit = absolute.startswith(_LIBRARY_DIRS) or filename.startswith("<")
         _is_library_cache[filename] = hit
     return hit
-
-
-@dataclass(frozen=True)
-class UserFrame:
-    """Where in the user's code (not torch, not graphamp) something happened."""
-
-    filename: str
-    lineno: int
-    function: str
-
-    @property
-    def code(self) -> str:
-        return linecache.getline(self.filename, self.lineno).strip()
-
-    def short(self) -> str:
-        return f"{os.path.basename(self.filename)}:{self.lineno}"
-
-    def __str__(self) -> str:
-        code = self.code
-        return f"{self.filename}:{self.lineno} in {self.function}" + (f": {code}" if code else "")
 
 
 def user_frame_of(frame: types.FrameType | None) -> UserFrame | None:

@@ -28,8 +28,8 @@ from torch.fx.experimental.symbolic_shapes import (
     StatelessSymbolicContext,
 )
 
+from ..records.guards import ShapeGuard
 from .compat import guarding_hint_or_throw
-from .guards import ShapeGuard
 
 Dims = frozenset[tuple[int, int]]  # (tensor index among g(...)'s tensors, dimension)
 

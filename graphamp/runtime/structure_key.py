@@ -23,11 +23,11 @@ from typing import Any, Iterable
 import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 
-from ..records.fxutil import warn_at_user_line
 from ..records.guards import Change, Structure
 from ..records.inputs import FlatInputs
 from ..records.model_pins import declared_patterns, declaring_models
 from ..records.spec import Program
+from ..torchkit.fxutil import warn_at_user_line
 
 log = logging.getLogger("graphamp")
 
@@ -39,12 +39,21 @@ def _bump(*_hook_args: Any) -> None:
     _current[0] = next(_epoch)
 
 
-# Any assignment of a module, parameter or buffer anywhere (model.fc = nn.Linear(...),
-# seq.append(...), model.weight = nn.Parameter(...)) moves the epoch; graphamp's own capture
-# writes the dicts directly and moves nothing.
-module_hooks.register_module_module_registration_hook(_bump)
-module_hooks.register_module_parameter_registration_hook(_bump)
-module_hooks.register_module_buffer_registration_hook(_bump)
+_watching: list[bool] = []
+
+
+def watch_registrations() -> None:
+    """From now on, any assignment of a module, parameter or buffer anywhere in the process
+    (model.fc = nn.Linear(...), seq.append(...), model.weight = nn.Parameter(...)) moves the
+    epoch: torch's global registration hooks, installed once, when the first Graph is made
+    (graphamp's own capture writes the dicts directly and moves nothing)."""
+    if _watching:
+        return
+    module_hooks.register_module_module_registration_hook(_bump)
+    module_hooks.register_module_parameter_registration_hook(_bump)
+    module_hooks.register_module_buffer_registration_hook(_bump)
+    _watching.append(True)
+
 
 _global_hooks = (
     module_hooks._global_forward_hooks,
@@ -61,6 +70,7 @@ class StructureKey:
     """Computes a Graph's ``Structure`` at every call (see the module docstring)."""
 
     def __init__(self) -> None:
+        watch_registrations()
         self._epoch = -1
         self._roots: tuple = ()
         self._modules: list[nn.Module] = []

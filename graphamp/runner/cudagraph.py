@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from .compile import StepFn
+from ..records.spec import StepFn
 
 log = logging.getLogger("graphamp")
 

@@ -31,8 +31,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..records.layouts import StepLayout
-from ..records.ops import FunctionCall
 from ..records.optimizers import SUPPORTED
+from ..torchkit.ops import FunctionCall
 
 FORMAT = "graphamp-step-1"
 

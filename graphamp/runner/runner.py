@@ -21,10 +21,9 @@ from ..errors import CaptureError
 from ..forensics.device_record import ForensicsState
 from ..records.optimizers import TRACED, OptimizerPlan
 from ..records.replays import apply_replays
-from ..records.spec import StepPlan
+from ..records.spec import StepFn, StepPlan
 from ..records.state import SharedState
 from . import momentum, zero_state
-from .compile import StepFn
 from .cudagraph import CudaGraphsBySize, CudaGraphStep
 
 log = logging.getLogger("graphamp")

@@ -1,7 +1,7 @@
 """What the user sees when a stage of the pipeline fails on something torch raised.
 
 Every exception from capture, the AMP passes, planning, assembly or compilation reaches the
-user as a graphamp error (pipeline.build_program is the one place that converts): it names the
+user as a graphamp error (``build._Stages.run`` is the one place that converts): it names the
 stage, the user's line where the failure has one (the innermost frame of the traceback outside
 torch and graphamp), torch's message, and what to try. torch's exception stays attached as
 ``__cause__``. Ctrl-C, out-of-memory errors and graphamp's own errors pass through untouched:
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import CaptureError, CompileError, GraphampError
-from .fxutil import user_frame_of_exception
-from .spec import GraphSpec
+from ..records.spec import GraphSpec
+from ..torchkit.fxutil import user_frame_of_exception
 
 PASS_THROUGH = (GraphampError, MemoryError, torch.OutOfMemoryError)
 
@@ -38,6 +38,27 @@ _STAGE_WORDS = {
         "assembling the training step of {name}",
         "report it with g.dump(path)",
     ),
+    "examples": (
+        "making the example inputs of {name}'s step",
+        "report it with g.dump(path)",
+    ),
+    "step_cache": (
+        "looking the step of {name} up in the step cache",
+        "config.set_step_cache(False) builds the step without it; please report it",
+    ),
+    "recompute": (
+        "copying the activation-checkpointed regions of {name}",
+        "config.enable_activation_checkpointing() with no argument builds the step without "
+        "recomputation; please report it with g.dump(path)",
+    ),
+    "outline": (
+        "outlining the repeated blocks of {name}",
+        "config.set_outline_blocks(False) builds the step inlined; please report it",
+    ),
+    "save_step": (
+        "saving the step of {name} in the step cache",
+        "check that the cache directory is writable, or config.set_step_cache(False)",
+    ),
     "compile": (
         "compiling the step of {name} with the {backend!r} backend",
         "try config.set_backend('aot_eager') or 'eager' to see whether the backend is "
@@ -48,7 +69,7 @@ _STAGE_WORDS = {
 
 def stage_error(spec: GraphSpec, stage: str, error: Exception) -> GraphampError:
     """The graphamp error for ``error``, raised by ``stage`` of the build of ``spec``."""
-    doing, fix = _STAGE_WORDS.get(stage, _STAGE_WORDS["assemble"])
+    doing, fix = _STAGE_WORDS[stage]
     doing = doing.format(name=spec.name, backend=spec.config.backend)
     frame = user_frame_of_exception(error)
     at = f" at {frame}" if frame is not None else ""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
-from typing import Callable, Sequence
 from unittest import mock
 
 import torch
@@ -21,7 +20,7 @@ from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-StepFn = Callable[..., Sequence[torch.Tensor]]
+from ..records.spec import StepFn
 
 
 def compile_step(

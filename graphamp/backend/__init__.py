@@ -1,0 +1,13 @@
+"""Build time, after assembly: compile the step (stage 5) and keep it across restarts.
+
+``compile.compile_step`` hands the assembled graph to a torch.compile backend;
+``inductor_cache`` rebuilds around damaged entries of inductor's own cache; ``step_cache`` keeps
+the assembled step on disk under ``step_key`` (the disk key: a digest of everything assembly
+read; the in-memory key a call is matched by is ``runtime/structure_key.py``);
+``distributed`` makes every rank build the same step; ``progress`` is what a long build says.
+Nothing here runs on a steady call.
+"""
+
+from .compile import compile_step
+
+__all__ = ["compile_step"]

@@ -1,0 +1,262 @@
+"""One build, start to end: the stages in order, as straight-line code.
+
+    GraphSpec + inputs ─capture─▶ Captured ─amp_passes─▶ Passed ─plan─▶ StepPlan
+      ─examples─▶ example inputs ─(choices)─▶ step_cache ─▶ StepGraph loaded, or
+      assemble ─▶ recompute ─▶ outline ─▶ save_step ─▶ StepGraph ─compile─▶ Runner ─▶ Program
+
+``_Stages`` runs each one: it times it, logs its INFO line and turns whatever torch raised into
+graphamp's error for that stage (``stage_errors.py``): the one place a failure is worded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterator, TypeVar
+
+from ..backend import distributed
+from ..backend.progress import log_stage
+from ..capture import BuildRoot, autocast_forward
+from ..records.guards import BuildRequest, Guards, StateSize
+from ..records.inputs import FlatInputs
+from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
+from ..records.state import SharedState
+from ..torchkit.shapes import fake_batch, new_fake_mode, shape_guard
+from . import stages
+from .stage_errors import PASS_THROUGH, stage_error
+from .stages import BuildContext, Captured, Passed, StepGraph, nodes
+
+log = logging.getLogger("graphamp")
+
+T = TypeVar("T")
+
+
+def build_program(
+    spec: GraphSpec, inputs: FlatInputs, state: SharedState, request: BuildRequest
+) -> Program:
+    """Every stage, in order, for one input signature (``request.dynamic``: the batch
+    dimensions traced as symbols; the program then serves every size its guards admit).
+
+    Whatever a stage raises reaches the user as a graphamp error naming the stage, the user's
+    line where the failure has one, and what to try; torch's exception is its ``__cause__``.
+    graphamp's own errors, Ctrl-C and out-of-memory errors pass through as they are. Python
+    state capture settled on the user's objects (``capture/steady_state.py``) is put back on
+    any failure."""
+    with _one_build_at_a_time(spec.name):
+        fake_mode = new_fake_mode()
+        ctx = BuildContext(
+            spec=spec,
+            inputs=inputs,
+            state=state,
+            request=request,
+            fake_mode=fake_mode,
+            batch=inputs.with_tensors(fake_batch(fake_mode, inputs.tensors, request.dynamic)),
+            root=BuildRoot(spec.modules, spec.build, spec.owner, spec.own_attributes),
+        )
+        if not spec.config.data_parallel:
+            return _build(ctx)
+        return _build_on_every_rank(ctx)
+
+
+def _build_on_every_rank(ctx: BuildContext) -> Program:
+    """Data parallel: the model's state broadcast from rank 0 once, then every rank builds and
+    all agree that they built the same step (``backend/distributed.py``)."""
+    spec = ctx.spec
+    group = _Stages(spec).run("capture", distributed.process_group, spec.name, spec.config)
+    if not ctx.state.broadcast_done:
+        distributed.broadcast_state(spec.name, ctx.root, group)
+        ctx.state.broadcast_done = True
+    ctx = BuildContext(**{**ctx.__dict__, "process_group": group})
+    return distributed.build_on_every_rank(
+        spec.name,
+        group,
+        lambda: _build(ctx),
+        lambda p: distributed.fingerprint(p.step_gm, p.plan.layout.names),
+    )
+
+
+def _build(ctx: BuildContext) -> Program:
+    run = _Stages(ctx.spec)
+    captured = run(
+        "capture", stages.capture, ctx, describe=lambda c: f"{nodes(c.forward.gm)} nodes"
+    )
+    try:
+        return _build_after_capture(ctx, run, captured)
+    except BaseException:
+        if captured.forward.undo_writes is not None:
+            captured.forward.undo_writes()
+        raise
+
+
+def _build_after_capture(ctx: BuildContext, run: _Stages, captured: Captured) -> Program:
+    capture_seconds = run.timings["capture"]
+    passed = run("amp_passes", stages.amp_passes, ctx, captured, capture_seconds, describe=_passes)
+    plan = run("plan", stages.plan, ctx, captured, passed)
+    example = run("examples", stages.examples, ctx, plan, captured.device)
+    step = _step_graph(ctx, run, captured, passed, plan, example)
+    compiled = run(
+        "compile",
+        stages.compile,
+        ctx,
+        plan,
+        step,
+        example,
+        captured.device,
+        describe=lambda c: c.detail,
+    )
+    return Program(
+        spec=ctx.spec,
+        signature=ctx.inputs.signature,
+        captured=captured.forward,
+        forward=passed.forward,
+        amp=passed.amp,
+        plan=plan,
+        step_gm=step.gm,
+        runner=compiled.runner,
+        device=captured.device,
+        timings=dict(run.timings),
+        pass_records=passed.records,
+        example_inputs=ctx.inputs.as_meta(),
+        guards=_guards(ctx, captured),
+    )
+
+
+def _step_graph(
+    ctx: BuildContext,
+    run: _Stages,
+    captured: Captured,
+    passed: Passed,
+    plan: StepPlan,
+    example: list,
+) -> StepGraph:
+    """The whole step as one graph: loaded from the step cache, or assembled (recomputed,
+    outlined) and saved, as ``stages.choose`` decided once."""
+    choices = stages.choose(ctx, captured, plan)
+    key = None
+    if choices.cache:
+        what = (ctx, captured, passed, plan, example, choices)
+        found = run("step_cache", stages.look_up, *what, describe=lambda f: f.note)
+        if found.step is not None:
+            return found.step
+        key = found.key
+    elif ctx.spec.config.step_cache:
+        log_stage(ctx.spec.name, "step_cache", 0.0, choices.cache_note)
+    step = run("assemble", stages.assemble, plan, passed, example, choices, describe=_size)
+    if choices.recompute:
+        step = run("recompute", stages.recompute, ctx, step, captured.regions, describe=_size)
+    if choices.outline:
+        step = run("outline", stages.outline, step, describe=_outline_line)
+    if key is not None:
+        run("save_step", stages.save_step, ctx, key, step, describe=str)
+    return step
+
+
+class _Stages:
+    """Runs one stage: its seconds timed, its INFO line logged, what it raises worded."""
+
+    def __init__(self, spec: GraphSpec) -> None:
+        self.spec = spec
+        self.timings: dict[str, float] = {}
+
+    def run(
+        self,
+        name: str,
+        fn: Callable[..., T],
+        *args: Any,
+        describe: Callable[[T], str] | None = None,
+    ) -> T:
+        start = time.perf_counter()
+        try:
+            result = fn(*args)
+        except PASS_THROUGH:
+            raise
+        except Exception as e:  # every other failure becomes graphamp's, worded for the stage
+            raise stage_error(self.spec, name, e) from e
+        self.timings[name] = seconds = time.perf_counter() - start
+        log_stage(self.spec.name, name, seconds, describe(result) if describe else "")
+        return result
+
+    __call__ = run
+
+
+def _passes(passed: Passed) -> str:
+    amp = passed.amp
+    casts = f"{amp.stats.get('casts', 0)} casts" if amp is not None else "AMP off"
+    return f"{nodes(passed.forward)} nodes, {casts}"
+
+
+def _size(step: StepGraph) -> str:
+    return f"{nodes(step.gm)} nodes"
+
+
+def _outline_line(step: StepGraph) -> str:
+    o = step.outline
+    assert o is not None  # the outline stage always says what it did
+    text = f"{nodes(step.gm)} nodes, {o.blocks} blocks, {o.distinct} distinct regions"
+    text += f", {o.outlined} regions outlined"
+    if o.saves.recomputed:
+        text += (
+            f"; backwards recompute {o.saves.recomputed} cheap values, the forwards store "
+            f"{o.saves.after / 2**20:.1f} MiB instead of {o.saves.before / 2**20:.1f}"
+        )
+    if o.left_inline:
+        text += f"; inline: {', '.join(o.left_inline[:4])}" + (
+            " ..." if len(o.left_inline) > 4 else ""
+        )
+    return text
+
+
+def _guards(ctx: BuildContext, captured: Captured) -> Guards:
+    """What the program assumes (``records.guards``): the structure it was built for, the
+    batch's shapes (the ShapeEnv's guards where dimensions are symbolic), the attributes build()
+    read, the parameters' and buffers' sizes."""
+    modules = dict(ctx.root.named_modules())
+    sizes = []
+    for kind, named in (
+        ("_parameters", ctx.root.named_parameters()),
+        ("_buffers", ctx.root.named_buffers()),
+    ):
+        for name, tensor in named:
+            owner, _, attr = name.rpartition(".")
+            namespace = getattr(modules[owner], kind)
+            sizes.append(StateSize(f"self.{name}", namespace, attr, tensor.shape))
+    return Guards(
+        structure=ctx.request.structure,
+        signature=ctx.inputs.signature,
+        shapes=shape_guard(ctx.fake_mode, ctx.batch.tensors, ctx.request.dynamic),
+        attributes=captured.forward.attribute_reads,
+        state_sizes=tuple(sizes),
+        lifted=captured.forward.lifted,
+    )
+
+
+# torch's tracing (make_fx, fake tensors, the backends' compilers) keeps process-wide state,
+# and capture installs process-wide hooks and patches: two builds in two threads would trip
+# over each other's. Builds take turns (steady calls, which trace nothing, do not wait).
+_BUILD_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _one_build_at_a_time(name: str) -> Iterator[None]:
+    if not _BUILD_LOCK.acquire(blocking=False):
+        log.info("%s: waiting for another Graph's capture and compile to finish", name)
+        _BUILD_LOCK.acquire()
+    try:
+        yield
+    finally:
+        _BUILD_LOCK.release()
+
+
+def trace_autocast(program: Program) -> AutocastTrace:
+    """What torch.autocast does on the program's forward (the precision report's oracle)."""
+    spec = program.spec
+    root = BuildRoot(spec.modules, spec.build, spec.owner, spec.own_attributes)
+    amp, example = program.amp, program.example_inputs
+    if amp is None or example is None:
+        raise ValueError("trace_autocast needs a program built with AMP")
+    with _one_build_at_a_time(spec.name):
+        return _Stages(spec).run(
+            "capture", autocast_forward, root, example, amp.dtype, program.device
+        )

@@ -1,0 +1,386 @@
+"""The build's stages, each a function from records to a record.
+
+Every stage reads the ``BuildContext`` (what the runtime asked for, made once before capture and
+never changed) and the records earlier stages returned, and returns its own: a stage's signature
+is everything it reads and makes. ``build.py`` calls them in order, times and logs them, and
+words what they raise (``stage_errors.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..backend import compile_step, step_cache
+from ..backend.inductor_cache import compile_from_cache
+from ..backend.progress import CompileProgress
+from ..backend.step_key import Uncacheable, step_key
+from ..capture import (
+    BuildRoot,
+    capture_forward,
+    check_devices,
+    check_not_fsdp,
+    checkpointed_paths,
+    pinned_paths,
+)
+from ..errors import ConfigError
+from ..passes import DEFAULT_LISTS, AmpContext, run_amp_passes
+from ..records.guards import BuildRequest
+from ..records.inputs import FlatInputs
+from ..records.spec import CapturedForward, GraphSpec, PassRecord, StepFn, StepPlan
+from ..records.state import SharedState
+from ..runner import Runner
+from ..step import (
+    OutlineResult,
+    assemble_step,
+    build_plan,
+    example_inputs,
+    outline_blocks,
+    recompute_checkpointed,
+)
+from ..torchkit.fxutil import copy_graph_module
+from ..torchkit.pin_match import PinMatch, resolve_pins
+
+log = logging.getLogger("graphamp")
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What every stage of one build may read: the request, made once, before capture."""
+
+    spec: GraphSpec
+    inputs: FlatInputs  # the call's real inputs
+    state: SharedState
+    request: BuildRequest
+    # one fake mode for every stage: the batch's symbolic sizes are the same symbols in
+    # capture, assembly and the backend, and what they assume of them lands in one ShapeEnv
+    fake_mode: Any
+    batch: FlatInputs  # ``inputs`` as fake tensors of ``fake_mode`` (some sizes symbolic)
+    root: BuildRoot
+    process_group: Any = None  # data parallel: the group gradients are averaged over
+
+
+# -- capture -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What capture made: build() traced, and the module facts later stages need."""
+
+    forward: CapturedForward
+    device: torch.device  # the one device of the modules and the batch
+    module_pins: dict[str, str]  # module path -> why it stays fp32 (AMP on)
+    regions: frozenset[str]  # activation checkpointing regions
+
+
+def capture(ctx: BuildContext) -> Captured:
+    """build() traced, and the module facts the later stages need (checked once, here)."""
+    spec, config = ctx.spec, ctx.spec.config
+    if config.grad_acc_steps > 1 and not spec.training:
+        raise ConfigError(
+            f"{spec.name}: gradient accumulation splits a training step into "
+            "micro-batches, but the graph has no optimizer"
+        )
+    check_not_fsdp(spec.name, ctx.root)
+    device = check_devices(spec.name, ctx.root, ctx.inputs)
+    traced = ctx.batch
+    if config.grad_acc_steps > 1:
+        ctx.inputs.check_micro_batches(config.grad_acc_steps, spec.name)
+        traced = ctx.batch.micro_batch(config.grad_acc_steps)
+    forward = capture_forward(
+        ctx.root,
+        traced,
+        spec.name,
+        None,
+        config.amp_active,
+        ctx.request.lifted,
+        ctx.request.lifted_inputs,
+        ctx.process_group if not config.zero_stage else None,
+    )
+    pins = {}
+    if config.amp_active:
+        pins = pinned_paths(
+            ctx.root, config.fp32_module_types, config.fp32_module_names, config.amp_dtype
+        )
+    regions = checkpointed_paths(
+        ctx.root, config.checkpoint_module_types, config.checkpoint_module_names
+    )
+    return Captured(forward, device, pins, frozenset(regions))
+
+
+# -- the AMP passes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Passed:
+    """The forward after the AMP passes, their context, and each pass's code (for dumps)."""
+
+    forward: fx.GraphModule  # the captured forward itself when AMP is off
+    amp: AmpContext | None  # None: AMP off
+    records: list[PassRecord] = field(default_factory=list)
+
+
+def amp_passes(ctx: BuildContext, captured: Captured, capture_seconds: float) -> Passed:
+    """The AMP passes on a copy of the captured forward (AMP off: the captured forward)."""
+    spec, config, forward = ctx.spec, ctx.spec.config, captured.forward
+    records = [PassRecord("captured", forward.gm.code, capture_seconds, True)]
+    fp8 = _fp8_recipe(spec, captured.device)
+    if not config.amp_active:
+        return Passed(forward.gm, None, records)
+    placeholders = [n.name for n in forward.gm.graph.nodes if n.op == "placeholder"]
+    pins = _resolve_pins(spec, ctx.root, forward)
+    amp = AmpContext(
+        dtype=config.amp_dtype,
+        lists=DEFAULT_LISTS.with_overrides(config.list_overrides),
+        opt_level=config.amp_opt_level,
+        pinned_paths=frozenset(captured.module_pins) | pins.modules,
+        pin_reasons=captured.module_pins,
+        pinned_nodes=pins.nodes,
+        parameters=frozenset(forward.layout.split(placeholders).params),
+        user_outputs=forward.num_user_outputs,
+        fp8=fp8,
+        fp8_keep=frozenset(config.fp8_keep),
+        fp8_keep_first_last=config.fp8_keep_first_last,
+        fp8_history=config.fp8_history,
+        fp8_margin=config.fp8_margin,
+    )
+
+    def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
+        # python_code, not recompile: the code text without compiling it
+        records.append(PassRecord(pass_name, gm.graph.python_code("self").src, seconds, modified))
+        log.log(
+            logging.DEBUG if spec.debug_level < 2 else logging.INFO,
+            "%s: pass %s %.1f ms%s",
+            spec.name,
+            pass_name,
+            seconds * 1e3,
+            "" if modified else " (no change)",
+        )
+
+    passed = run_amp_passes(copy_graph_module(forward.gm), amp, after_pass=record)
+    return Passed(passed, amp, records)
+
+
+def _fp8_recipe(spec: GraphSpec, device: torch.device) -> str | None:
+    """The fp8 recipe when enable_fp8 is on, after checking what it needs: bf16 AMP, and on
+    CUDA a GPU with fp8 matmuls (compute capability 8.9, Ada and Hopper, or later)."""
+    config, name = spec.config, spec.name
+    if config.fp8_recipe is None:
+        return None
+    if not config.amp_active or config.amp_dtype != torch.bfloat16:
+        raise ConfigError(
+            f"{name}: enable_fp8 runs on top of bf16 AMP: call "
+            "config.enable_amp(True, dtype=torch.bfloat16) (fp16 with fp8 is not offered: fp8 "
+            "keeps its own scales, and bf16's range needs no loss scaler beneath them)"
+        )
+    if device.type == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ConfigError(
+                f"{name}: enable_fp8 needs a GPU with fp8 matmuls (compute capability 8.9 or "
+                f"later: Ada, Hopper); this one has {capability[0]}.{capability[1]}"
+            )
+    return config.fp8_recipe
+
+
+def _resolve_pins(spec: GraphSpec, root: BuildRoot, captured: CapturedForward) -> PinMatch:
+    """The ops and modules config.amp_pins names in this capture; a pin that names nothing
+    (the model changed since autofix made it, or a state dict from another model) is reported
+    and left out, not an error: pins are fixes, and the step is still correct without one."""
+    pins = resolve_pins(
+        captured.gm, spec.config.amp_pins, [path for path, _ in root.named_modules() if path]
+    )
+    for pin in pins.unmatched:
+        log.warning(
+            "%s: fp32 pin %s names no op of this graph; it is ignored (clear it with "
+            "g.config.clear_amp_pins(pin))",
+            spec.name,
+            pin.describe(),
+        )
+    return pins
+
+
+# -- plan and the step's example inputs -----------------------------------------------------------
+
+
+def plan(ctx: BuildContext, captured: Captured, passed: Passed) -> StepPlan:
+    amp = passed.amp
+    return build_plan(
+        ctx.spec,
+        captured.forward,
+        passed.forward,
+        [id(p) for p in ctx.root.parameters()],
+        list(amp.hoisted) if amp is not None else [],
+        list(amp.fp8_state) if amp is not None else [],
+        ctx.process_group,
+    )
+
+
+def examples(ctx: BuildContext, plan: StepPlan, device: torch.device) -> list[torch.Tensor]:
+    """The step's example inputs (fake): what the key, assembly and the backend read."""
+    return example_inputs(plan, ctx.root, ctx.state, ctx.batch.tensors, device)
+
+
+# -- choices made once, after planning ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What this build does besides assembling and compiling, decided once, after planning."""
+
+    outline: bool  # repeated blocks as shared subgraphs (config.set_outline_blocks)
+    recompute: bool  # activation checkpointing copies its regions before their backward
+    cache: bool  # the step cache is looked up (and written after a miss)
+    cache_note: str = ""  # why it is not, for the step_cache INFO line
+
+
+def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
+    spec, config = ctx.spec, ctx.spec.config
+    outline = (
+        config.outline_blocks
+        and spec.training
+        # not tried yet: with activation checkpointing (recompute copies regions), symbolic
+        # sizes, gradient code in build() (its backward ops are in the forward graph) or the
+        # delayed fp8 recipe's state inputs
+        and not captured.regions
+        and not ctx.request.dynamic
+        and not plan.captured.gradient_code.present
+        and not plan.fp8_state
+    )
+    recompute = bool(captured.regions) and spec.training
+    why_not = _not_cached(ctx)
+    note = f"not used: {why_not}" if why_not is not None else ""
+    return Choices(outline, recompute, config.step_cache and why_not is None, note)
+
+
+def _not_cached(ctx: BuildContext) -> str | None:
+    """Why this build does not use the step cache although it is on (None: it does)."""
+    if ctx.request.dynamic:  # the loaded step's symbols would have to be this build's
+        return "symbolic sizes are not cached yet"
+    if ctx.spec.config.data_parallel:  # every rank would have to agree on hit or miss
+        return "data-parallel steps are not cached yet"
+    return None
+
+
+# -- the step graph: loaded, or assembled (recomputed, outlined) and saved --------------------------
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """The whole step as one FX graph, and how it came to be."""
+
+    gm: fx.GraphModule
+    loaded: bool = False  # from the step cache: assembly and outlining skipped
+    outline: OutlineResult | None = None  # None: not outlined
+
+
+@dataclass(frozen=True)
+class CacheLookup:
+    """The step cache's key for this build, and the step an earlier run saved under it."""
+
+    key: str | None  # None: the step cannot be keyed (note says why)
+    step: StepGraph | None  # None: a miss
+    note: str  # the step_cache INFO line
+
+
+def look_up(
+    ctx: BuildContext,
+    captured: Captured,
+    passed: Passed,
+    plan: StepPlan,
+    example: list,
+    choices: Choices,
+) -> CacheLookup:
+    """The key of everything assembly and outlining read (``backend/step_key.py``), and the
+    step saved under it, if any."""
+    what = (plan, passed.forward, example, choices.outline, sorted(captured.regions))
+    try:
+        key = step_key((*what, ctx.spec.training))
+    except Uncacheable as e:
+        return CacheLookup(None, None, f"not used: {e}")
+    cached = step_cache.load(ctx.spec.name, key, ctx.fake_mode)
+    if cached is None:
+        return CacheLookup(key, None, f"miss ({key[:12]})")
+    step = StepGraph(cached.step_gm, loaded=True, outline=cached.outline)
+    return CacheLookup(key, step, f"hit ({key[:12]}): {nodes(step.gm)} nodes")
+
+
+def assemble(plan: StepPlan, passed: Passed, example: list, choices: Choices) -> StepGraph:
+    return StepGraph(assemble_step(plan, passed.forward, example, choices.outline))
+
+
+def recompute(ctx: BuildContext, step: StepGraph, regions: frozenset[str]) -> StepGraph:
+    """Checkpointed regions copied before their backward (in place on ``step.gm``)."""
+    recomputed = recompute_checkpointed(step.gm, regions)
+    log.info(
+        "%s: activation checkpointing recomputes %d ops in %d regions",
+        ctx.spec.name,
+        recomputed.copies,
+        len(recomputed.regions),
+    )
+    return step
+
+
+def outline(step: StepGraph) -> StepGraph:
+    """Repeated blocks as shared subgraphs, on a copy: if outlining fails, the inlined step is
+    compiled (and the INFO line says why)."""
+    outlined = copy_graph_module(step.gm)
+    try:
+        result = outline_blocks(outlined)
+    except Exception as e:  # outlining is an optimisation; the step is correct without it
+        return StepGraph(
+            step.gm, outline=OutlineResult(left_inline=[f"all ({type(e).__name__}: {e})"])
+        )
+    return StepGraph(outlined, outline=result)
+
+
+def save_step(ctx: BuildContext, key: str, step: StepGraph) -> str:
+    saved = step_cache.save(ctx.spec.name, key, step_cache.CachedStep(step.gm, step.outline))
+    return "saved" if saved else "not saved"
+
+
+# -- compile, and the Runner around the compiled step -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Compiled:
+    runner: Runner
+    detail: str  # what the compile stage's INFO line says besides its seconds
+
+
+def compile(
+    ctx: BuildContext, plan: StepPlan, step: StepGraph, example: list, device: torch.device
+) -> Compiled:
+    """The backend on the whole step, and the Runner that binds it to the live state."""
+    config = ctx.spec.config
+    detail = f"{nodes(step.gm)} nodes, {config.backend}"
+    label = f"{ctx.spec.name}: compiling the step ({detail})"
+
+    def compile_once() -> StepFn:
+        options = dict(config.inductor_options)
+        return compile_step(step.gm, example, config.backend, options, step.loaded)
+
+    with CompileProgress(label, show=ctx.spec.progress and config.backend != "eager"):
+        compiled, caches = compile_from_cache(ctx.spec.name, config.backend, compile_once)
+    if config.backend == "inductor":  # whether a restart was served from inductor's caches
+        detail += ", " + (caches or "no cache")
+    replay = device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False
+    runner = Runner(
+        plan,
+        ctx.root,
+        ctx.state,
+        device,
+        compiled,
+        cuda_graph_batch=ctx.inputs.tensors if replay else None,
+        cuda_graph_sizes=config.cuda_graph_sizes if ctx.request.dynamic else None,
+        graph_name=ctx.spec.name,
+    )
+    return Compiled(runner, detail)
+
+
+def nodes(gm: fx.GraphModule) -> int:
+    return len(gm.graph.nodes)

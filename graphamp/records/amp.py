@@ -1,0 +1,53 @@
+"""What the AMP passes read, and what they report back: one record per build.
+
+The pipeline makes it from the config (``pipeline/stages.amp_passes``); the passes
+(``graphamp.passes``) fill in what they found; the plan and the inspection read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from .validate import check_low_precision_dtype, check_opt_level
+
+if TYPE_CHECKING:  # the passes' own type, named only
+    from ..passes.lists import PrecisionLists
+
+__all__ = ["AmpContext"]
+
+
+@dataclass
+class AmpContext:
+    """Everything the AMP passes read, and what they report back."""
+
+    lists: PrecisionLists  # which ops run in low precision, fp32, or follow their inputs
+    dtype: torch.dtype = torch.float16
+    opt_level: str = "O1"
+    pinned_paths: frozenset[str] = frozenset()  # module paths whose ops stay fp32
+    pin_reasons: dict[str, str] = field(default_factory=dict)  # path -> who pinned it, if known
+    pinned_nodes: Mapping[str, str] = field(default_factory=dict)  # node name -> why it is fp32
+    # placeholder names of parameters (hoist_parameter_casts may give them shadows)
+    parameters: frozenset[str] = frozenset()
+    # the graph's first outputs are build()'s results: where an op computed one wider than it
+    # was captured (fp32 from low-precision inputs, as autocast's fp32 ops do) it is returned
+    # wide, so it cannot overflow where autocast's does not (insert_casts.fix_outputs)
+    user_outputs: int = 0
+    # fp8 matmuls (passes/fp8_matmuls.py): the recipe, or None for none; module paths kept in bf16
+    fp8: str | None = None
+    fp8_keep: frozenset[str] = frozenset()
+    fp8_keep_first_last: bool = True  # the input projection and output layer stay bf16
+    fp8_history: int = 16  # the delayed recipe's history length and margin
+    fp8_margin: int = 0
+    # filled by the passes
+    stats: dict[str, Any] = field(default_factory=dict)
+    unknown_ops: dict[str, int] = field(default_factory=dict)
+    hoisted: list[tuple[str, torch.dtype]] = field(default_factory=list)
+    # the delayed recipe's state: one placeholder per fp8 matmul, after the parameter copies
+    fp8_state: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_low_precision_dtype("AmpContext(dtype", self.dtype)
+        check_opt_level(self.opt_level)
