@@ -109,6 +109,26 @@ def test_a_second_build_loads_the_step_and_trains_bitwise_as_the_assembled_one(m
     ]
 
 
+@pytest.mark.parametrize(
+    "configure",
+    [
+        lambda g: g.config.set_outline_blocks(False),
+        lambda g: g.config.enable_activation_checkpointing(models.Block),
+    ],
+    ids=["outlining_off", "activation_checkpointing"],
+)
+def test_a_step_outlining_did_not_copy_loads_too(configure):
+    """A step straight from assembly's trace (outlining off, or recomputed regions) carries the
+    tracer class make_fx leaves on it; its entry must load all the same (it once never did,
+    and every restart rebuilt it with a warning)."""
+    data = _gpt_batches()
+    first = _train(_gpt, data, configure)
+    assert not _loaded(first[0]) and len(_entries()) == 1
+    second = _train(_gpt, data, configure)
+    assert _loaded(second[0])
+    _assert_same(first, second)
+
+
 def test_the_loaded_step_runs_with_the_eager_backend_and_outlined_blocks():
     make = lambda: (TinyGPT(), lm_loss, _adamw, {"amp": torch.bfloat16, "backend": "eager"})  # noqa: E731
     data = _gpt_batches()

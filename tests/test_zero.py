@@ -132,3 +132,47 @@ def test_enable_zero_needs_a_process_group():
         g.config.enable_zero(stage=1)
     with pytest.raises(graphamp.ConfigError, match="choose one of 1, 2"):
         g.config.enable_zero(stage=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_data_parallel_step_loads_from_the_step_cache_on_every_rank(stage, tmp_path):
+    """Data parallel (stage 0) and ZeRO-2 on 2 gloo ranks: the first run assembles the step and
+    saves it; a restart in fresh processes loads it on both ranks (no assembly) and trains
+    bitwise like the assembled step."""
+    env = {"GRAPHAMP_CACHE_DIR": str(tmp_path / "cache")}
+    runs = []
+    for name in ("cold", "restart"):
+        out = tmp_path / name
+        out.mkdir()
+        args = [str(stage), "1", "0", "3", str(out)]
+        torchrun(os.path.join(HERE, "zero_worker.py"), *args, nproc=2, timeout=400, env=env)
+        runs.append([torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)])
+    cold, restart = runs
+    assert all("assemble" in r["stages"] for r in cold)
+    assert all("assemble" not in r["stages"] and "step_cache" in r["stages"] for r in restart)
+    for a, b in zip(cold, restart):
+        for k, v in a["params"].items():
+            assert torch.equal(v, b["params"][k]), k
+        assert a["skipped"] == b["skipped"]
+
+
+@pytest.mark.slow
+def test_a_rank_whose_step_cache_entry_is_missing_builds_it_and_the_ranks_agree(tmp_path):
+    """A restart where rank 1's cache lost its entry: rank 0 loads the step, rank 1 assembles
+    it; both built the same step (the fingerprint agreement) and train as before."""
+    import shutil
+
+    env = {"GRAPHAMP_CACHE_DIR": str(tmp_path / "cache"), "GRAPHAMP_TEST_CACHE_PER_RANK": "1"}
+    runs = []
+    for name in ("cold", "restart"):
+        out = tmp_path / name
+        out.mkdir()
+        torchrun(os.path.join(HERE, "zero_worker.py"), "2", "1", "0", "3", str(out), env=env)
+        runs.append([torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)])
+        shutil.rmtree(tmp_path / "cache" / "1")
+    cold, restart = runs
+    assert "assemble" not in restart[0]["stages"] and "assemble" in restart[1]["stages"]
+    for a, b in zip(cold, restart):
+        for k, v in a["params"].items():
+            assert torch.equal(v, b["params"][k]), k

@@ -77,6 +77,8 @@ def main():
     resume = sys.argv[6] if len(sys.argv) > 6 else None
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if os.environ.get("GRAPHAMP_TEST_CACHE_PER_RANK"):  # each rank its own step cache
+        os.environ["GRAPHAMP_CACHE_DIR"] = os.path.join(os.environ["GRAPHAMP_CACHE_DIR"], str(rank))
     warnings.simplefilter("ignore")
     model = make_model(seed=rank, width=WIDTH)
     g, opt = make_training(stage, acc, model)
@@ -97,6 +99,8 @@ def main():
         "skipped": g.history.fetch()["skipped"],
         "state_bytes": held,
         "compiled_steps": len(g.compiled_steps),
+        # the stages the last build ran: a step loaded from the step cache was not assembled
+        "stages": sorted(g.compiled_steps[-1].timings),
     }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if rank == 0:

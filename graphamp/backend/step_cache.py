@@ -132,6 +132,7 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
     """Write ``step`` under ``key`` (atomically); False, logged, when it cannot be written or
     pickled (the program runs all the same)."""
     taken = _take_values(step.step_gm)
+    tracers = _take_tracer_classes(step.step_gm)
     try:
         from torch.fx._graph_pickler import GraphPickler, Options
 
@@ -142,6 +143,8 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
         return False
     finally:
         _put_back(taken)
+        for owner, tracer_cls in tracers:
+            owner._tracer_cls = tracer_cls
     secret = _secret(graph_name)
     if secret is None:
         return False
@@ -213,26 +216,34 @@ def _open_directory(top: str) -> bytes:
         secret = f.read()
     if len(secret) != 32:  # damaged: a new secret, so every entry made with the old is rebuilt
         log.warning("step cache: the secret %s is damaged; making a new one", path)
-        secret = _write_secret(top, path)
+        secret = _write_secret(top, path, replace=True)
     return secret
 
 
-def _write_secret(top: str, path: str) -> bytes:
-    """32 random bytes in ``path``, mode 0600, written whole (another process starting at
-    the same time reads either none or all of one of them: the last rename wins, and an entry
-    authenticated with the other is rebuilt once)."""
-    secret = os.urandom(32)
+def _write_secret(top: str, path: str, *, replace: bool = False) -> bytes:
+    """32 random bytes in ``path``, mode 0600, written whole; the secret ``path`` then holds.
+
+    A new secret is linked into place only if none is there: processes starting together on a
+    fresh directory (the ranks of a data-parallel job) all end up with the first one's.
+    ``replace``: a damaged secret is replaced (every entry made with it is rebuilt once)."""
     fd, tmp = tempfile.mkstemp(dir=top, prefix=".secret-")  # mode 0600
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(secret)
+            f.write(os.urandom(32))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return secret
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:  # another process made it first: use that one
+                pass
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def private_directory(folder: str) -> None:
@@ -331,6 +342,17 @@ def _take_values(gm: fx.GraphModule) -> _Taken:
             if node.op != "placeholder" and "val" in node.meta and _encodable(node.meta["val"]):
                 meta = {k: node.meta.pop(k) for k in _TAKEN_META if k in node.meta}
                 taken.append((paths[id(m)], node.name, node, meta))
+    return taken
+
+
+def _take_tracer_classes(gm: fx.GraphModule) -> list[tuple[Any, Any]]:
+    """Clear (for ``save`` to put back) the tracer class make_fx leaves on a graph module and
+    its graph: only ``copy.deepcopy`` reads it, and the unpickler builds no tracer, so an entry
+    holding it would never load (every step that outlining did not copy did)."""
+    owners = [o for m in _graph_modules(gm) for o in (m, m.graph)]
+    taken = [(o, o.__dict__["_tracer_cls"]) for o in owners if "_tracer_cls" in o.__dict__]
+    for owner, _ in taken:
+        owner._tracer_cls = None
     return taken
 
 

@@ -11,8 +11,9 @@ that might not see a change.
 
 Steps whose assembly runs user Python outside the forward graph are refused for that reason:
 a custom autograd Function (assembly calls its forward and backward again) and a GradScaler
-subclass (its update is traced into the step). So are data-parallel steps (a process group is
-not a value).
+subclass (its update is traced into the step). A data-parallel step's process group enters the
+key as its name, backend and size: the step's collectives name the group, and its averaging
+divides by the size; each rank's own position is a step input.
 """
 
 from __future__ import annotations
@@ -154,7 +155,11 @@ class _Digest:
                 f"the step calls the custom autograd Function {_qualname(obj.cls)}, whose "
                 "Python code the key cannot see"
             )
-        if _is_grad_scaler(obj):
+        if _is_process_group(obj):
+            # what a step traced over the group depends on: the collectives name the group,
+            # the averaging divides by its size (the rank is a step input, not in the graph)
+            self._text(f"group:{obj.group_name}:{obj.name()}:{obj.size()}")
+        elif _is_grad_scaler(obj):
             self._text("scaler")
             self.feed(obj.settings())
         elif isinstance(obj, torch.optim.Optimizer):
@@ -238,6 +243,11 @@ _TORCH_VALUES = (
     torch.SymBool,
 )
 _IPYKERNEL = re.compile(r"ipykernel_\d+")
+
+
+def _is_process_group(obj: Any) -> bool:
+    group_class = getattr(torch.distributed, "ProcessGroup", None)  # None: built without it
+    return group_class is not None and isinstance(obj, group_class)
 
 
 def _target(target: Any) -> str:

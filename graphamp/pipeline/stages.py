@@ -261,8 +261,6 @@ def _not_cached(ctx: BuildContext) -> str | None:
     """Why this build does not use the step cache although it is on (None: it does)."""
     if ctx.request.dynamic:  # the loaded step's symbols would have to be this build's
         return "symbolic sizes are not cached yet"
-    if ctx.spec.config.data_parallel:  # every rank would have to agree on hit or miss
-        return "data-parallel steps are not cached yet"
     return None
 
 
