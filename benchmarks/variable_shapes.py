@@ -14,6 +14,7 @@ interleaved).
 
     python benchmarks/variable_shapes.py                       # 2 and 6 layers, both cells
     python benchmarks/variable_shapes.py --layers 2 --cells 12x4 --steady
+    python benchmarks/variable_shapes.py --layers 6 --cells 12x4 --variants graphamp compile --restart
 
 Results: benchmarks/results/variable_shapes_cpu.{jsonl,md} (``--out`` to change the folder).
 """
@@ -189,20 +190,30 @@ def child_steady(layers: int, length_index: int = 2, reps: int = 30) -> dict:
     }
 
 
-def run_child(args: list[str]) -> dict:
+def run_child(args: list[str], restart: bool = False) -> dict:
+    """The cell in a fresh process on an empty cache directory; ``restart``: then again in a
+    second fresh process on the directory the first filled (its row, with the cold total)."""
     with tempfile.TemporaryDirectory(prefix="graphamp-varshape-") as cache:
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "GRAPHAMP_CACHE_DIR"},
             "TORCHINDUCTOR_CACHE_DIR": cache,
             "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), ROOT]),
         }
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        row = _child(args, env)
+        if restart:
+            cold = row["total_s"]
+            row = {**_child(args, env), "cold_total_s": cold, "cache": "restart"}
+    return row
+
+
+def _child(args: list[str], env: dict) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{args} failed:\n{proc.stderr[-3000:]}")
@@ -235,6 +246,21 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
             f"| {m.get('total_s')} ({m.get('compiles')}) "
             f"| {c.get('total_s')} ({c.get('compiles')}) | {e.get('total_s')} | {ratio:.2f} |"
         )
+    restarts = [r for r in rows if r.get("cache") == "restart"]
+    if restarts:
+        out += [
+            "",
+            "Restart: the same cell in a second fresh process on the cache directory its "
+            "cold run filled.",
+            "",
+        ]
+        out += ["| layers | steps | lengths | variant | cold s | restart s (compiles) |"]
+        out.append("|---|---|---|---|---|---|")
+        for r in restarts:
+            out.append(
+                f"| {r['layers']} | {r['steps']} | {r['lengths']} | {r['variant']} "
+                f"| {r['cold_total_s']} | {r['total_s']} ({r['compiles']}) |"
+            )
     steady = [r for r in rows if r["variant"] == "steady"]
     if steady:
         out += ["", "| layers | length | dynamic program ms | static program ms | ratio |"]
@@ -255,6 +281,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--cells", nargs="+", default=["12x4", "200x50"], help="STEPSxLENGTHS")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--steady", action="store_true", help="also the steady-step comparison")
+    parser.add_argument(
+        "--restart", action="store_true", help="each cell again on the cache its cold run filled"
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     if args.child:
@@ -267,7 +296,7 @@ def main(argv=None) -> list[dict]:
         for cell in args.cells:
             steps, lengths = cell.split("x")
             for variant in args.variants:
-                rows.append(run_child([variant, str(layers), steps, lengths]))
+                rows.append(run_child([variant, str(layers), steps, lengths], args.restart))
                 print(json.dumps(rows[-1]), flush=True)
         if args.steady:
             rows.append(run_child(["steady", str(layers)]))

@@ -347,7 +347,7 @@ class GraphConfig:
         ``graphamp/steps`` under inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``), keyed
         by everything the step is made from (the captured forward, plan, inputs, config, torch
         and graphamp versions); a damaged entry is ignored with a warning and rebuilt. Steps with
-        a custom autograd Function, a GradScaler subclass or changing shapes are not
+        a custom autograd Function, a GradScaler subclass or data-dependent sizes are not
         cached (the INFO line says why)."""
         self._set(step_cache=check_bool("set_step_cache(mode)", mode))
 

@@ -520,13 +520,70 @@ def test_what_the_key_cannot_see_is_not_cached(what, kwargs, configure, reason, 
         assert "step_cache" in caplog.text and reason in caplog.text, caplog.text
 
 
-def test_changing_shapes_are_not_cached_yet(caplog):
+def _variable_lengths(n=5):
+    """Language-model batches whose sequence length changes: the second length makes the
+    step's sizes symbolic."""
+    gen = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, 64, (4, t), generator=gen), torch.randint(0, 64, (4, t), generator=gen))
+        for t in (8, 12, 16, 10, 14)[:n]
+    ]
+
+
+def test_a_step_with_symbolic_sizes_is_cached_with_its_guards(monkeypatch):
+    """The automatic dynamic step (sizes as symbols after a length changed) is saved; a second
+    build loads it (no assembly), assumes the same size guards and trains bitwise like it."""
+    data = _variable_lengths()
+    first = _train(_gpt, data)
+    assert len(first[0].compiled_steps) == 2 and len(_entries()) == 2  # static, then dynamic
+    assumed = []
+    assume = step_cache._assume
+    monkeypatch.setattr(step_cache, "_assume", lambda g, m: assumed.append(len(g)) or assume(g, m))
+    second = _train(_gpt, data)
+    assert assumed[-1] > 0  # the dynamic entry's guards were replayed into the build
+    assert _loaded(second[0])
+    assert all("assemble" not in s.timings for s in second[0].compiled_steps)
+    _assert_same(first, second)
+    a, b = (g._programs.last() for g in (first[0], second[0]))
+    assert a.guards.shapes.dynamic and a.guards.shapes.dynamic == b.guards.shapes.dynamic
+    assert a.guards.shapes.expression == b.guards.shapes.expression
+    assert a.step_gm.code == b.step_gm.code
+
+
+def test_a_dynamic_step_with_data_dependent_sizes_is_not_saved(caplog):
+    """A boolean mask's size has no name a later trace would give it: with symbolic batch
+    sizes beside it the step is trained, not saved (with static batch sizes it is saved:
+    tests/test_compile_cache.py's masked case)."""
+
+    def masked(g, x, y):
+        keep = y >= 0
+        loss = F.cross_entropy(g.model(x)[keep], y[keep])
+        loss.backward()
+        return loss
+
     torch.manual_seed(0)
     model = seed_mlp()
-    g = make_graph(model, nn.CrossEntropyLoss(), _adamw(model))
+    g = make_graph(model, nn.CrossEntropyLoss(), _adamw(model), build=masked)
     with caplog.at_level(logging.INFO, logger="graphamp"):
         for n in (16, 24, 32):
             g(torch.randn(n, 256), torch.randint(0, 10, (n,)))
-    assert "step_cache" in caplog.text and "not used: symbolic sizes" in caplog.text
-    assert len(_entries()) == 1  # the first, static step; the dynamic one is not saved
-    assert len(g.compiled_steps) == 2 and "assemble" in g.compiled_steps[-1].timings
+    assert "not saved (symbolic sizes and data-dependent ones)" in caplog.text
+    assert len(g.compiled_steps) == 2 and len(_entries()) == 1  # the static step only
+
+
+def test_an_entry_whose_size_guards_fail_for_this_batch_is_not_used():
+    """An entry's guards are checked against the sizes of the build that loads it before
+    anything is assumed (a guard assembly made for other sizes would be wrong here)."""
+    import sympy
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    size = env.create_unspecified_symint_and_symbol(8, ConstantSource("n"), DimDynamic.DYNAMIC)
+    mode = FakeTensorMode(shape_env=env)
+    symbol = size.node.expr
+    assert step_cache._guards_hold([sympy.Ge(symbol, 4)], mode)
+    assert not step_cache._guards_hold([sympy.Ge(symbol, 4), sympy.Ge(symbol, 10)], mode)
+    before = list(env.guards)
+    step_cache._assume([sympy.Ge(symbol, 4)], mode)
+    assert len(env.guards) == len(before) + 1

@@ -17,7 +17,11 @@ and the payload) and the step graph pickled by torch's ``GraphPickler``, node me
 values (``meta["val"]``) of static sizes are stored as (shape, strides, dtype, device) and made
 fake tensors again on load: GraphPickler's general form of them was 0.4 s of a 0.46 s load of a
 6-layer GPT-2 step (2,000 nodes); ``meta["tensor_meta"]``, which nothing after assembly reads,
-is left out.
+is left out. A step traced with symbolic sizes stores its sizes as sympy expressions over the
+batch's size symbols, and the guards its ShapeEnv held: a build that loads it checks them against
+its own sizes, makes its values over its own ShapeEnv (the key names the same symbols) and
+assumes the guards as its assembly would have. A data-dependent size (a boolean mask's) has no
+name a later trace would give it, so such a step is not saved.
 
 Trust. An entry is a pickle, and unpickling runs code, so nothing is unpickled before it is
 authenticated: the HMAC's key is a secret of 32 random bytes made on first use in the cache's
@@ -50,6 +54,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from ..torchkit.compat import backed_sizes
 from . import step_unpickler
 from .inductor_cache import cache_directory
 from .step_key import graphamp_source
@@ -68,6 +73,9 @@ class CachedStep:
     # in an entry only: (graph module path, node name, value) for the values taken out of the
     # graph's metadata (``save``), put back on load
     values: list[tuple[str, str, Any]] = field(default_factory=list)
+    # in an entry of a step traced with symbolic sizes: the guards (sympy expressions over the
+    # batch's size symbols) its ShapeEnv held, which the build that loads it assumes too
+    shape_guards: list[Any] = field(default_factory=list)
 
 
 def root() -> str:
@@ -85,8 +93,42 @@ def entry_path(key: str) -> str:
 def load(graph_name: str, key: str, fake_mode: FakeTensorMode) -> CachedStep | None:
     """The step saved under ``key`` (its tensors' metadata as fakes of ``fake_mode``), or None
     when there is none; a damaged entry is None too, with a warning."""
-    secret = _secret(graph_name)
     path = entry_path(key)
+    payload = _authenticated_payload(graph_name, key, path)
+    if payload is None:
+        return None
+    try:
+        step = step_unpickler.loads(payload, fake_mode)  # what a step holds, nothing else
+    except Exception as e:  # a damaged or foreign pickle can raise anything
+        _warn(graph_name, path, f"it does not load ({type(e).__name__}: {e})")
+        return None
+    return _restored(graph_name, path, step, fake_mode)
+
+
+def _restored(graph_name: str, path: str, step: Any, fake_mode: FakeTensorMode) -> Any:
+    """An unpickled entry made a step again: its values as fakes of ``fake_mode``, its size
+    guards assumed; None, with a warning, when it does not hold a step."""
+    if not isinstance(step, CachedStep) or not isinstance(step.step_gm, fx.GraphModule):
+        _warn(graph_name, path, f"it holds a {type(step).__name__}, not a step")
+        return None
+    if not _guards_hold(step.shape_guards, fake_mode):
+        log.info("%s: step cache: the entry's size guards do not hold for this batch", graph_name)
+        return None
+    try:
+        _put_values(step.step_gm, step.values, fake_mode)
+        _assume(step.shape_guards, fake_mode)
+    except Exception as e:  # as above
+        _warn(graph_name, path, f"its values do not load ({type(e).__name__}: {e})")
+        return None
+    for gm in _graph_modules(step.step_gm):
+        gm.recompile()  # GraphPickler leaves the graph modules without their forward()
+    return CachedStep(step.step_gm, step.outline)
+
+
+def _authenticated_payload(graph_name: str, key: str, path: str) -> bytes | None:
+    """The entry's payload, once its HMAC is checked (nothing is unpickled before); None
+    when there is no entry, or (with a warning) when it is unreadable or not authentic."""
+    secret = _secret(graph_name)
     if secret is None:
         return None
     try:
@@ -110,34 +152,28 @@ def load(graph_name: str, key: str, fake_mode: FakeTensorMode) -> CachedStep | N
             "written by someone else); it was not unpickled",
         )
         return None
-    try:
-        step = step_unpickler.loads(payload, fake_mode)  # what a step holds, nothing else
-    except Exception as e:  # a damaged or foreign pickle can raise anything
-        _warn(graph_name, path, f"it does not load ({type(e).__name__}: {e})")
-        return None
-    if not isinstance(step, CachedStep) or not isinstance(step.step_gm, fx.GraphModule):
-        _warn(graph_name, path, f"it holds a {type(step).__name__}, not a step")
-        return None
-    try:
-        _put_values(step.step_gm, step.values, fake_mode)
-    except Exception as e:  # as above
-        _warn(graph_name, path, f"its values do not load ({type(e).__name__}: {e})")
-        return None
-    for gm in _graph_modules(step.step_gm):
-        gm.recompile()  # GraphPickler leaves the graph modules without their forward()
-    return CachedStep(step.step_gm, step.outline)
+    return payload
 
 
 def save(graph_name: str, key: str, step: CachedStep) -> bool:
     """Write ``step`` under ``key`` (atomically); False, logged, when it cannot be written or
     pickled (the program runs all the same)."""
+    guards = _shape_guards(step.step_gm)  # read from the placeholders, before they are taken
     taken = _take_values(step.step_gm)
+    if guards and _left_symbolic(step.step_gm):
+        # symbolic batch sizes and a data-dependent one: GraphPickler's form of the latter
+        # would bring the tracing ShapeEnv along, which a build with symbols of its own cannot
+        # take (with static batch sizes it can, and does)
+        _put_back(taken)
+        log.info("%s: step cache: not saved (symbolic sizes and data-dependent ones)", graph_name)
+        return False
     tracers = _take_tracer_classes(step.step_gm)
     try:
         from torch.fx._graph_pickler import GraphPickler, Options
 
         values = [(path, name, _encode(meta["val"])) for path, name, _, meta in taken]
-        payload = GraphPickler.dumps(replace(step, values=values), Options(ops_filter=None))
+        entry = replace(step, values=values, shape_guards=guards)
+        payload = GraphPickler.dumps(entry, Options(ops_filter=None))
     except Exception as e:  # a graph the pickler does not support is not cached
         log.info("%s: step cache: not saved (%s: %s)", graph_name, type(e).__name__, e)
         return False
@@ -288,29 +324,61 @@ def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
     return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _size(x: Any) -> bool:
+    """An int, or a symbolic one over the batch's (backed) size symbols."""
+    return type(x) is int or (isinstance(x, torch.SymInt) and _backed(x))
+
+
+def _backed(x: Any) -> bool:
+    """Every symbol of ``x`` has a value in its ShapeEnv (no data-dependent size: those are
+    made afresh by each trace, so an entry could not name them)."""
+    node = x.node
+    return all(s in backed_sizes(node.shape_env) for s in node.expr.free_symbols)
+
+
 def _encodable(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.layout is torch.strided and all(
-            type(x) is int for x in (*value.shape, *value.stride(), value.storage_offset())
+            map(_size, (*value.shape, *value.stride(), value.storage_offset()))
         )
     if isinstance(value, (tuple, list)):
         return all(map(_encodable, value))
+    if isinstance(value, _SYMBOLIC):
+        return _backed(value)
     return value is None or type(value) in (int, float, bool)
+
+
+def _symbolic(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(x, torch.SymInt) for x in (*value.shape, *value.stride()))
+    if isinstance(value, (tuple, list)):
+        return any(map(_symbolic, value))
+    return isinstance(value, _SYMBOLIC)
+
+
+def _int_code(x: Any) -> Any:
+    """An int as it is; a symbolic one as ("sym", its sympy expression)."""
+    return ("sym", x.node.expr) if isinstance(x, torch.SymInt) else x
 
 
 def _encode(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (
             "tensor",
-            tuple(value.shape),
-            value.stride(),
-            value.storage_offset(),
+            tuple(map(_int_code, value.shape)),
+            tuple(map(_int_code, value.stride())),
+            _int_code(value.storage_offset()),
             value.dtype,
             str(value.device),
             value.requires_grad,
         )
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, [_encode(v) for v in value])
+    if isinstance(value, _SYMBOLIC):
+        return ("symbol", type(value).__name__, value.node.expr)
     return ("value", value)
 
 
@@ -318,15 +386,77 @@ def _decode(code: Any, mode: FakeTensorMode) -> Any:
     kind = code[0]
     if kind == "tensor":
         _, shape, stride, offset, dtype, device, requires_grad = code
-        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-        if offset:
-            meta = meta.as_strided(shape, stride, offset)
-        fake = FakeTensor(mode, meta, torch.device(device))
+        shape, stride = [_int(x, mode) for x in shape], [_int(x, mode) for x in stride]
+        offset = _int(offset, mode)
+        fake: torch.Tensor
+        if all(type(x) is int for x in (*shape, *stride)):
+            meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+            if offset:
+                meta = meta.as_strided(shape, stride, offset)
+            fake = FakeTensor(mode, meta, torch.device(device))
+        else:  # symbolic sizes: made by the fake mode itself, over its ShapeEnv's symbols
+            with mode:
+                fake = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                if not (type(offset) is int and offset == 0):
+                    fake = fake.as_strided(shape, stride, offset)
         return fake.requires_grad_(True) if requires_grad else fake
     if kind in ("tuple", "list"):
         items = [_decode(c, mode) for c in code[1]]
         return tuple(items) if kind == "tuple" else items
+    if kind == "symbol":
+        return _symbol(code[1], code[2], mode)
     return code[1]
+
+
+def _int(code: Any, mode: FakeTensorMode) -> Any:
+    return _symbol("SymInt", code[1], mode) if isinstance(code, tuple) else code
+
+
+def _symbol(kind: str, expr: Any, mode: FakeTensorMode) -> Any:
+    """A SymInt (SymFloat, SymBool) of ``mode``'s ShapeEnv for ``expr``: the entry's symbols
+    are this build's (the key holds the example inputs' sizes, symbols included, by name)."""
+    env = mode.shape_env
+    assert env is not None, "a symbolic value needs a ShapeEnv"
+    hint = expr.xreplace(backed_sizes(env))
+    if kind == "SymInt":
+        return env.create_symintnode(expr, hint=int(hint))
+    if kind == "SymFloat":
+        return env.create_symfloatnode(expr, hint=float(hint))
+    return env.create_symboolnode(expr)
+
+
+def _shape_guards(gm: fx.GraphModule) -> list[Any]:
+    """The guards of the ShapeEnv the step was traced in, when its sizes are symbolic."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            for x in (*value.shape, *value.stride()):
+                if isinstance(x, torch.SymInt) and x.node.shape_env is not None:
+                    return [guard.expr for guard in x.node.shape_env.guards]
+    return []
+
+
+def _left_symbolic(gm: fx.GraphModule) -> bool:
+    """Whether a symbolic value is left in the metadata (``_take_values`` took the others)."""
+    return any(_symbolic(n.meta.get("val")) for m in _graph_modules(gm) for n in m.graph.nodes)
+
+
+def _guards_hold(guards: list[Any], mode: FakeTensorMode) -> bool:
+    """Whether the entry's guards hold for this build's sizes (the hints of its symbols)."""
+    if not guards:
+        return True
+    env = mode.shape_env
+    if env is None:
+        return False
+    return all(bool(g.xreplace(backed_sizes(env))) for g in guards)
+
+
+def _assume(guards: list[Any], mode: FakeTensorMode) -> None:
+    """Add the entry's guards to this build's ShapeEnv, as its assembly would have."""
+    env = mode.shape_env
+    for guard in guards:
+        assert env is not None  # guards come only with symbolic sizes (_guards_hold)
+        env.evaluate_expr(guard)
 
 
 _Taken = list[tuple[str, str, fx.Node, dict]]
@@ -339,7 +469,10 @@ def _take_values(gm: fx.GraphModule) -> _Taken:
     paths = {id(m): path for path, m in gm.named_modules()}
     for m in _graph_modules(gm):
         for node in m.graph.nodes:
-            if node.op != "placeholder" and "val" in node.meta and _encodable(node.meta["val"]):
+            value = node.meta.get("val")
+            if node.op == "placeholder" and not _symbolic(value):
+                continue  # GraphPickler's own form (static sizes need no ShapeEnv)
+            if "val" in node.meta and _encodable(value):
                 meta = {k: node.meta.pop(k) for k in _TAKEN_META if k in node.meta}
                 taken.append((paths[id(m)], node.name, node, meta))
     return taken

@@ -141,8 +141,6 @@ def _step_graph(
         if found.step is not None:
             return found.step
         key = found.key
-    elif ctx.spec.config.step_cache:
-        log_stage(ctx.spec.name, "step_cache", 0.0, choices.cache_note)
     step = run("assemble", stages.assemble, plan, passed, example, choices, describe=_size)
     if choices.recompute:
         step = run("recompute", stages.recompute, ctx, step, captured.regions, describe=_size)

@@ -235,7 +235,6 @@ class Choices:
     outline: bool  # repeated blocks as shared subgraphs (config.set_outline_blocks)
     recompute: bool  # activation checkpointing copies its regions before their backward
     cache: bool  # the step cache is looked up (and written after a miss)
-    cache_note: str = ""  # why it is not, for the step_cache INFO line
 
 
 def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
@@ -252,16 +251,7 @@ def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
         and not plan.fp8_state
     )
     recompute = bool(captured.regions) and spec.training
-    why_not = _not_cached(ctx)
-    note = f"not used: {why_not}" if why_not is not None else ""
-    return Choices(outline, recompute, config.step_cache and why_not is None, note)
-
-
-def _not_cached(ctx: BuildContext) -> str | None:
-    """Why this build does not use the step cache although it is on (None: it does)."""
-    if ctx.request.dynamic:  # the loaded step's symbols would have to be this build's
-        return "symbolic sizes are not cached yet"
-    return None
+    return Choices(outline, recompute, config.step_cache)
 
 
 # -- the step graph: loaded, or assembled (recomputed, outlined) and saved --------------------------

@@ -89,3 +89,10 @@ def preserve_backward_stack_traces(losses: list[torch.Tensor]) -> None:
     roots = [t.grad_fn for t in losses if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if roots:
         logging_utils.setup_stacktrace_preservation_hooks(roots)
+
+
+def backed_sizes(shape_env: Any) -> dict:
+    """A ShapeEnv's symbol -> value map of the sizes it was given (the hints): torch 2.14
+    renamed ``var_to_val`` to ``backed_var_to_val`` (the old name warns there)."""
+    values = getattr(shape_env, "backed_var_to_val", None)
+    return values if values is not None else shape_env.var_to_val
