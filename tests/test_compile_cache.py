@@ -14,17 +14,19 @@ import subprocess
 import sys
 import tempfile
 
+import models
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
-from helpers import assert_bitwise
+from helpers import assert_bitwise, make_graph
 from torch._guards import TracingContext
 from torch._inductor.codecache import PyCodeCache
 from torch._subclasses.fake_tensor import FakeTensor
 
 from graphamp.backend.compile import compile_step
 from graphamp.backend.inductor_cache import rebuild_if_cache_unreadable
-from graphamp.torchkit.fxutil import trace_functional
+from graphamp.torchkit.fxutil import copy_graph_module, trace_functional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -65,6 +67,27 @@ def test_backend_gets_a_shape_env_and_static_fake_inputs():
 
     compile_step(gm, example, backend)
     assert seen == {"shape_env": True, "fakes": True, "static": True, "same_mode": True}
+
+
+def test_views_become_reshapes_in_outlined_subgraphs_too():
+    """The backend traces every subgraph again with its own layouts: a ``view`` assembly
+    recorded inside an outlined block fails there as in the top graph (seen on transformers'
+    GPT-2 with an attention mask), so both become ``reshape``."""
+    from graphamp.backend.compile import _views_as_reshapes
+
+    model = models.TinyGPT()
+    g = make_graph(model, models.lm_loss, torch.optim.AdamW(model.parameters()), backend="eager")
+    g(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    step = copy_graph_module(g.compiled_steps[-1].step_graph)
+    subgraphs = [m for m in step.modules() if isinstance(m, fx.GraphModule) and m is not step]
+    assert subgraphs  # the blocks were outlined
+
+    def views(m):
+        return sum(n.target is torch.ops.aten.view.default for n in m.graph.nodes)
+
+    assert sum(map(views, subgraphs)) > 0
+    _views_as_reshapes(step)
+    assert views(step) == 0 and sum(map(views, subgraphs)) == 0
 
 
 def test_a_step_from_the_step_cache_does_not_start_inductors_compile_pool(monkeypatch):

@@ -78,11 +78,16 @@ def _views_as_reshapes(gm: fx.GraphModule) -> None:
     transformers' GPT-2 given an attention mask under bf16 AMP ("Cannot view a tensor with
     shape [8, 4, 32, 8] and strides (1024, 32, 1, 128) as (32, 32, 8)"). ``reshape`` is that same view
     wherever a view is possible, and a copy where not; the graph holds no in-place write to a
-    view (it is functional until its final copies into the state), so values are unchanged."""
-    for node in gm.graph.nodes:
-        if node.target is torch.ops.aten.view.default:
-            node.target = torch.ops.aten.reshape.default
-    gm.recompile()
+    view (it is functional until its final copies into the state), so values are unchanged.
+    Outlined blocks' subgraphs too: the backend traces them again as well (transformers'
+    GPT-2 with an attention mask failed there, with the same message)."""
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.target is torch.ops.aten.view.default:
+                node.target = torch.ops.aten.reshape.default
+        module.recompile()
 
 
 def _inductor_config(options: dict):
