@@ -65,9 +65,10 @@ def case(name: str):
     gen = torch.Generator().manual_seed(1)
     if name in VARIANTS:
         return _variant(name, gen)
-    if name == "fp16_scaler_adamw":
+    if name in ("fp16_scaler_adamw", "fp16_scaler_adamw_inlined"):
         model = seed_mlp()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        inlined = name.endswith("_inlined")  # the step as assembly traced it, not a copy
         g = make_graph(
             model,
             nn.CrossEntropyLoss(),
@@ -75,6 +76,7 @@ def case(name: str):
             backend="inductor",
             amp=torch.float16,
             scaler=graphamp.GradScaler(),
+            configure=(lambda g: g.config.set_outline_blocks(False)) if inlined else None,
         )
         batches = [
             (torch.randn(64, 256, generator=gen), torch.randint(0, 10, (64,), generator=gen))

@@ -154,7 +154,9 @@ def _assert_same_run(a: dict, b: dict) -> None:
 
 
 @pytest.mark.inductor
-@pytest.mark.parametrize("case", ["fp16_scaler_adamw", "masked_bf16_sgd"])
+@pytest.mark.parametrize(
+    "case", ["fp16_scaler_adamw", "fp16_scaler_adamw_inlined", "masked_bf16_sgd"]
+)
 def test_restart_hits_inductor_and_aot_autograd_caches(case, tmp_path):
     cache_dir = tmp_path / "inductor-cache"
     cold = _run_worker(case, cache_dir, tmp_path / "cold.pt")[case]

@@ -167,7 +167,6 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
         _put_back(taken)
         log.info("%s: step cache: not saved (symbolic sizes and data-dependent ones)", graph_name)
         return False
-    tracers = _take_tracer_classes(step.step_gm)
     try:
         from torch.fx._graph_pickler import GraphPickler, Options
 
@@ -179,8 +178,6 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
         return False
     finally:
         _put_back(taken)
-        for owner, tracer_cls in tracers:
-            owner._tracer_cls = tracer_cls
     secret = _secret(graph_name)
     if secret is None:
         return False
@@ -475,17 +472,6 @@ def _take_values(gm: fx.GraphModule) -> _Taken:
             if "val" in node.meta and _encodable(value):
                 meta = {k: node.meta.pop(k) for k in _TAKEN_META if k in node.meta}
                 taken.append((paths[id(m)], node.name, node, meta))
-    return taken
-
-
-def _take_tracer_classes(gm: fx.GraphModule) -> list[tuple[Any, Any]]:
-    """Clear (for ``save`` to put back) the tracer class make_fx leaves on a graph module and
-    its graph: only ``copy.deepcopy`` reads it, and the unpickler builds no tracer, so an entry
-    holding it would never load (every step that outlining did not copy did)."""
-    owners = [o for m in _graph_modules(gm) for o in (m, m.graph)]
-    taken = [(o, o.__dict__["_tracer_cls"]) for o in owners if "_tracer_cls" in o.__dict__]
-    for owner, _ in taken:
-        owner._tracer_cls = None
     return taken
 
 

@@ -57,7 +57,7 @@ def assemble_step(
     op it differentiates (what ``outline.py`` finds a block's backward by)."""
     step = make_step_function(plan, fwd_gm, record_origins)
     # a failure here (a custom Function's backward, a bug) becomes a graphamp error, naming the
-    # user's line, in pipeline.build_program
+    # user's line, where the pipeline runs the stage (pipeline/build.py)
     with fx_traceback.preserve_node_meta() if record_origins else nullcontext():
         gm = trace_functional(step, example, propagate_input_mutations=True)
     rename_placeholders(gm, plan.layout.names)
@@ -65,6 +65,11 @@ def assemble_step(
         tensorify_scalar_reads(gm)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
+    # make_fx leaves its tracer class on the module and its graph; only copy.deepcopy reads
+    # it. A step loaded from the step cache has none (the cache's unpickler builds no tracer),
+    # and AOTAutograd's cache key hashes the module's attributes: with it, a restart that
+    # loaded a step outlining had not copied missed that cache and traced the step again
+    gm._tracer_cls = gm.graph._tracer_cls = None
     gm.recompile()
     return gm
 
