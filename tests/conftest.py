@@ -18,7 +18,7 @@ def _seed_and_quiet():
 
 @pytest.fixture(autouse=True)
 def _own_step_cache(tmp_path_factory, monkeypatch):
-    """Each test starts with an empty step cache (runtime/step_cache.py): what a test builds
+    """Each test starts with an empty step cache (backend/step_cache.py): what a test builds
     never depends on which tests ran before it. A test that builds the same step twice loads it
     the second time, as a restart would."""
     monkeypatch.setenv("GRAPHAMP_CACHE_DIR", str(tmp_path_factory.mktemp("graphamp-cache")))

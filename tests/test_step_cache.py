@@ -1,4 +1,4 @@
-"""graphamp's step cache (runtime/step_cache.py, runtime/step_key.py): a second build of the same
+"""graphamp's step cache (backend/step_cache.py, backend/step_key.py): a second build of the same
 step, as after a restart, loads the assembled step instead of assembling it, and trains bitwise
 as the assembled one does; anything the step is made from that changed misses; a damaged entry
 is ignored with a warning and rebuilt; what the key cannot see is not cached.

@@ -4,7 +4,7 @@ A cache a library builds on first use (rotary cos/sin tables, inverse frequencie
 function of parameters, buffers and constants only. Eager's first call computes it once from
 the state of that moment and keeps it; ``steady_state.py`` does the same with the first
 trace's graph: the nodes that compute it are run eagerly, on the user's real tensors, once.
-Where the batch's sizes are symbolic (``records/shapes.py``), a size node is this call's size:
+Where the batch's sizes are symbolic (``torchkit/shapes.py``), a size node is this call's size:
 a cache sized by the sequence length is computed for the length of this call, as eager's is.
 """
 

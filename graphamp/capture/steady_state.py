@@ -22,7 +22,7 @@ torch.compile's guards and side-effect replay amount to, once, at capture:
    only, or a tensor attribute read and rewritten every call (not a buffer): refused by name,
    and the user's objects are put back exactly as they were (``Settled.undo``).
 
-Symbolic sizes (dynamic shapes, ``records/shapes.py``): the first trace runs on a copy of the
+Symbolic sizes (dynamic shapes, ``torchkit/shapes.py``): the first trace runs on a copy of the
 batch in a ShapeEnv of its own (what it assumes of the sizes, in the state before the call, is
 no guard of the program); a size build() stores, and a tensor sized by the batch's sizes, are
 settled at this call's sizes, as eager's call leaves them (a rotary cache grown to this length).
@@ -104,7 +104,7 @@ def _is_symbolic(x: Any) -> bool:
 
 
 def _is_batch_size(x: Any) -> bool:
-    """A size (or a comparison of sizes) of the batch's symbolic dimensions (records/shapes.py):
+    """A size (or a comparison of sizes) of the batch's symbolic dimensions (torchkit/shapes.py):
     this call's value is known; a size that depends on tensor values (nonzero) is not."""
     return isinstance(x, (torch.SymInt, torch.SymBool)) and has_guarding_hint(x)
 

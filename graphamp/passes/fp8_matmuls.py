@@ -2,7 +2,7 @@
 
 Runs last, on the coloured graph with its casts: a matmul the passes lowered to bf16 (``mm``, or
 ``addmm`` with its bias added after) becomes ``graphamp::fp8_mm(a, b, recipe)``
-(``records/fp8_numerics.py``: quantised by dynamic scales inside the step, forward and
+(``torchkit/fp8_numerics.py``: quantised by dynamic scales inside the step, forward and
 backward), unless a rule keeps it in bf16. The rules are data, each with the reason the precision report prints:
 
 - its sizes are not all multiples of 16 (``torch._scaled_mm``'s requirement), or are symbolic;

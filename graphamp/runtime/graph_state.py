@@ -165,7 +165,7 @@ def _flat_params(slot: OptimizerSlot) -> list[torch.Tensor]:
 
 def _fresh_momentum(run: GraphRuntime) -> dict[int, list[int]]:
     """Per optimizer, the positions (in its param_groups, flattened) of the parameters whose
-    SGD momentum buffer has not started yet (``runtime/momentum.py``)."""
+    SGD momentum buffer has not started yet (``runner/momentum.py``)."""
     out = {}
     for k, slot in enumerate(run.optimizers):
         starts = [run.state.momentum.get(p) for p in _flat_params(slot)]

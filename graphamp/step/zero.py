@@ -5,7 +5,7 @@ Every parameter is flattened and padded to a multiple of the world size ``W``, t
 parameter. An optimizer's parameters form one bucket, ``(W, sum of chunks)``, so each step has
 one reduce-scatter of gradients and one all-gather of updated parameters per optimizer, both
 functional collectives inside the compiled program. The optimizer state held on a rank is its
-rows only (``runtime/zero_state.py`` keeps them in ``optimizer.state`` and gathers torch's
+rows only (``runner/zero_state.py`` keeps them in ``optimizer.state`` and gathers torch's
 format for ``optimizer.state_dict()``).
 
 The update math is elementwise (SGD, Adam), so running it on a shard equals running it on the

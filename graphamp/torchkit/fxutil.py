@@ -96,7 +96,7 @@ def trace_functional(
     its inputs become ``get_attr`` constants holding those very objects.
     Sizes that depend on values (boolean-mask indexing, ``nonzero``) become unbacked symbols of
     the fake mode's ShapeEnv; the sizes of fakes given in ``example`` stay what they are (static,
-    or symbolic: ``records.shapes``), and tensors are faked with static sizes. Where a symbolic
+    or symbolic: ``torchkit.shapes``), and tensors are faked with static sizes. Where a symbolic
     size reaches an op whose meta kernel would specialise it to its traced value (reading sizes
     as plain integers), the op is decomposed into ops that keep it symbolic
     (``SYMBOLIC_DECOMPOSITIONS``). Ops torch marks effectful (the error checks of
