@@ -14,10 +14,7 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any, Iterator
 
 import torch
@@ -33,15 +30,24 @@ from ..errors import CaptureError
 from ..torchkit.fxutil import (
     UserFrame,
     current_user_frame,
-    is_library_file,
     last_node,
     nodes_after,
     tracing_graph,
 )
-from ..torchkit.ops import CAPTURE_REWRITES, capture_sdpa
+from ..torchkit.ops import CAPTURE_REWRITES
 from .dtype_checks import mixed_dtypes
 from .gradient_book import GradientBook
+from .host_reads import (
+    HOST_READS,
+    SAFE_ANSWERS,
+    grad_access_error,
+    grad_access_from_optimizer_step,
+    host_read_error,
+    torch_function_reading,
+    where_in_user_code,
+)
 from .op_errors import VALUE_DEPENDENT, mark_torch_function
+from .op_forms import functional_batch_norm, native_dropout, scaled_grad, sdpa_with_autocast_policy
 from .scaler_refusal import called_from_torch_grad_scaler, torch_grad_scaler_error
 from .scope_reads import untraced
 
@@ -55,10 +61,6 @@ class RecordedLoss:
     where: UserFrame | None
     retained: bool = False  # backward(retain_graph=True): a second backward() on it is allowed
     inputs: tuple = ()  # backward(inputs=...): the only tensors this loss sends gradients to
-
-
-def _where(frame: UserFrame | None) -> str:
-    return f" at {frame}" if frame is not None else ""
 
 
 class CaptureMode(TorchFunctionMode):
@@ -149,7 +151,7 @@ class CaptureMode(TorchFunctionMode):
         )
         return CaptureError(
             f"build() changes {what} in place with {getattr(func, '__name__', func)}"
-            f"{_where(current_user_frame())}. It is read as a constant of the compiled step, so "
+            f"{where_in_user_code(current_user_frame())}. It is read as a constant of the compiled step, so "
             "the change would happen once, at capture. Make it a buffer "
             "(module.register_buffer(name, tensor)) to have the step update it, or change it "
             "outside build()"
@@ -161,11 +163,11 @@ class CaptureMode(TorchFunctionMode):
         if self.aliases:
             args, kwargs = pytree.tree_map_only(torch.Tensor, self._traced, (args, kwargs))
         self._refuse(func, args, kwargs)
-        if func in _HOST_READS:
-            culprit = _torch_function_reading()
-            if culprit is not None and culprit[1] in _SAFE_ANSWERS:
-                return _SAFE_ANSWERS[culprit[1]]
-            raise _host_read_error(func, culprit)
+        if func in HOST_READS:
+            culprit = torch_function_reading()
+            if culprit is not None and culprit[1] in SAFE_ANSWERS:
+                return SAFE_ANSWERS[culprit[1]]
+            raise host_read_error(func, culprit)
         if func in _GRAD_ACCESS:
             return self._grad_access(func, args)
         if func == _DATA.__set__:
@@ -190,7 +192,7 @@ class CaptureMode(TorchFunctionMode):
     def _set_data(self, target: torch.Tensor, value: torch.Tensor) -> None:
         """``target.data = value`` (SAM's restore): the traced tensor takes ``value``'s
         values, as ``copy_`` under no_grad; what would change its shape or dtype is refused."""
-        where = _where(current_user_frame())
+        where = where_in_user_code(current_user_frame())
         if _is_real(target):
             raise self._real_tensor_write_error(_DATA.__set__, (target,), {})
         if value.shape != target.shape or value.dtype != target.dtype:
@@ -208,11 +210,11 @@ class CaptureMode(TorchFunctionMode):
 
     def _grad_access(self, func, args: tuple) -> Any:
         """``tensor.grad`` read or written by build(): the gradient book's (module docstring)."""
-        if _grad_access_from_optimizer_step():
-            raise _grad_access_error(_GRAD_ACCESS[func])
+        if grad_access_from_optimizer_step():
+            raise grad_access_error(_GRAD_ACCESS[func])
         if self.book is None:  # a trace with no loss scale: nothing differentiates here
             raise CaptureError(
-                f"build() reads a .grad{_where(current_user_frame())} where none exists"
+                f"build() reads a .grad{where_in_user_code(current_user_frame())} where none exists"
             )
         graph = tracing_graph()
         marker = last_node(graph) if graph is not None else None
@@ -249,14 +251,14 @@ class CaptureMode(TorchFunctionMode):
         if mixed is not None:
             raise CaptureError(
                 f"build() calls {getattr(func, '__name__', func)} on tensors of different dtypes "
-                f"({' and '.join(mixed)}){_where(current_user_frame())}; eager PyTorch refuses "
+                f"({' and '.join(mixed)}){where_in_user_code(current_user_frame())}; eager PyTorch refuses "
                 "this too. Cast them to one dtype (e.g. x.to(layer.weight.dtype)); leave mixed "
                 "precision to graphamp's AMP"
             )
         if func is torch.Tensor.register_hook:
             raise CaptureError(
                 f"build() registers a gradient hook (Tensor.register_hook)"
-                f"{_where(current_user_frame())}. The gradients are computed inside the "
+                f"{where_in_user_code(current_user_frame())}. The gradients are computed inside the "
                 "compiled step from the captured graph, where the hook would never run. Fix: "
                 "change the gradient in a custom torch.autograd.Function's backward (graphamp "
                 "captures it with its backward), or register the hook outside build() on an "
@@ -266,13 +268,13 @@ class CaptureMode(TorchFunctionMode):
     def _call(self, func, args: tuple, kwargs: dict) -> Any:
         """``func`` itself, or the form capture records it in (module docstring)."""
         if func is torch.autograd.grad and self.loss_scale is not None:
-            return _scaled_grad(self.loss_scale, *args, **kwargs)
+            return scaled_grad(self.loss_scale, *args, **kwargs)
         if func is F.batch_norm:
-            return _functional_batch_norm(*args, **kwargs)
+            return functional_batch_norm(*args, **kwargs)
         if func is F.dropout:
-            return _native_dropout(*args, **kwargs)
+            return native_dropout(*args, **kwargs)
         if func is F.scaled_dot_product_attention and self.sdpa_policy is not None:
-            return _sdpa_with_autocast_policy(self.sdpa_policy, *args, **kwargs)
+            return sdpa_with_autocast_policy(self.sdpa_policy, *args, **kwargs)
         if func in CAPTURE_REWRITES:
             return CAPTURE_REWRITES[func](*args, **kwargs)
         return func(*args, **kwargs)
@@ -304,17 +306,17 @@ class CaptureMode(TorchFunctionMode):
         where = current_user_frame()
         if create_graph:
             raise CaptureError(
-                f"backward(create_graph=True){_where(where)}: higher-order gradients are not "
+                f"backward(create_graph=True){where_in_user_code(where)}: higher-order gradients are not "
                 "supported inside a graphamp Graph; compute them eagerly instead"
             )
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
         inputs = tuple(inputs) if inputs is not None else ()
         if not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
-            raise CaptureError(f"backward() on a non-floating tensor{_where(where)}")
+            raise CaptureError(f"backward() on a non-floating tensor{where_in_user_code(where)}")
         if gradient is None and tensor.numel() != 1:
             raise CaptureError(
-                f"backward() on a tensor of shape {tuple(tensor.shape)}{_where(where)}: a gradient "
+                f"backward() on a tensor of shape {tuple(tensor.shape)}{where_in_user_code(where)}: a gradient "
                 "can be implied only for a scalar loss; reduce it (loss.mean()) or pass "
                 "backward(gradient=...)"
             )
@@ -323,14 +325,14 @@ class CaptureMode(TorchFunctionMode):
         ):
             shape = tuple(gradient.shape) if isinstance(gradient, torch.Tensor) else gradient
             raise CaptureError(
-                f"backward(gradient=...){_where(where)}: the gradient must be a tensor of the "
+                f"backward(gradient=...){where_in_user_code(where)}: the gradient must be a tensor of the "
                 f"loss's shape {tuple(tensor.shape)}, got {shape}"
             )
         previous = self._backward_seen.get(id(tensor))
         if previous is not None and previous.tensor is tensor and not previous.retained:
             raise CaptureError(
-                f"backward() was called twice on the same tensor{_where(where)} (first"
-                f"{_where(previous.where)}). As in eager PyTorch this needs retain_graph=True on "
+                f"backward() was called twice on the same tensor{where_in_user_code(where)} (first"
+                f"{where_in_user_code(previous.where)}). As in eager PyTorch this needs retain_graph=True on "
                 "the first call; to train on several losses, call backward() once on each or on "
                 "their sum"
             )
@@ -405,7 +407,7 @@ def _refuse_unregistered_state(module: nn.Module) -> None:
     if state:
         raise CaptureError(
             f"build() calls a {type(module).__name__} that is not registered on the Graph"
-            f"{_where(current_user_frame())}: its parameters would be constants (no gradient, no "
+            f"{where_in_user_code(current_user_frame())}: its parameters would be constants (no gradient, no "
             "update) and its buffer updates would be lost. Register it in __init__ "
             f"(self.<name> = module), or create it inside a registered module"
         )
@@ -419,26 +421,12 @@ def parameter_positions(record: RecordedLoss, position: dict[int, int]) -> froze
     for t in record.inputs:
         if id(t) not in position:
             raise CaptureError(
-                f"backward(inputs=...){_where(record.where)} names a tensor that is not a "
-                "parameter of a registered module; graphamp differentiates with respect to "
+                f"backward(inputs=...){where_in_user_code(record.where)} names a tensor that "
+                "is not a parameter of a registered module; graphamp differentiates with respect to "
                 "parameters only (pass, e.g., inputs=list(self.generator.parameters()))"
             )
         out.add(position[id(t)])
     return frozenset(out)
-
-
-def _scaled_grad(scale: torch.Tensor, outputs, inputs, grad_outputs=None, *args, **kwargs):
-    """torch.autograd.grad with the loss scale: seeds times ``scale``, results divided by it
-    (what torch documents for gradient penalties under a GradScaler, done for the user)."""
-    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-    if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
-        grad_outputs = (grad_outputs,) * len(outputs) if grad_outputs is None else (grad_outputs,)
-    seeds = [
-        (torch.ones_like(o) if g is None else g) * scale.to(o.dtype)
-        for o, g in zip(outputs, grad_outputs)
-    ]
-    grads = torch.autograd.grad(outputs, inputs, seeds, *args, **kwargs)
-    return tuple(None if g is None else g / scale.to(g.dtype) for g in grads)
 
 
 # What the user writes to stop gradients. Autograd's own detaches (saved outputs unpacked when
@@ -447,191 +435,5 @@ def _scaled_grad(scale: torch.Tensor, outputs, inputs, grad_outputs=None, *args,
 _DATA: Any = torch.Tensor.data
 _GRAD: Any = torch.Tensor.grad
 _GRADIENT_CUTS = frozenset({torch.Tensor.detach, torch.detach, _DATA.__get__, torch.Tensor.detach_})
-
-_HOST_READS = {
-    torch.Tensor.item: ".item()",
-    torch.Tensor.tolist: ".tolist()",
-    torch.Tensor.__bool__: "bool() or an if/while on a tensor",
-    torch.Tensor.__float__: "float()",
-    torch.Tensor.__int__: "int()",
-    torch.Tensor.__index__: "a tensor used as an index or size",
-    torch.Tensor.numpy: ".numpy()",
-}
-
-
-# Python-level conversions of tensor subclasses (FunctionalTensor.__bool__ calls .item()):
-# the conversion the user wrote is the outermost one on the stack.
-_CONVERSIONS = {
-    "__bool__": torch.Tensor.__bool__,
-    "__float__": torch.Tensor.__float__,
-    "__int__": torch.Tensor.__int__,
-    "__index__": torch.Tensor.__index__,
-    "tolist": torch.Tensor.tolist,
-}
-
-
-def _host_read_error(func, culprit: tuple[str, str] | None) -> CaptureError:
-    """build() (or the torch code ``culprit`` it called) read a tensor's value on the host."""
-    where = _where(current_user_frame())
-    how = _host_read(func)
-    if culprit is not None:
-        module, function = culprit
-        hint = _TORCH_READ_WORKAROUNDS.get(
-            function,
-            "look for an argument of that torch API "
-            "that gives the value it computes (a hint or flag), "
-            "or call it outside build()",
-        )
-        return CaptureError(
-            f"torch's {module}.{function} reads a tensor's value on the host with {how}, "
-            f"called from build(){where}. A compiled step cannot stop to read values, and "
-            f"capture has none (it runs on shapes alone). Workaround: {hint}"
-        )
-    return CaptureError(
-        f"build() reads a tensor's value on the host with {how}{where}. That would stop the "
-        "compiled step to wait for the device, and capture has no values (it runs on shapes "
-        "alone). Return the tensor from build() and call .item() on the result, or keep the "
-        "decision in the graph with torch.where"
-    )
-
-
-# Plumbing between a conversion and the code that asked for it (tensor subclasses, dispatch).
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_PLUMBING = tuple(
-    os.path.join(_TORCH_DIR, d)
-    for d in ("_subclasses", "overrides.py", "_tensor.py", "utils" + os.sep + "_", "fx", "_ops.py")
-)
-# .grad inside build() is the gradient book's (gradient_book.py), except from torch.optim's step():
-# the optimizers added with add_optimizer step inside the compiled step, after build(), and a
-# step() in build() would update the parameters twice.
+# .grad in build() is the gradient book's, except from torch.optim's step() (host_reads.py)
 _GRAD_ACCESS = {_GRAD.__get__: "reads", _GRAD.__set__: "writes"}
-_STEP_FIX = (
-    "remove optimizer.step() from build(): the optimizers added with add_optimizer are "
-    "stepped inside the compiled step, on the gradients build() leaves in .grad"
-)
-
-
-def _grad_access_from_optimizer_step() -> bool:
-    """A torch.optim function other than zero_grad (which only clears .grad) reads or writes."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and is_library_file(frame.f_code.co_filename):
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith("torch.optim") and frame.f_code.co_name != "zero_grad":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _grad_access_error(how: str) -> CaptureError:
-    return CaptureError(
-        f"torch.optim {how} a tensor's .grad inside build(){_where(current_user_frame())}. "
-        f"Fix: {_STEP_FIX}"
-    )
-
-
-# torch helpers whose value reads only choose a faster path: the answer that keeps the general
-# path is always right. nn.Transformer* compare the mask with a causal one to set is_causal;
-# "not causal" applies the mask as given.
-_SAFE_ANSWERS = {"_detect_is_causal_mask": False}
-# Known torch helpers that read values, and how users avoid the read.
-_TORCH_READ_WORKAROUNDS = {
-    "_detect_is_causal_mask": "pass is_causal=True with a causal mask (torch then trusts the "
-    "flag instead of comparing the mask's values), or build the "
-    "mask outside build() and pass is_causal explicitly",
-}
-
-
-def _torch_function_reading() -> tuple[str, str] | None:
-    """(module, function) of the innermost torch code below the user's frame that asked for the
-    value, or None when the user's own code did."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and is_library_file(frame.f_code.co_filename):
-        filename, name = frame.f_code.co_filename, frame.f_code.co_name
-        if (
-            filename.startswith(_TORCH_DIR)
-            and not filename.startswith(_PLUMBING)
-            and not name.startswith("<")
-        ):
-            return frame.f_globals.get("__name__", "torch"), name
-        frame = frame.f_back
-    return None
-
-
-def _host_read(func) -> str:
-    """How the user's code read a value: the outermost conversion between it and ``func``."""
-    frame: FrameType | None = sys._getframe(1)
-    found = func
-    while frame is not None and is_library_file(frame.f_code.co_filename):
-        found = _CONVERSIONS.get(frame.f_code.co_name, found)
-        frame = frame.f_back
-    return _HOST_READS[found]
-
-
-def _sdpa_with_autocast_policy(
-    dtype: torch.dtype,
-    query,
-    key,
-    value,
-    attn_mask=None,
-    dropout_p=0.0,
-    is_causal=False,
-    scale=None,
-    enable_gqa=False,
-):
-    def low(t):
-        return t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
-
-    return capture_sdpa(
-        low(query), low(key), low(value), low(attn_mask), dropout_p, is_causal, scale, enable_gqa
-    )
-
-
-def _functional_batch_norm(
-    input: torch.Tensor,
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    training: bool = False,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-) -> torch.Tensor:
-    if training and input.numel() // input.shape[1] <= 1:
-        raise CaptureError(
-            f"BatchNorm in training mode got an input of shape {tuple(input.shape)}: it needs "
-            "more than one value per channel"
-        )
-    if training and running_mean is not None and running_var is not None:
-        out, _, _, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
-            input, weight, bias, running_mean, running_var, True, momentum, eps
-        )
-        # the backward of training-mode batch norm never reads the running statistics, but
-        # saves them: a version bump would fail a gradient build() takes later (SAM, AGC),
-        # where eager's in-op update does not
-        with torch.autograd._unsafe_preserve_version_counter(running_mean):
-            running_mean.copy_(new_mean)
-        with torch.autograd._unsafe_preserve_version_counter(running_var):
-            running_var.copy_(new_var)
-        return out
-    if training or running_mean is None or running_var is None:
-        return aten._native_batch_norm_legit.no_stats(input, weight, bias, True, momentum, eps)[0]
-    return aten._native_batch_norm_legit_no_training.default(
-        input, weight, bias, running_mean, running_var, momentum, eps
-    )[0]
-
-
-def _native_dropout(
-    input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
-) -> torch.Tensor:
-    if not training or p == 0.0:
-        return input
-    if p < 0.0 or p > 1.0:
-        raise CaptureError(f"dropout probability has to be between 0 and 1, but got {p}")
-    if p == 1.0:
-        out = input * 0.0
-    else:
-        out = aten.native_dropout.default(input, p, True)[0]
-    if inplace:
-        input.copy_(out)
-        return input
-    return out
