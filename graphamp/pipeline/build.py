@@ -11,6 +11,7 @@ graphamp's error for that stage (``stage_errors.py``): the one place a failure i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -63,12 +64,12 @@ def build_program(
 def _build_on_every_rank(ctx: BuildContext) -> Program:
     """Data parallel: the model's state broadcast from rank 0 once, then every rank builds and
     all agree that they built the same step (``backend/distributed.py``)."""
-    spec = ctx.spec
-    group = _Stages(spec).run("capture", distributed.process_group, spec.name, spec.config)
+    spec, stages_ = ctx.spec, _Stages(ctx.spec)
+    group = stages_.worded("capture", distributed.process_group, spec.name, spec.config)
     if not ctx.state.broadcast_done:
-        distributed.broadcast_state(spec.name, ctx.root, group)
+        stages_.worded("capture", distributed.broadcast_state, spec.name, ctx.root, group)
         ctx.state.broadcast_done = True
-    ctx = BuildContext(**{**ctx.__dict__, "process_group": group})
+    ctx = dataclasses.replace(ctx, process_group=group)
     return distributed.build_on_every_rank(
         spec.name,
         group,
@@ -166,15 +167,19 @@ class _Stages:
         describe: Callable[[T], str] | None = None,
     ) -> T:
         start = time.perf_counter()
+        result = self.worded(name, fn, *args)
+        self.timings[name] = seconds = time.perf_counter() - start
+        log_stage(self.spec.name, name, seconds, describe(result) if describe else "")
+        return result
+
+    def worded(self, name: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, what it raises worded as stage ``name``'s failure (the one place)."""
         try:
-            result = fn(*args)
+            return fn(*args)
         except PASS_THROUGH:
             raise
         except Exception as e:  # every other failure becomes graphamp's, worded for the stage
             raise stage_error(self.spec, name, e) from e
-        self.timings[name] = seconds = time.perf_counter() - start
-        log_stage(self.spec.name, name, seconds, describe(result) if describe else "")
-        return result
 
     __call__ = run
 
@@ -255,6 +260,6 @@ def trace_autocast(program: Program) -> AutocastTrace:
     if amp is None or example is None:
         raise ValueError("trace_autocast needs a program built with AMP")
     with _one_build_at_a_time(spec.name):
-        return _Stages(spec).run(
+        return _Stages(spec).worded(
             "capture", autocast_forward, root, example, amp.dtype, program.device
         )
