@@ -493,3 +493,19 @@ def test_records_check_the_invariants_they_state():
     captured = plan.captured
     with pytest.raises(ValueError, match="num_written"):
         dataclasses.replace(captured, num_written=captured.num_user_outputs + 1)
+
+
+def test_every_package_is_in_the_distribution():
+    """pyproject.toml lists the packages a wheel holds: a room added to graphamp/ and not
+    listed there would be missing from every non-editable install."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    on_disk = {
+        _module_name(path)
+        for path in PACKAGE.rglob("__init__.py")
+        if "__pycache__" not in path.parts
+    }
+    assert on_disk == listed
