@@ -412,8 +412,7 @@ def _int(code: Any, mode: FakeTensorMode) -> Any:
 def _symbol(kind: str, expr: Any, mode: FakeTensorMode) -> Any:
     """A SymInt (SymFloat, SymBool) of ``mode``'s ShapeEnv for ``expr``: the entry's symbols
     are this build's (the key holds the example inputs' sizes, symbols included, by name)."""
-    env = mode.shape_env
-    assert env is not None, "a symbolic value needs a ShapeEnv"
+    env = _shape_env(mode)
     hint = expr.xreplace(backed_sizes(env))
     if kind == "SymInt":
         return env.create_symintnode(expr, hint=int(hint))
@@ -450,10 +449,19 @@ def _guards_hold(guards: list[Any], mode: FakeTensorMode) -> bool:
 
 def _assume(guards: list[Any], mode: FakeTensorMode) -> None:
     """Add the entry's guards to this build's ShapeEnv, as its assembly would have."""
-    env = mode.shape_env
+    if not guards:
+        return
+    env = _shape_env(mode)
     for guard in guards:
-        assert env is not None  # guards come only with symbolic sizes (_guards_hold)
         env.evaluate_expr(guard)
+
+
+def _shape_env(mode: FakeTensorMode) -> Any:
+    """The build's ShapeEnv, which an entry with symbolic sizes needs (``_restored`` turns the
+    error into a warning and a rebuilt step)."""
+    if mode.shape_env is None:
+        raise ValueError("the entry has symbolic sizes, but this build's fake mode has no ShapeEnv")
+    return mode.shape_env
 
 
 _Taken = list[tuple[str, str, fx.Node, dict]]

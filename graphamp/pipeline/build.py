@@ -196,7 +196,8 @@ def _size(step: StepGraph) -> str:
 
 def _outline_line(step: StepGraph) -> str:
     o = step.outline
-    assert o is not None  # the outline stage always says what it did
+    if o is None:  # the outline stage always sets it; a step without it: its size
+        return _size(step)
     text = f"{nodes(step.gm)} nodes, {o.blocks} blocks, {o.distinct} distinct regions"
     text += f", {o.outlined} regions outlined"
     if o.saves.recomputed:
