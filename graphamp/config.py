@@ -284,9 +284,13 @@ class GraphConfig:
         Stage 2 also reduce-scatters each micro-batch of gradient accumulation at once, so a
         rank only holds its gradient shard between micro-batches. Implies data parallel over
         the world (or the group given to ``enable_data_parallel``). ``optimizer.state_dict()``
-        gathers torch's format on every rank (call it on every rank); loading one shards it."""
+        gathers torch's format on every rank (call it on every rank); loading one shards it.
+        Stage 3 also shards the parameters themselves: between steps each rank holds its
+        ``Shard(0)`` DTensor shard of every parameter (FSDP2's layout, so torch's
+        ``get_model_state_dict``, ``set_model_state_dict`` and DCP work on the model); the
+        step all-gathers them for the forward and backward and updates only the shards."""
         mode = check_bool("enable_zero(mode)", mode)
-        stage = check_choice("enable_zero(stage)", stage, (1, 2))
+        stage = check_choice("enable_zero(stage)", stage, (1, 2, 3))
         if not mode:
             self._set(zero_stage=0)
             return

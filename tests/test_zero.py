@@ -130,8 +130,8 @@ def test_enable_zero_needs_a_process_group():
     g = make_graph(make_model(0), torch.nn.CrossEntropyLoss(), None)
     with pytest.raises(graphamp.ConfigError, match="init_process_group"):
         g.config.enable_zero(stage=1)
-    with pytest.raises(graphamp.ConfigError, match="choose one of 1, 2"):
-        g.config.enable_zero(stage=3)
+    with pytest.raises(graphamp.ConfigError, match="choose one of 1, 2, 3"):
+        g.config.enable_zero(stage=4)
 
 
 @pytest.mark.slow

@@ -66,6 +66,16 @@ def state_bytes(opt) -> int:
     )
 
 
+def whole_state_dict(model: nn.Module, stage: int) -> dict:
+    """The model's state dict with whole tensors: ZeRO-3's DTensor shards gathered by torch's
+    own get_model_state_dict (a collective: every rank calls it)."""
+    if stage != 3:
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
 def main():
     stage, acc, first, last, out_dir = (
         int(sys.argv[1]),
@@ -93,8 +103,12 @@ def main():
         g(x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard])
     held = state_bytes(opt)
     full_opt = opt.state_dict()  # a collective: every rank calls it
+    whole = whole_state_dict(model, stage)
     result = {
-        "params": {k: v.clone() for k, v in model.state_dict().items()},
+        "params": whole,
+        "param_bytes": sum(
+            getattr(p, "_local_tensor", p).numel() * p.element_size() for p in model.parameters()
+        ),
         "opt": full_opt,
         "skipped": g.history.fetch()["skipped"],
         "state_bytes": held,
@@ -105,7 +119,7 @@ def main():
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if rank == 0:
         torch.save(
-            {"model": model.state_dict(), "opt": full_opt, "graph": g.state_dict()},
+            {"model": whole, "opt": full_opt, "graph": g.state_dict()},
             os.path.join(out_dir, "ckpt.pt"),
         )
     leave()

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..errors import CaptureError, ConfigError
 from ..records.settings import ConfigSnapshot
+from ..records.sharding import is_shard
 
 log = logging.getLogger("graphamp")
 T = TypeVar("T")
@@ -71,7 +72,8 @@ def broadcast_state(graph_name: str, root: nn.Module, group) -> None:
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     with torch.no_grad():
         for _, tensor in tensors:
-            dist.broadcast(tensor.data, src=src, group=group)
+            if not is_shard(tensor):  # ZeRO-3's shards differ by rank, as they should
+                dist.broadcast(tensor.data, src=src, group=group)
 
 
 def fingerprint(step_gm: fx.GraphModule, names: list[str]) -> str:

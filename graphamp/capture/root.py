@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import CaptureError, ConfigError, InputError
 from ..records.inputs import FlatInputs
 from ..records.model_pins import model_fp32_pins
+from ..records.sharding import is_shard
 
 
 class BuildRoot(nn.Module):
@@ -52,7 +53,7 @@ def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
     except ImportError:  # torch built without distributed
         return
     for name, p in root.named_parameters():
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and not is_shard(p):
             raise ConfigError(
                 f"{graph_name}: parameter {name!r} is a DTensor (the model is wrapped with "
                 "torch.distributed.fsdp.fully_shard or another DTensor API), which graphamp "

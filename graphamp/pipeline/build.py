@@ -24,6 +24,7 @@ from ..records.guards import BuildRequest, Guards, StateSize
 from ..records.inputs import FlatInputs
 from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
 from ..records.state import SharedState
+from ..runner.sharded_params import shard_parameters
 from ..torchkit.shapes import fake_batch, new_fake_mode, shape_guard
 from . import stages
 from .stage_errors import PASS_THROUGH, stage_error
@@ -69,6 +70,9 @@ def _build_on_every_rank(ctx: BuildContext) -> Program:
     if not ctx.state.broadcast_done:
         stages_.worded("capture", distributed.broadcast_state, spec.name, ctx.root, group)
         ctx.state.broadcast_done = True
+    if spec.config.zero_stage == 3 and spec.training:  # kept as shards from here on
+        optimizers = [slot.optimizer for slot in spec.optimizers]
+        stages_.worded("capture", shard_parameters, spec.name, ctx.root, optimizers, group)
     ctx = dataclasses.replace(ctx, process_group=group)
     return distributed.build_on_every_rank(
         spec.name,

@@ -60,7 +60,7 @@ class ConfigSnapshot:
     amp_pins: tuple[AmpPin, ...] = ()  # single ops or modules kept fp32 (by the user or autofix)
     checkpoint_module_types: tuple[type, ...] = ()
     checkpoint_module_names: tuple[str, ...] = ()
-    zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded (enable_zero)
+    zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded; 3: parameters too
     cuda_graph_sizes: int = 8  # CUDA graphs kept per dynamic step, one per batch shape (0: none)
     outline_blocks: bool = True  # repeated blocks as shared subgraphs (set_outline_blocks)
     step_cache: bool = True  # assembled steps saved on disk for restarts (set_step_cache)

@@ -256,7 +256,9 @@ class StepPlan:
     direct_use: set[int] = field(default_factory=set)
     acc_steps: int = 1  # gradient accumulation: micro-batches per step (>= 1)
     process_group: Any = None  # data parallel: gradients averaged over this group
-    zero_stage: int = 0  # ZeRO (step/zero.py): 0 off; 1, 2 optimizer state sharded per rank
+    zero_stage: int = (
+        0  # ZeRO (step/zero.py): 0 off; 1, 2 optimizer state sharded; 3 parameters too
+    )
     # overflow tracing: the values the step measures (None: tracing off, or an eval graph)
     probes: ProbeTable | None = None
     # the delayed fp8 recipe: one amax-history state per fp8 matmul (its forward input's name)
@@ -268,8 +270,8 @@ class StepPlan:
             raise ValueError(f"StepPlan.trainable names a parameter twice: {self.trainable}")
         if self.acc_steps < 1:
             raise ValueError(f"StepPlan.acc_steps must be at least 1, got {self.acc_steps}")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(f"StepPlan.zero_stage must be 0, 1 or 2, got {self.zero_stage}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"StepPlan.zero_stage must be 0 to 3, got {self.zero_stage}")
         if not self.training and (self.optimizers or self.scaler is not None):
             raise ValueError("an eval StepPlan (training=False) has no optimizer and no scaler")
         if self.zero_stage and self.process_group is None:

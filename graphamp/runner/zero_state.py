@@ -2,7 +2,7 @@
 in ``optimizer.state_dict()``.
 
 A rank keeps, for every parameter ``p`` and state key (``exp_avg``, ``momentum_buffer``, ...),
-the 1-D row ``step/zero.py`` assigns it (``chunk_of(p.numel(), W)`` elements); ``step`` stays
+the 1-D row ``step/zero.py`` assigns it (``chunk_of(p.shape, W)`` elements); ``step`` stays
 a scalar on every rank. ``optimizer.state_dict()`` gathers the rows into tensors of ``p``'s
 shape (a collective: every rank must call it, as with FSDP's state dicts), so a checkpoint is
 torch's own format and loads with any number of ranks, or in a single process. A state tensor
@@ -62,7 +62,7 @@ def local_state(
     """This rank's state tensor for (``p``, ``key``): ``existing`` if it is already a row, its
     row if it has ``p``'s shape, a zero row if missing."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunk = chunk_of(p.numel(), world)
+    chunk = chunk_of(p.shape, world)
     if existing is not None and is_shard(opt, existing):
         return existing
     if existing is None:

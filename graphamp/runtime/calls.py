@@ -223,8 +223,10 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple) -> Program:
     lifted_inputs = lifted_tensor_indices(inputs.args, inputs.kwargs, run.lifted_args)
     request = BuildRequest(key[1], dynamic, _lifted(run, change), lifted_inputs)
     program = _compile(run, inputs, request)
-    if program.captured.undo_writes is not None:
-        key, program = _settled(run, inputs, program)
+    # the build may have changed the user's objects (capture settled build()'s first-call
+    # state; ZeRO-3 made the parameters shards): the program is kept under the objects' new
+    # structure, which the next call sees
+    key, program = _settled(run, inputs, program)
     if sibling is not None and program.amp is not None and sibling.amp is not None:
         differ = precision_differences(sibling, program)
         if differ:
@@ -308,9 +310,10 @@ def _key(run: GraphRuntime, inputs: FlatInputs) -> Key:
 
 
 def _settled(run: GraphRuntime, inputs: FlatInputs, program: Program) -> tuple[Key, Program]:
-    """build() set up state on its first call (hooks, caches; ``capture/steady_state.py``) and
-    capture left it as that call leaves it: the program is kept under, and assumes, the
-    structure of the calls to come, or the next call would not find it."""
+    """The build left the user's objects as the calls to come see them (build() set up state
+    on its first call, hooks or caches, ``capture/steady_state.py``; ZeRO-3 sharded the
+    parameters): the program is kept under, and assumes, their structure now, or the next call
+    would not find it."""
     key = _key(run, inputs)
     if program.guards is None:
         return key, program

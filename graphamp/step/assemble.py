@@ -17,6 +17,7 @@ grad_scaler, clip_grad, data_parallel, zero, optimizer, forensics (overflow trac
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -81,11 +82,12 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: b
         s = plan.layout.split(flat)
         if not plan.training:
             return _eval_step(plan, fwd_gm, s)
+        s, rows = _whole_parameters(plan, fwd_gm, s)
         scale = s.scale
         _clear_step_amaxes(s.fp8)
         reduce_each = (
             (lambda grads: _scatter_per_optimizer(plan, grads))
-            if plan.zero_stage == 2 and plan.acc_steps > 1
+            if plan.zero_stage >= 2 and plan.acc_steps > 1
             else None
         )
         recorder = ProbeRecorder(plan.probes) if plan.probes is not None else None
@@ -100,7 +102,7 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: b
                 grads = average_over_ranks(grads, plan.process_group)
         before = _write_changed_params(plan, s, fwd)
         updates, norms = _unscale_and_clip(plan, grads, scale, fwd)
-        _update_optimizers(plan, s, updates)
+        _update_optimizers(plan, s, updates, rows)
         found_total = any_skip = None
         if plan.scaler is not None:
             with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
@@ -255,23 +257,69 @@ def _unscale_and_clip(
     return updates, norms
 
 
-def _update_optimizers(plan: StepPlan, s: StepInputs, updates: list[_OptimizerUpdate]):
-    """Each optimizer's masked update (ZeRO: of this rank's rows, then all-gathered)."""
+def _update_optimizers(
+    plan: StepPlan,
+    s: StepInputs,
+    updates: list[_OptimizerUpdate],
+    rows: list[torch.Tensor] | None,
+):
+    """Each optimizer's masked update (ZeRO-1/2: of this rank's rows, then all-gathered;
+    ZeRO-3: of the step's inputs, which are the rows)."""
     states, hypers, fresh = iter(s.opt_state), iter(s.hyper), iter(s.momentum_fresh)
     params = s.params
     for u, counter in zip(updates, s.counters):
         skip = u.found > 0 if u.found is not None else None
-        mine = [params[i] for i in u.opt.forward_positions]
-        if plan.zero_stage:
+        if rows is not None:
+            mine = [rows[i] for i in u.opt.forward_positions]
+        else:
+            mine = [params[i] for i in u.opt.forward_positions]
+        if plan.zero_stage in (1, 2):
             with NodeTagger({"graphamp_subgraph": "zero"}):
                 mine = local_rows(mine, s.zero_rank, plan.process_group)
         with NodeTagger({"graphamp_subgraph": "optimizer"}):
             update_optimizer(u.opt, mine, u.grads, states, hypers, counter, skip, fresh)
-        if plan.zero_stage:
+        if plan.zero_stage in (1, 2):
             with NodeTagger({"graphamp_subgraph": "zero"}):
                 full = [params[i] for i in u.opt.forward_positions]
-                for p, new in zip(full, gather_parameters(mine, full, plan.process_group)):
+                shapes = [p.shape for p in full]
+                for p, new in zip(full, gather_parameters(mine, shapes, plan.process_group)):
                     p.copy_(new)
+
+
+def _whole_parameters(
+    plan: StepPlan, fwd_gm: fx.GraphModule, s: StepInputs
+) -> tuple[StepInputs, list[torch.Tensor] | None]:
+    """ZeRO-3: the step's parameter inputs are this rank's rows; the forward and backward read
+    the whole parameters gathered from them. Returns the inputs with the wholes in place of
+    the rows, and the rows (which the optimizer updates); without ZeRO-3, ``s`` and None."""
+    if plan.zero_stage != 3:
+        return s, None
+    with NodeTagger({"graphamp_subgraph": "zero"}):
+        whole = _gather_shards(plan, fwd_gm, s.params)
+    return dataclasses.replace(s, params=whole), s.params
+
+
+def _gather_shards(
+    plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """ZeRO-3: the whole parameters from every rank's rows, one all-gather per optimizer's
+    parameters and one per dtype of the rest (frozen parameters, those no loss reaches)."""
+    placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
+    shapes = [node.meta["val"].shape for node in plan.forward_layout.split(placeholders).params]
+    buckets = [list(opt.forward_positions) for opt in plan.optimizers]
+    taken = {i for bucket in buckets for i in bucket}
+    rest: dict[torch.dtype, list[int]] = {}
+    for i, row in enumerate(rows):
+        if i not in taken:
+            rest.setdefault(row.dtype, []).append(i)
+    whole: list = [None] * len(rows)
+    for bucket in [*buckets, *rest.values()]:
+        gathered = gather_parameters(
+            [rows[i] for i in bucket], [shapes[i] for i in bucket], plan.process_group
+        )
+        for i, value in zip(bucket, gathered):
+            whole[i] = value
+    return whole
 
 
 def _total(updates: list[_OptimizerUpdate]) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..records.optimizers import TRACED
 from ..records.probes import record_tensors
-from ..records.sharding import chunk_of
+from ..records.sharding import chunk_of, row_of
 from ..records.spec import StepPlan
 from ..records.state import SharedState
 
@@ -42,7 +42,7 @@ def example_inputs(
         scaler = plan.scaler.state_tensors()
     return plan.layout.flatten(
         {
-            "params": [params[n].detach() for n in cap.param_names],
+            "params": [_param_input(plan, params[n]) for n in cap.param_names],
             "buffers": [buffers[n] for n in cap.buffer_names],
             "opt_state": _optimizer_state(plan),
             "hyper": [torch.zeros((), dtype=torch.float32, device=device) for _ in range(n_hyper)],
@@ -63,6 +63,11 @@ def example_inputs(
     )
 
 
+def _param_input(plan: StepPlan, p: torch.Tensor) -> torch.Tensor:
+    """The step's input for a parameter: itself, or under ZeRO-3 this rank's flat row."""
+    return row_of(p) if plan.zero_stage == 3 else p.detach()
+
+
 def _rank(plan: StepPlan, device: torch.device) -> torch.Tensor:
     return torch.tensor(dist.get_rank(plan.process_group), dtype=torch.int64, device=device)
 
@@ -75,7 +80,7 @@ def _optimizer_state(plan: StepPlan) -> list[Any]:
             existing = opt.optimizer.state.get(p, {}).get(key)
             if plan.zero_stage and key != "step":
                 world = dist.get_world_size(plan.process_group)
-                out.append(torch.zeros(chunk_of(p.numel(), world), dtype=p.dtype, device=p.device))
+                out.append(torch.zeros(chunk_of(p.shape, world), dtype=p.dtype, device=p.device))
             elif isinstance(existing, torch.Tensor) and (key != "step" or opt.kind == TRACED):
                 out.append(existing)
             else:

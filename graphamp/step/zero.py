@@ -28,7 +28,7 @@ def _rows(tensors: list[torch.Tensor], world: int) -> torch.Tensor:
     """The bucket ``(W, sum of chunks)``: each tensor flattened, padded, cut into W rows."""
     parts = []
     for t in tensors:
-        chunk = chunk_of(t.numel(), world)
+        chunk = chunk_of(t.shape, world)
         flat = t.reshape(-1)
         pad = chunk * world - flat.numel()
         if pad:
@@ -37,8 +37,8 @@ def _rows(tensors: list[torch.Tensor], world: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _split_row(row: torch.Tensor, like: list[torch.Tensor], world: int) -> list[torch.Tensor]:
-    return list(row.split([chunk_of(t.numel(), world) for t in like], dim=-1))
+def _split_row(row: torch.Tensor, shapes: list, world: int) -> list[torch.Tensor]:
+    return list(row.split([chunk_of(shape, world) for shape in shapes], dim=-1))
 
 
 def scatter_gradients(grads: list[torch.Tensor], group) -> list[torch.Tensor]:
@@ -48,7 +48,7 @@ def scatter_gradients(grads: list[torch.Tensor], group) -> list[torch.Tensor]:
     world = dist.get_world_size(group)
     bucket = _rows(grads, world).reshape(-1)
     row = funcol.reduce_scatter_tensor(bucket, "sum", 0, group) / world
-    return _split_row(row, grads, world)
+    return _split_row(row, [g.shape for g in grads], world)
 
 
 def local_rows(params: list[torch.Tensor], rank: torch.Tensor, group) -> list[torch.Tensor]:
@@ -60,17 +60,19 @@ def local_rows(params: list[torch.Tensor], rank: torch.Tensor, group) -> list[to
     row = _rows(params, world).index_select(0, rank.reshape(1)).squeeze(0)
     # separate tensors, not views of one row: the optimizer writes each in place, and writes
     # into views of a shared base make functionalization regenerate the whole row every time
-    return [piece.clone() for piece in _split_row(row, params, world)]
+    return [piece.clone() for piece in _split_row(row, [p.shape for p in params], world)]
 
 
-def gather_parameters(rows: list[torch.Tensor], params: list[torch.Tensor], group) -> list:
-    """The whole parameters from every rank's updated rows (one all-gather)."""
+def gather_parameters(rows: list[torch.Tensor], shapes: list[torch.Size], group) -> list:
+    """The whole parameters of ``shapes`` from every rank's rows (one all-gather)."""
     if not rows:
         return []
     world = dist.get_world_size(group)
     gathered = funcol.all_gather_tensor(torch.cat(rows), 0, group).view(world, -1)
-    pieces = _split_row(gathered, params, world)
-    return [piece.reshape(-1)[: p.numel()].view(p.shape) for piece, p in zip(pieces, params)]
+    pieces = _split_row(gathered, shapes, world)
+    return [
+        piece.reshape(-1)[: math.prod(shape)].view(shape) for piece, shape in zip(pieces, shapes)
+    ]
 
 
 def global_norm(shards: list[torch.Tensor], norm_type: float, group) -> torch.Tensor:

@@ -133,10 +133,23 @@ def _fake_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     """``t`` as a fake tensor of ``mode`` with static sizes, keeping ``requires_grad``."""
     if isinstance(t, FakeTensor):
         return t
+    if is_dtensor(t):  # ZeRO-3's shard: traced as the whole parameter the step gathers
+        with mode:
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return fake.requires_grad_(t.requires_grad)
     fake = mode.from_tensor(t, static_shapes=True)
     if t.requires_grad and not fake.requires_grad:
         fake.requires_grad_(True)
     return fake
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (False where torch has none)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
 
 
 def tracing_graph() -> fx.Graph | None:

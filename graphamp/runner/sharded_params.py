@@ -1,0 +1,91 @@
+"""ZeRO-3 on the host: every parameter held as this rank's shard, a DTensor as FSDP2's are.
+
+``shard_parameters`` replaces each parameter of the registered modules, once, by an
+``nn.Parameter`` holding a ``DTensor`` placed ``Shard(0)`` over the data-parallel group (the
+layout of ``records/sharding.py``, FSDP2's). The DTensor's local tensor is a view of a flat,
+zero-padded row of ``chunk_of(shape, W)`` elements that graphamp keeps: that row is what the
+compiled step takes as the parameter's input and updates in place, so the user's DTensor always
+shows the current values without a copy. Because the parameters are ordinary DTensors, torch's
+own tools read and write them: ``model.state_dict()`` holds the shards,
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(model,
+options=StateDictOptions(full_state_dict=True))`` gathers the whole tensors, and
+``set_model_state_dict`` and DCP load into them on any number of ranks.
+
+The optimizers are pointed at the new parameters (their ``param_groups`` and ``state`` keys),
+as a user does by creating the optimizer after FSDP2's ``fully_shard``. A parameter object that
+is not graphamp's shard at a later build (a load with ``assign=True`` replaced it) is sharded
+again from its whole value.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import ConfigError
+from ..records.sharding import ROW_ATTRIBUTE, chunk_of, is_shard, rows_held, rows_of
+
+
+def shard_parameters(
+    graph_name: str, root: nn.Module, optimizers: Iterable[torch.optim.Optimizer], group
+) -> int:
+    """Make every parameter of ``root`` this rank's shard (those that are already kept);
+    returns how many were sharded now. Every rank calls it (a parameter that is a DTensor of
+    someone else's is gathered whole first, a collective)."""
+    replaced: dict[int, nn.Parameter] = {}
+    for path, module in root.named_modules(remove_duplicate=False):
+        for name, p in list(module._parameters.items()):
+            if p is None or is_shard(p):
+                continue
+            if id(p) not in replaced:  # a tied parameter is sharded once
+                replaced[id(p)] = _shard(graph_name, f"{path}.{name}".lstrip("."), p, group)
+            module._parameters[name] = replaced[id(p)]
+    if replaced:
+        _point_optimizers_at(optimizers, replaced)
+    return len(replaced)
+
+
+def _shard(graph_name: str, name: str, p: torch.Tensor, group) -> nn.Parameter:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    if p.dim() == 0:
+        raise ConfigError(
+            f"{graph_name}: enable_zero(stage=3) shards parameters along their first "
+            f"dimension, as FSDP2 does, and {name!r} is 0-dim: give it a shape of (1,) or train "
+            "with enable_zero(stage=2)"
+        )
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    whole = p.full_tensor() if isinstance(p, DTensor) else p
+    whole = whole.detach().contiguous()
+    rows, held = rows_of(whole.shape, world), rows_held(whole.shape, world, rank)
+    row = torch.zeros(chunk_of(whole.shape, world), dtype=whole.dtype, device=whole.device)
+    width = whole[0].numel()
+    row[: held * width] = whole[rank * rows : rank * rows + held].reshape(-1)
+    local = row[: held * width].view(held, *whole.shape[1:])
+    mesh = DeviceMesh.from_group(group, whole.device.type)
+    with torch.no_grad():
+        shard = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride()
+        )
+    param = nn.Parameter(shard, requires_grad=p.requires_grad)
+    setattr(param, ROW_ATTRIBUTE, row)
+    return param
+
+
+def _point_optimizers_at(
+    optimizers: Iterable[torch.optim.Optimizer], replaced: dict[int, nn.Parameter]
+) -> None:
+    """The optimizers hold the new parameters where they held the old ones; their state moves
+    with them (a whole-shaped state tensor is cut to this rank's row at the first step)."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            old = group["params"]
+            group["params"] = [replaced.get(id(p), p) for p in old]
+            for p in old:
+                new = replaced.get(id(p))
+                if new is not None and p in opt.state:
+                    opt.state[new] = opt.state.pop(p)
