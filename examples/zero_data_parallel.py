@@ -1,13 +1,15 @@
 """Data parallel with ZeRO-sharded optimizer state and activation checkpointing.
 
-    torchrun --nproc-per-node 2 examples/zero_data_parallel.py --tiny [--zero 0|1|2]
+    torchrun --nproc-per-node 2 examples/zero_data_parallel.py --tiny [--zero 0|1|2|3]
         [--checkpointing] [--accumulate N] [--steps N]
 
 Every rank trains the same model on its slice of the global batch; with --zero, each rank
 keeps only its shard of AdamW's state (reduce-scatter, update, all-gather inside the compiled
-step); with --checkpointing, every Block's activations are recomputed in the backward. Each
-rank prints the bytes of optimizer state it holds (counted), the step graph's counted memory
-and the median step time. Without torchrun it runs as one process.
+step); --zero 3 shards the parameters too (each rank holds a Shard(0) DTensor of each, and the
+step gathers each Block's parameters where that Block runs); with --checkpointing, every
+Block's activations are recomputed in the backward. Each rank prints the bytes of parameters
+and optimizer state it holds (counted), the step graph's counted memory and the median step
+time. Without torchrun it runs as one process.
 """
 
 import argparse
@@ -38,7 +40,7 @@ class Block(nn.Module):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="small model, CPU, aot_eager")
-    p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2))
+    p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
@@ -91,10 +93,14 @@ def main():
         if step >= 2:  # the first calls compile
             times.append(time.perf_counter() - start)
     held = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    # a ZeRO-3 parameter is a DTensor: the bytes this rank holds are its local shard's
+    params = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
     mem = step_memory(g.compiled_steps[-1].step_graph)
     print(
         f"rank {rank}/{world} zero={args.zero if distributed else 0} "
-        f"checkpointing={args.checkpointing} accumulate={args.accumulate}: optimizer state held {held} bytes; step graph "
+        f"checkpointing={args.checkpointing} accumulate={args.accumulate}: parameters held {param_bytes} bytes, optimizer state "
+        f"{held} bytes; step graph "
         f"{mem}; {statistics.median(times) * 1e3:.1f} ms/step; loss {loss.item():.4f}",
         flush=True,
     )

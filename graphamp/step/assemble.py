@@ -42,6 +42,7 @@ from .scaling import (
     unscale_and_check,
     write_scale_update,
 )
+from .shard_gathers import GATHER, SCATTER, block_of, place_collectives
 from .traced_optimizer import tensorify_scalar_reads
 from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
@@ -62,6 +63,8 @@ def assemble_step(
     with fx_traceback.preserve_node_meta() if record_origins else nullcontext():
         gm = trace_functional(step, example, propagate_input_mutations=True)
     rename_placeholders(gm, plan.layout.names)
+    if plan.zero_stage == 3:
+        place_collectives(gm)
     if any(o.kind == TRACED for o in plan.optimizers):
         tensorify_scalar_reads(gm)
     gm.graph.eliminate_dead_code()
@@ -192,15 +195,24 @@ def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: StepInputs) -> tuple:
 
 
 def _scatter_per_optimizer(plan: StepPlan, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """ZeRO: this rank's rows of the averaged gradients, one reduce-scatter per optimizer
-    (``grads`` and the result in ``plan.trainable`` order)."""
+    """ZeRO: this rank's rows of the averaged gradients (``grads`` and the result in
+    ``plan.trainable`` order). One reduce-scatter per optimizer; under ZeRO-3 one per block
+    of each optimizer's parameters, which ``shard_gathers.place_collectives`` moves to just
+    after the block's last gradient, so a block's whole gradients die as its backward ends."""
     position = {p: j for j, p in enumerate(plan.trainable)}
+    names = plan.captured.param_names
     out = list(grads)
+    buckets: dict[tuple[int, str], list[int]] = {}
+    for k, opt in enumerate(plan.optimizers):
+        for i in opt.forward_positions:
+            block = block_of(names[i]) if plan.zero_stage == 3 else ""
+            buckets.setdefault((k, block), []).append(position[i])
     with NodeTagger({"graphamp_subgraph": "zero"}):
-        for opt in plan.optimizers:
-            js = [position[i] for i in opt.forward_positions]
+        for number, js in enumerate(buckets.values()):
             dense = [g.to_dense() if g.is_sparse else g for g in (grads[j] for j in js)]
-            for j, shard in zip(js, scatter_gradients(dense, plan.process_group)):
+            with NodeTagger({SCATTER: number}):
+                shards = scatter_gradients(dense, plan.process_group)
+            for j, shard in zip(js, shards):
                 out[j] = shard
     return out
 
@@ -302,21 +314,20 @@ def _whole_parameters(
 def _gather_shards(
     plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tensor]
 ) -> list[torch.Tensor]:
-    """ZeRO-3: the whole parameters from every rank's rows, one all-gather per optimizer's
-    parameters and one per dtype of the rest (frozen parameters, those no loss reaches)."""
+    """ZeRO-3: the whole parameters from every rank's rows, one all-gather per block of
+    parameters (``shard_gathers.block_of``) and dtype. Traced here, at the start of the step;
+    ``shard_gathers.place_collectives`` then moves each block's gather to where it is read."""
     placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
     shapes = [node.meta["val"].shape for node in plan.forward_layout.split(placeholders).params]
-    buckets = [list(opt.forward_positions) for opt in plan.optimizers]
-    taken = {i for bucket in buckets for i in bucket}
-    rest: dict[torch.dtype, list[int]] = {}
-    for i, row in enumerate(rows):
-        if i not in taken:
-            rest.setdefault(row.dtype, []).append(i)
+    buckets: dict[tuple[str, torch.dtype], list[int]] = {}
+    for i, (name, row) in enumerate(zip(plan.captured.param_names, rows)):
+        buckets.setdefault((block_of(name), row.dtype), []).append(i)
     whole: list = [None] * len(rows)
-    for bucket in [*buckets, *rest.values()]:
-        gathered = gather_parameters(
-            [rows[i] for i in bucket], [shapes[i] for i in bucket], plan.process_group
-        )
+    for number, bucket in enumerate(buckets.values()):
+        with NodeTagger({GATHER: number}):
+            gathered = gather_parameters(
+                [rows[i] for i in bucket], [shapes[i] for i in bucket], plan.process_group
+            )
         for i, value in zip(bucket, gathered):
             whole[i] = value
     return whole
