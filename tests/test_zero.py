@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2 on torch.distributed (gloo, CPU processes under torchrun).
+"""ZeRO stages 1, 2 and 3 on torch.distributed (gloo, CPU processes under torchrun).
 
 Oracle: the same training in one process on the global batch (graphamp without ZeRO, which
 tests/test_scaler.py holds to torch.amp.GradScaler and torch.optim.AdamW).
@@ -63,12 +63,23 @@ def _assert_like_one_process(ranks, reference):
 
 @pytest.mark.parametrize(
     "nproc,stage,acc",
-    [pytest.param(2, 1, 1, marks=pytest.mark.slow), pytest.param(4, 2, 2, marks=pytest.mark.slow)],
+    [
+        pytest.param(2, 1, 1, marks=pytest.mark.slow),
+        pytest.param(4, 2, 2, marks=pytest.mark.slow),
+        pytest.param(2, 3, 1, marks=pytest.mark.slow),
+        pytest.param(4, 3, 2, marks=pytest.mark.slow),
+    ],
 )
 def test_zero_trains_like_one_process_with_an_overflow_on_one_rank(nproc, stage, acc, tmp_path):
     reference = single_process()
     ranks = run_zero(nproc, stage, tmp_path / "run", acc=acc)
     _assert_like_one_process(ranks, reference)
+    whole_bytes = sum(4 * v.numel() for v in reference[0].values())
+    if stage == 3:  # the ranks' shards partition the parameters: each holds about 1/W
+        assert sum(r["param_bytes"] for r in ranks) == whole_bytes
+        assert all(r["param_bytes"] <= whole_bytes / nproc * 1.05 for r in ranks)
+    else:
+        assert all(r["param_bytes"] == whole_bytes for r in ranks)
     # each rank holds its rows of exp_avg and exp_avg_sq (+ the step scalars): about 1/W
     full_bytes = reference[3]
     steps_bytes = 4 * 4  # four 0-dim fp32 step tensors, replicated
@@ -93,10 +104,15 @@ def test_zero_with_a_changing_batch_size_trains_like_one_process(stage, acc, tmp
 
 
 @pytest.mark.slow
-def test_a_checkpoint_from_two_ranks_resumes_with_four_and_in_one_process(tmp_path):
+@pytest.mark.parametrize("first_stage,then_stage", [(1, 2), (3, 3)])
+def test_a_checkpoint_from_two_ranks_resumes_with_four_and_in_one_process(
+    first_stage, then_stage, tmp_path
+):
+    """ZeRO-3's checkpoint holds whole tensors (torch's get_model_state_dict gathers the
+    shards), so it loads on another number of ranks and in one process alike."""
     reference = single_process()
-    run_zero(2, 1, tmp_path / "first", last=3)
-    resumed = run_zero(4, 2, tmp_path / "second", first=3, resume=tmp_path / "first")
+    run_zero(2, first_stage, tmp_path / "first", last=3)
+    resumed = run_zero(4, then_stage, tmp_path / "second", first=3, resume=tmp_path / "first")
     params = reference[0]
     for k, v in params.items():
         torch.testing.assert_close(resumed[0]["params"][k], v, rtol=1e-5, atol=1e-6)
@@ -113,6 +129,36 @@ def test_a_checkpoint_from_two_ranks_resumes_with_four_and_in_one_process(tmp_pa
             g(x, y)
     for k, v in params.items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_zero3_shards_tied_frozen_and_tiny_parameters_and_fsdp2_reads_its_checkpoint(tmp_path):
+    """4 ranks, ZeRO-3, a model whose head is tied to its embedding, with a frozen layer and a
+    parameter of 3 rows (one rank holds none of it): trains like one process; the tied
+    parameter stays one parameter, sharded once; the shards, saved with
+    torch.distributed.checkpoint, load into an FSDP2 model (fully_shard) bitwise."""
+    from zero3_worker import global_batches as lm_batches
+    from zero3_worker import make_model as make_lm
+    from zero3_worker import make_training as lm_training
+
+    torchrun(os.path.join(HERE, "zero3_worker.py"), str(tmp_path), nproc=4, timeout=400)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    model = make_lm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g, _ = lm_training(model, zero=False)
+        for ids, targets in lm_batches():
+            g(ids, targets)
+    start = make_lm().state_dict()
+    for k, v in model.state_dict().items():
+        if not k.startswith("frozen"):
+            assert not torch.equal(v, start[k]), k  # it trained
+        for r in ranks:
+            torch.testing.assert_close(r["params"][k], v, rtol=1e-5, atol=1e-6)
+            assert torch.equal(r["fsdp"][k], r["params"][k]), k
+    assert all(r["tied"] for r in ranks)
+    assert [r["held"]["gate"] for r in ranks] == [1, 1, 1, 0]
+    assert [r["held"]["embed.weight"] for r in ranks] == [48, 48, 48, 32]  # 11 rows: 3, 3, 3, 2
 
 
 @pytest.mark.slow
@@ -136,9 +182,9 @@ def test_enable_zero_needs_a_process_group():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_data_parallel_step_loads_from_the_step_cache_on_every_rank(stage, tmp_path):
-    """Data parallel (stage 0) and ZeRO-2 on 2 gloo ranks: the first run assembles the step and
+    """Data parallel (stage 0), ZeRO-2 and ZeRO-3 on 2 gloo ranks: the first run assembles the step and
     saves it; a restart in fresh processes loads it on both ranks (no assembly) and trains
     bitwise like the assembled step."""
     env = {"GRAPHAMP_CACHE_DIR": str(tmp_path / "cache")}
