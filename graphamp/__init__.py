@@ -22,6 +22,7 @@ from .errors import (
 from .graph import Graph
 from .integrations.function import training_step
 from .records.pins import AmpPin
+from .runner.sharded_params import gathered_parameters
 from .scaler import GradScaler, StaticGradScaler
 from .torchkit.ops import full_precision, low_precision
 
@@ -43,6 +44,7 @@ __all__ = [
     "UnsupportedOptimizerError",
     "config",
     "full_precision",
+    "gathered_parameters",
     "low_precision",
     "passes",
     "training_step",

@@ -136,7 +136,8 @@ def test_zero3_shards_tied_frozen_and_tiny_parameters_and_fsdp2_reads_its_checkp
     """4 ranks, ZeRO-3, a model whose head is tied to its embedding, with a frozen layer and a
     parameter of 3 rows (one rank holds none of it): trains like one process; the tied
     parameter stays one parameter, sharded once; the shards, saved with
-    torch.distributed.checkpoint, load into an FSDP2 model (fully_shard) bitwise."""
+    torch.distributed.checkpoint, load into an FSDP2 model (fully_shard) bitwise; an eval
+    Graph and an eager forward under graphamp.gathered_parameters see the trained model."""
     from zero3_worker import global_batches as lm_batches
     from zero3_worker import make_model as make_lm
     from zero3_worker import make_training as lm_training
@@ -157,6 +158,13 @@ def test_zero3_shards_tied_frozen_and_tiny_parameters_and_fsdp2_reads_its_checkp
             torch.testing.assert_close(r["params"][k], v, rtol=1e-5, atol=1e-6)
             assert torch.equal(r["fsdp"][k], r["params"][k]), k
     assert all(r["tied"] for r in ranks)
+    model.eval()
+    with torch.no_grad():
+        logits = model(lm_batches()[0][0])
+    for r in ranks:  # an eval Graph gathers the shards; so does gathered_parameters, eagerly
+        torch.testing.assert_close(r["evaluated"], logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["eager"], logits, rtol=1e-5, atol=1e-5)
+        assert r["shards_kept"]
     assert [r["held"]["gate"] for r in ranks] == [1, 1, 1, 0]
     assert [r["held"]["embed.weight"] for r in ranks] == [48, 48, 48, 32]  # 11 rows: 3, 3, 3, 2
 

@@ -9,7 +9,8 @@ rows that do not divide by the rank count. Each rank trains its slice of the glo
 with AdamW and ZeRO-3, then writes rank{r}.pt: the whole parameters (torch's
 get_model_state_dict), the bytes of parameters it holds, and the whole parameters of an FSDP2
 model (fully_shard per block, then the root) that loaded graphamp's sharded checkpoint through
-torch.distributed.checkpoint.
+torch.distributed.checkpoint, and the logits of the first batch from an eval Graph on the
+sharded model and from an eager forward under graphamp.gathered_parameters.
 """
 
 import os
@@ -95,6 +96,21 @@ def main():
         n = len(ids) // world
         g(ids[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n])
     whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    class Evaluate(graphamp.Graph):  # an eval graph reading the shards: it gathers them too
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.config.set_backend("aot_eager")
+
+        def build(self, ids):
+            return self.model(ids)
+
+    ids = global_batches()[0][0]
+    evaluated = Evaluate()(ids)
+    with graphamp.gathered_parameters(model):  # eager, outside any Graph
+        eager = model(ids).detach()
+    shards_kept = all(hasattr(p, "device_mesh") for p in model.parameters())
     held = {n: p._local_tensor.numel() for n, p in model.named_parameters()}
     # graphamp's shards, saved as they are (DTensors) and loaded into an FSDP2 model
     dcp.save(model.state_dict(), checkpoint_id=os.path.join(out_dir, "dcp"))
@@ -112,6 +128,9 @@ def main():
         "held": held,
         "fsdp": fsdp_whole,
         "tied": model.head.weight is model.embed.weight,
+        "evaluated": evaluated,
+        "eager": eager,
+        "shards_kept": shards_kept,
     }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     leave()

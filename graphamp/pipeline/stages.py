@@ -34,6 +34,7 @@ from ..records.inputs import FlatInputs
 from ..records.spec import CapturedForward, GraphSpec, PassRecord, StepFn, StepPlan
 from ..records.state import SharedState
 from ..runner import Runner
+from ..runner.sharded_params import shard_group
 from ..step import (
     OutlineResult,
     assemble_step,
@@ -217,6 +218,7 @@ def plan(ctx: BuildContext, captured: Captured, passed: Passed) -> StepPlan:
         list(amp.hoisted) if amp is not None else [],
         list(amp.fp8_state) if amp is not None else [],
         ctx.process_group,
+        shard_group(ctx.spec.name, ctx.root),
     )
 
 

@@ -19,7 +19,8 @@ again from its whole value.
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -89,3 +90,45 @@ def _point_optimizers_at(
                 new = replaced.get(id(p))
                 if new is not None and p in opt.state:
                     opt.state[new] = opt.state.pop(p)
+
+
+def shard_group(graph_name: str, root: nn.Module):
+    """The process group ``root``'s parameters are ZeRO-3 shards over, or None when none is
+    a shard. A graph whose modules mix shards and whole parameters is refused: it could not
+    tell which to gather."""
+    params = list(root.parameters())
+    shards = [p for p in params if is_shard(p)]
+    if not shards:
+        return None
+    if len(shards) != len(params):
+        whole = next(n for n, p in root.named_parameters() if not is_shard(p))
+        raise ConfigError(
+            f"{graph_name}: some registered parameters are ZeRO-3 shards (a Graph with "
+            f"enable_zero(stage=3) sharded them) and {whole!r} is not: register modules that "
+            "are all sharded, or none (a module of its own Graph)"
+        )
+    return shards[0].device_mesh.get_group()
+
+
+@contextlib.contextmanager
+def gathered_parameters(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` with its ZeRO-3 shards swapped for whole parameters while the block runs, for
+    eager use outside a Graph (``model(x)`` to evaluate, ``generate``): every rank must enter it
+    (each whole is all-gathered). What the block writes into the wholes is not kept; the
+    shards are put back on exit."""
+    swapped = []
+    cache: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None or not is_shard(p):
+                continue
+            if id(p) not in cache:
+                whole = p.full_tensor().detach()
+                cache[id(p)] = nn.Parameter(whole, requires_grad=p.requires_grad)
+            swapped.append((sub, name, p))
+            sub._parameters[name] = cache[id(p)]
+    try:
+        yield module
+    finally:
+        for sub, name, p in swapped:
+            sub._parameters[name] = p

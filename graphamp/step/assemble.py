@@ -82,10 +82,9 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: b
     """The functional step over the flat inputs of ``plan.layout``, one subgraph per call."""
 
     def step(*flat):
-        s = plan.layout.split(flat)
+        s, rows = _whole_parameters(plan, fwd_gm, plan.layout.split(flat))
         if not plan.training:
             return _eval_step(plan, fwd_gm, s)
-        s, rows = _whole_parameters(plan, fwd_gm, s)
         scale = s.scale
         _clear_step_amaxes(s.fp8)
         reduce_each = (

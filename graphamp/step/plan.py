@@ -34,13 +34,16 @@ def build_plan(
     hoisted: list[tuple[str, torch.dtype]],
     fp8_state: list[str],
     process_group=None,
+    shard_group=None,
 ) -> StepPlan:
     """The StepPlan for ``captured`` (``forward``: the graph after the AMP passes).
 
     ``param_ids`` are ``id()`` of the forward's parameters in placeholder order (to find each
     optimizer's parameters among them); ``hoisted``: the parameter placeholders the AMP passes
     read in low precision, by name, with the dtype (``AmpContext.hoisted``); ``fp8_state``: the
-    delayed fp8 recipe's state placeholders. ``process_group``: data parallel's group."""
+    delayed fp8 recipe's state placeholders. ``process_group``: data parallel's group;
+    ``shard_group``: the group the parameters are ZeRO-3 shards over (any graph that reads
+    them, a training one or an eval one, gathers them: the plan is ZeRO-3's)."""
     layout = captured.layout.with_param_copies(len(hoisted)).with_fp8_state(len(fp8_state))
     params = layout.split([n for n in forward.graph.nodes if n.op == "placeholder"]).params
     index = {node.name: i for i, node in enumerate(params)}
@@ -58,6 +61,14 @@ def build_plan(
     scaler = spec.scaler if spec.training else None
     _warn_about_scaler_dtype(spec, scaler)
     zero = spec.config.zero_stage if spec.training and process_group is not None else 0
+    if shard_group is not None:
+        zero, process_group = 3, shard_group
+        if captured.gradient_code.changed_params:
+            raise CaptureError(
+                f"{spec.name}.build() changes parameters in place, and they are ZeRO-3 "
+                "shards: the step reads gathered copies, so the change would be lost. Change "
+                "them in a Graph without ZeRO-3"
+            )
     if zero:
         _check_zero_buckets(spec, plans)
     probes = (
@@ -75,7 +86,7 @@ def build_plan(
         param_casts=param_casts,
         direct_use=direct_use,
         acc_steps=spec.config.grad_acc_steps,
-        process_group=process_group if spec.training else None,
+        process_group=process_group if spec.training or zero else None,
         zero_stage=zero,
         probes=probes,
         fp8_state=list(fp8_state),
