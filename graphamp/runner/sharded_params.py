@@ -20,7 +20,7 @@ again from its whole value.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -107,7 +107,7 @@ def shard_group(graph_name: str, root: nn.Module):
             f"enable_zero(stage=3) sharded them) and {whole!r} is not: register modules that "
             "are all sharded, or none (a module of its own Graph)"
         )
-    return shards[0].device_mesh.get_group()
+    return cast(Any, shards[0]).device_mesh.get_group()
 
 
 @contextlib.contextmanager
@@ -123,7 +123,7 @@ def gathered_parameters(module: nn.Module) -> Iterator[nn.Module]:
             if p is None or not is_shard(p):
                 continue
             if id(p) not in cache:
-                whole = p.full_tensor().detach()
+                whole = cast(Any, p).full_tensor().detach()
                 cache[id(p)] = nn.Parameter(whole, requires_grad=p.requires_grad)
             swapped.append((sub, name, p))
             sub._parameters[name] = cache[id(p)]
