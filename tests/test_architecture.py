@@ -484,7 +484,7 @@ def test_records_check_the_invariants_they_state():
     for change, words in (
         (dict(trainable=[0, 0]), "twice"),
         (dict(acc_steps=0), "at least 1"),
-        (dict(zero_stage=3), "0, 1 or 2"),
+        (dict(zero_stage=4), "0 to 3"),
         (dict(zero_stage=1, process_group=None), "process group"),
         (dict(training=False), "eval StepPlan"),
     ):

@@ -13,8 +13,9 @@ from ..errors import ConfigError, UnsupportedOptimizerError
 
 _PARALLEL = (
     "graphamp's Trainer trains data parallel under torchrun or accelerate launch (one device "
-    "per process), but does not shard or spread the model yet. For sharded optimizer state, "
-    "train with a graphamp.Graph and config.enable_zero(stage=1|2) (docs/distributed.md)"
+    "per process), and shards with fsdp='full_shard' (graphamp's ZeRO-3) or 'shard_grad_op' "
+    "(ZeRO-2) inside its step; it does not spread the model over devices otherwise "
+    "(docs/distributed.md)"
 )
 
 
@@ -33,7 +34,6 @@ REFUSALS = (
         "g.config.set_backend('inductor'))",
     ),
     Refusal("deepspeed", lambda t: bool(getattr(t.args, "deepspeed", None)), _PARALLEL),
-    Refusal("fsdp", lambda t: bool(getattr(t.args, "fsdp", None)), _PARALLEL),
     Refusal(
         "parallelism_config",
         lambda t: getattr(t.args, "parallelism_config", None) is not None,
@@ -78,6 +78,45 @@ REFUSALS = (
         "compiles the model's own ops. Leave use_liger_kernel off",
     ),
 )
+
+
+def zero_stage_for_fsdp(args: Any) -> int:
+    """The ZeRO stage graphamp's step runs for the Trainer's ``fsdp`` arguments (0: none).
+
+    transformers turns ``fsdp`` into ``fsdp_plugin_args`` for accelerate's FSDP; graphamp
+    shards inside its own step instead (accelerate gets no FSDP plugin): FSDP2's
+    ``reshard_after_forward=True`` (``fsdp='full_shard'``) is ZeRO-3, ``False``
+    (``'shard_grad_op'``) ZeRO-2. In one process there is nothing to shard over: 0. What has
+    no graphamp equivalent is refused by name."""
+    plugin = getattr(args, "fsdp_plugin_args", None)
+    if not plugin or args.world_size < 2:
+        return 0
+    if plugin.get("cpu_offload"):
+        raise ConfigError(
+            "graphamp's Trainer does not support fsdp 'offload' (cpu_offload): graphamp keeps "
+            "each rank's shards on its device. Remove 'offload' from fsdp"
+        )
+    if plugin.get("activation_checkpointing"):
+        raise ConfigError(
+            "graphamp's Trainer does not support fsdp_config['activation_checkpointing']: "
+            "graphamp recomputes inside its step instead. Remove it and pass Trainer(..., "
+            "configure_graph=lambda g: g.config.enable_activation_checkpointing(BlockClass))"
+        )
+    if getattr(args, "load_best_model_at_end", False):
+        raise ConfigError(
+            "graphamp's Trainer does not support load_best_model_at_end with fsdp: loading a "
+            "checkpoint into the sharded parameters after training is not written yet. Load "
+            "the best checkpoint with from_pretrained after training"
+        )
+    reshard = plugin.get("reshard_after_forward", True)
+    stages = {True: 3, False: 2, "full_shard": 3, "shard_grad_op": 2}
+    if reshard not in stages:
+        raise ConfigError(
+            f"graphamp's Trainer does not support the FSDP sharding strategy {reshard!r}: it "
+            "maps fsdp='full_shard' onto ZeRO-3 and 'shard_grad_op' onto ZeRO-2 inside its "
+            "step (docs/distributed.md)"
+        )
+    return stages[reshard]
 
 
 def refuse_unsupported(trainer: Any) -> None:

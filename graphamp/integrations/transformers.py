@@ -51,9 +51,16 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from ..errors import ConfigError, UnsupportedOptimizerError
 from ..graph import Graph
+from ..records.sharding import is_shard
+from ..runner.sharded_params import gathered_parameters
 from ..scaler import GradScaler
 from . import micro_batches
-from .trainer_checks import refuse_optimizer, refuse_ragged_accumulation, refuse_unsupported
+from .trainer_checks import (
+    refuse_optimizer,
+    refuse_ragged_accumulation,
+    refuse_unsupported,
+    zero_stage_for_fsdp,
+)
 
 log = logging.getLogger("graphamp")
 
@@ -101,6 +108,8 @@ class TrainerStep(Graph):
             self.set_grad_scaler(GradScaler())
         if args.world_size > 1:  # torchrun / accelerate launch: accelerate made the group
             self.config.enable_data_parallel()
+        if trainer.zero_stage:  # the Trainer's fsdp arguments (trainer_checks.py)
+            self.config.enable_zero(stage=trainer.zero_stage)
         self.trainer = trainer  # not a module: not registered, only called in build()
 
     def build(self, inputs: dict, num_items: torch.Tensor | None) -> torch.Tensor:
@@ -131,6 +140,7 @@ class Trainer(transformers.Trainer):
     ):
         self.configure_graph = configure_graph
         self.graph: TrainerStep | None = None  # made with the optimizer, when training starts
+        self.zero_stage = 0  # from the fsdp arguments, read when the accelerator is made
         self._micro_batches: list[Mapping[str, Any]] = []
         self._step_size: int | None = None  # micro-batches in the current optimizer step
         self._num_items: Any = None
@@ -259,6 +269,8 @@ class Trainer(transformers.Trainer):
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
         args["mixed_precision"] = "no"  # no autocast wrapper on the model, no accelerate scaler
+        self.zero_stage = zero_stage_for_fsdp(self.args)
+        args["fsdp_plugin"] = None  # graphamp's step shards (ZeRO), accelerate does not wrap
         return args
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True) -> Any:
@@ -268,6 +280,64 @@ class Trainer(transformers.Trainer):
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.args.device.type, dtype=dtype, cache_enabled=cache_enabled)
+
+    # -- the sharded model: evaluation and checkpoints --------------------------------------------
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """Evaluation runs the model eagerly: under ZeRO-3 on its whole parameters, gathered
+        once per evaluation on every rank."""
+        with self._whole_parameters():
+            return super().evaluation_loop(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Under ZeRO-3 every rank gathers the whole parameters (torch's get_model_state_dict,
+        a collective) and the main process saves them, as the stock Trainer saves FSDP's."""
+        if not self._shards_parameters():
+            return super().save_model(output_dir, _internal_call)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        whole = get_model_state_dict(self._model(), options=StateDictOptions(full_state_dict=True))
+        if self.args.should_save:
+            self._save(output_dir if output_dir is not None else self.args.output_dir, whole)
+        return None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The stock save, with the model's config put back as it was: save_pretrained writes
+        fields into it (architectures, dtype) on the saving process only, and build() reads
+        the config, so the step would be rebuilt there alone (a data-parallel rank that
+        rebuilds while the others step waits in a collective they never join)."""
+        config = getattr(self.model, "config", None)
+        kept = dict(vars(config)) if config is not None else None
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            if config is not None and kept is not None:
+                vars(config).clear()
+                vars(config).update(kept)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Under ZeRO the optimizer holds its rows: every rank gathers torch's format (a
+        collective), then the main process saves it where the stock Trainer does."""
+        if not self.zero_stage or self.optimizer is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        gathered = self.optimizer.state_dict()
+        self.optimizer.state_dict = lambda: gathered  # type: ignore[method-assign]
+        try:
+            super()._save_optimizer_and_scheduler(output_dir)
+        finally:
+            del self.optimizer.state_dict
+
+    def _shards_parameters(self) -> bool:
+        return isinstance(self.model, nn.Module) and any(
+            is_shard(p) for p in self.model.parameters()
+        )
+
+    def _whole_parameters(self) -> Any:
+        if not self._shards_parameters():
+            return contextlib.nullcontext()
+        return gathered_parameters(self._model())
 
     # -- checkpoints ----------------------------------------------------------------------------
     def _save_scaler(self, output_dir: str) -> None:

@@ -2,7 +2,8 @@
 
     GraphSpec + inputs ─capture─▶ Captured ─amp_passes─▶ Passed ─plan─▶ StepPlan
       ─examples─▶ example inputs ─(choices)─▶ step_cache ─▶ StepGraph loaded, or
-      assemble ─▶ recompute ─▶ outline ─▶ save_step ─▶ StepGraph ─compile─▶ Runner ─▶ Program
+      assemble ─▶ recompute ─▶ outline ─▶ [place_collectives] ─▶ save_step ─▶ StepGraph
+      ─compile─▶ Runner ─▶ Program
 
 ``_Stages`` runs each one: it times it, logs its INFO line and turns whatever torch raised into
 graphamp's error for that stage (``stage_errors.py``): the one place a failure is worded.
@@ -151,6 +152,8 @@ def _step_graph(
         step = run("recompute", stages.recompute, ctx, step, captured.regions, describe=_size)
     if choices.outline:
         step = run("outline", stages.outline, step, describe=_outline_line)
+    if plan.zero_stage == 3:  # last: it places collectives around the calls outlining made
+        step = run("place_collectives", stages.place_collectives, step, describe=_size)
     if key is not None:
         run("save_step", stages.save_step, ctx, key, step, describe=str)
     return step

@@ -55,6 +55,11 @@ _STAGE_WORDS = {
         "outlining the repeated blocks of {name}",
         "config.set_outline_blocks(False) builds the step inlined; please report it",
     ),
+    "place_collectives": (
+        "placing the ZeRO-3 gathers and scatters of {name}'s step",
+        "config.enable_zero(stage=2) trains without sharded parameters; please report it "
+        "with g.dump(path)",
+    ),
     "save_step": (
         "saving the step of {name} in the step cache",
         "check that the cache directory is writable, or config.set_step_cache(False)",

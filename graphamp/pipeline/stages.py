@@ -41,6 +41,7 @@ from ..step import (
     build_plan,
     example_inputs,
     outline_blocks,
+    place_shard_collectives,
     recompute_checkpointed,
 )
 from ..torchkit.fxutil import copy_graph_module
@@ -326,6 +327,13 @@ def outline(step: StepGraph) -> StepGraph:
             step.gm, outline=OutlineResult(left_inline=[f"all ({type(e).__name__}: {e})"])
         )
     return StepGraph(outlined, outline=result)
+
+
+def place_collectives(step: StepGraph) -> StepGraph:
+    """ZeRO-3: each block's all-gather where the block runs and again before its backward,
+    each block's reduce-scatter after its last gradient (in place on ``step.gm``)."""
+    place_shard_collectives(step.gm)
+    return step
 
 
 def save_step(ctx: BuildContext, key: str, step: StepGraph) -> str:

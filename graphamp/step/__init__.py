@@ -10,6 +10,7 @@ from .examples import example_inputs
 from .outline import OutlineResult, outline_blocks
 from .plan import build_plan
 from .recompute import RecomputeResult, recompute_checkpointed
+from .shard_gathers import place_collectives as place_shard_collectives
 
 __all__ = [
     "OutlineResult",
@@ -18,5 +19,6 @@ __all__ = [
     "build_plan",
     "example_inputs",
     "outline_blocks",
+    "place_shard_collectives",
     "recompute_checkpointed",
 ]

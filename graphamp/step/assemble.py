@@ -42,7 +42,7 @@ from .scaling import (
     unscale_and_check,
     write_scale_update,
 )
-from .shard_gathers import GATHER, SCATTER, block_of, place_collectives
+from .shard_gathers import GATHER, SCATTER, block_of
 from .traced_optimizer import tensorify_scalar_reads
 from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
@@ -63,8 +63,6 @@ def assemble_step(
     with fx_traceback.preserve_node_meta() if record_origins else nullcontext():
         gm = trace_functional(step, example, propagate_input_mutations=True)
     rename_placeholders(gm, plan.layout.names)
-    if plan.zero_stage == 3:
-        place_collectives(gm)
     if any(o.kind == TRACED for o in plan.optimizers):
         tensorify_scalar_reads(gm)
     gm.graph.eliminate_dead_code()
