@@ -6,7 +6,8 @@ each distinct block's forward and backward once. The step stays one graph and on
 - Blocks are found automatically: the module paths ``parent.<index>`` of a ModuleList or
   Sequential with at least two children that produced forward nodes (``model.h.3``,
   ``model.layer1.0``); the outermost such paths.
-- A block's forward region is its nodes by module path; its backward region the backward nodes
+- A block's forward region is its nodes by module path (one region per micro-batch under
+  gradient accumulation); its backward region the backward nodes
   whose autograd ``seq_nr`` is one of its forward ops' (assembly records it when asked:
   ``assemble_step(..., record_origins=True)``), plus gradient sums that read from and feed only
   that region.
@@ -37,6 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..torchkit.fxutil import module_path
 from .block_saves import BACKWARD_OF, SavedBytes, recompute_cheap_saves
+from .gradients import MICRO_BATCH
 
 Region = tuple[str, str]  # ("fw" | "bw", block path)
 
@@ -137,6 +139,7 @@ def block_regions(gm: fx.GraphModule, blocks: list[str]) -> dict[Region, list[fx
             continue
         block = _block_of(module_path(node), blocks)
         if block is not None:
+            block = _instance(block, node.meta.get(MICRO_BATCH, 0))
             regions.setdefault(("fw", block), []).append(node)
             if "seq_nr" in node.meta:
                 seq_to_block.setdefault(node.meta["seq_nr"], block)
@@ -150,6 +153,13 @@ def block_regions(gm: fx.GraphModule, blocks: list[str]) -> dict[Region, list[fx
         if node in block_of and node.op == "call_function":
             regions.setdefault(("bw", block_of[node]), []).append(node)
     return regions
+
+
+def _instance(block: str, micro_batch: int) -> str:
+    """A block's region in one micro-batch: gradient accumulation runs each block's forward
+    and backward once per micro-batch, each instance a region of its own (all equal, so one
+    subgraph)."""
+    return block if micro_batch == 0 else f"{block}@{micro_batch}"
 
 
 def _attribute_gradient_sums(backward: list[fx.Node], block_of: dict[fx.Node, str]) -> None:
