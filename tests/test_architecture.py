@@ -36,6 +36,7 @@ ALLOWED = {
         "graphamp.graph",
         "graphamp.config",
         "graphamp.scaler",
+        "graphamp.runner",  # gathered_parameters: ZeRO-3's shards for the loops' eager forwards
         "graphamp.records",
         "graphamp.errors",
     },

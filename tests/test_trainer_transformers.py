@@ -358,7 +358,6 @@ def test_an_unsupported_option_fails_when_the_trainer_is_made(option, named, tmp
 REFUSED_SETTINGS = [
     {"torch_compile": True},
     {"deepspeed": "ds_config.json"},
-    {"fsdp": "full_shard"},
     {"parallelism_config": object()},
     {"n_gpu": 2},
     {"is_model_parallel": True},
@@ -391,9 +390,40 @@ def _stand_in_trainer(**settings):
     return SimpleNamespace(args=SimpleNamespace(**args), is_model_parallel=model_parallel)
 
 
+def test_fsdp_arguments_map_onto_zero_stages_or_are_refused_by_name():
+    """What transformers makes of fsdp=... (fsdp_plugin_args) becomes graphamp's ZeRO stage
+    under several processes; one process has nothing to shard; the rest is refused."""
+    from types import SimpleNamespace
+
+    from graphamp.integrations.trainer_checks import zero_stage_for_fsdp
+
+    def stage(world_size=2, load_best_model_at_end=False, **plugin):
+        args = SimpleNamespace(
+            fsdp_plugin_args={"fsdp_version": 2, **plugin} if plugin else None,
+            world_size=world_size,
+            load_best_model_at_end=load_best_model_at_end,
+        )
+        return zero_stage_for_fsdp(args)
+
+    assert stage() == 0  # no fsdp
+    assert stage(reshard_after_forward=True) == 3  # fsdp="full_shard" (FSDP2)
+    assert stage(reshard_after_forward=False) == 2  # fsdp="shard_grad_op"
+    assert stage(reshard_after_forward="shard_grad_op") == 2  # FSDP1's spelling
+    assert stage(world_size=1, reshard_after_forward=True) == 0
+    for plugin, named in (
+        ({"reshard_after_forward": "hybrid_shard"}, "hybrid_shard"),
+        ({"reshard_after_forward": True, "cpu_offload": True}, "offload"),
+        ({"reshard_after_forward": True, "activation_checkpointing": True}, "activation_"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            stage(**plugin)
+    with pytest.raises(ConfigError, match="load_best_model_at_end"):
+        stage(load_best_model_at_end=True, reshard_after_forward=True)
+
+
 def test_every_refusal_names_its_argument_and_what_to_do_instead():
     """The table of trainer_checks.py, each entry on a stand-in Trainer (a real one cannot be
-    made with deepspeed or fsdp here); the one-device run passes."""
+    made with deepspeed here); the one-device run passes."""
     from graphamp.integrations.trainer_checks import REFUSALS, refuse_unsupported
 
     refuse_unsupported(_stand_in_trainer())

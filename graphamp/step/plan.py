@@ -60,15 +60,7 @@ def build_plan(
         )
     scaler = spec.scaler if spec.training else None
     _warn_about_scaler_dtype(spec, scaler)
-    zero = spec.config.zero_stage if spec.training and process_group is not None else 0
-    if shard_group is not None:
-        zero, process_group = 3, shard_group
-        if captured.gradient_code.changed_params:
-            raise CaptureError(
-                f"{spec.name}.build() changes parameters in place, and they are ZeRO-3 "
-                "shards: the step reads gathered copies, so the change would be lost. Change "
-                "them in a Graph without ZeRO-3"
-            )
+    zero, process_group = _zero_stage(spec, captured, process_group, shard_group)
     if zero:
         _check_zero_buckets(spec, plans)
     probes = (
@@ -92,6 +84,21 @@ def build_plan(
         fp8_state=list(fp8_state),
         fp8_history=spec.config.fp8_history,
     )
+
+
+def _zero_stage(spec: GraphSpec, captured: CapturedForward, process_group, shard_group):
+    """(ZeRO stage, the group the step's collectives use). Parameters that are ZeRO-3 shards
+    make any graph ZeRO-3 over their group, an eval graph too: it must gather them."""
+    if shard_group is None:
+        zero = spec.config.zero_stage if spec.training and process_group is not None else 0
+        return zero, process_group
+    if captured.gradient_code.changed_params:
+        raise CaptureError(
+            f"{spec.name}.build() changes parameters in place, and they are ZeRO-3 shards: the "
+            "step reads gathered copies, so the change would be lost. Change them in a Graph "
+            "without ZeRO-3"
+        )
+    return 3, shard_group
 
 
 def _check_zero_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
