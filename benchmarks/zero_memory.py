@@ -114,8 +114,8 @@ def graphamp_run(setting: str, width: int, depth: int, world: int, rank: int) ->
     return {
         "params": held_bytes(model.parameters()),
         "optimizer": optimizer_bytes(opt),
-        "inputs": memory.resident,
-        "peak": memory.peak,
+        "inputs": memory.resident_bytes,
+        "peak": memory.peak_intermediate_bytes,
         "peak_before_update": peak_before_update(gm),
         "collectives": graph_collectives(gm),
         "ms": statistics.median(times) * 1e3,
@@ -188,10 +188,14 @@ def peak_before_update(gm) -> int:
 
 _COLLECTIVES = {
     "all_gather_into_tensor": "all-gather",
+    "all_gather_single": "all-gather",  # FSDP2's, torch 2.14
     "reduce_scatter_tensor": "reduce-scatter",
+    "reduce_scatter_single": "reduce-scatter",
     "all_reduce": "all-reduce",
     "all_reduce_coalesced": "all-reduce",
 }
+# the tensor each call is counted by: the gathered output, the reduced input
+_COUNTED = {"all-gather": ("output_tensor", "output", 0), "reduce-scatter": ("input", 1)}
 
 
 def graph_collectives(gm) -> dict[str, list[int]]:
@@ -204,7 +208,11 @@ def graph_collectives(gm) -> dict[str, list[int]]:
         kind = _COLLECTIVES.get(name)
         if kind is None:
             continue
-        size = value_bytes(n.meta.get("val") if kind == "all-gather" else n.args[0].meta.get("val"))
+        if kind == "all-gather":
+            size = value_bytes(n.meta.get("val"))
+        else:  # the tensor reduced (a list of them for the coalesced all-reduce)
+            args = n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]]
+            size = sum(value_bytes(a.meta.get("val")) for a in args)
         entry = out.setdefault(kind, [0, 0])
         entry[0] += 1
         entry[1] += size
@@ -222,8 +230,8 @@ def counting_collectives():
             continue
         originals[name] = fn
 
-        def wrapper(*args, _fn=fn, _kind=kind, _name=name, **kwargs):
-            tensor = args[0] if _kind == "all-gather" or _name == "all_reduce" else args[1]
+        def wrapper(*args, _fn=fn, _kind=kind, **kwargs):
+            tensor = _counted_tensor(_kind, args, kwargs)
             entry = counted.setdefault(_kind, [0, 0])
             entry[0] += 1
             entry[1] += tensor.numel() * tensor.element_size()
@@ -235,6 +243,15 @@ def counting_collectives():
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def _counted_tensor(kind: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    for where in _COUNTED.get(kind, (0,)):
+        if isinstance(where, str) and where in kwargs:
+            return kwargs[where]
+        if isinstance(where, int) and len(args) > where:
+            return args[where]
+    raise ValueError(f"cannot find the tensor of a {kind} call")
 
 
 def worker(width: int, depth: int, out: str) -> None:
