@@ -341,7 +341,8 @@ def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
             f"{graph_name}.{name} = {type(value).__name__}(...): FSDP-sharded modules "
             "(fully_shard, FullyShardedDataParallel) are not supported by graphamp "
             "(docs/distributed.md). Register the unwrapped module and call "
-            "config.enable_zero(stage=1 or 2) for sharded optimizer state, or "
+            "config.enable_zero(stage=3) to shard parameters, gradients and optimizer state "
+            "inside the step (FSDP2's layout: checkpoints move between the two), or "
             "config.enable_data_parallel() (a DistributedDataParallel wrapper works too)"
         )
     return value

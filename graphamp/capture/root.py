@@ -58,8 +58,9 @@ def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
                 f"{graph_name}: parameter {name!r} is a DTensor (the model is wrapped with "
                 "torch.distributed.fsdp.fully_shard or another DTensor API), which graphamp "
                 "cannot capture. Register the plain model and call "
-                "self.config.enable_zero(stage=1 or 2) in the Graph's __init__: it shards the "
-                "optimizer state (and gradients) over the ranks inside the compiled step"
+                "self.config.enable_zero(stage=3) in the Graph's __init__: it shards the "
+                "parameters, gradients and optimizer state over the ranks inside the compiled "
+                "step, as DTensors in FSDP2's layout (its checkpoints load into FSDP2 models)"
             )
 
 

@@ -28,8 +28,10 @@ Kept from Lightning: its Trainer, data, logging (``train_loss``, ``loss_scale``,
 ``skipped_steps``), callbacks, validation and checkpoints (graphamp's state rides in the
 checkpoint under ``"graphamp"``). ``Trainer(precision=...)``: ``"32-true"``, ``"16-mixed"``
 (graphamp's AMP and GradScaler) or ``"bf16-mixed"``; one device, or ``strategy="ddp"`` on
-several (graphamp's step averages the gradients over DDP's processes; FSDP and DeepSpeed are
-refused: their sharding is not in graphamp's step yet). Clipping: ``self.clip_grad_max_norm``
+several (graphamp's step averages the gradients over DDP's processes, and shards with
+``graph.config.enable_zero(stage=1|2|3)`` in ``configure_graph``: checkpoints then hold whole
+tensors, and validation runs on gathered parameters; Lightning's FSDP and DeepSpeed strategies
+are refused: they wrap the model, which graphamp's step cannot run). Clipping: ``self.clip_grad_max_norm``
 (``Trainer(gradient_clip_val=...)`` and ``accumulate_grad_batches`` are refused with graphamp's
 equivalents, and a ``training_step`` of the user's that returns a loss without calling
 ``graphamp_step`` is refused at its first batch: a switch done halfway never trains nothing
@@ -38,6 +40,7 @@ in silence); graphamp's own options: override ``configure_graph(graph)``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -46,6 +49,8 @@ import torch
 
 from ..errors import ConfigError
 from ..graph import Graph
+from ..records.sharding import is_shard
+from ..runner.sharded_params import gathered_parameters
 from ..scaler import GradScaler
 
 CHECKPOINT_KEY = "graphamp"
@@ -84,6 +89,7 @@ class GraphampModule(pl.LightningModule):
         self._graph_state: dict | None = None  # from a checkpoint, loaded into the new graph
         self._skipped: torch.Tensor | None = None
         self._graphamp_steps = 0  # graphamp_step calls: a training_step must make one
+        self._eager_loop: contextlib.ExitStack | None = None  # ZeRO-3's wholes for an eager loop
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass's own ``training_step`` is checked after every call: one that returns a
@@ -146,8 +152,58 @@ class GraphampModule(pl.LightningModule):
         self._step_schedulers("epoch")
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """graphamp's state rides along; under ZeRO-3 the checkpoint's ``state_dict`` holds
+        the whole tensors (every rank gathers them here: Lightning calls this hook on every
+        rank, and rank 0 writes), so it loads on any number of devices."""
         if self.graph is not None:
             checkpoint[CHECKPOINT_KEY] = self.graph.state_dict()
+        if any(is_shard(p) for p in self.parameters()):
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            whole = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True))
+            checkpoint["state_dict"] = whole
+
+    # Lightning's eager loops (validation, test, predict) run the module's forward: under
+    # ZeRO-3 on the whole parameters, gathered on every rank once per loop. Trainer.validate,
+    # test and predict after training gather from setup on (DDP's setup broadcasts them)
+    def setup(self, stage: str) -> None:
+        if stage != "fit":
+            self._gather_for_eager_loop()
+
+    def teardown(self, stage: str) -> None:
+        if stage != "fit":
+            self._release_eager_loop()
+
+    def on_validation_epoch_start(self) -> None:
+        self._gather_for_eager_loop()
+
+    def on_validation_epoch_end(self) -> None:
+        self._release_eager_loop()
+
+    def on_test_epoch_start(self) -> None:
+        self._gather_for_eager_loop()
+
+    def on_test_epoch_end(self) -> None:
+        self._release_eager_loop()
+
+    def on_predict_epoch_start(self) -> None:
+        self._gather_for_eager_loop()
+
+    def on_predict_epoch_end(self) -> None:
+        self._release_eager_loop()
+
+    def _gather_for_eager_loop(self) -> None:
+        if self._eager_loop is None and any(is_shard(p) for p in self.parameters()):
+            self._eager_loop = contextlib.ExitStack()
+            self._eager_loop.enter_context(gathered_parameters(self))
+
+    def _release_eager_loop(self) -> None:
+        if self._eager_loop is not None:
+            self._eager_loop.close()
+            self._eager_loop = None
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._graph_state = checkpoint.get(CHECKPOINT_KEY)
@@ -252,8 +308,8 @@ def _data_parallel(strategy: Any) -> bool:
     raise ConfigError(
         f"GraphampModule trains on one device or data parallel (strategy='ddp'), got "
         f"Trainer(strategy={type(strategy).__name__}): its sharding is not in graphamp's step "
-        "yet. Use strategy='ddp'; for sharded optimizer state, train with a graphamp.Graph and "
-        "config.enable_zero(stage=1|2) (docs/distributed.md)"
+        "yet. Use strategy='ddp' and shard inside graphamp's step: "
+        "graph.config.enable_zero(stage=3) in configure_graph(self, graph) (docs/distributed.md)"
     )
 
 

@@ -13,6 +13,7 @@ import math
 from typing import Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 def rows_of(shape: Sequence[int], world: int) -> int:
@@ -34,17 +35,42 @@ def rows_held(shape: Sequence[int], world: int, rank: int) -> int:
     return max(0, min(rows, d0 - rank * rows))
 
 
-# ZeRO-3 (runner/sharded_params.py): the attribute of each sharded parameter holding the flat
-# padded row its local tensor views; it lives and dies with the parameter (a detached copy does
-# not carry it)
-ROW_ATTRIBUTE = "_graphamp_row"
+# ZeRO-3 (runner/sharded_params.py): each shard's local tensor views a flat padded row that
+# graphamp made, of ``chunk`` elements from offset 0 of its storage. The rows are known by their
+# storage, not by the parameter object: ``module.cpu()``, ``.to()`` and ``.float()`` swap a
+# DTensor parameter's contents (torch.utils.swap_tensors), keeping the object and the storage
+# but not the attributes graphamp would set on it. A weak reference: a dropped model's rows go.
+_ROWS: dict[StorageWeakRef, int] = {}
+_ROW_ATTRIBUTE = "_graphamp_row"  # the row tensor, cached on the parameter while it lasts
+
+
+def register_row(row: torch.Tensor) -> None:
+    """``row`` (flat, from offset 0 of its own storage) is a ZeRO-3 shard's row."""
+    for key in [k for k in _ROWS if k.expired()]:
+        del _ROWS[key]
+    _ROWS[StorageWeakRef(row.untyped_storage())] = row.numel()
+
+
+def _local(t: object) -> torch.Tensor | None:
+    local = getattr(t, "_local_tensor", None)  # a DTensor's
+    return local if isinstance(t, torch.Tensor) and isinstance(local, torch.Tensor) else None
 
 
 def is_shard(t: object) -> bool:
-    """Whether ``t`` is a parameter graphamp's ZeRO-3 sharded."""
-    return isinstance(t, torch.Tensor) and getattr(t, ROW_ATTRIBUTE, None) is not None
+    """Whether ``t`` is a parameter graphamp's ZeRO-3 sharded (a DTensor viewing its row)."""
+    local = _local(t)
+    return local is not None and StorageWeakRef(local.untyped_storage()) in _ROWS
 
 
 def row_of(p: torch.Tensor) -> torch.Tensor:
     """The flat padded row of the shard ``p`` the compiled step reads and updates in place."""
-    return getattr(p, ROW_ATTRIBUTE)
+    local = _local(p)
+    if local is None:
+        raise ValueError("not a ZeRO-3 shard: a DTensor parameter is expected")
+    cached = getattr(p, _ROW_ATTRIBUTE, None)
+    storage = local.untyped_storage()
+    if cached is not None and cached.untyped_storage().data_ptr() == storage.data_ptr():
+        return cached
+    row = local.new_empty(0).set_(storage, 0, (_ROWS[StorageWeakRef(storage)],), (1,))
+    setattr(p, _ROW_ATTRIBUTE, row)
+    return row

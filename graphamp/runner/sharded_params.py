@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..records.sharding import ROW_ATTRIBUTE, chunk_of, is_shard, rows_held, rows_of
+from ..records.sharding import chunk_of, is_shard, register_row, rows_held, rows_of
 
 
 def shard_parameters(
@@ -73,7 +73,7 @@ def _shard(graph_name: str, name: str, p: torch.Tensor, group) -> nn.Parameter:
             local, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride()
         )
     param = nn.Parameter(shard, requires_grad=p.requires_grad)
-    setattr(param, ROW_ATTRIBUTE, row)
+    register_row(row)
     return param
 
 
