@@ -104,6 +104,26 @@ def test_zero_with_a_changing_batch_size_trains_like_one_process(stage, acc, tmp
 
 
 @pytest.mark.slow
+def test_zero3_with_bf16_amp_gathers_the_low_precision_copies_and_trains_like_zero2(tmp_path):
+    """bf16 AMP on 2 ranks: ZeRO-3 gathers each matmul weight's bf16 copy (its row cast first:
+    the same values, half the bytes) where ZeRO-2 casts the float32 whole; the two train
+    bitwise alike (a sum of two ranks' gradients does not depend on how it is bucketed)."""
+    env = {"GRAPHAMP_TEST_BF16": "1"}
+    runs = {}
+    for stage in (2, 3):
+        out = tmp_path / str(stage)
+        out.mkdir()
+        args = [str(stage), "1", "0", str(STEPS), str(out)]
+        torchrun(os.path.join(HERE, "zero_worker.py"), *args, nproc=2, timeout=400, env=env)
+        runs[stage] = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for a, b in zip(runs[2], runs[3]):
+        for k, v in a["params"].items():
+            assert torch.equal(v, b["params"][k]), k
+        assert a["skipped"] == b["skipped"]
+    assert runs[3][0]["gathered_bf16"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("first_stage,then_stage", [(1, 2), (3, 3)])
 def test_a_checkpoint_from_two_ranks_resumes_with_four_and_in_one_process(
     first_stage, then_stage, tmp_path

@@ -40,6 +40,8 @@ def make_training(stage: int, acc: int, model: nn.Module):
             if acc > 1:
                 self.config.set_gradient_accumulation_steps(acc)
             self.set_grad_scaler(graphamp.GradScaler(init_scale=256.0))
+            if os.environ.get("GRAPHAMP_TEST_BF16"):  # the test's way to ask for bf16 AMP
+                self.config.enable_amp(True, dtype=torch.bfloat16)
 
         def build(self, x, y):
             loss = nn.functional.cross_entropy(self.model(x), y)
@@ -113,6 +115,12 @@ def main():
         "skipped": g.history.fetch()["skipped"],
         "state_bytes": held,
         "compiled_steps": len(g.compiled_steps),
+        # the step's all-gathers of bf16 values (ZeRO-3 with AMP gathers the copies)
+        "gathered_bf16": sum(
+            1
+            for n in g.compiled_steps[-1].step_graph.graph.nodes
+            if "all_gather" in str(n.target) and n.meta["val"].dtype == torch.bfloat16
+        ),
         # the stages the last build ran: a step loaded from the step cache was not assembled
         "stages": sorted(g.compiled_steps[-1].timings),
     }

@@ -31,7 +31,13 @@ from ..records.spec import StepPlan
 from ..torchkit.fp8_numerics import rolled_history
 from ..torchkit.fxutil import NodeTagger, rename_placeholders, trace_functional
 from .collectives import agree_on_amax, agree_on_overflow, agree_on_probes, average_over_ranks
-from .gradients import ForwardResult, forward_and_gradients, parameter_casts, run_forward
+from .gradients import (
+    ForwardResult,
+    cast_for_forward,
+    forward_and_gradients,
+    parameter_casts,
+    run_forward,
+)
 from .history_row import record_history
 from .optimizer_update import densify_sparse_grads, masked, update_optimizer
 from .overflow_probes import ProbeRecorder, record_overflow
@@ -80,9 +86,9 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: b
     """The functional step over the flat inputs of ``plan.layout``, one subgraph per call."""
 
     def step(*flat):
-        s, rows = _whole_parameters(plan, fwd_gm, plan.layout.split(flat))
+        s, rows, copies = _whole_parameters(plan, fwd_gm, plan.layout.split(flat))
         if not plan.training:
-            return _eval_step(plan, fwd_gm, s)
+            return _eval_step(plan, fwd_gm, s, copies)
         scale = s.scale
         _clear_step_amaxes(s.fp8)
         reduce_each = (
@@ -91,7 +97,9 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: b
             else None
         )
         recorder = ProbeRecorder(plan.probes) if plan.probes is not None else None
-        fwd = forward_and_gradients(plan, fwd_gm, s, scale, reduce_each, recorder, record_origins)
+        fwd = forward_and_gradients(
+            plan, fwd_gm, s, scale, reduce_each, recorder, record_origins, copies
+        )
         grads = fwd.grads
         if recorder is not None and reduce_each is None:  # whole gradients, before any scatter
             recorder.observe_param_grads(grads)
@@ -170,7 +178,9 @@ def _unless_skipped(params: list, before: dict, any_skip: torch.Tensor) -> None:
         params[i].copy_(masked(any_skip, old, params[i]))
 
 
-def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: StepInputs) -> tuple:
+def _eval_step(
+    plan: StepPlan, fwd_gm: fx.GraphModule, s: StepInputs, copies: list | None = None
+) -> tuple:
     cap = plan.captured
     one = torch.ones((), dtype=torch.float32, device=s.params[0].device if s.params else None)
     forward_inputs = plan.forward_layout.flatten(
@@ -179,7 +189,7 @@ def _eval_step(plan: StepPlan, fwd_gm: fx.GraphModule, s: StepInputs) -> tuple:
         inputs=s.inputs,
         loss_scale=one,
         constants=s.constants,
-        param_copies=parameter_casts(plan, s.params),
+        param_copies=copies if copies is not None else parameter_casts(plan, s.params),
         fp8_state=s.fp8,
     )
     outs = run_forward(fwd_gm, forward_inputs)
@@ -297,37 +307,48 @@ def _update_optimizers(
 
 def _whole_parameters(
     plan: StepPlan, fwd_gm: fx.GraphModule, s: StepInputs
-) -> tuple[StepInputs, list[torch.Tensor] | None]:
+) -> tuple[StepInputs, list[torch.Tensor] | None, list[torch.Tensor] | None]:
     """ZeRO-3: the step's parameter inputs are this rank's rows; the forward and backward read
-    the whole parameters gathered from them. Returns the inputs with the wholes in place of
-    the rows, and the rows (which the optimizer updates); without ZeRO-3, ``s`` and None."""
+    wholes gathered from them. Returns the inputs with the wholes in place of the rows, the
+    rows (which the optimizer updates) and AMP's low-precision copies; without ZeRO-3,
+    ``(s, None, None)`` (the copies are cast from the parameters as usual)."""
     if plan.zero_stage != 3:
-        return s, None
+        return s, None, None
     with NodeTagger({"graphamp_subgraph": "zero"}):
-        whole = _gather_shards(plan, fwd_gm, s.params)
-    return dataclasses.replace(s, params=whole), s.params
+        whole, copies = _gather_shards(plan, fwd_gm, s.params)
+    return dataclasses.replace(s, params=whole), s.params, copies
 
 
-def _gather_shards(
-    plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """ZeRO-3: the whole parameters from every rank's rows, one all-gather per block of
-    parameters (``shard_gathers.block_of``) and dtype. Traced here, at the start of the step;
+def _gather_shards(plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tensor]):
+    """ZeRO-3: (the whole parameters, AMP's low-precision copies) from every rank's rows, one
+    all-gather per block of parameters (``shard_gathers.block_of``) and dtype. A parameter the
+    forward reads only through its low-precision copy is gathered in that dtype (its row cast
+    first: the same values, half the bytes of float32), and its whole is never made (an empty
+    tensor stands for it, read for its shape only). Traced here, at the start of the step;
     ``shard_gathers.place_collectives`` then moves each block's gather to where it is read."""
     placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
     shapes = [node.meta["val"].shape for node in plan.forward_layout.split(placeholders).params]
-    buckets: dict[tuple[str, torch.dtype], list[int]] = {}
+    cast_only = {i: dtype for i, dtype in plan.param_casts if i not in plan.direct_use}
+    # (block, dtype) -> [(i, row to gather)], in parameter order
+    buckets: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
     for i, (name, row) in enumerate(zip(plan.captured.param_names, rows)):
-        buckets.setdefault((block_of(name), row.dtype), []).append(i)
-    whole: list = [None] * len(rows)
-    for number, bucket in enumerate(buckets.values()):
+        dtype = cast_only.get(i, row.dtype)
+        buckets.setdefault((block_of(name), dtype), []).append((i, row))
+    gathered: dict[int, torch.Tensor] = {}
+    for number, ((_, dtype), members) in enumerate(buckets.items()):
         with NodeTagger({GATHER: number}):
-            gathered = gather_parameters(
-                [rows[i] for i in bucket], [shapes[i] for i in bucket], plan.process_group
-            )
-        for i, value in zip(bucket, gathered):
-            whole[i] = value
-    return whole
+            pieces = [row.to(dtype) for _, row in members]
+            values = gather_parameters(pieces, [shapes[i] for i, _ in members], plan.process_group)
+        gathered.update((i, value) for (i, _), value in zip(members, values))
+    whole = [
+        rows[i].new_empty(shapes[i]) if i in cast_only else gathered[i] for i in range(len(rows))
+    ]
+    with NodeTagger({"graphamp_subgraph": "parameter_casts"}):
+        copies = [
+            cast_for_forward(gathered[i] if i in cast_only else whole[i], dtype)
+            for i, dtype in plan.param_casts
+        ]
+    return whole, copies
 
 
 def _total(updates: list[_OptimizerUpdate]) -> torch.Tensor:

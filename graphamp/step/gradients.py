@@ -110,12 +110,13 @@ def parameter_casts(plan: StepPlan, params: list[torch.Tensor]) -> list[torch.Te
     Convolution weights on CUDA come out channels-last: cuDNN's fast kernels are NHWC, and the
     copy's layout saves a transpose in every forward and backward convolution."""
     with NodeTagger({"graphamp_subgraph": "parameter_casts"}):
-        out = []
-        for i, dtype in plan.param_casts:
-            p = params[i]
-            layout = torch.channels_last if p.dim() == 4 and p.is_cuda else torch.preserve_format
-            out.append(p.to(dtype=dtype, memory_format=layout))
-        return out
+        return [cast_for_forward(params[i], dtype) for i, dtype in plan.param_casts]
+
+
+def cast_for_forward(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One low-precision copy (``parameter_casts``), channels-last for a CUDA convolution."""
+    layout = torch.channels_last if p.dim() == 4 and p.is_cuda else torch.preserve_format
+    return p.to(dtype=dtype, memory_format=layout)
 
 
 def forward_and_gradients(
@@ -126,6 +127,7 @@ def forward_and_gradients(
     reduce_each: Callable[[list], list] | None = None,
     recorder: ProbeRecorder | None = None,
     record_origins: bool = False,
+    copies: list[torch.Tensor] | None = None,
 ) -> ForwardResult:
     """Run the forward on each micro-batch, seed each loss with ``scale`` (None: 1) and add the
     parameter gradients up; BatchNorm statistics carry from one micro-batch to the next.
@@ -134,10 +136,11 @@ def forward_and_gradients(
     with respect to a parameter's low-precision copy are cast back, as a cast's backward does.
     ``reduce_each`` (ZeRO stage 2) maps each micro-batch's gradients, in ``plan.trainable``
     order, to what is summed over micro-batches (the rank's shards). A ``recorder`` (overflow
-    tracing) measures every probed value and its gradient."""
+    tracing) measures every probed value and its gradient. ``copies``: the low-precision
+    copies when they are made elsewhere (ZeRO-3 gathers them), else cast from ``s.params``."""
     cap = plan.captured
     params = s.params
-    copies = parameter_casts(plan, params)
+    copies = copies if copies is not None else parameter_casts(plan, params)
     total: dict[int, torch.Tensor] = {}
     users, micro_losses, current = [], [], list(s.buffers)
     for k, micro in enumerate(_micro_batches(s.inputs, plan.acc_steps)):
