@@ -245,11 +245,8 @@ def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
     outline = (
         config.outline_blocks
         and spec.training
-        # not tried yet: with activation checkpointing (recompute copies regions), symbolic
-        # sizes, gradient code in build() (its backward ops are in the forward graph) or the
-        # delayed fp8 recipe's state inputs
-        and not captured.regions
-        and not ctx.request.dynamic
+        # not tried yet: gradient code in build() (its backward ops are in the forward graph)
+        # or the delayed fp8 recipe's state inputs
         and not plan.captured.gradient_code.present
         and not plan.fp8_state
     )

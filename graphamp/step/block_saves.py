@@ -25,6 +25,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..torchkit.shapes import size_hint
+
 BACKWARD_OF = "graphamp_backward_of"  # meta of a copy: the block whose backward reads it
 
 
@@ -129,7 +131,9 @@ def _bytes(nodes: list[fx.Node]) -> int:
         storage = StorageWeakRef(val.untyped_storage())
         if storage not in seen:
             seen.add(storage)
-            total += val.untyped_storage().nbytes()
+            # a step with symbolic sizes counts at the sizes it was traced with: comparing
+            # symbolic byte counts would add guards that specialise the step
+            total += size_hint(val.untyped_storage().nbytes())
     return total
 
 

@@ -56,6 +56,7 @@ class OutlineResult:
 
 def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
     """Outline ``gm``'s repeated block regions in place (see the module docstring)."""
+    _share_getitems(gm)
     blocks = find_blocks(gm)
     result = OutlineResult(blocks=len(blocks))
     if len(blocks) < 2:
@@ -91,6 +92,23 @@ def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
     gm.graph.lint()
     gm.recompile()
     return result
+
+
+def _share_getitems(gm: fx.GraphModule) -> None:
+    """One ``getitem`` per output of a multi-output op: later reads of the same output (the
+    recomputation of a checkpointed block reads the attention's outputs from the forward) use
+    the first. A region then returns that tensor, never the op's tuple, which a subgraph
+    cannot return to inductor."""
+    first: dict[tuple[fx.Node, int], fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+            continue
+        key = (node.args[0], node.args[1])
+        if key in first:
+            node.replace_all_uses_with(first[key])
+            gm.graph.erase_node(node)
+        else:
+            first[key] = node
 
 
 def _repeated_forwards(gm: fx.GraphModule, regions: dict[Region, list[fx.Node]]) -> set[str]:
@@ -222,14 +240,16 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> _Extracted:
         env[node] = graph.node_copy(node, lambda a: env[a])
         env[node]._rename(f"n{i}")  # canonical names: equal blocks, equal code
     returned = []
-    seen = [_storage(a) for a in inputs]
+    # the storages already taken (an input that is no tensor, a size or a flag, has none)
+    seen = [storage for a in inputs if (storage := _storage(a)) is not None]
     for result in results:
         value = env[result]
         storage = _storage(result)
         if storage is not None and storage in seen:
             value = graph.call_function(torch.ops.aten.clone.default, (value,))
             value.meta["val"] = result.meta["val"].clone()
-        seen.append(storage)
+        if storage is not None:
+            seen.append(storage)
         returned.append(value)
     graph.output(tuple(returned))
     graph.eliminate_dead_code()  # views now rebuilt outside and used by nothing inside

@@ -17,7 +17,7 @@ their sizes were equal when traced (``duck_shape=False``): only what the code re
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -111,3 +111,12 @@ def shape_guard(mode: FakeTensorMode, batch: list[torch.Tensor], dynamic: Dims) 
         code=compile(expression, "<graphamp shape guard>", "eval"),
         globals=dict(SYMPY_INTERP),
     )
+
+
+def size_hint(n: Any) -> int:
+    """``n`` as a plain int: a symbolic size's value as traced (its hint), 0 where it has none
+    (an unbacked size). For estimates only: it reads the value without guarding on it."""
+    if isinstance(n, int):
+        return n
+    hint = getattr(getattr(n, "node", None), "hint", None)
+    return int(hint) if hint is not None else 0
