@@ -76,7 +76,10 @@ def make_workload(name: str, smoke: bool):
     return resnet18(), batch, F.cross_entropy, sgd
 
 
-def make_step(program: str, model, loss_fn, make_opt, backend: str):
+KINDS = ("plain", "checkpointed", "accumulated", "dynamic")
+
+
+def make_step(program: str, model, loss_fn, make_opt, backend: str, kind: str = "plain"):
     import torch
 
     import graphamp
@@ -104,6 +107,12 @@ def make_step(program: str, model, loss_fn, make_opt, backend: str):
             self.config.set_backend(backend)
             self.config.set_step_cache(False)
             self.config.set_outline_blocks(program == "outlined")
+            if kind == "checkpointed":  # every block of the model's first ModuleList
+                self.config.enable_activation_checkpointing(_block_class(model))
+            elif kind == "accumulated":
+                self.config.set_gradient_accumulation_steps(2)
+            elif kind == "dynamic":
+                self.config.set_dynamic_shapes(True)
 
         def build(self, x, y):
             loss = loss_fn(self.model(x), y)
@@ -113,7 +122,14 @@ def make_step(program: str, model, loss_fn, make_opt, backend: str):
     return Step()
 
 
-def measure(workload: str, rounds: int, steps: int, smoke: bool) -> dict:
+def _block_class(model) -> type:
+    import torch.nn as nn
+
+    blocks = next(m for m in model.modules() if isinstance(m, nn.ModuleList))
+    return type(blocks[0])
+
+
+def measure(workload: str, rounds: int, steps: int, smoke: bool, kind: str = "plain") -> dict:
     import copy
 
     import torch
@@ -123,7 +139,7 @@ def measure(workload: str, rounds: int, steps: int, smoke: bool) -> dict:
     backend = "aot_eager" if smoke else "inductor"
     programs, first_call = {}, {}
     for program in PROGRAMS:
-        step = make_step(program, copy.deepcopy(model), loss_fn, make_opt, backend)
+        step = make_step(program, copy.deepcopy(model), loss_fn, make_opt, backend, kind)
         start = time.perf_counter()
         step(x, y)
         first_call[program] = time.perf_counter() - start
@@ -140,7 +156,7 @@ def measure(workload: str, rounds: int, steps: int, smoke: bool) -> dict:
                 times[program].append(time.perf_counter() - start)
     ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
     return {
-        "workload": workload,
+        "workload": workload if kind == "plain" else f"{workload} ({kind})",
         "ms": {p: round(v, 3) for p, v in ms.items()},
         "outlined/inlined": round(ms["outlined"] / ms["inlined"], 3),
         "outlined/compile": round(ms["outlined"] / ms["compile"], 3),
@@ -185,6 +201,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per program a round")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument(
+        "--kind",
+        default="plain",
+        choices=KINDS,
+        help="graphamp's step with activation checkpointing of every block, 2 micro-batches of "
+        "gradient accumulation, or symbolic sizes (results in outline_cost_KIND_cpu.*)",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     import torch
@@ -202,8 +225,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     os.makedirs(args.out, exist_ok=True)
     name = "outline_cost_smoke" if args.smoke else "outline_cost_cpu"
+    if args.kind != "plain":
+        name = name.replace("outline_cost", f"outline_cost_{args.kind}")
     for workload in args.workload:
-        row = measure(workload, args.rounds, args.steps, args.smoke)
+        row = measure(workload, args.rounds, args.steps, args.smoke, args.kind)
         print(json.dumps(row), flush=True)
         rows.append(row)
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:  # as each one finishes
