@@ -333,15 +333,18 @@ class GraphConfig:
 
     # -- first call ------------------------------------------------------------------------------
     def set_outline_blocks(self, mode: bool = True) -> None:
-        """Compile each distinct repeated block once (on by default; ``False`` inlines them):
-        the forward and backward of N identical blocks of a ModuleList or Sequential
-        (transformer layers, equal ResNet blocks) become N calls of one shared subgraph of the
-        step, which stays one program; each block's backward recomputes the cheap values it
-        reads, as the inlined step's kernels do. Blocks are found automatically; precision
-        decisions are unchanged. Bitwise against the inlined step in the CPU tests, with
-        aot_eager and inductor; the steady step within 1% of the inlined one on the CPU
-        (benchmarks/outline_cost.py). Not applied with activation checkpointing or changing
-        shapes (the stage's INFO line says what it did)."""
+        """Compile each distinct repeated block once: the forward and backward of N identical
+        blocks of a ModuleList or Sequential (transformer layers, equal ResNet blocks) become N
+        calls of one shared subgraph of the step, which stays one program; each block's
+        backward recomputes the cheap values it reads, as the inlined step's kernels do. Blocks
+        are found automatically; precision decisions are unchanged; bitwise against the
+        inlined step in the CPU tests, with aot_eager and inductor.
+
+        By default graphamp outlines where the steady step measured as fast as inlined
+        (benchmarks/outline_cost.py, CPU: within 1% plain, with activation checkpointing and
+        with changing shapes) and inlines steps with gradient accumulation, measured 21%
+        slower outlined. ``True`` outlines those too; ``False`` inlines every step. The
+        outline stage's INFO line says what it did."""
         self._set(outline_blocks=check_bool("set_outline_blocks(mode)", mode))
 
     def set_step_cache(self, mode: bool = True) -> None:

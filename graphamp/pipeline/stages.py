@@ -242,8 +242,13 @@ class Choices:
 
 def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
     spec, config = ctx.spec, ctx.spec.config
+    wanted = config.outline_blocks
+    if wanted is None:  # the default: where the steady step measured no slower outlined
+        # (benchmarks/outline_cost.py --kind accumulated: 1.21x the inlined step, CPU; each
+        # micro-batch's gradient sum no longer fuses into the weight-gradient kernels)
+        wanted = config.grad_acc_steps == 1
     outline = (
-        config.outline_blocks
+        wanted
         and spec.training
         # not tried yet: gradient code in build() (its backward ops are in the forward graph)
         # or the delayed fp8 recipe's state inputs

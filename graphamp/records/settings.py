@@ -62,7 +62,8 @@ class ConfigSnapshot:
     checkpoint_module_names: tuple[str, ...] = ()
     zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded; 3: parameters too
     cuda_graph_sizes: int = 8  # CUDA graphs kept per dynamic step, one per batch shape (0: none)
-    outline_blocks: bool = True  # repeated blocks as shared subgraphs (set_outline_blocks)
+    # repeated blocks as shared subgraphs (set_outline_blocks); None: where it costs nothing
+    outline_blocks: bool | None = None
     step_cache: bool = True  # assembled steps saved on disk for restarts (set_step_cache)
     fp8_recipe: str | None = None  # fp8 matmuls (enable_fp8): "tensorwise", "rowwise" or off
     fp8_keep: tuple[str, ...] = ()  # module paths whose matmuls stay bf16
