@@ -6,15 +6,15 @@ layout of ``records/sharding.py``, FSDP2's). The DTensor's local tensor is a vie
 zero-padded row of ``chunk_of(shape, W)`` elements that graphamp keeps: that row is what the
 compiled step takes as the parameter's input and updates in place, so the user's DTensor always
 shows the current values without a copy. Because the parameters are ordinary DTensors, torch's
-own tools read and write them: ``model.state_dict()`` holds the shards,
+own tools read them: ``model.state_dict()`` holds the shards,
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model,
-options=StateDictOptions(full_state_dict=True))`` gathers the whole tensors, and
-``set_model_state_dict`` and DCP load into them on any number of ranks.
+options=StateDictOptions(full_state_dict=True))`` gathers the whole tensors, and a
+``torch.distributed.checkpoint`` of the shards loads into an FSDP2 model (tests/test_zero.py).
 
 The optimizers are pointed at the new parameters (their ``param_groups`` and ``state`` keys),
 as a user does by creating the optimizer after FSDP2's ``fully_shard``. A parameter object that
-is not graphamp's shard at a later build (a load with ``assign=True`` replaced it) is sharded
-again from its whole value.
+is not graphamp's shard at a later build (a DTensor of someone else's, a plain tensor put in
+its place) is sharded again from its whole value, and the optimizers holding that object follow.
 """
 
 from __future__ import annotations
