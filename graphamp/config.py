@@ -286,9 +286,10 @@ class GraphConfig:
         the world (or the group given to ``enable_data_parallel``). ``optimizer.state_dict()``
         gathers torch's format on every rank (call it on every rank); loading one shards it.
         Stage 3 also shards the parameters themselves: between steps each rank holds its
-        ``Shard(0)`` DTensor shard of every parameter (FSDP2's layout, so torch's
-        ``get_model_state_dict``, ``set_model_state_dict`` and DCP work on the model); the
-        step all-gathers them for the forward and backward and updates only the shards."""
+        ``Shard(0)`` DTensor shard of every parameter (FSDP2's layout: torch's
+        ``get_model_state_dict`` gathers them, and a DCP checkpoint of them loads into an FSDP2
+        model); the step all-gathers them for the forward and backward and updates only the
+        shards."""
         mode = check_bool("enable_zero(mode)", mode)
         stage = check_choice("enable_zero(stage)", stage, (1, 2, 3))
         if not mode:
