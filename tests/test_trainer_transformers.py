@@ -176,6 +176,17 @@ def test_resume_from_a_checkpoint_equals_an_uninterrupted_run(tmp_path):
     assert resumed.graph.step_count == whole.graph.step_count == STEPS
 
 
+def test_saving_a_checkpoint_does_not_rebuild_the_step(tmp_path):
+    """save_pretrained writes fields into model.config (architectures, dtype) on the saving
+    process only, and build() reads the config: the step was rebuilt after the first
+    checkpoint, and under data parallel on that process alone, which then waited in a
+    collective the other ranks never joined. The config is put back after saving."""
+    args = _args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    trainer, _ = _train(GraphampTrainer, _gpt2(), args, _lm_data(32))
+    assert (tmp_path / "checkpoint-2" / "model.safetensors").is_file()
+    assert len(trainer.graph.compiled_steps) == 1
+
+
 def _sgd_step_lr(model):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
