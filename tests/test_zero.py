@@ -157,7 +157,8 @@ def test_zero3_shards_tied_frozen_and_tiny_parameters_and_fsdp2_reads_its_checkp
     parameter of 3 rows (one rank holds none of it): trains like one process; the tied
     parameter stays one parameter, sharded once; the shards, saved with
     torch.distributed.checkpoint, load into an FSDP2 model (fully_shard) bitwise; an eval
-    Graph and an eager forward under graphamp.gathered_parameters see the trained model."""
+    Graph and an eager forward under graphamp.gathered_parameters see the trained model; torch's
+    set_model_state_dict loads a whole state dict into the shards in place."""
     from zero3_worker import global_batches as lm_batches
     from zero3_worker import make_model as make_lm
     from zero3_worker import make_training as lm_training
@@ -185,6 +186,11 @@ def test_zero3_shards_tied_frozen_and_tiny_parameters_and_fsdp2_reads_its_checkp
         torch.testing.assert_close(r["evaluated"], logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r["eager"], logits, rtol=1e-5, atol=1e-5)
         assert r["shards_kept"]
+        # torch's set_model_state_dict loads a whole state dict into the shards, in place
+        assert r["reloaded_equal"] and r["still_shards"]
+        with torch.no_grad():
+            untrained = make_lm().eval()(lm_batches()[0][0])
+        torch.testing.assert_close(r["reloaded_logits"], untrained, rtol=1e-5, atol=1e-5)
     assert [r["held"]["gate"] for r in ranks] == [1, 1, 1, 0]
     assert [r["held"]["embed.weight"] for r in ranks] == [48, 48, 48, 32]  # 11 rows: 3, 3, 3, 2
 

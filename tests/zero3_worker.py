@@ -9,8 +9,10 @@ rows that do not divide by the rank count. Each rank trains its slice of the glo
 with AdamW and ZeRO-3, then writes rank{r}.pt: the whole parameters (torch's
 get_model_state_dict), the bytes of parameters it holds, and the whole parameters of an FSDP2
 model (fully_shard per block, then the root) that loaded graphamp's sharded checkpoint through
-torch.distributed.checkpoint, and the logits of the first batch from an eval Graph on the
-sharded model and from an eager forward under graphamp.gathered_parameters.
+torch.distributed.checkpoint, the logits of the first batch from an eval Graph on the sharded
+model and from an eager forward under graphamp.gathered_parameters, and, after the untrained
+model's state dict is loaded into the shards with set_model_state_dict, its whole state and an
+eval Graph's logits.
 """
 
 import os
@@ -21,12 +23,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_worker import leave
 
 import graphamp
+from graphamp.records.sharding import is_shard
 
 VOCAB, DIM, STEPS, BATCH = 11, 16, 3, 8
 
@@ -123,6 +130,13 @@ def main():
     loaded = fsdp.state_dict()
     dcp.load(loaded, checkpoint_id=os.path.join(out_dir, "dcp"))
     fsdp_whole = get_model_state_dict(fsdp, options=StateDictOptions(full_state_dict=True))
+    # last, a whole state dict loaded into the shards with torch's set_model_state_dict: the
+    # values land in the rows the step reads
+    fresh = make_model().state_dict()
+    # (torch puts the distributed tensors into the dict it is given: a copy)
+    set_model_state_dict(model, dict(fresh), options=StateDictOptions(full_state_dict=True))
+    reloaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    reloaded_logits = Evaluate()(ids)
     result = {
         "params": whole,
         "held": held,
@@ -131,6 +145,9 @@ def main():
         "evaluated": evaluated,
         "eager": eager,
         "shards_kept": shards_kept,
+        "reloaded_equal": all(torch.equal(reloaded[k], v) for k, v in fresh.items()),
+        "still_shards": all(is_shard(p) for p in model.parameters()),
+        "reloaded_logits": reloaded_logits,
     }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     leave()

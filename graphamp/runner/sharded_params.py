@@ -8,7 +8,8 @@ compiled step takes as the parameter's input and updates in place, so the user's
 shows the current values without a copy. Because the parameters are ordinary DTensors, torch's
 own tools read them: ``model.state_dict()`` holds the shards,
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict(model,
-options=StateDictOptions(full_state_dict=True))`` gathers the whole tensors, and a
+options=StateDictOptions(full_state_dict=True))`` gathers the whole tensors,
+``set_model_state_dict`` loads a whole state dict into them in place, and a
 ``torch.distributed.checkpoint`` of the shards loads into an FSDP2 model (tests/test_zero.py).
 
 The optimizers are pointed at the new parameters (their ``param_groups`` and ``state`` keys),
