@@ -104,11 +104,15 @@ def test_zero_with_a_changing_batch_size_trains_like_one_process(stage, acc, tmp
 
 
 @pytest.mark.slow
-def test_zero3_with_bf16_amp_gathers_the_low_precision_copies_and_trains_like_zero2(tmp_path):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_zero3_with_bf16_amp_gathers_the_low_precision_copies_and_trains_like_zero2(
+    backend, tmp_path
+):
     """bf16 AMP on 2 ranks: ZeRO-3 gathers each matmul weight's bf16 copy (its row cast first:
     the same values, half the bytes) where ZeRO-2 casts the float32 whole; the two train
-    bitwise alike (a sum of two ranks' gradients does not depend on how it is bucketed)."""
-    env = {"GRAPHAMP_TEST_BF16": "1"}
+    bitwise alike (a sum of two ranks' gradients does not depend on how it is bucketed), with
+    aot_eager and with inductor compiling the step."""
+    env = {"GRAPHAMP_TEST_BF16": "1", "GRAPHAMP_TEST_BACKEND": backend}
     runs = {}
     for stage in (2, 3):
         out = tmp_path / str(stage)

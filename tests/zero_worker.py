@@ -34,7 +34,8 @@ def make_training(stage: int, acc: int, model: nn.Module):
             super().__init__()
             self.model = model
             self.add_optimizer(opt, clip_grad_max_norm=CLIP)
-            self.config.set_backend("aot_eager")
+            # the test's way to ask for inductor (the default is aot_eager)
+            self.config.set_backend(os.environ.get("GRAPHAMP_TEST_BACKEND", "aot_eager"))
             if stage:
                 self.config.enable_zero(stage=stage)
             if acc > 1:
