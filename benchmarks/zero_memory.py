@@ -116,7 +116,7 @@ def graphamp_run(setting: str, width: int, depth: int, world: int, rank: int) ->
         "optimizer": optimizer_bytes(opt),
         "inputs": memory.resident_bytes,
         "peak": memory.peak_intermediate_bytes,
-        "peak_before_update": peak_before_update(gm),
+        "peak_before_update": step_memory(gm, before="optimizer").peak_intermediate_bytes,
         "collectives": graph_collectives(gm),
         "ms": statistics.median(times) * 1e3,
     }
@@ -160,30 +160,6 @@ def timed(step, data) -> list[float]:
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
     return times
-
-
-def peak_before_update(gm) -> int:
-    """step_memory's count, stopped where the optimizer update begins."""
-    from graphamp.inspect import memory
-
-    nodes = list(gm.graph.nodes)
-    last_use = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            last_use[memory._owner(a)] = i
-    live = peak = 0
-    for i, n in enumerate(nodes):
-        if n.meta.get("graphamp_subgraph") == "optimizer":
-            break
-        made = memory._new_bytes(n)
-        live += made
-        peak = max(peak, live)
-        if made and n not in last_use:
-            live -= made
-        for a in {memory._owner(a) for a in n.all_input_nodes}:
-            if last_use.get(a) == i:
-                live -= memory._new_bytes(a)
-    return peak
 
 
 _COLLECTIVES = {

@@ -84,15 +84,16 @@ def _train(name: str, outline: bool, backend: str = "aot_eager", steps: int = 2)
     return _run(model, loss_fn, opt, batch, steps, outline, backend=backend, amp=torch.bfloat16)
 
 
-def _run(model, loss_fn, opt, batch, steps: int, outline: bool, **graph_options):
-    """Train ``steps`` steps from a fixed batch seed: (graph, losses, state, optimizer state)."""
-    g = make_graph(
-        model,
-        loss_fn,
-        opt,
-        configure=lambda g: g.config.set_outline_blocks(outline),
-        **graph_options,
-    )
+def _run(model, loss_fn, opt, batch, steps: int, outline: bool, configure=None, **graph_options):
+    """Train ``steps`` steps from a fixed batch seed: (graph, losses, state, optimizer state).
+    ``configure``: more settings of the Graph's, besides outlining."""
+
+    def settings(g):
+        g.config.set_outline_blocks(outline)
+        if configure is not None:
+            configure(g)
+
+    g = make_graph(model, loss_fn, opt, configure=settings, **graph_options)
     gen = torch.Generator().manual_seed(1)
     losses = [g(*batch(gen)).detach().clone() for _ in range(steps)]
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -266,6 +267,14 @@ def test_an_outlined_forward_stores_no_value_its_backward_recomputes_cheaply(cap
         assert set(pointwise) == {torch.ops.aten.add.Tensor}, sources
 
 
+def _tiny_gpt_run(outline: bool, configure, batch, steps: int):
+    """``_run`` on a 3-block TinyGPT with AdamW and bf16 AMP, from seed 0."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return _run(model, lm_loss, opt, batch, steps, outline, configure, amp=torch.bfloat16)
+
+
 def test_a_step_with_gradient_accumulation_is_outlined_and_bitwise_the_inlined_one():
     """Each micro-batch runs every block's forward and backward once: each instance is a region
     of its own (they were one region per block, spread over the micro-batches, which outlining
@@ -273,20 +282,9 @@ def test_a_step_with_gradient_accumulation_is_outlined_and_bitwise_the_inlined_o
     forward and backward: 12 calls of 2 subgraphs."""
 
     def run(outline: bool):
-        torch.manual_seed(0)
-        model = TinyGPT(layers=3)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-        def configure(g):
-            g.config.set_outline_blocks(outline)
-            g.config.set_gradient_accumulation_steps(2)
-
-        g = make_graph(model, lm_loss, opt, configure=configure, amp=torch.bfloat16)
-        gen = torch.Generator().manual_seed(1)
-        losses = [g(*_tokens(gen)).detach().clone() for _ in range(2)]
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-        moments = [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-        return g, losses, state, moments
+        return _tiny_gpt_run(
+            outline, lambda g: g.config.set_gradient_accumulation_steps(2), _tokens, steps=2
+        )
 
     inlined, outlined = run(False), run(True)
     _assert_bitwise(inlined, outlined)
@@ -310,27 +308,22 @@ def test_checkpointed_and_dynamic_steps_are_outlined_and_bitwise_the_inlined_one
     train bitwise like the inlined step."""
     from models import Block
 
+    lengths = (17, 13, 9) if kind == "dynamic" else (17, 17)  # the dynamic step: shorter each call
+
+    def configure(g):
+        if kind == "checkpointed":
+            g.config.enable_activation_checkpointing(Block)
+        else:
+            g.config.set_dynamic_shapes(True)
+
     def run(outline: bool):
-        torch.manual_seed(0)
-        model = TinyGPT(layers=3)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sizes = iter(lengths)
 
-        def configure(g):
-            g.config.set_outline_blocks(outline)
-            if kind == "checkpointed":
-                g.config.enable_activation_checkpointing(Block)
-            else:
-                g.config.set_dynamic_shapes(True)
+        def tokens(gen):
+            idx = torch.randint(0, 64, (4, next(sizes)), generator=gen)
+            return idx[:, :-1], idx[:, 1:]
 
-        g = make_graph(model, lm_loss, opt, configure=configure, amp=torch.bfloat16)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for length in (17, 13, 9) if kind == "dynamic" else (17, 17):
-            idx = torch.randint(0, 64, (4, length), generator=gen)
-            losses.append(g(idx[:, :-1], idx[:, 1:]).detach().clone())
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-        moments = [t.clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-        return g, losses, state, moments
+        return _tiny_gpt_run(outline, configure, tokens, len(lengths))
 
     inlined, outlined = run(False), run(True)
     _assert_bitwise(inlined, outlined)

@@ -39,16 +39,25 @@ def value_bytes(value) -> int:
     return 0
 
 
-def step_memory(gm: fx.GraphModule) -> StepMemory:
-    """Count the bytes of the step's inputs and the peak of its live intermediate values."""
+def step_memory(gm: fx.GraphModule, before: str | None = None) -> StepMemory:
+    """Count the bytes of the step's inputs and the peak of its live intermediate values.
+    ``before``: count the peak only up to the first node of that subgraph (``"optimizer"``:
+    the forward, backward and collectives, without the update's temporaries)."""
     nodes = list(gm.graph.nodes)
+    if before is not None:
+        stop = next(
+            (i for i, n in enumerate(nodes) if n.meta.get("graphamp_subgraph") == before),
+            len(nodes),
+        )
+    else:
+        stop = len(nodes)
     last_use = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
             last_use[_owner(a)] = i
     resident = sum(value_bytes(n.meta.get("val")) for n in nodes if n.op == "placeholder")
     live, peak, peak_node = 0, 0, ""
-    for i, n in enumerate(nodes):
+    for i, n in enumerate(nodes[:stop]):
         made = _new_bytes(n)
         live += made
         if live > peak:

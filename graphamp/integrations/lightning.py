@@ -49,7 +49,7 @@ import torch
 
 from ..errors import ConfigError
 from ..graph import Graph
-from ..records.sharding import is_shard
+from ..records.sharding import holds_shards
 from ..runner.sharded_params import gathered_parameters
 from ..scaler import GradScaler
 
@@ -157,7 +157,7 @@ class GraphampModule(pl.LightningModule):
         rank, and rank 0 writes), so it loads on any number of devices."""
         if self.graph is not None:
             checkpoint[CHECKPOINT_KEY] = self.graph.state_dict()
-        if any(is_shard(p) for p in self.parameters()):
+        if holds_shards(self):
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 get_model_state_dict,
@@ -196,7 +196,7 @@ class GraphampModule(pl.LightningModule):
         self._release_eager_loop()
 
     def _gather_for_eager_loop(self) -> None:
-        if self._eager_loop is None and any(is_shard(p) for p in self.parameters()):
+        if self._eager_loop is None and holds_shards(self):
             self._eager_loop = contextlib.ExitStack()
             self._eager_loop.enter_context(gathered_parameters(self))
 

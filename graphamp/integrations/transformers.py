@@ -51,7 +51,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from ..errors import ConfigError, UnsupportedOptimizerError
 from ..graph import Graph
-from ..records.sharding import is_shard
+from ..records.sharding import holds_shards
 from ..runner.sharded_params import gathered_parameters
 from ..scaler import GradScaler
 from . import micro_batches
@@ -291,7 +291,7 @@ class Trainer(transformers.Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Under ZeRO-3 every rank gathers the whole parameters (torch's get_model_state_dict,
         a collective) and the main process saves them, as the stock Trainer saves FSDP's."""
-        if not self._shards_parameters():
+        if not holds_shards(self.model):
             return super().save_model(output_dir, _internal_call)
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -329,13 +329,8 @@ class Trainer(transformers.Trainer):
         finally:
             del self.optimizer.state_dict
 
-    def _shards_parameters(self) -> bool:
-        return isinstance(self.model, nn.Module) and any(
-            is_shard(p) for p in self.model.parameters()
-        )
-
     def _whole_parameters(self) -> Any:
-        if not self._shards_parameters():
+        if not holds_shards(self.model):
             return contextlib.nullcontext()
         return gathered_parameters(self._model())
 

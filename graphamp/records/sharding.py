@@ -46,9 +46,13 @@ _ROW_ATTRIBUTE = "_graphamp_row"  # the row tensor, cached on the parameter whil
 
 def register_row(row: torch.Tensor) -> None:
     """``row`` (flat, from offset 0 of its own storage) is a ZeRO-3 shard's row."""
+    _ROWS[StorageWeakRef(row.untyped_storage())] = row.numel()
+
+
+def forget_released_rows() -> None:
+    """Drop the rows whose storage is gone (a dropped model's), once per sharding."""
     for key in [k for k in _ROWS if k.expired()]:
         del _ROWS[key]
-    _ROWS[StorageWeakRef(row.untyped_storage())] = row.numel()
 
 
 def _local(t: object) -> torch.Tensor | None:
@@ -60,6 +64,12 @@ def is_shard(t: object) -> bool:
     """Whether ``t`` is a parameter graphamp's ZeRO-3 sharded (a DTensor viewing its row)."""
     local = _local(t)
     return local is not None and StorageWeakRef(local.untyped_storage()) in _ROWS
+
+
+def holds_shards(module: object) -> bool:
+    """Whether any parameter of ``module`` (an nn.Module) is a ZeRO-3 shard."""
+    parameters = getattr(module, "parameters", None)
+    return callable(parameters) and any(is_shard(p) for p in parameters())
 
 
 def row_of(p: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..records.sharding import chunk_of, is_shard, register_row, rows_held, rows_of
+from ..records.sharding import (
+    chunk_of,
+    forget_released_rows,
+    is_shard,
+    register_row,
+    rows_held,
+    rows_of,
+)
 
 
 def shard_parameters(
@@ -37,6 +44,7 @@ def shard_parameters(
     """Make every parameter of ``root`` this rank's shard (those that are already kept);
     returns how many were sharded now. Every rank calls it (a parameter that is a DTensor of
     someone else's is gathered whole first, a collective)."""
+    forget_released_rows()
     replaced: dict[int, nn.Parameter] = {}
     for path, module in root.named_modules(remove_duplicate=False):
         for name, p in list(module._parameters.items()):
