@@ -17,6 +17,7 @@ import torch
 from .errors import ConfigError
 from .records.pins import AmpPin
 from .records.settings import BACKENDS, AutofixSettings, ConfigSnapshot, ListOverrides
+from .records.sharding import FullyShardWrap
 from .records.validate import (
     LOW_PRECISION_DTYPES,
     OPT_LEVELS,
@@ -28,6 +29,12 @@ from .records.validate import (
 )
 from .torchkit.fp8_numerics import RECIPES as FP8_RECIPES
 from .torchkit.ops import resolve_op
+
+_ZERO_BESIDE_FULLY_SHARD = (
+    "enable_zero beside a model wrapped with fully_shard: the wrap already makes the step ZeRO-3 "
+    "over its mesh (graphamp takes FSDP2's wrap over). Call one of the two: keep the wrap and "
+    "drop enable_zero, or register the unwrapped model with enable_zero"
+)
 
 __all__ = [
     "AutofixSettings",
@@ -269,6 +276,11 @@ class GraphConfig:
         import torch.distributed as dist
 
         mode = check_bool("enable_data_parallel(mode)", mode)
+        if self._snapshot.fully_shard is not None:
+            raise ConfigError(
+                "enable_data_parallel: a registered model is wrapped with fully_shard, so the "
+                "Graph already trains data parallel (ZeRO-3) over the wrap's mesh: leave it"
+            )
         if mode and not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "enable_data_parallel needs an initialised process group: start the script with "
@@ -292,12 +304,29 @@ class GraphConfig:
         shards."""
         mode = check_bool("enable_zero(mode)", mode)
         stage = check_choice("enable_zero(stage)", stage, (1, 2, 3))
+        if self._snapshot.fully_shard is not None:
+            raise ConfigError(_ZERO_BESIDE_FULLY_SHARD)
         if not mode:
             self._set(zero_stage=0)
             return
         if not self.data_parallel:
             self.enable_data_parallel(True)
         self._set(zero_stage=stage)
+
+    def _adopt_fully_shard(self, wrap: FullyShardWrap) -> None:
+        """A registered model wrapped with fully_shard (runner/fsdp_adopt.py): ZeRO-3 over
+        its mesh's group. Called by the Graph when the model is registered."""
+        current = self._snapshot.fully_shard
+        if current is None and self.zero_stage:
+            raise ConfigError(_ZERO_BESIDE_FULLY_SHARD)
+        if current is not None and current.group is not wrap.group:
+            raise ConfigError(
+                "two registered models are wrapped with fully_shard on different meshes; "
+                "graphamp shards every parameter of a Graph over one process group"
+            )
+        if current is not None:
+            wrap = current.merged(wrap)
+        self._set(data_parallel=True, process_group=wrap.group, zero_stage=3, fully_shard=wrap)
 
     def set_gradient_accumulation_steps(self, n: int) -> None:
         """Split each call's batch into ``n`` micro-batches and take one optimizer step."""

@@ -33,6 +33,7 @@ from .records.optimizers import TRACED, check_optimizer_slot, optimizer_kind
 from .records.spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .records.state import SharedState
 from .records.validate import check_choice
+from .runner.fsdp_adopt import fully_shard_wrap, take_over
 from .runtime import schedulers
 from .runtime.calls import GraphRuntime, building_graph, call, graph_spec
 from .runtime.graph_state import graph_state_dict, load_graph_state
@@ -106,6 +107,13 @@ class Graph:
             )
             self.__dict__["config"].enable_data_parallel(process_group=value.process_group)
             value = value.module
+        if isinstance(value, nn.Module):
+            # FSDP2's wrap becomes ZeRO-3 in the step: checked, accepted by the settings, and
+            # only then removed from the model (a refusal leaves the model as it was)
+            wrap = fully_shard_wrap(type(self).__name__, name, value)
+            if wrap is not None:
+                self.__dict__["config"]._adopt_fully_shard(wrap)
+                take_over(type(self).__name__, name, value)
         value = _unwrapped(type(self).__name__, name, value)
         if isinstance(value, nn.Module):
             modules[name] = value
@@ -325,7 +333,8 @@ class Graph:
 
 def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
     """The module a wrapper stands for: a torch.compile'd module trains as its original
-    (graphamp compiles the whole step itself); FSDP is refused by name."""
+    (graphamp compiles the whole step itself); FSDP1 is refused by name (FSDP2's fully_shard was
+    taken over before: runner/fsdp_adopt.py)."""
     if isinstance(value, nn.Module) and isinstance(getattr(value, "_orig_mod", None), nn.Module):
         log.info(
             "%s.%s is a torch.compile'd module: graphamp captures and compiles its "
@@ -338,11 +347,9 @@ def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
         c.__module__.startswith("torch.distributed.fsdp") for c in type(value).__mro__
     ):
         raise GraphDefinitionError(
-            f"{graph_name}.{name} = {type(value).__name__}(...): FSDP-sharded modules "
-            "(fully_shard, FullyShardedDataParallel) are not supported by graphamp "
-            "(docs/distributed.md). Register the unwrapped module and call "
-            "config.enable_zero(stage=3) to shard parameters, gradients and optimizer state "
-            "inside the step (FSDP2's layout: checkpoints move between the two), or "
-            "config.enable_data_parallel() (a DistributedDataParallel wrapper works too)"
+            f"{graph_name}.{name} = {type(value).__name__}(...): FSDP1's "
+            "FullyShardedDataParallel is not supported by graphamp (docs/distributed.md). "
+            "Wrap with FSDP2's fully_shard instead (graphamp takes its wrap over), or register "
+            "the unwrapped module and call config.enable_zero(stage=3)"
         )
     return value

@@ -1,5 +1,9 @@
-"""Run by tests/test_zero.py under torchrun (2 processes, gloo): a model wrapped with FSDP2's
-fully_shard, registered on a Graph. Writes rank{r}.pt with the error graphamp raised."""
+"""Run by tests/test_zero.py under torchrun (2 processes, gloo): what graphamp refuses of a model
+wrapped with FSDP2's fully_shard, and an eval Graph over such a model.
+
+Writes rank{r}.pt: for each refused setting the error graphamp raised (or "" when it raised
+none), and the logits of an eval Graph over a wrapped model beside the unwrapped model's.
+"""
 
 import os
 import sys
@@ -8,44 +12,77 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dist_worker import make_model
+from dist_worker import leave, make_model
 
 import graphamp
+
+
+class Train(graphamp.Graph):
+    def __init__(self, model, *, zero=False):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        self.config.set_backend("aot_eager")
+        if zero:
+            self.config.enable_zero(stage=2)
+
+    def build(self, x, y):
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+class Eval(graphamp.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.config.set_backend("aot_eager")
+
+    def build(self, x):
+        return self.model(x)
+
+
+def wrapped(**kwargs) -> nn.Module:
+    model = make_model(seed=0)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def error_of(make) -> str:
+    """The error graphamp raised making and calling a Graph ("" when none)."""
+    try:
+        make()(torch.randn(8, 32), torch.randint(0, 4, (8,)))
+    except graphamp.GraphampError as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def main():
     dist.init_process_group("gloo")
     warnings.simplefilter("ignore")
-    model = make_model(seed=0)
-    fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    class Sharded(graphamp.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(opt)
-            self.config.set_backend("aot_eager")
-
-        def build(self, x, y):
-            loss = nn.functional.cross_entropy(self.model(x), y)
-            loss.backward()
-            return loss
-
-    result = {}
-    try:
-        Sharded()(torch.randn(8, 32), torch.randint(0, 4, (8,)))
-    except graphamp.GraphampError as e:
-        result["error"] = f"{type(e).__name__}: {e}"
+    bf16 = torch.bfloat16
+    result = {
+        "output_dtype": error_of(
+            lambda: Train(wrapped(mp_policy=MixedPrecisionPolicy(output_dtype=bf16)))
+        ),
+        "reduce_dtype": error_of(
+            lambda: Train(wrapped(mp_policy=MixedPrecisionPolicy(reduce_dtype=bf16)))
+        ),
+        "enable_zero": error_of(lambda: Train(wrapped(), zero=True)),
+        # param_dtype=bf16 and the Graph's AMP left off: refused at the first call
+        "amp_off": error_of(
+            lambda: Train(wrapped(mp_policy=MixedPrecisionPolicy(param_dtype=bf16)))
+        ),
+    }
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        result["eager_logits"] = make_model(seed=0)(x)
+    result["eval_logits"] = Eval(wrapped())(x)
     torch.save(result, os.path.join(sys.argv[1], f"rank{dist.get_rank()}.pt"))
-    # Every rank finishes its collectives and files before any tears gloo down:
-    # a rank leaving early made its peer abort ("terminate called without an
-    # active exception") in CI.
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

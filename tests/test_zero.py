@@ -21,12 +21,16 @@ from graphamp.records.sharding import chunk_of
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_zero(nproc: int, stage: int, out, *, acc=1, first=0, last=STEPS, resume=None, sizes=None):
+def run_zero(
+    nproc: int, stage: int, out, *, acc=1, first=0, last=STEPS, resume=None, sizes=None, env=None
+):
     out.mkdir(exist_ok=True)
     args = [str(stage), str(acc), str(first), str(last), str(out)] + (
         [str(resume)] if resume else []
     )
-    env = {"GRAPHAMP_TEST_SIZES": ",".join(map(str, sizes))} if sizes is not None else None
+    env = dict(env or {})
+    if sizes is not None:
+        env["GRAPHAMP_TEST_SIZES"] = ",".join(map(str, sizes))
     stderr = torchrun(
         os.path.join(HERE, "zero_worker.py"), *args, nproc=nproc, timeout=400, env=env
     )
@@ -112,7 +116,7 @@ def test_zero3_with_bf16_amp_gathers_the_low_precision_copies_and_trains_like_ze
     the same values, half the bytes) where ZeRO-2 casts the float32 whole; the two train
     bitwise alike (a sum of two ranks' gradients does not depend on how it is bucketed), with
     aot_eager and with inductor compiling the step."""
-    env = {"GRAPHAMP_TEST_BF16": "1", "GRAPHAMP_TEST_BACKEND": backend}
+    env = {"GRAPHAMP_TEST_AMP": "bf16", "GRAPHAMP_TEST_BACKEND": backend}
     runs = {}
     for stage in (2, 3):
         out = tmp_path / str(stage)
@@ -200,13 +204,94 @@ def test_zero3_shards_tied_frozen_and_tiny_parameters_and_fsdp2_reads_its_checkp
 
 
 @pytest.mark.slow
-def test_a_model_wrapped_with_fully_shard_gets_an_error_pointing_to_enable_zero(tmp_path):
+@pytest.mark.parametrize("nproc,wrap", [(2, "blocks"), (4, "root")])
+def test_a_model_wrapped_with_fully_shard_trains_like_one_process(nproc, wrap, tmp_path):
+    """FSDP2's fully_shard per layer then the root (or the root alone), registered as is:
+    graphamp takes the wrap over (ZeRO-3 over its mesh, one gather bucket per wrapped module
+    holding parameters) and trains like one process on the global batch, skipping the
+    overflow step on every rank."""
+    reference = single_process()
+    ranks = run_zero(nproc, 3, tmp_path / "run", env={"GRAPHAMP_TEST_FULLY_SHARD": wrap})
+    _assert_like_one_process(ranks, reference)
+    whole_bytes = sum(4 * v.numel() for v in reference[0].values())
+    assert sum(r["param_bytes"] for r in ranks) == whole_bytes
+    # the wrap is the bucket plan: two layers, or everything in the root's one bucket
+    assert all(r["gather_buckets"] == (2 if wrap == "blocks" else 1) for r in ranks)
+
+
+@pytest.mark.slow
+def test_fully_shard_with_fp16_amp_skips_the_overflow_step_on_every_rank_like_one_process(
+    tmp_path, monkeypatch
+):
+    """param_dtype=fp16 with fp16 AMP and a scaler on 2 ranks against one process with fp16
+    AMP on the global batch: the same skipped step everywhere. The parameters agree within
+    1e-3, not 1e-5: each rank's fp16 matmuls round its half-batch weight gradient to fp16
+    before the ranks' sum, where one process rounds the whole batch's once (measured: at most
+    1e-4 apart after 6 steps)."""
+    monkeypatch.setenv("GRAPHAMP_TEST_AMP", "fp16")
+    params, _, skipped, _ = single_process()
+    env = {"GRAPHAMP_TEST_AMP": "fp16", "GRAPHAMP_TEST_FULLY_SHARD": "blocks"}
+    ranks = run_zero(2, 3, tmp_path / "run", env=env)
+    assert skipped[POISON_STEP] == 1.0 and sum(skipped) == 1.0
+    for r in ranks:
+        assert r["skipped"] == skipped
+        for k, v in params.items():
+            assert torch.equal(r["params"][k], ranks[0]["params"][k]), k
+            torch.testing.assert_close(r["params"][k], v, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_fully_shard_with_bf16_param_dtype_trains_bitwise_like_zero3_with_bf16_amp(tmp_path):
+    """MixedPrecisionPolicy(param_dtype=bf16) maps onto enable_amp(dtype=bf16): the same
+    step as enable_zero(stage=3), bitwise."""
+    bf16 = {"GRAPHAMP_TEST_AMP": "bf16"}
+    zero3 = run_zero(2, 3, tmp_path / "zero3", env=bf16)
+    wrapped = run_zero(2, 3, tmp_path / "fsdp", env={**bf16, "GRAPHAMP_TEST_FULLY_SHARD": "blocks"})
+    for a, b in zip(zero3, wrapped):
+        assert a["skipped"] == b["skipped"]
+        for k, v in a["params"].items():
+            assert torch.equal(v, b["params"][k]), k
+        assert b["gathered_bf16"] > 0
+
+
+@pytest.mark.slow
+def test_fully_shard_settings_graphamp_cannot_honour_are_refused_by_name(tmp_path):
     torchrun(os.path.join(HERE, "fsdp_worker.py"), str(tmp_path), timeout=300)
     for r in range(2):
-        error = torch.load(tmp_path / f"rank{r}.pt", weights_only=True).get("error", "")
-        # refused when registered, before any capture (graph.py _unwrapped)
-        assert error.startswith("GraphDefinitionError") and "enable_zero" in error, error
-        assert "fully_shard" in error
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        assert got["output_dtype"].startswith("GraphDefinitionError"), got
+        assert "output_dtype" in got["output_dtype"]
+        assert "reduce_dtype" in got["reduce_dtype"] and "float32" in got["reduce_dtype"]
+        assert got["enable_zero"].startswith("ConfigError") and "fully_shard" in got["enable_zero"]
+        assert got["amp_off"].startswith("ConfigError") and "enable_amp" in got["amp_off"]
+        # an eval Graph over a wrapped model: the whole model's logits
+        torch.testing.assert_close(got["eval_logits"], got["eager_logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_fully_shard_wrap_is_the_bucket_plan_and_excludes_enable_zero():
+    from helpers import make_graph
+
+    from graphamp.records.sharding import FullyShardWrap, block_of
+    from graphamp.runner.fsdp_adopt import check_fully_shard_policy
+
+    blocks = ("model.layers.0", "model")
+    assert block_of("model.layers.0.attn.q.weight", blocks) == "model.layers.0"
+    assert block_of("model.layers.1.attn.q.weight", blocks) == "model"  # not wrapped: the root
+    assert block_of("model.layers.1.attn.q.weight") == "model.layers.1"  # graphamp's own plan
+    assert block_of("loss_fn.weight", blocks) == "loss_fn"
+
+    g = make_graph(make_model(0), torch.nn.CrossEntropyLoss(), None)
+    wrap = FullyShardWrap(group=object(), blocks=blocks, param_dtype=torch.bfloat16)
+    g.config._adopt_fully_shard(wrap)
+    assert (g.config.zero_stage, g.config.data_parallel) == (3, True)
+    with pytest.raises(graphamp.ConfigError, match="enable_zero beside a model wrapped"):
+        g.config.enable_zero(stage=2)
+    with pytest.raises(graphamp.ConfigError, match="fully_shard"):
+        g.config.enable_data_parallel(False)
+    with pytest.raises(graphamp.ConfigError, match="enable_amp.True, dtype=torch.bfloat16"):
+        check_fully_shard_policy("G", g.config.snapshot())
+    g.config.enable_amp(True, dtype=torch.bfloat16)
+    check_fully_shard_policy("G", g.config.snapshot())  # param_dtype is AMP's: accepted
 
 
 def test_enable_zero_needs_a_process_group():

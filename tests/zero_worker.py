@@ -8,6 +8,8 @@ shard at POISON_STEP) with AdamW, clipping and a grad scaler, each rank on its s
 global batch; RESUME_FROM: a checkpoint directory written by an earlier run (any rank count).
 Writes rank{r}.pt (parameters, optimizer state dict, skips, bytes of optimizer state held) and,
 from rank 0, a checkpoint (model, optimizer.state_dict(), graph state) into OUT_DIR.
+GRAPHAMP_TEST_FULLY_SHARD=blocks|root: the model is wrapped with FSDP2's fully_shard instead of
+asking for enable_zero (STAGE 3 then).
 """
 
 import os
@@ -36,13 +38,13 @@ def make_training(stage: int, acc: int, model: nn.Module):
             self.add_optimizer(opt, clip_grad_max_norm=CLIP)
             # the test's way to ask for inductor (the default is aot_eager)
             self.config.set_backend(os.environ.get("GRAPHAMP_TEST_BACKEND", "aot_eager"))
-            if stage:
-                self.config.enable_zero(stage=stage)
+            if stage and not os.environ.get("GRAPHAMP_TEST_FULLY_SHARD"):
+                self.config.enable_zero(stage=stage)  # a fully_shard wrap makes it ZeRO-3
             if acc > 1:
                 self.config.set_gradient_accumulation_steps(acc)
             self.set_grad_scaler(graphamp.GradScaler(init_scale=256.0))
-            if os.environ.get("GRAPHAMP_TEST_BF16"):  # the test's way to ask for bf16 AMP
-                self.config.enable_amp(True, dtype=torch.bfloat16)
+            if amp_dtype() is not None:
+                self.config.enable_amp(True, dtype=amp_dtype())
 
         def build(self, x, y):
             loss = nn.functional.cross_entropy(self.model(x), y)
@@ -50,6 +52,30 @@ def make_training(stage: int, acc: int, model: nn.Module):
             return loss
 
     return Zero(), opt
+
+
+def amp_dtype() -> torch.dtype | None:
+    """GRAPHAMP_TEST_AMP=bf16|fp16: the test's way to ask for AMP in that dtype."""
+    amp = os.environ.get("GRAPHAMP_TEST_AMP")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[amp] if amp else None
+
+
+def fully_sharded(wrap: str) -> nn.Module:
+    """The model wrapped with FSDP2's fully_shard as its docs do: each layer and then the root
+    (``blocks``), or the root alone (``root``); every rank initialises it alike, as FSDP2 needs
+    (it broadcasts nothing). With AMP, MixedPrecisionPolicy(param_dtype=the AMP dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = make_model(seed=0, width=WIDTH)
+    policy = MixedPrecisionPolicy(
+        param_dtype=amp_dtype(),
+        reduce_dtype=torch.float32,
+    )
+    if wrap == "blocks":
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
 
 
 def batch_size(step: int) -> int:
@@ -93,7 +119,11 @@ def main():
     if os.environ.get("GRAPHAMP_TEST_CACHE_PER_RANK"):  # each rank its own step cache
         os.environ["GRAPHAMP_CACHE_DIR"] = os.path.join(os.environ["GRAPHAMP_CACHE_DIR"], str(rank))
     warnings.simplefilter("ignore")
-    model = make_model(seed=rank, width=WIDTH)
+    wrap = os.environ.get("GRAPHAMP_TEST_FULLY_SHARD")  # the test's way to ask for FSDP2
+    if wrap:
+        model = fully_sharded(wrap)
+    else:  # each rank its own values: graphamp broadcasts rank 0's
+        model = make_model(seed=rank, width=WIDTH)
     g, opt = make_training(stage, acc, model)
     if resume:
         ckpt = torch.load(os.path.join(resume, "ckpt.pt"), weights_only=True)
@@ -121,6 +151,14 @@ def main():
             1
             for n in g.compiled_steps[-1].step_graph.graph.nodes
             if "all_gather" in str(n.target) and n.meta["val"].dtype == torch.bfloat16
+        ),
+        # ZeRO-3's gather buckets (one per block and dtype)
+        "gather_buckets": len(
+            {
+                n.meta["graphamp_gather"]
+                for n in g.compiled_steps[-1].step_graph.graph.nodes
+                if "graphamp_gather" in n.meta
+            }
         ),
         # the stages the last build ran: a step loaded from the step cache was not assembled
         "stages": sorted(g.compiled_steps[-1].timings),

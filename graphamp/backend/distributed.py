@@ -69,10 +69,14 @@ def broadcast_state(graph_name: str, root: nn.Module, group) -> None:
             f"from rank 0, first at {first[0]} vs {first[1]}); data parallel needs the same "
             "model on every rank"
         )
+    from torch.distributed.tensor import DTensor
+
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     with torch.no_grad():
         for _, tensor in tensors:
-            if not is_shard(tensor):  # ZeRO-3's shards differ by rank, as they should
+            # ZeRO-3's and FSDP2's shards differ by rank, as they should (a DTensor is one
+            # global value already)
+            if not is_shard(tensor) and not isinstance(tensor, DTensor):
                 dist.broadcast(tensor.data, src=src, group=group)
 
 

@@ -44,10 +44,11 @@ class BuildRoot(nn.Module):
 
 
 def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
-    """Refuse models wrapped with FSDP2's ``fully_shard``: their parameters are DTensors whose
-    all-gathers run in forward hooks outside any graph, which make_fx cannot trace through
-    (measured on torch 2.14, gloo: "'FunctionalTensor' object has no attribute
-    '_local_tensor'"). graphamp's own sharding is config.enable_zero."""
+    """Refuse DTensor parameters that are not graphamp's shards (tensor parallel, or a wrap
+    put on after registration): their collectives run outside any graph, which make_fx cannot
+    trace through (measured on torch 2.14, gloo: "'FunctionalTensor' object has no attribute
+    '_local_tensor'"). A ``fully_shard`` wrap registered on the Graph was taken over already
+    (runner/fsdp_adopt.py)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
@@ -55,12 +56,12 @@ def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
     for name, p in root.named_parameters():
         if isinstance(p, DTensor) and not is_shard(p):
             raise ConfigError(
-                f"{graph_name}: parameter {name!r} is a DTensor (the model is wrapped with "
-                "torch.distributed.fsdp.fully_shard or another DTensor API), which graphamp "
-                "cannot capture. Register the plain model and call "
-                "self.config.enable_zero(stage=3) in the Graph's __init__: it shards the "
-                "parameters, gradients and optimizer state over the ranks inside the compiled "
-                "step, as DTensors in FSDP2's layout (its checkpoints load into FSDP2 models)"
+                f"{graph_name}: parameter {name!r} is a DTensor that graphamp did not shard "
+                "(tensor parallel, or fully_shard applied after the model was registered), "
+                "which graphamp cannot capture. Wrap with fully_shard before registering the "
+                "model (graphamp takes the wrap over), or register the plain model and call "
+                "self.config.enable_zero(stage=3): it shards the parameters, gradients and "
+                "optimizer state inside the compiled step, as DTensors in FSDP2's layout"
             )
 
 

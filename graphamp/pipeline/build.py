@@ -71,7 +71,9 @@ def _build_on_every_rank(ctx: BuildContext) -> Program:
     if not ctx.state.broadcast_done:
         stages_.worded("capture", distributed.broadcast_state, spec.name, ctx.root, group)
         ctx.state.broadcast_done = True
-    if spec.config.zero_stage == 3 and spec.training:  # kept as shards from here on
+    # kept as shards from here on; a fully_shard model's FSDP2 shards become graphamp's, in
+    # an eval Graph too (nothing else could gather them)
+    if spec.config.zero_stage == 3 and (spec.training or spec.config.fully_shard is not None):
         optimizers = [slot.optimizer for slot in spec.optimizers]
         stages_.worded("capture", shard_parameters, spec.name, ctx.root, optimizers, group)
     ctx = dataclasses.replace(ctx, process_group=group)

@@ -34,6 +34,7 @@ from ..records.inputs import FlatInputs
 from ..records.spec import CapturedForward, GraphSpec, PassRecord, StepFn, StepPlan
 from ..records.state import SharedState
 from ..runner import Runner
+from ..runner.fsdp_adopt import check_fully_shard_policy
 from ..runner.sharded_params import shard_group
 from ..step import (
     OutlineResult,
@@ -88,6 +89,7 @@ def capture(ctx: BuildContext) -> Captured:
             "micro-batches, but the graph has no optimizer"
         )
     check_not_fsdp(spec.name, ctx.root)
+    check_fully_shard_policy(spec.name, config)
     device = check_devices(spec.name, ctx.root, ctx.inputs)
     traced = ctx.batch
     if config.grad_acc_steps > 1:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .pins import AmpPin
+from .sharding import FullyShardWrap
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 __all__ = ["AutofixSettings", "BACKENDS", "ConfigSnapshot", "ListOverrides"]
@@ -61,6 +62,7 @@ class ConfigSnapshot:
     checkpoint_module_types: tuple[type, ...] = ()
     checkpoint_module_names: tuple[str, ...] = ()
     zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded; 3: parameters too
+    fully_shard: FullyShardWrap | None = None  # a model wrapped with fully_shard (ZeRO-3 then)
     cuda_graph_sizes: int = 8  # CUDA graphs kept per dynamic step, one per batch shape (0: none)
     # repeated blocks as shared subgraphs (set_outline_blocks); None: where it costs nothing
     outline_blocks: bool | None = None

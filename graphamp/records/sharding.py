@@ -9,8 +9,9 @@ the elements ``[r * chunk, (r + 1) * chunk)`` of the parameter flattened and zer
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -84,3 +85,34 @@ def row_of(p: torch.Tensor) -> torch.Tensor:
     row = local.new_empty(0).set_(storage, 0, (_ROWS[StorageWeakRef(storage)],), (1,))
     setattr(p, _ROW_ATTRIBUTE, row)
     return row
+
+
+@dataclasses.dataclass(frozen=True)
+class FullyShardWrap:
+    """What graphamp kept of a model the user wrapped with FSDP2's ``fully_shard``
+    (runner/fsdp_adopt.py): the step is ZeRO-3 over ``group``, gathering each wrapped module's
+    parameters as one block, and the wrap's ``MixedPrecisionPolicy`` is checked against AMP."""
+
+    group: Any  # the 1-D mesh's process group
+    blocks: tuple[str, ...]  # the wrapped modules' paths from the Graph ("model.layers.0", "model")
+    param_dtype: torch.dtype | None  # MixedPrecisionPolicy.param_dtype: must be AMP's dtype
+
+    def merged(self, other: FullyShardWrap) -> FullyShardWrap:
+        """Two registered wraps (a model and its loss module, say) on one group."""
+        return dataclasses.replace(self, blocks=self.blocks + other.blocks)
+
+
+def block_of(name: str, blocks: Sequence[str] = ()) -> str:
+    """The block a parameter is gathered with, from its path. With ``blocks`` (the modules a
+    user wrapped with ``fully_shard``), the innermost one holding it. Otherwise, or outside
+    them, up to the first index (``model.layers.3`` of ``model.layers.3.attn.q.weight``: a
+    transformer block, a ResNet stage's unit), else its registered module's child
+    (``model.embed``), as FSDP2's users wrap each block and then the root."""
+    holders = [b for b in blocks if name.startswith(b + ".")]
+    if holders:
+        return max(holders, key=len)
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[: min(2, len(parts) - 1)])

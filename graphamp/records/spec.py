@@ -259,6 +259,9 @@ class StepPlan:
     zero_stage: int = (
         0  # ZeRO (step/zero.py): 0 off; 1, 2 optimizer state sharded; 3 parameters too
     )
+    # ZeRO-3: the modules a user wrapped with fully_shard, each gathered as one block
+    # (records.sharding.block_of); empty: graphamp's own blocks
+    gather_blocks: tuple[str, ...] = ()
     # overflow tracing: the values the step measures (None: tracing off, or an eval graph)
     probes: ProbeTable | None = None
     # the delayed fp8 recipe: one amax-history state per fp8 matmul (its forward input's name)

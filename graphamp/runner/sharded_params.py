@@ -21,6 +21,7 @@ its place) is sharded again from its whole value, and the optimizers holding tha
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterable, Iterator, cast
 
 import torch
@@ -69,21 +70,49 @@ def _shard(graph_name: str, name: str, p: torch.Tensor, group) -> nn.Parameter:
             "with enable_zero(stage=2)"
         )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    whole = p.full_tensor() if isinstance(p, DTensor) else p
-    whole = whole.detach().contiguous()
-    rows, held = rows_of(whole.shape, world), rows_held(whole.shape, world, rank)
-    row = torch.zeros(chunk_of(whole.shape, world), dtype=whole.dtype, device=whole.device)
-    width = whole[0].numel()
-    row[: held * width] = whole[rank * rows : rank * rows + held].reshape(-1)
-    local = row[: held * width].view(held, *whole.shape[1:])
-    mesh = DeviceMesh.from_group(group, whole.device.type)
+    shape = p.shape
+    rows, held = rows_of(shape, world), rows_held(shape, world, rank)
+    width = math.prod(shape[1:])
+    row = torch.zeros(chunk_of(shape, world), dtype=p.dtype, device=p.device)
+    with torch.no_grad():
+        row[: held * width] = _rank_rows(p, group, rank * rows, held).reshape(-1)
+    local = row[: held * width].view(held, *shape[1:])
+    mesh = DeviceMesh.from_group(group, p.device.type)
     with torch.no_grad():
         shard = DTensor.from_local(
-            local, mesh, [Shard(0)], run_check=False, shape=whole.shape, stride=whole.stride()
+            local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous(shape)
         )
     param = nn.Parameter(shard, requires_grad=p.requires_grad)
     register_row(row)
     return param
+
+
+def _rank_rows(p: torch.Tensor, group, start: int, held: int) -> torch.Tensor:
+    """Rows ``[start, start + held)`` of ``p``'s whole value. A DTensor in the same layout
+    over the same group (FSDP2's ``fully_shard``, or an earlier sharding) already holds them
+    locally; any other DTensor is gathered whole first (a collective)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return p.detach()[start : start + held]
+    mesh = p.device_mesh
+    if (
+        mesh.ndim == 1
+        and tuple(p.placements) == (Shard(0),)
+        and dist.get_process_group_ranks(mesh.get_group()) == dist.get_process_group_ranks(group)
+        and mesh.get_local_rank() == dist.get_rank(group)
+        and p.to_local().shape[0] == held
+    ):
+        return p.to_local().detach()
+    return p.full_tensor().detach()[start : start + held]
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _point_optimizers_at(

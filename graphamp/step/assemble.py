@@ -27,6 +27,7 @@ import torch.fx.traceback as fx_traceback
 
 from ..records.layouts import StepInputs
 from ..records.optimizers import TRACED, OptimizerPlan
+from ..records.sharding import block_of
 from ..records.spec import StepPlan
 from ..torchkit.fp8_numerics import rolled_history
 from ..torchkit.fxutil import NodeTagger, rename_placeholders, trace_functional
@@ -48,7 +49,7 @@ from .scaling import (
     unscale_and_check,
     write_scale_update,
 )
-from .shard_gathers import GATHER, SCATTER, block_of
+from .shard_gathers import GATHER, SCATTER
 from .traced_optimizer import tensorify_scalar_reads
 from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
@@ -212,7 +213,7 @@ def _scatter_per_optimizer(plan: StepPlan, grads: list[torch.Tensor]) -> list[to
     buckets: dict[tuple[int, str], list[int]] = {}
     for k, opt in enumerate(plan.optimizers):
         for i in opt.forward_positions:
-            block = block_of(names[i]) if plan.zero_stage == 3 else ""
+            block = block_of(names[i], plan.gather_blocks) if plan.zero_stage == 3 else ""
             buckets.setdefault((k, block), []).append(position[i])
     with NodeTagger({"graphamp_subgraph": "zero"}):
         for number, js in enumerate(buckets.values()):
@@ -321,10 +322,10 @@ def _whole_parameters(
 
 def _gather_shards(plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tensor]):
     """ZeRO-3: (the whole parameters, AMP's low-precision copies) from every rank's rows, one
-    all-gather per block of parameters (``shard_gathers.block_of``) and dtype. A parameter the
-    forward reads only through its low-precision copy is gathered in that dtype (its row cast
-    first: the same values, half the bytes of float32), and its whole is never made (an empty
-    tensor stands for it, read for its shape only). Traced here, at the start of the step;
+    all-gather per block of parameters (``records.sharding.block_of``) and dtype. A parameter
+    the forward reads only through its low-precision copy is gathered in that dtype (its row
+    cast first: the same values, half the bytes of float32), and its whole is never made (an
+    empty tensor stands for it, read for its shape only). Traced here, at the start of the step;
     ``shard_gathers.place_collectives`` then moves each block's gather to where it is read."""
     placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
     shapes = [node.meta["val"].shape for node in plan.forward_layout.split(placeholders).params]
@@ -333,7 +334,7 @@ def _gather_shards(plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tens
     buckets: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
     for i, (name, row) in enumerate(zip(plan.captured.param_names, rows)):
         dtype = cast_only.get(i, row.dtype)
-        buckets.setdefault((block_of(name), dtype), []).append((i, row))
+        buckets.setdefault((block_of(name, plan.gather_blocks), dtype), []).append((i, row))
     gathered: dict[int, torch.Tensor] = {}
     for number, ((_, dtype), members) in enumerate(buckets.items()):
         with NodeTagger({GATHER: number}):

@@ -80,6 +80,7 @@ def build_plan(
         acc_steps=spec.config.grad_acc_steps,
         process_group=process_group if spec.training or zero else None,
         zero_stage=zero,
+        gather_blocks=wrap.blocks if (wrap := spec.config.fully_shard) is not None else (),
         probes=probes,
         fp8_state=list(fp8_state),
         fp8_history=spec.config.fp8_history,

@@ -46,18 +46,6 @@ SCATTER = "graphamp_scatter"  # meta key: the bucket number of a node of a gradi
 _CASTS = "parameter_casts"
 
 
-def block_of(name: str) -> str:
-    """The block a parameter is gathered with, from its path: up to the first index
-    (``model.layers.3`` of ``model.layers.3.attn.q.weight``: a transformer block, a ResNet
-    stage's unit), else its registered module's child (``model.embed``), as FSDP2's users wrap
-    each block and then the root."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[: min(2, len(parts) - 1)])
-
-
 def place_collectives(gm: fx.GraphModule) -> int:
     """Move each block's gather before its first reader and gather again for each later
     stretch that reads it; move each gradient scatter to just after its last gradient.

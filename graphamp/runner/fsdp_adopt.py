@@ -1,0 +1,184 @@
+"""A model the user wrapped with FSDP2's ``fully_shard`` trains as graphamp's ZeRO-3.
+
+Between steps FSDP2 and graphamp's ZeRO-3 hold the same thing: every parameter a ``DTensor``
+placed ``Shard(0)`` on a 1-D mesh, cut as ``torch.chunk`` cuts (records/sharding.py). They differ
+in where the collectives run: FSDP2 all-gathers and reduce-scatters in module hooks, outside any
+graph (capture cannot trace them), graphamp inside the compiled step. So when such a model is
+registered, graphamp takes the wrap over:
+
+- the wrap's mesh becomes the step's process group, and ZeRO-3 is on;
+- each wrapped module (each block, then the root, as FSDP2's docs wrap) is one gather bucket;
+- ``MixedPrecisionPolicy.param_dtype`` must be AMP's dtype (checked at the first call, when the
+  settings are final): graphamp gathers a parameter read only through its cast in that dtype,
+  as FSDP2 does, but decides each op's precision from its lists;
+- FSDP2's hooks and module classes are removed, so the model is a plain module whose
+  parameters are still FSDP2's DTensor shards; at the first call ``sharded_params`` copies each
+  rank's local shard into graphamp's row (no collective: the layouts are the same) and points
+  the optimizers at the new parameters.
+
+Refused by name: a 2-D (HSDP) mesh, CPU offload, ``output_dtype``, a ``reduce_dtype`` other
+than float32 (graphamp reduces the float32 gradients as they are), and ``enable_zero`` beside
+the wrap. FSDP2's own methods (``unshard``, ``set_requires_gradient_sync``) are gone from the
+model afterwards: the step does what they did.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..errors import ConfigError, GraphDefinitionError
+from ..records.settings import ConfigSnapshot
+from ..records.sharding import FullyShardWrap
+
+log = logging.getLogger("graphamp")
+
+
+def _fsdp_module_class() -> Any:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed
+        return None
+    return FSDPModule
+
+
+def fully_shard_wrap(graph_name: str, name: str, module: nn.Module) -> FullyShardWrap | None:
+    """What the ``fully_shard`` wraps inside ``module`` (registered as ``name``) ask for, after
+    refusing what graphamp cannot do the same way; None when nothing in it is wrapped. Changes
+    nothing: ``take_over`` does, once the Graph's settings accepted the wrap."""
+    wrapped = _wrapped_modules(module)
+    if not wrapped:
+        return None
+    where = f"{graph_name}.{name}"
+    facts = [_wrap_facts(where, path, m) for path, m in wrapped]
+    groups = {_ranks(group): group for group, _ in facts if group is not None}
+    if len(groups) > 1:
+        raise GraphDefinitionError(
+            f"{where}: its fully_shard wraps use different meshes ({sorted(groups)}); graphamp "
+            "shards every parameter over one process group"
+        )
+    dtypes = {dtype for _, dtype in facts}
+    if len(dtypes) > 1:
+        raise GraphDefinitionError(
+            f"{where}: its fully_shard wraps ask for different MixedPrecisionPolicy "
+            f"param_dtype ({sorted(map(str, dtypes))}); graphamp's AMP runs one low precision"
+        )
+    import torch.distributed as dist
+
+    group = next(iter(groups.values())) if groups else dist.group.WORLD
+    blocks = tuple(f"{name}.{path}" if path else name for path, _ in wrapped)
+    return FullyShardWrap(group=group, blocks=blocks, param_dtype=dtypes.pop())
+
+
+def take_over(graph_name: str, name: str, module: nn.Module) -> None:
+    """``module``'s wraps removed: a plain module holding FSDP2's shards, which the first call
+    makes graphamp's (``sharded_params.shard_parameters``)."""
+    wrapped = _wrapped_modules(module)
+    for _, m in wrapped:
+        _unwrap(m)
+    log.info(
+        "%s.%s is wrapped with fully_shard (%d modules): graphamp trains it with ZeRO-3 inside "
+        "the compiled step, one all-gather and one reduce-scatter per wrapped module",
+        graph_name,
+        name,
+        len(wrapped),
+    )
+
+
+def _wrapped_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    fsdp_module = _fsdp_module_class()
+    if fsdp_module is None:
+        return []
+    return [(path, m) for path, m in module.named_modules() if isinstance(m, fsdp_module)]
+
+
+def _wrap_facts(where: str, path: str, module: nn.Module) -> tuple[Any, torch.dtype | None]:
+    """(its mesh's process group or None when it holds no parameter, its param_dtype), after
+    refusing what graphamp cannot do the same way."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    label = f"{where}.{path}" if path else where
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    module.reshard()  # type: ignore[operator]  # its parameters are the sharded DTensors
+    policy = state._mp_policy
+    if policy.output_dtype is not None:
+        raise GraphDefinitionError(
+            f"{label}: fully_shard(mp_policy=MixedPrecisionPolicy(output_dtype="
+            f"{policy.output_dtype})) casts the module's outputs, which graphamp does not: its "
+            "AMP decides each op's dtype. Leave output_dtype None"
+        )
+    if policy.reduce_dtype not in (None, torch.float32):
+        raise GraphDefinitionError(
+            f"{label}: fully_shard(mp_policy=MixedPrecisionPolicy(reduce_dtype="
+            f"{policy.reduce_dtype})): graphamp reduce-scatters the float32 gradients as they "
+            "are. Leave reduce_dtype None or torch.float32"
+        )
+    group = None
+    for param_group in state._fsdp_param_groups:
+        mesh = param_group.mesh_info.mesh
+        if mesh.ndim != 1:
+            raise GraphDefinitionError(
+                f"{label}: fully_shard on a {mesh.ndim}-D mesh (HSDP) is not supported by "
+                "graphamp: it shards over one process group. Wrap with a 1-D mesh"
+            )
+        if isinstance(param_group.offload_policy, CPUOffloadPolicy):
+            raise GraphDefinitionError(
+                f"{label}: fully_shard(offload_policy=CPUOffloadPolicy()) is not supported by "
+                "graphamp: its step updates the shards on the device that runs it"
+            )
+        group = mesh.get_group()
+        if param_group.post_forward_mesh_info is None:
+            log.info(
+                "%s: fully_shard(reshard_after_forward=False): graphamp gathers the "
+                "parameters again for the backward (it does not keep them from the forward)",
+                label,
+            )
+    return group, policy.param_dtype
+
+
+def _unwrap(module: nn.Module) -> None:
+    """``module`` as it was before ``fully_shard``: FSDP2's forward hooks removed, its class
+    put back, its state dropped (it holds references to the shards graphamp replaces)."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    from torch.distributed._composable_state import _module_state_mapping
+
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    state._pre_forward_hook_handle.remove()
+    state._post_forward_hook_handle.remove()
+    fsdp_module = _fsdp_module_class()
+    module.__class__ = next(
+        c for c in type(module).__bases__ if c is not fsdp_module
+    )  # fully_shard made FSDP<Cls>(FSDPModule, Cls)
+    states = module.__dict__.get(STATE_KEY, {})
+    for key in [k for k, v in states.items() if v is state]:
+        del states[key]
+    module.__dict__.get(REGISTRY_KEY, {}).pop("fully_shard", None)
+    # torch's module -> state map (weak to the state): left behind, torch's state-dict tools
+    # would find the module, then its dead state, and fail
+    _module_state_mapping.pop(module, None)
+
+
+def _ranks(group) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def check_fully_shard_policy(graph_name: str, config: ConfigSnapshot) -> None:
+    """A wrap's ``param_dtype`` is AMP's dtype (read at the first call: AMP may be enabled
+    after the model is registered)."""
+    wrap = config.fully_shard
+    if wrap is None or wrap.param_dtype is None:
+        return
+    if not config.amp_active or config.amp_dtype != wrap.param_dtype:
+        amp = f"AMP in {config.amp_dtype}" if config.amp_active else "AMP off"
+        raise ConfigError(
+            f"{graph_name}: the model's fully_shard asks for MixedPrecisionPolicy(param_dtype="
+            f"{wrap.param_dtype}) and the Graph has {amp}. graphamp runs low precision "
+            "through its AMP, op by op: call self.config.enable_amp(True, "
+            f"dtype={wrap.param_dtype}) (the parameters it casts are gathered in that dtype, "
+            "as FSDP2's are), or wrap without param_dtype"
+        )
