@@ -12,7 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_worker import leave, make_model
@@ -23,11 +23,11 @@ import graphamp
 class Train(graphamp.Graph):
     def __init__(self, model, *, zero=False):
         super().__init__()
+        if zero:  # asked before the wrapped model is registered: refused there
+            self.config.enable_zero(stage=2)
         self.model = model
         self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         self.config.set_backend("aot_eager")
-        if zero:
-            self.config.enable_zero(stage=2)
 
     def build(self, x, y):
         loss = nn.functional.cross_entropy(self.model(x), y)
@@ -64,19 +64,21 @@ def main():
     dist.init_process_group("gloo")
     warnings.simplefilter("ignore")
     bf16 = torch.bfloat16
+    refused = wrapped(mp_policy=MixedPrecisionPolicy(output_dtype=bf16))
+    kept = wrapped()
     result = {
-        "output_dtype": error_of(
-            lambda: Train(wrapped(mp_policy=MixedPrecisionPolicy(output_dtype=bf16)))
-        ),
+        "output_dtype": error_of(lambda: Train(refused)),
         "reduce_dtype": error_of(
             lambda: Train(wrapped(mp_policy=MixedPrecisionPolicy(reduce_dtype=bf16)))
         ),
-        "enable_zero": error_of(lambda: Train(wrapped(), zero=True)),
+        "enable_zero": error_of(lambda: Train(kept, zero=True)),
         # param_dtype=bf16 and the Graph's AMP left off: refused at the first call
         "amp_off": error_of(
             lambda: Train(wrapped(mp_policy=MixedPrecisionPolicy(param_dtype=bf16)))
         ),
     }
+    # a refused model is left as the user wrapped it
+    result["still_wrapped"] = [isinstance(m, FSDPModule) for m in (refused, kept)]
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         result["eager_logits"] = make_model(seed=0)(x)
