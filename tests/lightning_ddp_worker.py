@@ -5,7 +5,9 @@ processes (gloo), which Lightning starts itself by running this script again:
 
 KIND: stock (a LightningModule with automatic optimization) or ours (GraphampModule), the
 modules of test_trainer_lightning.py; ours-zero3 is ours with graphamp's ZeRO-3 set in
-configure_graph, Lightning's checkpointing on and a validation run after training. Rank 0
+configure_graph, Lightning's checkpointing on and a validation run after training; ours-fsdp2
+is that under ModelParallelStrategy with FSDP2's fully_shard in configure_model; dcp-first,
+dcp-resume and dcp-full resume it from Lightning's distributed checkpoint (``resume``). Rank 0
 writes the logged losses, the final (whole) parameters and the validation loss to OUT.
 """
 
@@ -31,18 +33,79 @@ class OursZero3(Ours):
         self.log("val_loss", F.cross_entropy(self.model(x), y), sync_dist=True)
 
 
+class OursFsdp2(OursZero3):
+    """FSDP2 as Lightning's docs write it: ModelParallelStrategy, and fully_shard per layer
+    then the root in configure_model (which Lightning calls again for validate: idempotent)."""
+
+    def configure_graph(self, graph):
+        Ours.configure_graph(self, graph)  # the wrap makes the step ZeRO-3
+
+    def configure_model(self):
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        from graphamp.records.sharding import holds_shards
+
+        if isinstance(self.model, FSDPModule) or holds_shards(self):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
 def main(kind: str, out: str) -> None:
     warnings.simplefilter("ignore")
-    module = {"ours": Ours, "ours-zero3": OursZero3}.get(kind, Stock)()
+    module = {"ours": Ours, "ours-zero3": OursZero3, "ours-fsdp2": OursFsdp2}.get(kind, Stock)()
+    strategy = "ddp"
+    if kind == "ours-fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # one checkpoint file (whole tensors), which the test reads like ours-zero3's
+        strategy = ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False
+        )
+    checkpoints = kind in ("ours-zero3", "ours-fsdp2")
     trainer, rows = _fit(
         module,
         os.path.dirname(out),
         devices=2,
-        strategy="ddp",
-        enable_checkpointing=kind == "ours-zero3",
+        strategy=strategy,
+        enable_checkpointing=checkpoints,
         gradient_clip_val=1.0 if kind == "stock" else None,
     )
-    validated = trainer.validate(module, _loader()) if kind == "ours-zero3" else None
+    validated = trainer.validate(module, _loader()) if checkpoints else None
+    _save_whole(trainer, module, rows, validated, out)
+
+
+def resume(kind: str, out: str) -> None:
+    """ours-fsdp2 with ModelParallelStrategy's distributed checkpoint (DCP, each rank its
+    shards): ``dcp-first`` trains one epoch and saves, ``dcp-resume`` trains to two epochs
+    from that checkpoint, ``dcp-full`` trains two epochs without stopping."""
+    import glob
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    warnings.simplefilter("ignore")
+    root = os.path.dirname(out)
+    module = OursFsdp2()
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    ckpt = None
+    if kind == "dcp-resume":
+        (ckpt,) = glob.glob(os.path.join(root, "dcp-first", "checkpoints", "*.ckpt"))
+    trainer, rows = _fit(
+        module,
+        os.path.join(root, kind),
+        epochs=1 if kind == "dcp-first" else 2,
+        devices=2,
+        strategy=strategy,
+        enable_checkpointing=True,
+        ckpt_path=ckpt,
+    )
+    _save_whole(trainer, module, rows, None, out)
+
+
+def _save_whole(trainer, module, rows, validated, out) -> None:
     # whole parameters on every rank (ZeRO-3's shards are gathered: a collective)
     whole = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
     if trainer.global_rank == 0:
@@ -60,4 +123,4 @@ def main(kind: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    (resume if sys.argv[1].startswith("dcp-") else main)(sys.argv[1], sys.argv[2])

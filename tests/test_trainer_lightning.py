@@ -201,20 +201,21 @@ def test_true_half_precision_is_refused_by_name(tmp_path):
         _fit(Ours(), tmp_path, precision="bf16-true", max_steps=1)
 
 
-def test_a_sharding_strategy_is_refused_by_name():
-    """One device trains alone, DDP on several data parallel; a strategy that shards or
-    spreads the model is refused before the first step (tested on strategy objects, without
-    starting processes: FSDP needs a GPU here)."""
+def test_a_sharding_strategy_graphamp_cannot_run_is_refused_by_name():
+    """One device trains alone, DDP on several data parallel (over the world); Lightning's
+    FSDP (FSDP1) and DeepSpeed strategies wrap the model and are refused before the first
+    step, pointing to the ways that work (tested on strategy objects, without starting
+    processes; ModelParallelStrategy is tested on 2 processes)."""
     single = L.Trainer(accelerator="cpu", devices=1, logger=False)
-    assert integration._data_parallel(single.strategy) is False
+    assert integration._data_parallel(single.strategy) == (False, None)
     ddp = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
-    assert integration._data_parallel(ddp.strategy) is True
-    with pytest.raises(ConfigError, match="strategy=ModelParallelStrategy.*strategy='ddp'"):
-        integration._data_parallel(L.strategies.ModelParallelStrategy())
+    assert integration._data_parallel(ddp.strategy) == (True, None)
+    with pytest.raises(ConfigError, match="strategy=FSDPStrategy.*ModelParallelStrategy"):
+        integration._data_parallel(L.strategies.FSDPStrategy())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ours_kind", ["ours", "ours-zero3"])
+@pytest.mark.parametrize("ours_kind", ["ours", "ours-zero3", "ours-fsdp2"])
 def test_ddp_on_two_processes_equals_stock_lightning(ours_kind, tmp_path):
     """strategy="ddp", devices=2 on the CPU (gloo), the processes Lightning starts itself: the
     logged losses of rank 0 and the final parameters equal the stock module's. With graphamp's
@@ -243,7 +244,7 @@ def test_ddp_on_two_processes_equals_stock_lightning(ours_kind, tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b), (a, b)
     for name, p in stock["params"].items():
         torch.testing.assert_close(ours["params"][name], p, rtol=1e-5, atol=1e-6, msg=name)
-    if ours_kind == "ours-zero3":
+    if ours_kind in ("ours-zero3", "ours-fsdp2"):
         assert ours["sharded"]
         (path,) = (tmp_path / "checkpoints").glob("*.ckpt")
         saved = torch.load(path, weights_only=False)["state_dict"]
@@ -255,6 +256,37 @@ def test_ddp_on_two_processes_equals_stock_lightning(ours_kind, tmp_path):
             losses = [F.cross_entropy(model(x), y) for x, y in _loader()]
         expected = torch.stack(losses).mean()
         torch.testing.assert_close(torch.tensor(ours["val_loss"]), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_fsdp2_under_model_parallel_strategy_resumes_from_its_distributed_checkpoint(tmp_path):
+    """GraphampModule with fully_shard in configure_model under ModelParallelStrategy saves
+    Lightning's distributed checkpoint (DCP: each rank's parameter and optimizer shards); a
+    run resumed from it after one epoch ends bitwise where two epochs without a stop end."""
+    import subprocess
+    import sys
+
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_ddp_worker.py")
+    runs = {}
+    for kind in ("dcp-first", "dcp-resume", "dcp-full"):
+        out = tmp_path / f"{kind}.pt"
+        done = subprocess.run(
+            [sys.executable, worker, kind, str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[kind] = torch.load(out, weights_only=True)
+    (saved,) = (tmp_path / "dcp-first" / "checkpoints").glob("*.ckpt")
+    assert saved.is_dir() and len(list(saved.glob("*.distcp"))) == 2  # one file per rank
+    resumed, full = runs["dcp-resume"], runs["dcp-full"]
+    assert resumed["global_step"] == full["global_step"] == 2 * (STEPS // 2)
+    assert resumed["loss"] == full["loss"][len(full["loss"]) - len(resumed["loss"]) :]
+    for name, p in full["params"].items():
+        assert torch.equal(resumed["params"][name], p), name
 
 
 def test_a_module_without_training_loss_says_what_to_write(tmp_path):

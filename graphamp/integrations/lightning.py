@@ -30,8 +30,10 @@ checkpoint under ``"graphamp"``). ``Trainer(precision=...)``: ``"32-true"``, ``"
 (graphamp's AMP and GradScaler) or ``"bf16-mixed"``; one device, or ``strategy="ddp"`` on
 several (graphamp's step averages the gradients over DDP's processes, and shards with
 ``graph.config.enable_zero(stage=1|2|3)`` in ``configure_graph``: checkpoints then hold whole
-tensors, and validation runs on gathered parameters; Lightning's FSDP and DeepSpeed strategies
-are refused: they wrap the model, which graphamp's step cannot run). Clipping: ``self.clip_grad_max_norm``
+tensors, and validation runs on gathered parameters), or ``ModelParallelStrategy
+(tensor_parallel_size=1)`` with FSDP2's ``fully_shard`` in ``configure_model`` (graphamp takes
+the wrap over as ZeRO-3); Lightning's FSDP (FSDP1) and DeepSpeed strategies are refused: they
+wrap the model, which graphamp's step cannot run. Clipping: ``self.clip_grad_max_norm``
 (``Trainer(gradient_clip_val=...)`` and ``accumulate_grad_batches`` are refused with graphamp's
 equivalents, and a ``training_step`` of the user's that returns a loss without calling
 ``graphamp_step`` is refused at its first batch: a switch done halfway never trains nothing
@@ -154,10 +156,11 @@ class GraphampModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """graphamp's state rides along; under ZeRO-3 the checkpoint's ``state_dict`` holds
         the whole tensors (every rank gathers them here: Lightning calls this hook on every
-        rank, and rank 0 writes), so it loads on any number of devices."""
+        rank, and rank 0 writes), so it loads on any number of devices; a distributed
+        checkpoint of ModelParallelStrategy keeps the shards it saves with DCP."""
         if self.graph is not None:
             checkpoint[CHECKPOINT_KEY] = self.graph.state_dict()
-        if holds_shards(self):
+        if holds_shards(self) and not _saves_shards(self.trainer.strategy):
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 get_model_state_dict,
@@ -211,10 +214,14 @@ class GraphampModule(pl.LightningModule):
             self.graph.load_state_dict(self._graph_state)
 
     def _make_graph(self) -> LightningStep:
-        data_parallel = _data_parallel(self.trainer.strategy)
+        data_parallel, group = _data_parallel(self.trainer.strategy)
+        # registering the module takes over the fully_shard wraps configure_model made
+        # (ModelParallelStrategy): ZeRO-3 over their mesh, graphamp's own collectives
         graph = LightningStep(self, str(self.trainer.precision))
-        if data_parallel:  # DDP's process group; its gradient sync is graphamp's step's
-            graph.config.enable_data_parallel()
+        if data_parallel and graph.config.fully_shard is None:
+            # DDP's process group (or the data-parallel mesh of a model left unwrapped); its
+            # gradient sync is graphamp's step's
+            graph.config.enable_data_parallel(process_group=group)
         self.configure_graph(graph)
         if self._graph_state is not None:
             graph.load_state_dict(self._graph_state)
@@ -297,19 +304,45 @@ def _clips_by_norm(trainer: Any) -> bool:
     return str(getattr(algorithm, "value", algorithm) or "norm") == "norm"
 
 
-def _data_parallel(strategy: Any) -> bool:
-    """Whether the step averages gradients over DDP's processes (``strategy="ddp"`` or
-    ``"ddp_spawn"`` on several devices). A strategy that shards or spreads the model (FSDP,
-    DeepSpeed, model parallel) is refused: its sharding is not in graphamp's step yet."""
+def _data_parallel(strategy: Any) -> tuple[bool, Any]:
+    """(Whether the step averages gradients over processes, over which group: None for the
+    world). ``strategy="ddp"`` (or ``"ddp_spawn"``) on several devices: DDP's, the world;
+    ``ModelParallelStrategy`` with
+    ``tensor_parallel_size=1``, its data-parallel mesh (its ``configure_model`` wraps with
+    FSDP2's ``fully_shard``, which graphamp takes over). Lightning's FSDP (FSDP1) and DeepSpeed
+    strategies, and tensor parallelism, are refused: they spread the model in ways graphamp's
+    step does not."""
     if isinstance(strategy, pl.strategies.SingleDeviceStrategy):
-        return False
+        return False, None
     if type(strategy) is pl.strategies.DDPStrategy:
-        return strategy.world_size > 1
+        return strategy.world_size > 1, None
+    model_parallel = getattr(pl.strategies, "ModelParallelStrategy", None)
+    if model_parallel is not None and type(strategy) is model_parallel:
+        mesh = strategy.device_mesh
+        if mesh["tensor_parallel"].size() > 1:
+            raise ConfigError(
+                "GraphampModule under ModelParallelStrategy shards data parallel only (FSDP2's "
+                f"fully_shard, taken over as ZeRO-3): tensor_parallel_size="
+                f"{mesh['tensor_parallel'].size()} is not supported; set tensor_parallel_size=1"
+            )
+        return True, mesh["data_parallel"].get_group()
     raise ConfigError(
-        f"GraphampModule trains on one device or data parallel (strategy='ddp'), got "
-        f"Trainer(strategy={type(strategy).__name__}): its sharding is not in graphamp's step "
-        "yet. Use strategy='ddp' and shard inside graphamp's step: "
-        "graph.config.enable_zero(stage=3) in configure_graph(self, graph) (docs/distributed.md)"
+        f"GraphampModule cannot train under Trainer(strategy={type(strategy).__name__}): it "
+        "wraps the model in a way graphamp's step cannot run. Use strategy='ddp' (with "
+        "graph.config.enable_zero(stage=3) in configure_graph(self, graph) for FSDP's "
+        "sharding), or ModelParallelStrategy(tensor_parallel_size=1) with FSDP2's fully_shard "
+        "in configure_model (docs/distributed.md)"
+    )
+
+
+def _saves_shards(strategy: Any) -> bool:
+    """ModelParallelStrategy(save_distributed_checkpoint=True) saves each rank's shards with
+    torch.distributed.checkpoint: the state dict it made stays as it is (DTensor shards)."""
+    model_parallel = getattr(pl.strategies, "ModelParallelStrategy", None)
+    return (
+        model_parallel is not None
+        and type(strategy) is model_parallel
+        and bool(getattr(strategy, "_save_distributed_checkpoint", True))
     )
 
 

@@ -71,12 +71,9 @@ def _shard(graph_name: str, name: str, p: torch.Tensor, group) -> nn.Parameter:
         )
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     shape = p.shape
-    rows, held = rows_of(shape, world), rows_held(shape, world, rank)
-    width = math.prod(shape[1:])
-    row = torch.zeros(chunk_of(shape, world), dtype=p.dtype, device=p.device)
-    with torch.no_grad():
-        row[: held * width] = _rank_rows(p, group, rank * rows, held).reshape(-1)
-    local = row[: held * width].view(held, *shape[1:])
+    held = rows_held(shape, world, rank)
+    row = row_from(p, group)
+    local = row[: held * math.prod(shape[1:])].view(held, *shape[1:])
     mesh = DeviceMesh.from_group(group, p.device.type)
     with torch.no_grad():
         shard = DTensor.from_local(
@@ -85,6 +82,17 @@ def _shard(graph_name: str, name: str, p: torch.Tensor, group) -> nn.Parameter:
     param = nn.Parameter(shard, requires_grad=p.requires_grad)
     register_row(row)
     return param
+
+
+def row_from(t: torch.Tensor, group) -> torch.Tensor:
+    """This rank's flat, zero-padded row of ``t``'s whole value (a new tensor): a plain
+    tensor is cut, a DTensor read locally where it can be (``_rank_rows``)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows, held = rows_of(t.shape, world), rows_held(t.shape, world, rank)
+    row = torch.zeros(chunk_of(t.shape, world), dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        row[: held * math.prod(t.shape[1:])] = _rank_rows(t, group, rank * rows, held).reshape(-1)
+    return row
 
 
 def _rank_rows(p: torch.Tensor, group, start: int, held: int) -> torch.Tensor:
