@@ -6,7 +6,8 @@ processes (gloo), which Lightning starts itself by running this script again:
 KIND: stock (a LightningModule with automatic optimization) or ours (GraphampModule), the
 modules of test_trainer_lightning.py; ours-zero3 is ours with graphamp's ZeRO-3 set in
 configure_graph, Lightning's checkpointing on and a validation run after training; ours-fsdp2
-is that under ModelParallelStrategy with FSDP2's fully_shard in configure_model; dcp-first,
+is that under ModelParallelStrategy with FSDP2's fully_shard in configure_model (and
+ours-mp-unwrapped with a configure_model that wraps nothing: data parallel); dcp-first,
 dcp-resume and dcp-full resume it from Lightning's distributed checkpoint (``resume``). Rank 0
 writes the logged losses, the final (whole) parameters and the validation loss to OUT.
 """
@@ -54,18 +55,26 @@ class OursFsdp2(OursZero3):
         fully_shard(self.model, mesh=mesh)
 
 
+class OursUnwrapped(OursFsdp2):
+    """ModelParallelStrategy with a configure_model that wraps nothing: data parallel."""
+
+    def configure_model(self):
+        pass
+
+
 def main(kind: str, out: str) -> None:
     warnings.simplefilter("ignore")
-    module = {"ours": Ours, "ours-zero3": OursZero3, "ours-fsdp2": OursFsdp2}.get(kind, Stock)()
+    kinds = {"ours": Ours, "ours-zero3": OursZero3, "ours-fsdp2": OursFsdp2}
+    module = {**kinds, "ours-mp-unwrapped": OursUnwrapped}.get(kind, Stock)()
     strategy = "ddp"
-    if kind == "ours-fsdp2":
+    if kind in ("ours-fsdp2", "ours-mp-unwrapped"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         # one checkpoint file (whole tensors), which the test reads like ours-zero3's
         strategy = ModelParallelStrategy(
             data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False
         )
-    checkpoints = kind in ("ours-zero3", "ours-fsdp2")
+    checkpoints = kind in ("ours-zero3", "ours-fsdp2", "ours-mp-unwrapped")
     trainer, rows = _fit(
         module,
         os.path.dirname(out),
