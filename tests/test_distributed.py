@@ -70,6 +70,7 @@ def test_data_parallel_ranks_agree_and_equal_one_process(mode, tmp_path):
         torch.testing.assert_close(ranks[0]["params"][k], v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
 def test_data_parallel_autofix_pins_on_every_rank_when_one_ranks_data_overflows(tmp_path):
     """Only rank 1's shard overflows fp16 in the first layer's matmul. Every rank records the
     same overflowing steps, pins the same op after the same step and rebuilds with the others

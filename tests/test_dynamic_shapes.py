@@ -75,6 +75,7 @@ def test_a_variable_length_run_equals_eager_and_compiles_twice(backend, caplog):
     assert "'x' dimension 1, 'y' dimension 1 are dynamic" in said[0]
 
 
+@pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
 def test_static_shapes_compile_a_step_per_shape_and_equal_eager():
     g = _train_lm(LENGTHS, configure=lambda self: self.config.set_dynamic_shapes(False))
     assert len(g.compiled_steps) == len(set(LENGTHS))
@@ -87,12 +88,14 @@ def test_dimensions_marked_dynamic_compile_once():
     assert only.dynamic == ((0, 1), (1, 1)) and only.calls == len(LENGTHS)
 
 
+@pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
 def test_all_dimensions_dynamic_from_the_first_call():
     g = _train_lm(LENGTHS, configure=lambda self: self.config.set_dynamic_shapes(True))
     (only,) = g.compiled_steps
     assert only.dynamic == ((0, 0), (0, 1), (1, 0), (1, 1))
 
 
+@pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
 def test_sizes_zero_and_one_get_a_step_of_their_own():
     """A dynamic dimension ranges over 2..; a batch of length 1 broadcasts differently."""
     g = _train_lm((12, 7, 1, 9))
@@ -214,6 +217,7 @@ def test_padded_transformers_gpt2_under_bf16_amp_on_inductor_trains_like_autocas
     assert len(g.compiled_steps) == 2
 
 
+@pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
 def test_precision_decisions_do_not_depend_on_sizes(caplog):
     """The dynamic step of a bf16 run makes the static step's decisions, op for op."""
     model = TinyGPT(layers=2)

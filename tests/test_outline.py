@@ -115,7 +115,8 @@ def _calls(g) -> list[str]:
     "name, calls, distinct",
     [
         ("tiny_gpt", 6, 2),  # 3 blocks: forward and backward (the update is not outlined)
-        ("block_stack", 5, 2),  # one block's backward region has no equal: it stays inline
+        # one block's backward region has no equal: it stays inline
+        pytest.param("block_stack", 5, 2, marks=pytest.mark.slow),
         ("hf_gpt2", 6, 2),
         # layer1.0 and layer1.1 are the only equal blocks (the others differ in width or
         # have a downsample)
@@ -198,6 +199,7 @@ def _train_masked(outline: bool):
     return _run(model, lm_loss, opt, _tokens, 6, outline, amp=torch.float16, scaler=scaler)
 
 
+@pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
 def test_outlined_step_is_bitwise_with_momentum_and_skipped_steps():
     inlined, outlined = _train_masked(False), _train_masked(True)
     _assert_bitwise(inlined, outlined)
@@ -223,6 +225,7 @@ def _train_two_groups(outline: bool):
     return _run(model, lm_loss, opt, _tokens, 2, outline, amp=torch.bfloat16)
 
 
+@pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
 def test_outlined_step_is_bitwise_with_two_param_groups():
     inlined, outlined = _train_two_groups(False), _train_two_groups(True)
     _assert_bitwise(inlined, outlined)
@@ -275,6 +278,7 @@ def _tiny_gpt_run(outline: bool, configure, batch, steps: int):
     return _run(model, lm_loss, opt, batch, steps, outline, configure, amp=torch.bfloat16)
 
 
+@pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
 def test_a_step_with_gradient_accumulation_is_outlined_and_bitwise_the_inlined_one():
     """Each micro-batch runs every block's forward and backward once: each instance is a region
     of its own (they were one region per block, spread over the micro-batches, which outlining
@@ -300,7 +304,7 @@ def test_a_step_with_gradient_accumulation_is_outlined_and_bitwise_the_inlined_o
     assert _calls(g) == []
 
 
-@pytest.mark.parametrize("kind", ["checkpointed", "dynamic"])
+@pytest.mark.parametrize("kind", ["checkpointed", pytest.param("dynamic", marks=pytest.mark.slow)])
 def test_checkpointed_and_dynamic_steps_are_outlined_and_bitwise_the_inlined_ones(kind):
     """A step with activation checkpointing (the recomputation reads the forward's attention
     outputs: one getitem per output, so no region returns the op's tuple) and a step with

@@ -530,6 +530,7 @@ def _variable_lengths(n=5):
     ]
 
 
+@pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
 def test_a_step_with_symbolic_sizes_is_cached_with_its_guards(monkeypatch):
     """The automatic dynamic step (sizes as symbols after a length changed) is saved; a second
     build loads it (no assembly), assumes the same size guards and trains bitwise like it."""

@@ -87,7 +87,10 @@ def _retry(fn):
 
 @pytest.mark.parametrize(
     "backend",
-    ["aot_eager", pytest.param("inductor", marks=[pytest.mark.inductor, pytest.mark.slow])],
+    [
+        pytest.param("aot_eager", marks=pytest.mark.slow),  # 20 s
+        pytest.param("inductor", marks=[pytest.mark.inductor, pytest.mark.slow]),
+    ],
 )
 def test_real_interrupts_at_random_moments_never_tear_the_state(backend):
     """A timer thread sends SIGINT at a random offset of ~500 calls (the first, compiling, call
