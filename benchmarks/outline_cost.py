@@ -145,15 +145,18 @@ def measure(workload: str, rounds: int, steps: int, smoke: bool, kind: str = "pl
         first_call[program] = time.perf_counter() - start
         programs[program] = step
     times: dict[str, list[float]] = {p: [] for p in PROGRAMS}
+    faults: dict[str, list[int]] = {p: [] for p in PROGRAMS}
     for r in range(rounds):
         for program in PROGRAMS if r % 2 == 0 else PROGRAMS[::-1]:
             step = programs[program]
             for _ in range(2):  # the other programs ran meanwhile: caches cold again
                 step(x, y)
             for _ in range(steps):
+                before = _minor_faults()
                 start = time.perf_counter()
                 step(x, y)
                 times[program].append(time.perf_counter() - start)
+                faults[program].append(_minor_faults() - before)
     ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
     return {
         "workload": workload if kind == "plain" else f"{workload} ({kind})",
@@ -162,9 +165,25 @@ def measure(workload: str, rounds: int, steps: int, smoke: bool, kind: str = "pl
         "outlined/compile": round(ms["outlined"] / ms["compile"], 3),
         "inlined/compile": round(ms["inlined"] / ms["compile"], 3),
         "first_call_s": {p: round(v, 1) for p, v in first_call.items()},
+        # pages the step touched fresh from the OS (glibc gives big freed buffers back)
+        "minor_faults_per_step": {p: int(statistics.median(f)) for p, f in faults.items()},
         "rounds": rounds,
         "steps_per_round": steps,
     }
+
+
+def _minor_faults() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+# glibc's malloc hands a freed buffer above its mmap threshold (or the heap's top above its
+# trim threshold) back to the OS, so the next step faults every page of it in again: thousands
+# of page faults a step on the CPU, and a different count for two programs that allocate in a
+# different order. These settings keep freed memory in the process (up to glibc's 32 MiB cap
+# on the mmap threshold), as a caching allocator does on the GPU.
+KEPT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 
 
 def write_table(path: str, rows: list[dict], meta: dict) -> None:
@@ -180,15 +199,18 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         "measures cold and warm starts in fresh processes).",
         "",
         "| workload | outlined ms | inlined ms | torch.compile ms | outlined / inlined | "
-        "outlined / torch.compile | first call s (outlined, inlined, compile; not cold) |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "outlined / torch.compile | first call s (outlined, inlined, compile; not cold) | "
+        "page faults per step (outlined, inlined, compile) |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         ms, fc = r["ms"], r["first_call_s"]
+        pf = r.get("minor_faults_per_step", {})
         lines.append(
             f"| {r['workload']} | {ms['outlined']:.2f} | {ms['inlined']:.2f} | "
             f"{ms['compile']:.2f} | {r['outlined/inlined']:.3f} | {r['outlined/compile']:.3f} | "
-            f"{fc['outlined']}, {fc['inlined']}, {fc['compile']} |"
+            f"{fc['outlined']}, {fc['inlined']}, {fc['compile']} | "
+            f"{', '.join(str(pf.get(p, '-')) for p in PROGRAMS)} |"
         )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -208,8 +230,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="graphamp's step with activation checkpointing of every block, 2 micro-batches of "
         "gradient accumulation, or symbolic sizes (results in outline_cost_KIND_cpu.*)",
     )
+    parser.add_argument(
+        "--malloc-kept",
+        action="store_true",
+        help="run with glibc's malloc keeping freed memory (KEPT_MALLOC: no page faults from "
+        "buffers given back to the OS each step); results in *_malloc_kept_cpu.*",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
+    if args.malloc_kept and any(os.environ.get(k) != v for k, v in KEPT_MALLOC.items()):
+        # glibc reads these once, at process start: run this command again with them
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **KEPT_MALLOC})
     import torch
 
     torch.set_num_threads(args.threads)
@@ -227,6 +258,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     name = "outline_cost_smoke" if args.smoke else "outline_cost_cpu"
     if args.kind != "plain":
         name = name.replace("outline_cost", f"outline_cost_{args.kind}")
+    if args.malloc_kept:
+        name = name.replace("_cpu", "_malloc_kept_cpu")
+        meta["machine"] += (
+            ", glibc malloc keeping freed memory ("
+            + " ".join(f"{k}={v}" for k, v in KEPT_MALLOC.items())
+            + ")"
+        )
     for workload in args.workload:
         row = measure(workload, args.rounds, args.steps, args.smoke, args.kind)
         print(json.dumps(row), flush=True)
