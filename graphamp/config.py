@@ -314,7 +314,7 @@ class GraphConfig:
         self._set(zero_stage=stage)
 
     def _adopt_fully_shard(self, wrap: FullyShardWrap) -> None:
-        """A registered model wrapped with fully_shard (runner/fsdp_adopt.py): ZeRO-3 over
+        """A registered model wrapped with fully_shard (runtime/fsdp_adopt.py): ZeRO-3 over
         its mesh's group. Called by the Graph when the model is registered."""
         current = self._snapshot.fully_shard
         if current is None and self.zero_stage:

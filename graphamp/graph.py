@@ -33,9 +33,9 @@ from .records.optimizers import TRACED, check_optimizer_slot, optimizer_kind
 from .records.spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .records.state import SharedState
 from .records.validate import check_choice
-from .runner.fsdp_adopt import fully_shard_wrap, take_over
 from .runtime import schedulers
 from .runtime.calls import GraphRuntime, building_graph, call, graph_spec
+from .runtime.fsdp_adopt import fully_shard_wrap, take_over
 from .runtime.graph_state import graph_state_dict, load_graph_state
 from .runtime.overflows import overflow_report
 from .runtime.torch_scaler import as_graphamp_scaler
@@ -334,7 +334,7 @@ class Graph:
 def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
     """The module a wrapper stands for: a torch.compile'd module trains as its original
     (graphamp compiles the whole step itself); FSDP1 is refused by name (FSDP2's fully_shard was
-    taken over before: runner/fsdp_adopt.py)."""
+    taken over before: runtime/fsdp_adopt.py)."""
     if isinstance(value, nn.Module) and isinstance(getattr(value, "_orig_mod", None), nn.Module):
         log.info(
             "%s.%s is a torch.compile'd module: graphamp captures and compiles its "

@@ -339,16 +339,16 @@ def test_a_parametrized_module_trains_as_eager():
     t.check()
 
 
-def test_an_fsdp2_module_is_refused_by_name():
-    fsdp = pytest.importorskip("torch.distributed.fsdp")
-    if not hasattr(fsdp, "FSDPModule"):
-        pytest.skip("this torch has no FSDP2")
+def test_an_fsdp1_module_is_refused_by_name():
+    """FSDP1's FullyShardedDataParallel is refused at registration, nothing registered (FSDP2's
+    fully_shard is taken over instead: tests/test_zero.py, on processes)."""
     model = _mlp()
     g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
     sharded = nn.Linear(16, 4)
-    # what fully_shard does to a module (without the process group it also needs)
-    sharded.__class__ = type("FSDPLinear", (fsdp.FSDPModule, nn.Linear), {})
-    with pytest.raises(GraphDefinitionError, match="FSDPLinear.*FSDP"):
+    # a class of FSDP1's module (the wrapper itself needs a process group to be made)
+    module = "torch.distributed.fsdp.fully_sharded_data_parallel"
+    sharded.__class__ = type("FSDP1Linear", (nn.Linear,), {"__module__": module})
+    with pytest.raises(GraphDefinitionError, match="FSDP1Linear.*FSDP1.*fully_shard"):
         g.other = sharded
     assert "other" not in vars(g) and list(g._registered_modules) == ["model", "loss_fn"]
 

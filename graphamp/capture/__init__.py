@@ -8,6 +8,7 @@ from .oracle import autocast_forward
 from .root import (
     BuildRoot,
     check_devices,
+    check_fully_shard_policy,
     check_not_fsdp,
     checkpointed_paths,
     fake_copy,
@@ -23,5 +24,6 @@ __all__ = [
     "fake_copy",
     "pinned_paths",
     "checkpointed_paths",
+    "check_fully_shard_policy",
     "check_not_fsdp",
 ]

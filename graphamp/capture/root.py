@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import CaptureError, ConfigError, InputError
 from ..records.inputs import FlatInputs
 from ..records.model_pins import model_fp32_pins
+from ..records.settings import ConfigSnapshot
 from ..records.sharding import is_shard
 
 
@@ -48,7 +49,7 @@ def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
     put on after registration): their collectives run outside any graph, which make_fx cannot
     trace through (measured on torch 2.14, gloo: "'FunctionalTensor' object has no attribute
     '_local_tensor'"). A ``fully_shard`` wrap registered on the Graph was taken over already
-    (runner/fsdp_adopt.py)."""
+    (runtime/fsdp_adopt.py)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
@@ -63,6 +64,23 @@ def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
                 "self.config.enable_zero(stage=3): it shards the parameters, gradients and "
                 "optimizer state inside the compiled step, as DTensors in FSDP2's layout"
             )
+
+
+def check_fully_shard_policy(graph_name: str, config: ConfigSnapshot) -> None:
+    """A wrap's ``param_dtype`` is AMP's dtype (read at the first call: AMP may be enabled
+    after the model is registered)."""
+    wrap = config.fully_shard
+    if wrap is None or wrap.param_dtype is None:
+        return
+    if not config.amp_active or config.amp_dtype != wrap.param_dtype:
+        amp = f"AMP in {config.amp_dtype}" if config.amp_active else "AMP off"
+        raise ConfigError(
+            f"{graph_name}: the model's fully_shard asks for MixedPrecisionPolicy(param_dtype="
+            f"{wrap.param_dtype}) and the Graph has {amp}. graphamp runs low precision "
+            "through its AMP, op by op: call self.config.enable_amp(True, "
+            f"dtype={wrap.param_dtype}) (the parameters it casts are gathered in that dtype, "
+            "as FSDP2's are), or wrap without param_dtype"
+        )
 
 
 def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch.device:

@@ -23,6 +23,7 @@ from ..capture import (
     BuildRoot,
     capture_forward,
     check_devices,
+    check_fully_shard_policy,
     check_not_fsdp,
     checkpointed_paths,
     pinned_paths,
@@ -34,7 +35,6 @@ from ..records.inputs import FlatInputs
 from ..records.spec import CapturedForward, GraphSpec, PassRecord, StepFn, StepPlan
 from ..records.state import SharedState
 from ..runner import Runner
-from ..runner.fsdp_adopt import check_fully_shard_policy
 from ..runner.sharded_params import shard_group
 from ..step import (
     OutlineResult,

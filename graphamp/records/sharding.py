@@ -90,7 +90,7 @@ def row_of(p: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class FullyShardWrap:
     """What graphamp kept of a model the user wrapped with FSDP2's ``fully_shard``
-    (runner/fsdp_adopt.py): the step is ZeRO-3 over ``group``, gathering each wrapped module's
+    (runtime/fsdp_adopt.py): the step is ZeRO-3 over ``group``, gathering each wrapped module's
     parameters as one block, and the wrap's ``MixedPrecisionPolicy`` is checked against AMP."""
 
     group: Any  # the 1-D mesh's process group

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..records.optimizers import OptimizerPlan
 from ..records.sharding import chunk_of
+from .sharded_params import row_from
 
 _REGISTRY: weakref.WeakKeyDictionary[torch.optim.Optimizer, _ShardedOptimizer] = (
     weakref.WeakKeyDictionary()
@@ -67,8 +68,6 @@ def local_state(
     if existing is not None and is_shard(opt, existing):
         return existing
     from torch.distributed.tensor import DTensor
-
-    from .sharded_params import row_from
 
     if existing is None:
         row = torch.zeros(chunk, dtype=p.dtype, device=p.device)

@@ -9,7 +9,7 @@ registered, graphamp takes the wrap over:
 - the wrap's mesh becomes the step's process group, and ZeRO-3 is on;
 - each wrapped module (each block, then the root, as FSDP2's docs wrap) is one gather bucket;
 - ``MixedPrecisionPolicy.param_dtype`` must be AMP's dtype (checked at the first call, when the
-  settings are final): graphamp gathers a parameter read only through its cast in that dtype,
+  settings are final: ``capture.root.check_fully_shard_policy``): graphamp gathers a parameter read only through its cast in that dtype,
   as FSDP2 does, but decides each op's precision from its lists;
 - FSDP2's hooks and module classes are removed, so the model is a plain module whose
   parameters are still FSDP2's DTensor shards; at the first call ``sharded_params`` copies each
@@ -30,8 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..errors import ConfigError, GraphDefinitionError
-from ..records.settings import ConfigSnapshot
+from ..errors import GraphDefinitionError
 from ..records.sharding import FullyShardWrap
 
 log = logging.getLogger("graphamp")
@@ -165,20 +164,3 @@ def _ranks(group) -> tuple[int, ...]:
     import torch.distributed as dist
 
     return tuple(dist.get_process_group_ranks(group))
-
-
-def check_fully_shard_policy(graph_name: str, config: ConfigSnapshot) -> None:
-    """A wrap's ``param_dtype`` is AMP's dtype (read at the first call: AMP may be enabled
-    after the model is registered)."""
-    wrap = config.fully_shard
-    if wrap is None or wrap.param_dtype is None:
-        return
-    if not config.amp_active or config.amp_dtype != wrap.param_dtype:
-        amp = f"AMP in {config.amp_dtype}" if config.amp_active else "AMP off"
-        raise ConfigError(
-            f"{graph_name}: the model's fully_shard asks for MixedPrecisionPolicy(param_dtype="
-            f"{wrap.param_dtype}) and the Graph has {amp}. graphamp runs low precision "
-            "through its AMP, op by op: call self.config.enable_amp(True, "
-            f"dtype={wrap.param_dtype}) (the parameters it casts are gathered in that dtype, "
-            "as FSDP2's are), or wrap without param_dtype"
-        )
