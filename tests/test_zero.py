@@ -115,8 +115,10 @@ def test_zero3_with_bf16_amp_gathers_the_low_precision_copies_and_trains_like_ze
     """bf16 AMP on 2 ranks: ZeRO-3 gathers each matmul weight's bf16 copy (its row cast first:
     the same values, half the bytes) where ZeRO-2 casts the float32 whole; the two train
     bitwise alike (a sum of two ranks' gradients does not depend on how it is bucketed), with
-    aot_eager and with inductor compiling the step."""
-    env = {"GRAPHAMP_TEST_AMP": "bf16", "GRAPHAMP_TEST_BACKEND": backend}
+    aot_eager and with inductor compiling the step. The first block also holds a LayerNorm,
+    whose float32 parameters travel as bytes in the block's one all-gather beside the bf16
+    copies."""
+    env = {"GRAPHAMP_TEST_AMP": "bf16", "GRAPHAMP_TEST_BACKEND": backend, "GRAPHAMP_TEST_NORM": "1"}
     runs = {}
     for stage in (2, 3):
         out = tmp_path / str(stage)
@@ -129,6 +131,8 @@ def test_zero3_with_bf16_amp_gathers_the_low_precision_copies_and_trains_like_ze
             assert torch.equal(v, b["params"][k]), k
         assert a["skipped"] == b["skipped"]
     assert runs[3][0]["gathered_bf16"] > 0
+    # one all-gather per block: the mixed first block's (bytes), the second block's (bf16)
+    assert runs[3][0]["gathered_bytes"] > 0 and runs[3][0]["gather_buckets"] == 2
 
 
 @pytest.mark.slow

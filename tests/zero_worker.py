@@ -9,7 +9,8 @@ global batch; RESUME_FROM: a checkpoint directory written by an earlier run (any
 Writes rank{r}.pt (parameters, optimizer state dict, skips, bytes of optimizer state held) and,
 from rank 0, a checkpoint (model, optimizer.state_dict(), graph state) into OUT_DIR.
 GRAPHAMP_TEST_FULLY_SHARD=blocks|root: the model is wrapped with FSDP2's fully_shard instead of
-asking for enable_zero (STAGE 3 then).
+asking for enable_zero (STAGE 3 then). GRAPHAMP_TEST_NORM: the first layer is followed by a
+LayerNorm in the same block.
 """
 
 import os
@@ -124,6 +125,8 @@ def main():
         model = fully_sharded(wrap)
     else:  # each rank its own values: graphamp broadcasts rank 0's
         model = make_model(seed=rank, width=WIDTH)
+    if os.environ.get("GRAPHAMP_TEST_NORM"):  # a first block of bf16 copies and fp32 norms
+        model[0] = nn.Sequential(model[0], nn.LayerNorm(WIDTH))
     g, opt = make_training(stage, acc, model)
     if resume:
         ckpt = torch.load(os.path.join(resume, "ckpt.pt"), weights_only=True)
@@ -152,7 +155,13 @@ def main():
             for n in g.compiled_steps[-1].step_graph.graph.nodes
             if "all_gather" in str(n.target) and n.meta["val"].dtype == torch.bfloat16
         ),
-        # ZeRO-3's gather buckets (one per block and dtype)
+        # ...and of bytes: a block whose rows travel in several dtypes
+        "gathered_bytes": sum(
+            1
+            for n in g.compiled_steps[-1].step_graph.graph.nodes
+            if "all_gather" in str(n.target) and n.meta["val"].dtype == torch.uint8
+        ),
+        # ZeRO-3's gather buckets (one per block)
         "gather_buckets": len(
             {
                 n.meta["graphamp_gather"]

@@ -322,23 +322,24 @@ def _whole_parameters(
 
 def _gather_shards(plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tensor]):
     """ZeRO-3: (the whole parameters, AMP's low-precision copies) from every rank's rows, one
-    all-gather per block of parameters (``records.sharding.block_of``) and dtype. A parameter
-    the forward reads only through its low-precision copy is gathered in that dtype (its row
-    cast first: the same values, half the bytes of float32), and its whole is never made (an
-    empty tensor stands for it, read for its shape only). Traced here, at the start of the step;
+    all-gather per block of parameters (``records.sharding.block_of``), its dtypes as bytes
+    when it holds several. A parameter the forward reads only through its low-precision copy
+    is gathered in that dtype (its row cast first: the same values, half the bytes of
+    float32), and its whole is never made (an empty tensor stands for it, read for its shape
+    only). Traced here, at the start of the step;
     ``shard_gathers.place_collectives`` then moves each block's gather to where it is read."""
     placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
     shapes = [node.meta["val"].shape for node in plan.forward_layout.split(placeholders).params]
     cast_only = {i: dtype for i, dtype in plan.param_casts if i not in plan.direct_use}
-    # (block, dtype) -> [(i, row to gather)], in parameter order
-    buckets: dict[tuple[str, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+    # block -> [(i, the dtype its row travels in)], in parameter order
+    buckets: dict[str, list[tuple[int, torch.dtype]]] = {}
     for i, (name, row) in enumerate(zip(plan.captured.param_names, rows)):
         dtype = cast_only.get(i, row.dtype)
-        buckets.setdefault((block_of(name, plan.gather_blocks), dtype), []).append((i, row))
+        buckets.setdefault(block_of(name, plan.gather_blocks), []).append((i, dtype))
     gathered: dict[int, torch.Tensor] = {}
-    for number, ((_, dtype), members) in enumerate(buckets.items()):
-        with NodeTagger({GATHER: number}):
-            pieces = [row.to(dtype) for _, row in members]
+    for number, members in enumerate(buckets.values()):
+        with NodeTagger({GATHER: number}):  # the casts too: they move with the gather
+            pieces = [rows[i].to(dtype) for i, dtype in members]
             values = gather_parameters(pieces, [shapes[i] for i, _ in members], plan.process_group)
         gathered.update((i, value) for (i, _), value in zip(members, values))
     whole = [

@@ -64,15 +64,42 @@ def local_rows(params: list[torch.Tensor], rank: torch.Tensor, group) -> list[to
 
 
 def gather_parameters(rows: list[torch.Tensor], shapes: list[torch.Size], group) -> list:
-    """The whole parameters of ``shapes`` from every rank's rows (one all-gather)."""
+    """The whole parameters of ``shapes`` from every rank's rows (one all-gather). Rows of
+    several dtypes (a block's bf16 copies and its float32 norms) travel as bytes in that one
+    all-gather, as FSDP2's copy-in does: ``_gather_bytes``."""
     if not rows:
         return []
+    if len({row.dtype for row in rows}) > 1:
+        return _gather_bytes(rows, shapes, group)
     world = dist.get_world_size(group)
     gathered = funcol.all_gather_tensor(torch.cat(rows), 0, group).view(world, -1)
     pieces = _split_row(gathered, shapes, world)
     return [
         piece.reshape(-1)[: math.prod(shape)].view(shape) for piece, shape in zip(pieces, shapes)
     ]
+
+
+_ALIGN = 16  # bytes: every rank's part starts where any dtype's view of it may start
+
+
+def _gather_bytes(rows: list[torch.Tensor], shapes: list[torch.Size], group) -> list:
+    """``gather_parameters`` for rows of mixed dtypes: each row viewed as bytes, the widest
+    dtypes first (so every piece starts at a multiple of its element size), each rank's part
+    padded to ``_ALIGN`` bytes; after the gather each piece is viewed back as its dtype."""
+    world = dist.get_world_size(group)
+    order = sorted(range(len(rows)), key=lambda i: -rows[i].element_size())
+    sizes = [rows[i].numel() * rows[i].element_size() for i in order]
+    padding = -sum(sizes) % _ALIGN
+    parts = [rows[i].contiguous().view(torch.uint8) for i in order]
+    if padding:
+        parts.append(rows[0].new_zeros(padding, dtype=torch.uint8))
+    gathered = funcol.all_gather_tensor(torch.cat(parts), 0, group).view(world, -1)
+    pieces = gathered.split([*sizes, padding], dim=-1)
+    out: list = [None] * len(rows)
+    for i, piece in zip(order, pieces):
+        whole = piece.contiguous().view(rows[i].dtype).reshape(-1)
+        out[i] = whole[: math.prod(shapes[i])].view(shapes[i])
+    return out
 
 
 def global_norm(shards: list[torch.Tensor], norm_type: float, group) -> torch.Tensor:
