@@ -246,8 +246,8 @@ def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
     spec, config = ctx.spec, ctx.spec.config
     wanted = config.outline_blocks
     if wanted is None:  # the default: where the steady step measured no slower outlined
-        # (benchmarks/outline_cost.py --kind accumulated: 1.21x the inlined step, CPU; each
-        # micro-batch's gradient sum no longer fuses into the weight-gradient kernels)
+        # (benchmarks/outline_cost.py --kind accumulated, CPU: 1.10x the inlined step, 1.04x
+        # with glibc's malloc keeping freed memory; docs/usage.md)
         wanted = config.grad_acc_steps == 1
     outline = (
         wanted
