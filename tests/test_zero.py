@@ -203,6 +203,9 @@ def test_zero3_shards_tied_frozen_and_tiny_parameters_and_fsdp2_reads_its_checkp
         with torch.no_grad():
             untrained = make_lm().eval()(lm_batches()[0][0])
         torch.testing.assert_close(r["reloaded_logits"], untrained, rtol=1e-5, atol=1e-5)
+    for r in ranks:  # the DCP checkpoint loaded into the sharded model in place
+        assert r["dcp_reloaded_equal"] and r["dcp_still_shards"]
+        assert torch.equal(r["dcp_logits"], r["evaluated"])
     assert [r["held"]["gate"] for r in ranks] == [1, 1, 1, 0]
     assert [r["held"]["embed.weight"] for r in ranks] == [48, 48, 48, 32]  # 11 rows: 3, 3, 3, 2
 

@@ -12,7 +12,7 @@ model (fully_shard per block, then the root) that loaded graphamp's sharded chec
 torch.distributed.checkpoint, the logits of the first batch from an eval Graph on the sharded
 model and from an eager forward under graphamp.gathered_parameters, and, after the untrained
 model's state dict is loaded into the shards with set_model_state_dict, its whole state and an
-eval Graph's logits.
+eval Graph's logits; then the trained DCP checkpoint loaded back into the shards in place.
 """
 
 import os
@@ -137,6 +137,12 @@ def main():
     set_model_state_dict(model, dict(fresh), options=StateDictOptions(full_state_dict=True))
     reloaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     reloaded_logits = Evaluate()(ids)
+    # and the trained shards' DCP checkpoint loaded back into the shards in place (the model
+    # already sharded): its values land in the rows, which stay graphamp's shards
+    in_place = model.state_dict()
+    dcp.load(in_place, checkpoint_id=os.path.join(out_dir, "dcp"))
+    dcp_reloaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    dcp_logits = Evaluate()(ids)
     result = {
         "params": whole,
         "held": held,
@@ -148,6 +154,9 @@ def main():
         "reloaded_equal": all(torch.equal(reloaded[k], v) for k, v in fresh.items()),
         "still_shards": all(is_shard(p) for p in model.parameters()),
         "reloaded_logits": reloaded_logits,
+        "dcp_reloaded_equal": all(torch.equal(dcp_reloaded[k], v) for k, v in whole.items()),
+        "dcp_still_shards": all(is_shard(p) for p in model.parameters()),
+        "dcp_logits": dcp_logits,
     }
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     leave()
