@@ -313,12 +313,14 @@ def test_enable_zero_needs_a_process_group():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3, "fully_shard"])
 def test_a_data_parallel_step_loads_from_the_step_cache_on_every_rank(stage, tmp_path):
-    """Data parallel (stage 0), ZeRO-2 and ZeRO-3 on 2 gloo ranks: the first run assembles the step and
-    saves it; a restart in fresh processes loads it on both ranks (no assembly) and trains
-    bitwise like the assembled step."""
+    """Data parallel (stage 0), ZeRO-2, ZeRO-3 and a fully_shard model on 2 gloo ranks: the
+    first run assembles the step and saves it; a restart in fresh processes loads it on both
+    ranks (no assembly) and trains bitwise like the assembled step."""
     env = {"GRAPHAMP_CACHE_DIR": str(tmp_path / "cache")}
+    if stage == "fully_shard":
+        stage, env["GRAPHAMP_TEST_FULLY_SHARD"] = 3, "blocks"
     runs = []
     for name in ("cold", "restart"):
         out = tmp_path / name
