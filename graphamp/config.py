@@ -289,7 +289,9 @@ class GraphConfig:
             )
         self._set(data_parallel=mode, process_group=process_group)
 
-    def enable_zero(self, mode: bool = True, *, stage: int = 1) -> None:
+    def enable_zero(
+        self, mode: bool = True, *, stage: int = 1, reshard_after_forward: bool = True
+    ) -> None:
         """ZeRO data parallel (OneFlow's ``config.enable_zero``): each rank keeps and updates
         only its shard of the optimizer state and of the fp32 parameters' update; gradients are
         reduce-scattered and the updated parameters all-gathered inside the compiled step.
@@ -301,17 +303,25 @@ class GraphConfig:
         ``Shard(0)`` DTensor shard of every parameter (FSDP2's layout: torch's
         ``get_model_state_dict`` gathers them, and a DCP checkpoint of them loads into an FSDP2
         model); the step all-gathers them for the forward and backward and updates only the
-        shards."""
+        shards. ``reshard_after_forward=False`` (FSDP2's option) keeps each block's gathered
+        parameters from its forward to its backward: one all-gather per block a step instead
+        of two, for more memory held through the step."""
         mode = check_bool("enable_zero(mode)", mode)
         stage = check_choice("enable_zero(stage)", stage, (1, 2, 3))
+        reshard = check_bool("enable_zero(reshard_after_forward)", reshard_after_forward)
         if self._snapshot.fully_shard is not None:
             raise ConfigError(_ZERO_BESIDE_FULLY_SHARD)
+        if not reshard and stage != 3:
+            raise ConfigError(
+                f"enable_zero(stage={stage}, reshard_after_forward=False): only stage 3 shards "
+                "the parameters, so only it gathers them for the forward; ask for stage=3"
+            )
         if not mode:
-            self._set(zero_stage=0)
+            self._set(zero_stage=0, zero_reshard_after_forward=True)
             return
         if not self.data_parallel:
             self.enable_data_parallel(True)
-        self._set(zero_stage=stage)
+        self._set(zero_stage=stage, zero_reshard_after_forward=reshard)
 
     def _adopt_fully_shard(self, wrap: FullyShardWrap) -> None:
         """A registered model wrapped with fully_shard (runtime/fsdp_adopt.py): ZeRO-3 over

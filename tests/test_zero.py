@@ -222,8 +222,11 @@ def test_a_model_wrapped_with_fully_shard_trains_like_one_process(nproc, wrap, t
     _assert_like_one_process(ranks, reference)
     whole_bytes = sum(4 * v.numel() for v in reference[0].values())
     assert sum(r["param_bytes"] for r in ranks) == whole_bytes
-    # the wrap is the bucket plan: two layers, or everything in the root's one bucket
+    # the wrap is the bucket plan: two layers, or everything in the root's one bucket. The
+    # first layer is gathered again for its backward (the last one's forward and backward
+    # run back to back: one gather), the root's kept from its forward (FSDP2's default)
     assert all(r["gather_buckets"] == (2 if wrap == "blocks" else 1) for r in ranks)
+    assert all(r["all_gathers"] == (3 if wrap == "blocks" else 1) for r in ranks)
 
 
 @pytest.mark.slow
@@ -259,6 +262,22 @@ def test_fully_shard_with_bf16_param_dtype_trains_bitwise_like_zero3_with_bf16_a
         for k, v in a["params"].items():
             assert torch.equal(v, b["params"][k]), k
         assert b["gathered_bf16"] > 0
+
+
+@pytest.mark.slow
+def test_zero3_keeping_the_gathered_parameters_gathers_once_and_trains_bitwise_alike(tmp_path):
+    """enable_zero(stage=3, reshard_after_forward=False): each block gathered once a step
+    (2 all-gathers for 2 blocks, against 3: by default the first block is gathered again for
+    its backward; the last one's forward and backward run back to back), the same training
+    bitwise."""
+    default = run_zero(2, 3, tmp_path / "default")
+    kept = run_zero(2, 3, tmp_path / "kept", env={"GRAPHAMP_TEST_KEEP": "1"})
+    assert [r["all_gathers"] for r in default] == [3, 3]
+    assert [r["all_gathers"] for r in kept] == [2, 2]
+    for a, b in zip(default, kept):
+        assert a["skipped"] == b["skipped"]
+        for k, v in a["params"].items():
+            assert torch.equal(v, b["params"][k]), k
 
 
 @pytest.mark.slow
@@ -310,6 +329,8 @@ def test_enable_zero_needs_a_process_group():
         g.config.enable_zero(stage=1)
     with pytest.raises(graphamp.ConfigError, match="choose one of 1, 2, 3"):
         g.config.enable_zero(stage=4)
+    with pytest.raises(graphamp.ConfigError, match="only stage 3 shards the parameters"):
+        g.config.enable_zero(stage=2, reshard_after_forward=False)
 
 
 @pytest.mark.slow

@@ -40,7 +40,11 @@ def make_training(stage: int, acc: int, model: nn.Module):
             # the test's way to ask for inductor (the default is aot_eager)
             self.config.set_backend(os.environ.get("GRAPHAMP_TEST_BACKEND", "aot_eager"))
             if stage and not os.environ.get("GRAPHAMP_TEST_FULLY_SHARD"):
-                self.config.enable_zero(stage=stage)  # a fully_shard wrap makes it ZeRO-3
+                # a fully_shard wrap makes it ZeRO-3; GRAPHAMP_TEST_KEEP: gathered once a step
+                keep = bool(os.environ.get("GRAPHAMP_TEST_KEEP"))
+                self.config.enable_zero(
+                    stage=stage, **({"reshard_after_forward": False} if keep else {})
+                )
             if acc > 1:
                 self.config.set_gradient_accumulation_steps(acc)
             self.set_grad_scaler(graphamp.GradScaler(init_scale=256.0))
@@ -160,6 +164,11 @@ def main():
             1
             for n in g.compiled_steps[-1].step_graph.graph.nodes
             if "all_gather" in str(n.target) and n.meta["val"].dtype == torch.uint8
+        ),
+        # all-gathers in the step: ZeRO-3 gathers each block for its forward and again for
+        # its backward, unless kept
+        "all_gathers": sum(
+            1 for n in g.compiled_steps[-1].step_graph.graph.nodes if "all_gather" in str(n.target)
         ),
         # ZeRO-3's gather buckets (one per block)
         "gather_buckets": len(

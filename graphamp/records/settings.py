@@ -63,6 +63,7 @@ class ConfigSnapshot:
     checkpoint_module_names: tuple[str, ...] = ()
     zero_stage: int = 0  # 0: optimizer state replicated; 1, 2: sharded; 3: parameters too
     fully_shard: FullyShardWrap | None = None  # a model wrapped with fully_shard (ZeRO-3 then)
+    zero_reshard_after_forward: bool = True  # ZeRO-3: gather again for the backward
     cuda_graph_sizes: int = 8  # CUDA graphs kept per dynamic step, one per batch shape (0: none)
     # repeated blocks as shared subgraphs (set_outline_blocks); None: where it costs nothing
     outline_blocks: bool | None = None

@@ -96,10 +96,15 @@ class FullyShardWrap:
     group: Any  # the 1-D mesh's process group
     blocks: tuple[str, ...]  # the wrapped modules' paths from the Graph ("model.layers.0", "model")
     param_dtype: torch.dtype | None  # MixedPrecisionPolicy.param_dtype: must be AMP's dtype
+    # the blocks whose wrap keeps its gathered parameters from the forward to the backward
+    # (reshard_after_forward=False, or FSDP2's default for the root)
+    kept: tuple[str, ...] = ()
 
     def merged(self, other: FullyShardWrap) -> FullyShardWrap:
         """Two registered wraps (a model and its loss module, say) on one group."""
-        return dataclasses.replace(self, blocks=self.blocks + other.blocks)
+        return dataclasses.replace(
+            self, blocks=self.blocks + other.blocks, kept=self.kept + other.kept
+        )
 
 
 def block_of(name: str, blocks: Sequence[str] = ()) -> str:

@@ -262,6 +262,11 @@ class StepPlan:
     # ZeRO-3: the modules a user wrapped with fully_shard, each gathered as one block
     # (records.sharding.block_of); empty: graphamp's own blocks
     gather_blocks: tuple[str, ...] = ()
+    # ZeRO-3: False keeps every block's gathered parameters from its forward to its backward
+    # (enable_zero(reshard_after_forward=False)); kept_blocks, those of fully_shard wraps that
+    # ask for it
+    reshard_after_forward: bool = True
+    kept_blocks: tuple[str, ...] = ()
     # overflow tracing: the values the step measures (None: tracing off, or an eval graph)
     probes: ProbeTable | None = None
     # the delayed fp8 recipe: one amax-history state per fp8 matmul (its forward input's name)

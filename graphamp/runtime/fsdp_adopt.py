@@ -18,8 +18,10 @@ registered, graphamp takes the wrap over:
 
 Refused by name: a 2-D (HSDP) mesh, CPU offload, ``output_dtype``, a ``reduce_dtype`` other
 than float32 (graphamp reduces the float32 gradients as they are), and ``enable_zero`` beside
-the wrap. FSDP2's own methods (``unshard``, ``set_requires_gradient_sync``) are gone from the
-model afterwards: the step does what they did.
+the wrap. ``reshard_after_forward=False`` (and FSDP2's default for the root) keeps that
+block's gathered parameters from its forward to its backward, as FSDP2 does. FSDP2's own
+methods (``unshard``, ``set_requires_gradient_sync``) are gone from the model afterwards: the
+step does what they did.
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ def fully_shard_wrap(graph_name: str, name: str, module: nn.Module) -> FullyShar
         return None
     where = f"{graph_name}.{name}"
     facts = [_wrap_facts(where, path, m) for path, m in wrapped]
-    groups = {_ranks(group): group for group, _ in facts if group is not None}
+    groups = {_ranks(group): group for group, _, _ in facts if group is not None}
     if len(groups) > 1:
         raise GraphDefinitionError(
             f"{where}: its fully_shard wraps use different meshes ({sorted(groups)}); graphamp "
             "shards every parameter over one process group"
         )
-    dtypes = {dtype for _, dtype in facts}
+    dtypes = {dtype for _, dtype, _ in facts}
     if len(dtypes) > 1:
         raise GraphDefinitionError(
             f"{where}: its fully_shard wraps ask for different MixedPrecisionPolicy "
@@ -69,7 +71,8 @@ def fully_shard_wrap(graph_name: str, name: str, module: nn.Module) -> FullyShar
 
     group = next(iter(groups.values())) if groups else dist.group.WORLD
     blocks = tuple(f"{name}.{path}" if path else name for path, _ in wrapped)
-    return FullyShardWrap(group=group, blocks=blocks, param_dtype=dtypes.pop())
+    kept = tuple(block for block, (_, _, keep) in zip(blocks, facts) if keep)
+    return FullyShardWrap(group=group, blocks=blocks, param_dtype=dtypes.pop(), kept=kept)
 
 
 def take_over(graph_name: str, name: str, module: nn.Module) -> None:
@@ -94,9 +97,10 @@ def _wrapped_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path, m) for path, m in module.named_modules() if isinstance(m, fsdp_module)]
 
 
-def _wrap_facts(where: str, path: str, module: nn.Module) -> tuple[Any, torch.dtype | None]:
-    """(its mesh's process group or None when it holds no parameter, its param_dtype), after
-    refusing what graphamp cannot do the same way."""
+def _wrap_facts(where: str, path: str, module: nn.Module) -> tuple[Any, torch.dtype | None, bool]:
+    """(its mesh's process group or None when it holds no parameter, its param_dtype, whether
+    its gathered parameters stay from the forward to the backward), after refusing what
+    graphamp cannot do the same way."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     label = f"{where}.{path}" if path else where
@@ -115,7 +119,7 @@ def _wrap_facts(where: str, path: str, module: nn.Module) -> tuple[Any, torch.dt
             f"{policy.reduce_dtype})): graphamp reduce-scatters the float32 gradients as they "
             "are. Leave reduce_dtype None or torch.float32"
         )
-    group = None
+    group, keep = None, False
     for param_group in state._fsdp_param_groups:
         mesh = param_group.mesh_info.mesh
         if mesh.ndim != 1:
@@ -129,13 +133,12 @@ def _wrap_facts(where: str, path: str, module: nn.Module) -> tuple[Any, torch.dt
                 "graphamp: its step updates the shards on the device that runs it"
             )
         group = mesh.get_group()
-        if param_group.post_forward_mesh_info is None:
-            log.info(
-                "%s: fully_shard(reshard_after_forward=False): graphamp gathers the "
-                "parameters again for the backward (it does not keep them from the forward)",
-                label,
-            )
-    return group, policy.param_dtype
+        # FSDP2 keeps them with reshard_after_forward=False, and for the root left at its
+        # default (its backward would gather them right away)
+        keep = param_group.post_forward_mesh_info is None or (
+            not path and state._auto_reshard_after_forward
+        )
+    return group, policy.param_dtype, keep
 
 
 def _unwrap(module: nn.Module) -> None:

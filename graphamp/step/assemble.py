@@ -49,7 +49,7 @@ from .scaling import (
     unscale_and_check,
     write_scale_update,
 )
-from .shard_gathers import GATHER, SCATTER
+from .shard_gathers import GATHER, KEEP_GATHERED, SCATTER
 from .traced_optimizer import tensorify_scalar_reads
 from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
@@ -337,8 +337,10 @@ def _gather_shards(plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tens
         dtype = cast_only.get(i, row.dtype)
         buckets.setdefault(block_of(name, plan.gather_blocks), []).append((i, dtype))
     gathered: dict[int, torch.Tensor] = {}
-    for number, members in enumerate(buckets.values()):
-        with NodeTagger({GATHER: number}):  # the casts too: they move with the gather
+    for number, (block, members) in enumerate(buckets.items()):
+        keep = not plan.reshard_after_forward or block in plan.kept_blocks
+        # the casts too: they move with the gather
+        with NodeTagger({GATHER: number, **({KEEP_GATHERED: True} if keep else {})}):
             pieces = [rows[i].to(dtype) for i, dtype in members]
             values = gather_parameters(pieces, [shapes[i] for i, _ in members], plan.process_group)
         gathered.update((i, value) for (i, _), value in zip(members, values))

@@ -81,6 +81,8 @@ def build_plan(
         process_group=process_group if spec.training or zero else None,
         zero_stage=zero,
         gather_blocks=wrap.blocks if (wrap := spec.config.fully_shard) is not None else (),
+        reshard_after_forward=spec.config.zero_reshard_after_forward,
+        kept_blocks=wrap.kept if wrap is not None else (),
         probes=probes,
         fp8_state=list(fp8_state),
         fp8_history=spec.config.fp8_history,

@@ -42,6 +42,9 @@ _VIEWS = {
     torch.ops.aten.detach.default,
 }
 GATHER = "graphamp_gather"  # meta key: the block number of a node of that block's gather
+# meta key on a block's gather: its wholes stay from the forward to the backward (FSDP2's
+# reshard_after_forward=False), gathered once a step instead of again for each later stretch
+KEEP_GATHERED = "graphamp_keep_gathered"
 SCATTER = "graphamp_scatter"  # meta key: the bucket number of a node of a gradient scatter
 _CASTS = "parameter_casts"
 
@@ -94,6 +97,8 @@ def _place_gathers(graph: fx.Graph) -> int:
         for node in movable:  # in graph order, so the chain stays topologically sorted
             first[0].prepend(node)
         total += 1
+        if chain[0].meta.get(KEEP_GATHERED):
+            continue
         for stretch in order[1:]:
             _gather_again(graph, movable, by_stretch[stretch])
             total += 1
