@@ -1,12 +1,14 @@
 """Data parallel with ZeRO-sharded optimizer state and activation checkpointing.
 
     torchrun --nproc-per-node 2 examples/zero_data_parallel.py --tiny [--zero 0|1|2|3]
-        [--checkpointing] [--accumulate N] [--steps N]
+        [--fully-shard] [--checkpointing] [--accumulate N] [--steps N]
 
 Every rank trains the same model on its slice of the global batch; with --zero, each rank
 keeps only its shard of AdamW's state (reduce-scatter, update, all-gather inside the compiled
 step); --zero 3 shards the parameters too (each rank holds a Shard(0) DTensor of each, and the
-step gathers each Block's parameters where that Block runs); with --checkpointing, every
+step gathers each Block's parameters where that Block runs); --fully-shard wraps the model
+with FSDP2's fully_shard (each Block, then the root, bf16 param_dtype) instead, which graphamp
+takes over as ZeRO-3 (no --zero then); with --checkpointing, every
 Block's activations are recomputed in the backward. Each rank prints the bytes of parameters
 and optimizer state it holds (counted), the step graph's counted memory and the median step
 time. Without torchrun it runs as one process.
@@ -41,6 +43,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="small model, CPU, aot_eager")
     p.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3))
+    p.add_argument("--fully-shard", action="store_true", help="wrap with FSDP2's fully_shard")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
@@ -57,7 +60,14 @@ def main():
     width, depth, batch = (64, 4, 64) if args.tiny else (1024, 8, 256)
     torch.manual_seed(0)
     model = nn.Sequential(*(Block(width) for _ in range(depth)), nn.Linear(width, 10)).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if distributed and args.fully_shard:  # as FSDP2's docs wrap: each block, then the root
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # = the Graph's AMP dtype
+        for block in model[:depth]:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after the wrap, as FSDP2 asks
 
     class Train(graphamp.Graph):
         def __init__(self):
@@ -66,7 +76,9 @@ def main():
             self.add_optimizer(opt, clip_grad_max_norm=1.0)
             self.config.enable_amp(True, dtype=torch.bfloat16)
             self.config.set_backend("aot_eager" if args.tiny else "inductor")
-            if distributed and args.zero:
+            if distributed and args.fully_shard:
+                pass  # the wrap makes the step ZeRO-3 over its mesh
+            elif distributed and args.zero:
                 self.config.enable_zero(stage=args.zero)
             elif distributed:
                 self.config.enable_data_parallel()
@@ -98,7 +110,7 @@ def main():
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     mem = step_memory(g.compiled_steps[-1].step_graph)
     print(
-        f"rank {rank}/{world} zero={args.zero if distributed else 0} "
+        f"rank {rank}/{world} zero={g.config.zero_stage} fully_shard={args.fully_shard} "
         f"checkpointing={args.checkpointing} accumulate={args.accumulate}: parameters held {param_bytes} bytes, optimizer state "
         f"{held} bytes; step graph "
         f"{mem}; {statistics.median(times) * 1e3:.1f} ms/step; loss {loss.item():.4f}",
