@@ -9,8 +9,9 @@ registered, graphamp takes the wrap over:
 - the wrap's mesh becomes the step's process group, and ZeRO-3 is on;
 - each wrapped module (each block, then the root, as FSDP2's docs wrap) is one gather bucket;
 - ``MixedPrecisionPolicy.param_dtype`` must be AMP's dtype (checked at the first call, when the
-  settings are final: ``capture.root.check_fully_shard_policy``): graphamp gathers a parameter read only through its cast in that dtype,
-  as FSDP2 does, but decides each op's precision from its lists;
+  settings are final: ``capture.root.check_fully_shard_policy``): graphamp gathers a parameter
+  read only through its cast in that dtype, as FSDP2 does, but decides each op's precision
+  from its lists;
 - FSDP2's hooks and module classes are removed, so the model is a plain module whose
   parameters are still FSDP2's DTensor shards; at the first call ``sharded_params`` copies each
   rank's local shard into graphamp's row (no collective: the layouts are the same) and points
@@ -49,7 +50,8 @@ def _fsdp_module_class() -> Any:
 def fully_shard_wrap(graph_name: str, name: str, module: nn.Module) -> FullyShardWrap | None:
     """What the ``fully_shard`` wraps inside ``module`` (registered as ``name``) ask for, after
     refusing what graphamp cannot do the same way; None when nothing in it is wrapped. Changes
-    nothing: ``take_over`` does, once the Graph's settings accepted the wrap."""
+    nothing but resharding a module left unsharded (FSDP2's state between steps): ``take_over``
+    removes the wrap, once the Graph's settings accepted it."""
     wrapped = _wrapped_modules(module)
     if not wrapped:
         return None
