@@ -80,13 +80,22 @@ def build_plan(
         acc_steps=spec.config.grad_acc_steps,
         process_group=process_group if spec.training or zero else None,
         zero_stage=zero,
-        gather_blocks=wrap.blocks if (wrap := spec.config.fully_shard) is not None else (),
-        reshard_after_forward=spec.config.zero_reshard_after_forward,
-        kept_blocks=wrap.kept if wrap is not None else (),
+        **_gather_settings(spec),
         probes=probes,
         fp8_state=list(fp8_state),
         fp8_history=spec.config.fp8_history,
     )
+
+
+def _gather_settings(spec: GraphSpec) -> dict:
+    """ZeRO-3's gather plan: a fully_shard wrap's blocks and the ones it keeps gathered from
+    the forward to the backward, or enable_zero's reshard_after_forward for every block."""
+    wrap = spec.config.fully_shard
+    return {
+        "gather_blocks": wrap.blocks if wrap is not None else (),
+        "reshard_after_forward": spec.config.zero_reshard_after_forward,
+        "kept_blocks": wrap.kept if wrap is not None else (),
+    }
 
 
 def _zero_stage(spec: GraphSpec, captured: CapturedForward, process_group, shard_group):
