@@ -214,19 +214,15 @@ def test_a_sharding_strategy_graphamp_cannot_run_is_refused_by_name():
         integration._data_parallel(L.strategies.FSDPStrategy())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ours_kind", ["ours", "ours-zero3", "ours-fsdp2", "ours-mp-unwrapped"])
-def test_ddp_on_two_processes_equals_stock_lightning(ours_kind, tmp_path):
-    """strategy="ddp", devices=2 on the CPU (gloo), the processes Lightning starts itself: the
-    logged losses of rank 0 and the final parameters equal the stock module's. With graphamp's
-    ZeRO-3 (configure_graph) too: the parameters stay shards on each rank, Lightning's
-    checkpoint holds the whole tensors, and validation runs on the gathered parameters."""
+def _run_workers(kinds, tmp_path) -> dict:
+    """lightning_ddp_worker.py for each kind in turn (Lightning starts its 2 processes), in
+    ``tmp_path``; what rank 0 saved, by kind."""
     import subprocess
     import sys
 
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_ddp_worker.py")
     runs = {}
-    for kind in ("stock", ours_kind):
+    for kind in kinds:
         out = tmp_path / f"{kind}.pt"
         done = subprocess.run(
             [sys.executable, worker, kind, str(out)],
@@ -238,6 +234,17 @@ def test_ddp_on_two_processes_equals_stock_lightning(ours_kind, tmp_path):
         )
         assert done.returncode == 0, done.stderr[-3000:]
         runs[kind] = torch.load(out, weights_only=True)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ours_kind", ["ours", "ours-zero3", "ours-fsdp2", "ours-mp-unwrapped"])
+def test_ddp_on_two_processes_equals_stock_lightning(ours_kind, tmp_path):
+    """strategy="ddp", devices=2 on the CPU (gloo), the processes Lightning starts itself: the
+    logged losses of rank 0 and the final parameters equal the stock module's. With graphamp's
+    ZeRO-3 (configure_graph) too: the parameters stay shards on each rank, Lightning's
+    checkpoint holds the whole tensors, and validation runs on the gathered parameters."""
+    runs = _run_workers(("stock", ours_kind), tmp_path)
     ours, stock = runs[ours_kind], runs["stock"]
     assert ours["world_size"] == 2 and ours["global_step"] == stock["global_step"] == STEPS // 2
     for a, b in zip(ours["loss"], stock["loss"], strict=True):
@@ -264,23 +271,7 @@ def test_fsdp2_under_model_parallel_strategy_resumes_from_its_distributed_checkp
     """GraphampModule with fully_shard in configure_model under ModelParallelStrategy saves
     Lightning's distributed checkpoint (DCP: each rank's parameter and optimizer shards); a
     run resumed from it after one epoch ends bitwise where two epochs without a stop end."""
-    import subprocess
-    import sys
-
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_ddp_worker.py")
-    runs = {}
-    for kind in ("dcp-first", "dcp-resume", "dcp-full"):
-        out = tmp_path / f"{kind}.pt"
-        done = subprocess.run(
-            [sys.executable, worker, kind, str(out)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=tmp_path,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())},
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[kind] = torch.load(out, weights_only=True)
+    runs = _run_workers(("dcp-first", "dcp-resume", "dcp-full"), tmp_path)
     (saved,) = (tmp_path / "dcp-first" / "checkpoints").glob("*.ckpt")
     assert saved.is_dir() and len(list(saved.glob("*.distcp"))) == 2  # one file per rank
     resumed, full = runs["dcp-resume"], runs["dcp-full"]

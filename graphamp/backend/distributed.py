@@ -21,7 +21,6 @@ import torch.nn as nn
 
 from ..errors import CaptureError, ConfigError
 from ..records.settings import ConfigSnapshot
-from ..records.sharding import is_shard
 
 log = logging.getLogger("graphamp")
 T = TypeVar("T")
@@ -74,9 +73,9 @@ def broadcast_state(graph_name: str, root: nn.Module, group) -> None:
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     with torch.no_grad():
         for _, tensor in tensors:
-            # ZeRO-3's and FSDP2's shards differ by rank, as they should (a DTensor is one
-            # global value already)
-            if not is_shard(tensor) and not isinstance(tensor, DTensor):
+            # ZeRO-3's and FSDP2's shards (DTensors) differ by rank, as they should: a DTensor
+            # is one global value already
+            if not isinstance(tensor, DTensor):
                 dist.broadcast(tensor.data, src=src, group=group)
 
 

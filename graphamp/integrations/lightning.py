@@ -307,17 +307,15 @@ def _clips_by_norm(trainer: Any) -> bool:
 def _data_parallel(strategy: Any) -> tuple[bool, Any]:
     """(Whether the step averages gradients over processes, over which group: None for the
     world). ``strategy="ddp"`` (or ``"ddp_spawn"``) on several devices: DDP's, the world;
-    ``ModelParallelStrategy`` with
-    ``tensor_parallel_size=1``, its data-parallel mesh (its ``configure_model`` wraps with
-    FSDP2's ``fully_shard``, which graphamp takes over). Lightning's FSDP (FSDP1) and DeepSpeed
+    ``ModelParallelStrategy`` with ``tensor_parallel_size=1``, its data-parallel mesh (its
+    ``configure_model`` wraps with FSDP2's ``fully_shard``, which graphamp takes over). Lightning's FSDP (FSDP1) and DeepSpeed
     strategies, and tensor parallelism, are refused: they spread the model in ways graphamp's
     step does not."""
     if isinstance(strategy, pl.strategies.SingleDeviceStrategy):
         return False, None
     if type(strategy) is pl.strategies.DDPStrategy:
         return strategy.world_size > 1, None
-    model_parallel = getattr(pl.strategies, "ModelParallelStrategy", None)
-    if model_parallel is not None and type(strategy) is model_parallel:
+    if _is_model_parallel(strategy):
         mesh = strategy.device_mesh
         if mesh["tensor_parallel"].size() > 1:
             raise ConfigError(
@@ -338,12 +336,14 @@ def _data_parallel(strategy: Any) -> tuple[bool, Any]:
 def _saves_shards(strategy: Any) -> bool:
     """ModelParallelStrategy(save_distributed_checkpoint=True) saves each rank's shards with
     torch.distributed.checkpoint: the state dict it made stays as it is (DTensor shards)."""
-    model_parallel = getattr(pl.strategies, "ModelParallelStrategy", None)
-    return (
-        model_parallel is not None
-        and type(strategy) is model_parallel
-        and bool(getattr(strategy, "_save_distributed_checkpoint", True))
+    return _is_model_parallel(strategy) and bool(
+        getattr(strategy, "_save_distributed_checkpoint", True)
     )
+
+
+def _is_model_parallel(strategy: Any) -> bool:
+    model_parallel = getattr(pl.strategies, "ModelParallelStrategy", None)
+    return model_parallel is not None and type(strategy) is model_parallel
 
 
 def _amp_dtype(precision: str) -> torch.dtype | None:

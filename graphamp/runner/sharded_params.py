@@ -77,7 +77,12 @@ def _shard(graph_name: str, name: str, p: torch.Tensor, group) -> nn.Parameter:
     mesh = DeviceMesh.from_group(group, p.device.type)
     with torch.no_grad():
         shard = DTensor.from_local(
-            local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous(shape)
+            local,
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=shape,
+            stride=torch.empty(shape, device="meta").stride(),  # contiguous
         )
     param = nn.Parameter(shard, requires_grad=p.requires_grad)
     register_row(row)
@@ -86,8 +91,11 @@ def _shard(graph_name: str, name: str, p: torch.Tensor, group) -> nn.Parameter:
 
 def row_from(t: torch.Tensor, group) -> torch.Tensor:
     """This rank's flat, zero-padded row of ``t``'s whole value (a new tensor): a plain
-    tensor is cut, a DTensor read locally where it can be (``_rank_rows``)."""
+    tensor is cut (a 0-dim one counts as one row), a DTensor read locally where it can be
+    (``_rank_rows``). ZeRO-3's parameters and every stage's optimizer state are cut here."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if t.dim() == 0:
+        t = t.reshape(1)
     rows, held = rows_of(t.shape, world), rows_held(t.shape, world, rank)
     row = torch.zeros(chunk_of(t.shape, world), dtype=t.dtype, device=t.device)
     with torch.no_grad():
@@ -113,14 +121,6 @@ def _rank_rows(p: torch.Tensor, group, start: int, held: int) -> torch.Tensor:
     ):
         return p.to_local().detach()
     return p.full_tensor().detach()[start : start + held]
-
-
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def _point_optimizers_at(

@@ -63,25 +63,17 @@ def local_state(
     """This rank's state tensor for (``p``, ``key``): ``existing`` if it is already a row, its
     row if it has ``p``'s shape (a DTensor's read from its shard where the layouts agree), a
     zero row if missing."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunk = chunk_of(p.shape, world)
     if existing is not None and is_shard(opt, existing):
         return existing
-    from torch.distributed.tensor import DTensor
-
     if existing is None:
+        chunk = chunk_of(p.shape, dist.get_world_size(group))
         row = torch.zeros(chunk, dtype=p.dtype, device=p.device)
     elif existing.shape != p.shape:
         raise ValueError(
             f"state {key!r} has shape {tuple(existing.shape)}, its parameter {tuple(p.shape)}"
         )
-    elif isinstance(existing, DTensor):  # FSDP2's sharded state (a resumed fully_shard run)
+    else:  # a whole tensor, or FSDP2's sharded state (a resumed fully_shard run)
         row = row_from(existing, group).to(device=p.device)
-    else:
-        flat = existing.detach().reshape(-1).to(device=p.device)
-        padded = torch.zeros(chunk * world, dtype=flat.dtype, device=flat.device)
-        padded[: flat.numel()] = flat
-        row = padded[rank * chunk : (rank + 1) * chunk].clone()
     _REGISTRY[opt].add(row)
     return row
 
