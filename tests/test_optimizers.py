@@ -158,6 +158,53 @@ def test_a_scheduler_changing_a_traced_optimizers_lr_compiles_once():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "cls, kwargs, option, value",
+    [
+        (torch.optim.Adagrad, {"lr": 0.1}, "lr_decay", 0.5),
+        (torch.optim.RMSprop, {"lr": 1e-2}, "alpha", 0.5),
+        (torch.optim.SGD, {"lr": 0.1}, "momentum", 0.9),
+    ],
+    ids=["Adagrad-lr_decay", "RMSprop-alpha", "SGD-momentum-on"],
+)
+def test_an_option_baked_into_the_step_changed_mid_run_builds_again(cls, kwargs, option, value):
+    """Options other than the float hyperparameters the step takes as inputs are baked into it
+    (a traced optimizer's every option but its lr; SGD's momentum on or off). Changed between
+    calls, the step is built again and trains like eager: never the old value, silently."""
+    model, twin = _model(cls), _model(cls)
+    opt, eager_opt = cls(model.parameters(), **kwargs), cls(twin.parameters(), **kwargs)
+    g = _graph(model, opt)
+    batches = _batches(4)
+    for i, (x, y) in enumerate(batches):
+        if i == 2:
+            opt.param_groups[0][option] = eager_opt.param_groups[0][option] = value
+        g(x, y)
+        _eager(twin, eager_opt, [(x, y)])
+    assert len(g.compiled_steps) == 2
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tensor_option_written_in_place_builds_again():
+    """A tensor-valued option is watched by identity and version (no read of its values each
+    call): written in place, the step is built again with its new value."""
+    model, twin = _model(torch.optim.Adagrad), _model(torch.optim.Adagrad)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    eager_opt = torch.optim.Adagrad(twin.parameters(), lr=0.1)
+    decay, eager_decay = torch.tensor(0.0), torch.tensor(0.0)
+    opt.param_groups[0]["lr_decay"], eager_opt.param_groups[0]["lr_decay"] = decay, eager_decay
+    g = _graph(model, opt)
+    for i, (x, y) in enumerate(_batches(4)):
+        if i == 2:
+            decay.fill_(0.5)
+            eager_decay.fill_(0.5)
+        g(x, y)
+        _eager(twin, eager_opt, [(x, y)])
+    assert len(g.compiled_steps) == 2
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), written as a
     third-party package writes it: plain torch, in-place updates, lr passed as ``alpha``."""

@@ -350,8 +350,9 @@ _STRUCTURE_CHANGES = {
     "or replaced)",
     "module_modes": "a module switched between train() and eval(), lost a child, or changed the "
     "parts it declares fp32 (_keep_in_fp32_modules)",
-    "optimizers": "an optimizer's param groups changed (parameters, requires_grad or options "
-    "such as momentum)",
+    "optimizers": "an optimizer's param groups changed (parameters, requires_grad, or an "
+    "option baked into the step: momentum or amsgrad on or off, a traced optimizer's options "
+    "other than lr)",
     "config": "the graph's config changed",
     "grad_scaler": "the grad scaler's settings changed",
     "torch_modes": "the default dtype or torch.use_deterministic_algorithms changed",

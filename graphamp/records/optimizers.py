@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -86,10 +86,19 @@ def validate_clip(max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
     return max_norm, check_number("clip_grad_norm_type", norm_type, above=0, allow_inf=True)
 
 
-def group_flags(kind: str, optimizer: torch.optim.Optimizer, group: dict) -> tuple:
-    """The options of a param group that change the traced update (part of the cache key)."""
+def group_flags(
+    kind: str, optimizer: torch.optim.Optimizer, group: dict, tensor: Callable | None = None
+) -> tuple:
+    """The options of a param group that change the traced update (part of the cache key).
+
+    ``tensor``: how a tensor-valued option is recorded; its values by default (the build's
+    key), ``tensor_version`` in the per-call structure, which must not read a device tensor on
+    the host."""
     if kind == TRACED:  # every option but the lr (an input) is baked into the traced step
-        return tuple((k, _frozen(v)) for k, v in sorted(group.items()) if k not in ("params", "lr"))
+        tensor = tensor or _tensor_values
+        return tuple(
+            (k, _frozen(v, tensor)) for k, v in sorted(group.items()) if k not in ("params", "lr")
+        )
     maximize = bool(group.get("maximize", False))
     if kind == "sgd":
         return (
@@ -110,13 +119,28 @@ def group_flags(kind: str, optimizer: torch.optim.Optimizer, group: dict) -> tup
     )
 
 
-def _frozen(value: Any) -> Any:
+def kind_of(optimizer: torch.optim.Optimizer) -> str:
+    """``optimizer_kind`` of an optimizer it has accepted already, without its checks."""
+    return SUPPORTED.get(type(optimizer), TRACED)
+
+
+def _frozen(value: Any, tensor: Callable) -> Any:
     """An option's value as something hashable that a key can hold."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.detach().reshape(-1).tolist()))
+        return tensor(value)
     if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
+        return tuple(_frozen(v, tensor) for v in value)
     return value
+
+
+def _tensor_values(t: torch.Tensor) -> tuple:
+    return ("tensor", tuple(t.detach().reshape(-1).tolist()))
+
+
+def tensor_version(t: torch.Tensor) -> tuple:
+    """A tensor option as which tensor it is and how often it was written: changes whenever
+    its values can have, with no read of them."""
+    return ("tensor", id(t), t._version)
 
 
 def state_keys(kind: str, flags: dict) -> tuple[str, ...]:

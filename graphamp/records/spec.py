@@ -22,7 +22,7 @@ from .frames import UserFrame
 from .guards import AttributeRead, Guards, LiftedValue
 from .inputs import FlatInputs, InputSignature
 from .layouts import ForwardLayout, StepLayout
-from .optimizers import OptimizerPlan
+from .optimizers import OptimizerPlan, group_flags, kind_of, tensor_version
 from .probes import ProbeTable
 from .replays import StateReplay
 from .settings import ConfigSnapshot
@@ -65,21 +65,20 @@ class OptimizerSlot:
     clip_norm_type: float  # positive, or inf
 
     def structure(self) -> tuple:
-        """What the traced update depends on besides values (part of the cache key)."""
-        groups = []
-        for g in self.optimizer.param_groups:
-            groups.append(
-                (
-                    tuple((id(p), p.requires_grad) for p in g["params"]),
-                    g.get("momentum", 0) != 0,
-                    g.get("dampening", 0) != 0,
-                    bool(g.get("nesterov")),
-                    g.get("weight_decay", 0) != 0,
-                    bool(g.get("amsgrad")),
-                    bool(g.get("maximize")),
-                )
+        """What the traced update depends on besides its input values, read at every call:
+        each group's parameters and the options the build baked into the step
+        (``group_flags``: SGD's momentum on or off, Adam's amsgrad, every option of a traced
+        optimizer but its lr), so changing one builds again instead of being ignored."""
+        opt = self.optimizer
+        kind = kind_of(opt)
+        groups = tuple(
+            (
+                tuple((id(p), p.requires_grad) for p in g["params"]),
+                group_flags(kind, opt, g, tensor=tensor_version),
             )
-        return (type(self.optimizer), tuple(groups), self.clip_max_norm, self.clip_norm_type)
+            for g in opt.param_groups
+        )
+        return (type(opt), groups, self.clip_max_norm, self.clip_norm_type)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 A compiled step bakes in the module tree it was captured from (which modules, parameters and
 buffers exist and which are in training mode), each optimizer's param groups (which parameters,
-``requires_grad``, structural options such as momentum on/off), the config, the scaler's
-settings and the fp32 parts a transformers model declares (``model_pins.py``). ``StructureKey``
+``requires_grad``, the options the update bakes in: momentum on/off, a traced optimizer's
+options but its lr), the config, the scaler's settings and the fp32 parts a transformers model
+declares (``model_pins.py``). ``StructureKey``
 turns all of that into one hashable ``records.guards.Structure`` per call; each compiled step
 assumes the one it was built for (``Guards.structure``), so any change rebuilds the step, and
 ``records.guards.structure_words`` names what changed for the log.
