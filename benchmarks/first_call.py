@@ -109,9 +109,16 @@ def _vit_tiny():
 
 
 def first_call(
-    variant: str, workload: str, device: str = "cpu", dtype_name: str = "bf16", smoke: bool = False
+    variant: str,
+    workload: str,
+    device: str = "cpu",
+    dtype_name: str = "bf16",
+    smoke: bool = False,
+    fused: bool = False,
 ) -> dict:
-    """One first call in this process: seconds, and graphamp's per-stage timings."""
+    """One first call in this process: seconds, and graphamp's per-stage timings. ``fused``:
+    AdamW(fused=True) on both sides (torch's fused kernel, eager for the peer, one op of the
+    step for graphamp)."""
     import torch
     import torch._dynamo.utils
 
@@ -122,7 +129,7 @@ def first_call(
     model, x, y = model.to(device), x.to(device), y.to(device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     backend = "aot_eager" if smoke else "inductor"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=fused or None)
     out: dict = {
         "workload": workload,
         "variant": variant,
@@ -130,6 +137,7 @@ def first_call(
         "device_type": device,
         "dtype": dtype_name,
         "backend": backend,
+        "optimizer": "AdamW(fused=True)" if fused else "AdamW",
     }
     if variant.startswith("graphamp"):
 
@@ -231,7 +239,8 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         "",
         "First call = first training step including compilation, each in a fresh process; "
         "cold: empty inductor cache directory, warm: a second process on that directory. "
-        "Medians over the repetitions (each value listed). AdamW; AMP dtype and backend: "
+        "Medians over the repetitions (each value listed). "
+        f"{meta.get('optimizer', 'AdamW')}; AMP dtype and backend: "
         f"{meta.get('setting', 'bf16, inductor')}.",
         "",
     ]
@@ -296,25 +305,36 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--smoke", action="store_true", help="tiny models, aot_eager")
+    parser.add_argument(
+        "--fused", action="store_true", help="AdamW(fused=True) on both sides (torch's kernel)"
+    )
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(
             json.dumps(
-                first_call(*args.child, device=args.device, dtype_name=args.dtype, smoke=args.smoke)
+                first_call(
+                    *args.child,
+                    device=args.device,
+                    dtype_name=args.dtype,
+                    smoke=args.smoke,
+                    fused=args.fused,
+                )
             ),
             flush=True,
         )
         return []
     import torch
 
-    extra = ["--device", args.device, "--dtype", args.dtype] + (["--smoke"] if args.smoke else [])
+    extra = ["--device", args.device, "--dtype", args.dtype]
+    extra += (["--smoke"] if args.smoke else []) + (["--fused"] if args.fused else [])
     meta = {
         "device": torch.cuda.get_device_name()
         if args.device == "cuda"
         else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
         "torch": torch.__version__,
         "setting": f"{args.dtype}, {'aot_eager' if args.smoke else 'inductor'}",
+        "optimizer": "AdamW(fused=True)" if args.fused else "AdamW",
         "command": "python benchmarks/first_call.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
     }

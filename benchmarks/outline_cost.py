@@ -10,6 +10,12 @@ program is compiled in this process).
     python benchmarks/outline_cost.py                        # every workload, 6 rounds
     python benchmarks/outline_cost.py --workload hf-gpt2 --rounds 4
     python benchmarks/outline_cost.py --smoke                # tiny models, aot_eager: runs?
+    python benchmarks/outline_cost.py --workload gpt hf-gpt2 --fused
+
+``--fused``: every AdamW is built with ``fused=True`` (torch's fused kernel: one op of graphamp's
+step, eager after the peer's compiled backward), and the second program is graphamp's outlined
+step with its own multi-tensor update instead of the inlined one: the update's cost, A/B in one
+process (results in outline_cost_fused_cpu.*).
 
 Workloads: transformers' GPT-2 (6 layers, n_embd 128, 4 heads, T 64, batch 8, GPT-2's vocabulary
 of 50257, AdamW), the project's GPT (benchmarks/workloads.GPT, the same sizes), ViT-Ti/16 (timm, else torchvision's
@@ -30,6 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKLOADS = ("hf-gpt2", "gpt", "vit-tiny", "resnet18")
 PROGRAMS = ("outlined", "inlined", "compile")
+FUSED_PROGRAMS = ("outlined", "multi-tensor", "compile")  # --fused
 TARGET = 1.02  # outlined / inlined at most this (issue 40's "within 2%")
 
 
@@ -40,7 +47,7 @@ def make_workload(name: str, smoke: bool):
 
     sys.path.insert(0, HERE)
     gen = torch.Generator().manual_seed(0)
-    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4)  # noqa: E731
+    adamw = lambda m, fused=None: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused)  # noqa: E731
     if name in ("hf-gpt2", "gpt"):
         layers, dim, seq, vocab = (2, 64, 16, 512) if smoke else (6, 128, 64, 50257)
         idx = torch.randint(0, vocab, (8, seq + 1), generator=gen)
@@ -72,19 +79,21 @@ def make_workload(name: str, smoke: bool):
 
     size = 32 if smoke else 64
     batch = (torch.randn(8, 3, size, size, generator=gen), torch.randint(0, 1000, (8,)))
-    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    sgd = lambda m, fused=None: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
     return resnet18(), batch, F.cross_entropy, sgd
 
 
 KINDS = ("plain", "checkpointed", "accumulated", "dynamic")
 
 
-def make_step(program: str, model, loss_fn, make_opt, backend: str, kind: str = "plain"):
+def make_step(
+    program: str, model, loss_fn, make_opt, backend: str, kind: str = "plain", fused: bool = False
+):
     import torch
 
     import graphamp
 
-    opt = make_opt(model)
+    opt = make_opt(model, fused=(fused and program != "multi-tensor") or None)
     if program == "compile":
         net = torch.compile(model, backend=backend)
 
@@ -106,7 +115,7 @@ def make_step(program: str, model, loss_fn, make_opt, backend: str, kind: str = 
             self.config.enable_amp(True, dtype=torch.bfloat16)
             self.config.set_backend(backend)
             self.config.set_step_cache(False)
-            self.config.set_outline_blocks(program == "outlined")
+            self.config.set_outline_blocks(program != "inlined")
             if kind == "checkpointed":  # every block of the model's first ModuleList
                 self.config.enable_activation_checkpointing(_block_class(model))
             elif kind == "accumulated":
@@ -129,7 +138,9 @@ def _block_class(model) -> type:
     return type(blocks[0])
 
 
-def measure(workload: str, rounds: int, steps: int, smoke: bool, kind: str = "plain") -> dict:
+def measure(
+    workload: str, rounds: int, steps: int, smoke: bool, kind: str = "plain", fused: bool = False
+) -> dict:
     import copy
 
     import torch
@@ -138,16 +149,18 @@ def measure(workload: str, rounds: int, steps: int, smoke: bool, kind: str = "pl
     model, (x, y), loss_fn, make_opt = make_workload(workload, smoke)
     backend = "aot_eager" if smoke else "inductor"
     programs, first_call = {}, {}
-    for program in PROGRAMS:
-        step = make_step(program, copy.deepcopy(model), loss_fn, make_opt, backend, kind)
+    names = FUSED_PROGRAMS if fused else PROGRAMS
+    other = names[1]
+    for program in names:
+        step = make_step(program, copy.deepcopy(model), loss_fn, make_opt, backend, kind, fused)
         start = time.perf_counter()
         step(x, y)
         first_call[program] = time.perf_counter() - start
         programs[program] = step
-    times: dict[str, list[float]] = {p: [] for p in PROGRAMS}
-    faults: dict[str, list[int]] = {p: [] for p in PROGRAMS}
+    times: dict[str, list[float]] = {p: [] for p in names}
+    faults: dict[str, list[int]] = {p: [] for p in names}
     for r in range(rounds):
-        for program in PROGRAMS if r % 2 == 0 else PROGRAMS[::-1]:
+        for program in names if r % 2 == 0 else names[::-1]:
             step = programs[program]
             for _ in range(2):  # the other programs ran meanwhile: caches cold again
                 step(x, y)
@@ -161,9 +174,9 @@ def measure(workload: str, rounds: int, steps: int, smoke: bool, kind: str = "pl
     return {
         "workload": workload if kind == "plain" else f"{workload} ({kind})",
         "ms": {p: round(v, 3) for p, v in ms.items()},
-        "outlined/inlined": round(ms["outlined"] / ms["inlined"], 3),
+        f"outlined/{other}": round(ms["outlined"] / ms[other], 3),
         "outlined/compile": round(ms["outlined"] / ms["compile"], 3),
-        "inlined/compile": round(ms["inlined"] / ms["compile"], 3),
+        f"{other}/compile": round(ms[other] / ms["compile"], 3),
         "first_call_s": {p: round(v, 1) for p, v in first_call.items()},
         # pages the step touched fresh from the OS (glibc gives big freed buffers back)
         "minor_faults_per_step": {p: int(statistics.median(f)) for p, f in faults.items()},
@@ -187,30 +200,45 @@ KEPT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_"
 
 
 def write_table(path: str, rows: list[dict], meta: dict) -> None:
+    names = meta.get("programs", PROGRAMS)
+    other = names[1]
+    fused = other == "multi-tensor"
     lines = [
-        "# Steady step: outlined blocks against inlined (issue 40 §0)",
+        "# Steady step: "
+        + (
+            "torch's fused AdamW kernel in the step against graphamp's multi-tensor update"
+            if fused
+            else "outlined blocks against inlined (issue 40 §0)"
+        ),
         "",
         f"{meta['machine']}, torch {meta['torch']}, {meta['threads']} thread(s), bf16, "
         f"inductor. Command: `{meta['command']}`",
         "",
         "Median ms per step over every round's steps, all three programs in one process, "
-        "interleaved (the order alternates each round). Target: outlined / inlined at most "
-        f"{TARGET}. The first calls ran on whatever inductor's cache held (first_call.py "
-        "measures cold and warm starts in fresh processes).",
+        "interleaved (the order alternates each round). "
+        + (
+            "outlined: graphamp's default step with AdamW(fused=True); multi-tensor: the same "
+            "with AdamW() (graphamp's own update); compile: torch.compile + autocast + eager "
+            "AdamW(fused=True). "
+            if fused
+            else f"Target: outlined / inlined at most {TARGET}. "
+        )
+        + "The first calls ran on whatever inductor's cache held (first_call.py measures cold "
+        "and warm starts in fresh processes).",
         "",
-        "| workload | outlined ms | inlined ms | torch.compile ms | outlined / inlined | "
-        "outlined / torch.compile | first call s (outlined, inlined, compile; not cold) | "
-        "page faults per step (outlined, inlined, compile) |",
+        f"| workload | outlined ms | {other} ms | torch.compile ms | outlined / {other} | "
+        f"outlined / torch.compile | first call s (outlined, {other}, compile; not cold) | "
+        f"page faults per step (outlined, {other}, compile) |",
         "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         ms, fc = r["ms"], r["first_call_s"]
         pf = r.get("minor_faults_per_step", {})
         lines.append(
-            f"| {r['workload']} | {ms['outlined']:.2f} | {ms['inlined']:.2f} | "
-            f"{ms['compile']:.2f} | {r['outlined/inlined']:.3f} | {r['outlined/compile']:.3f} | "
-            f"{fc['outlined']}, {fc['inlined']}, {fc['compile']} | "
-            f"{', '.join(str(pf.get(p, '-')) for p in PROGRAMS)} |"
+            f"| {r['workload']} | {ms['outlined']:.2f} | {ms[other]:.2f} | "
+            f"{ms['compile']:.2f} | {r[f'outlined/{other}']:.3f} | "
+            f"{r['outlined/compile']:.3f} | {fc['outlined']}, {fc[other]}, {fc['compile']} | "
+            f"{', '.join(str(pf.get(p, '-')) for p in names)} |"
         )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -236,6 +264,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="run with glibc's malloc keeping freed memory (KEPT_MALLOC: no page faults from "
         "buffers given back to the OS each step); results in *_malloc_kept_cpu.*",
     )
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="AdamW(fused=True) everywhere; the second program is graphamp's multi-tensor update",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     if args.malloc_kept and any(os.environ.get(k) != v for k, v in KEPT_MALLOC.items()):
@@ -250,6 +283,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "machine": f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
         "torch": torch.__version__,
         "threads": args.threads,
+        "programs": FUSED_PROGRAMS if args.fused else PROGRAMS,
         "command": "python benchmarks/outline_cost.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
     }
@@ -258,6 +292,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     name = "outline_cost_smoke" if args.smoke else "outline_cost_cpu"
     if args.kind != "plain":
         name = name.replace("outline_cost", f"outline_cost_{args.kind}")
+    if args.fused:
+        name = name.replace("outline_cost", "outline_cost_fused")
     if args.malloc_kept:
         name = name.replace("_cpu", "_malloc_kept_cpu")
         meta["machine"] += (
@@ -266,7 +302,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             + ")"
         )
     for workload in args.workload:
-        row = measure(workload, args.rounds, args.steps, args.smoke, args.kind)
+        row = measure(workload, args.rounds, args.steps, args.smoke, args.kind, args.fused)
         print(json.dumps(row), flush=True)
         rows.append(row)
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:  # as each one finishes

@@ -65,9 +65,10 @@ def case(name: str):
     gen = torch.Generator().manual_seed(1)
     if name in VARIANTS:
         return _variant(name, gen)
-    if name in ("fp16_scaler_adamw", "fp16_scaler_adamw_inlined"):
+    if name in ("fp16_scaler_adamw", "fp16_scaler_adamw_inlined", "fp16_scaler_adamw_fused"):
         model = seed_mlp()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        fused = name.endswith("_fused") or None  # torch's fused kernel, one op of the step
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=fused)
         inlined = name.endswith("_inlined")  # the step as assembly traced it, not a copy
         g = make_graph(
             model,

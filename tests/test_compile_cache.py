@@ -160,6 +160,7 @@ def _assert_same_run(a: dict, b: dict) -> None:
         # the default lane keeps one restart; the slow lane the others (25-33 s each)
         pytest.param("fp16_scaler_adamw", marks=pytest.mark.slow),
         pytest.param("fp16_scaler_adamw_inlined", marks=pytest.mark.slow),
+        pytest.param("fp16_scaler_adamw_fused", marks=pytest.mark.slow),
         "masked_bf16_sgd",
     ],
 )

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..records.optimizers import SUPPORTED
+from ..records.optimizers import update_path
 from ..records.spec import GraphSpec, Program
 from ..records.validate import dtype_name
 from ..torchkit.fxutil import dtype_after_amp, is_compute_node, op_name
@@ -112,7 +112,7 @@ def _optimizer_lines(spec: GraphSpec) -> list[str]:
             f"{k}={group[k]}" for k in ("lr", "momentum", "betas", "weight_decay") if k in group
         )
         clip = f", clip_grad_max_norm={slot.clip_max_norm}" if slot.clip_max_norm else ""
-        path = "graphamp's multi-tensor update" if type(opt) in SUPPORTED else "its step() traced"
+        path = update_path(opt)
         lines.append(
             f"{INDENT}(OPTIMIZER:{i}:{type(opt).__name__}({hyper}, "
             f"param_groups={len(opt.param_groups)}{clip}): {path})"

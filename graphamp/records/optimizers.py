@@ -56,6 +56,16 @@ def optimizer_kind(optimizer: Any) -> str:
     return kind
 
 
+def update_path(optimizer: torch.optim.Optimizer) -> str:
+    """How the step updates with this optimizer, in words (``print(g)``)."""
+    kind = kind_of(optimizer)
+    if kind == TRACED:
+        return "its step() traced"
+    if kind == "adam" and any(g.get("fused") for g in optimizer.param_groups):
+        return "torch's fused kernel (fused=True) in the step"
+    return "graphamp's multi-tensor update"
+
+
 def check_optimizer_slot(
     optimizer: Any, lr_sch: Any, max_norm: Any, norm_type: Any, added: list[Any]
 ) -> tuple[float | None, float]:
@@ -94,8 +104,8 @@ def group_flags(
     ``tensor``: how a tensor-valued option is recorded; its values by default (the build's
     key), ``tensor_version`` in the per-call structure, which must not read a device tensor on
     the host."""
+    tensor = tensor or _tensor_values
     if kind == TRACED:  # every option but the lr (an input) is baked into the traced step
-        tensor = tensor or _tensor_values
         return tuple(
             (k, _frozen(v, tensor)) for k, v in sorted(group.items()) if k not in ("params", "lr")
         )
@@ -111,11 +121,14 @@ def group_flags(
     decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
         group.get("decoupled_weight_decay", False)
     )
+    # fused=True: torch's fused kernel takes these as floats, baked into the step
+    fused = (group["betas"], group["eps"], group["weight_decay"]) if group.get("fused") else None
     return (
         ("amsgrad", bool(group["amsgrad"])),
         ("decoupled", decoupled),
         ("weight_decay", group["weight_decay"] != 0),
         ("maximize", maximize),
+        ("fused", _frozen(fused, tensor)),
     )
 
 
@@ -246,6 +259,13 @@ class OptimizerPlan:
     @property
     def hyper_names(self) -> tuple[str, ...]:
         return HYPER[self.kind]
+
+    def hyper_dtype(self, k: int, device: torch.device) -> torch.dtype:
+        """The dtype of param group ``k``'s hyperparameter inputs: float32, or float64 for a
+        fused group on the CPU, whose kernel then reads the lr as the same double eager
+        passes it (float32 rounds it: parameters 1e-8 off eager's fused run)."""
+        fused = dict(self.groups[k].flags).get("fused") is not None
+        return torch.float64 if fused and device.type == "cpu" else torch.float32
 
     def hyper_values(self, group: dict) -> tuple[Any, ...]:
         if self.kind == TRACED:

@@ -273,7 +273,10 @@ def _hyper_slots(plan: StepPlan, device: torch.device) -> list[HyperSlot]:
         HyperSlot(
             opt,
             k,
-            [torch.zeros((), dtype=torch.float32, device=device) for _ in opt.hyper_names],
+            [
+                torch.zeros((), dtype=opt.hyper_dtype(k, device), device=device)
+                for _ in opt.hyper_names
+            ],
         )
         for opt in plan.optimizers
         for k in range(len(opt.optimizer.param_groups))

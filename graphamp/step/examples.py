@@ -35,7 +35,12 @@ def example_inputs(
     """The step's flat inputs (``plan.layout``) for tracing and compiling."""
     cap = plan.captured
     params, buffers = dict(root.named_parameters()), dict(root.named_buffers())
-    n_hyper = sum(len(o.hyper_names) * len(o.optimizer.param_groups) for o in plan.optimizers)
+    hyper = [
+        torch.zeros((), dtype=o.hyper_dtype(k, device), device=device)
+        for o in plan.optimizers
+        for k in range(len(o.optimizer.param_groups))
+        for _ in o.hyper_names
+    ]
     scaler: list[torch.Tensor] = []
     if plan.scaler is not None:
         plan.scaler._materialize(device)  # the scaler's own tensors, which the step updates
@@ -45,7 +50,7 @@ def example_inputs(
             "params": [_param_input(plan, params[n]) for n in cap.param_names],
             "buffers": [buffers[n] for n in cap.buffer_names],
             "opt_state": _optimizer_state(plan),
-            "hyper": [torch.zeros((), dtype=torch.float32, device=device) for _ in range(n_hyper)],
+            "hyper": hyper,
             "counters": [state.counter(o.index, device, o.has_state()) for o in plan.optimizers],
             "momentum_fresh": [
                 torch.zeros((), dtype=torch.bool, device=p.device)

@@ -106,6 +106,34 @@ def adam_update(t: GroupTensors, flags: dict):
     return new_params, out
 
 
+def fused_adam_update(t: GroupTensors, flags: dict, options: dict, skip: torch.Tensor | None):
+    """Adam/AdamW with ``fused=True``: torch's fused kernel, in place, as the eager optimizer
+    runs it (``torchkit.fused_update``). As there, the steps are counted first and a skipped step
+    (``found_inf``) leaves parameters, state and steps as they were. ``options``: the group's
+    float hyperparameters, which the kernel takes as numbers (baked in, part of the key)."""
+    steps = t.state["step"]
+    for s in steps:
+        s.copy_(masked(skip, s, s + 1))
+    beta1, beta2 = (float(b) for b in options["betas"])
+    torch.ops.graphamp.fused_adam_(
+        t.params,
+        t.grads,
+        t.state["exp_avg"],
+        t.state["exp_avg_sq"],
+        t.state.get("max_exp_avg_sq", []),
+        steps,
+        t.hyper["lr"],
+        beta1,
+        beta2,
+        float(options["weight_decay"]),
+        float(options["eps"]),
+        flags["amsgrad"],
+        flags["maximize"],
+        flags["decoupled"],
+        None if skip is None else skip.to(torch.float32),
+    )
+
+
 def _one_minus(values: list[torch.Tensor]) -> list[torch.Tensor]:
     """``1 - v`` for each value: ``-v + 1``, the same IEEE result (a - b is a + (-b))."""
     return torch._foreach_add(torch._foreach_neg(values), 1)
@@ -173,6 +201,9 @@ def update_optimizer(
         if not idx:
             continue
         tensors = GroupTensors([params[i] for i in idx], [grads[i] for i in idx], state, hyper)
+        if dict(group.flags).get("fused"):
+            fused_adam_update(tensors, dict(group.flags), opt.optimizer.param_groups[g], skip)
+            continue
         new_params, new_state = apply_update(opt, group, tensors, fresh)
         for old, new in zip(tensors.params, new_params):
             old.copy_(masked(skip, old, new))

@@ -40,6 +40,7 @@ from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from ..errors import ConfigError
 from .fp8_numerics import FP8_MM, FP8_MM_DELAYED, fp8_matmul, fp8_matmul_delayed
+from .fused_update import fused_adam_  # noqa: F401 - registers graphamp::fused_adam_
 from .fxutil import NodeTagger
 from .op_repairs import REPAIRED_OPS
 
