@@ -38,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # graphamp (repeated blocks outlined, the default), graphamp with them inlined, the peer
 VARIANTS = ("graphamp", "graphamp-inline", "compile")
-WORKLOADS = ("gpt2-6l", "gpt2-12l", "vit-tiny")
+WORKLOADS = ("gpt2-6l", "gpt2-12l", "hf-gpt2-6l", "vit-tiny")
 # issue 31: graphamp / torch.compile at most 1.0 cold and 1.5 warm; the 12-layer cold first
 # call at most 1.3x the 6-layer one
 TARGETS = {"cold": 1.0, "warm": 1.5}
@@ -81,6 +81,8 @@ def make_workload(name: str, smoke: bool = False):
             lm_loss,
             f"nanoGPT-style GPT-2, {layers} layers, n_embd 128, 4 heads, vocab 50304, B8 T64, AdamW",
         )
+    if name == "hf-gpt2-6l":
+        return _hf_gpt2(gen, smoke)
     if name == "vit-tiny":
         model, what = _vit_tiny()
         batch = (
@@ -89,6 +91,33 @@ def make_workload(name: str, smoke: bool = False):
         )
         return model, batch, F.cross_entropy, f"{what}, B8 224x224, AdamW"
     raise ValueError(name)
+
+
+def _hf_gpt2(gen, smoke: bool):
+    """transformers' GPT2LMHeadModel built from a config (no download): 6 layers, n_embd 128,
+    4 heads, GPT-2's vocabulary, B8 T64, dropout off (2 layers and a small vocabulary for
+    ``--smoke``)."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    layers, vocab = (2, 512) if smoke else (6, 50257)
+    cfg = transformers.GPT2Config(
+        n_layer=layers, n_embd=128, n_head=4, n_positions=64, vocab_size=vocab,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    idx = torch.randint(0, vocab, (8, 65), generator=gen)
+
+    def lm(out, target):
+        return F.cross_entropy(out.logits.flatten(0, 1).float(), target.flatten())
+
+    what = f"transformers {transformers.__version__} GPT2LMHeadModel, {layers} layers, n_embd 128"
+    return (
+        transformers.GPT2LMHeadModel(cfg),
+        (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()),
+        lm,
+        f"{what}, 4 heads, vocab {vocab}, B8 T64, AdamW",
+    )
 
 
 def _vit_tiny():

@@ -87,7 +87,9 @@ def make_step(variant: str, model, dynamic=None):
 
     import graphamp
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # --fused: AdamW(fused=True) in every variant (torch's fused kernel; one op of graphamp's step)
+    fused = os.environ.get(FUSED_ENV) == "1" or None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     if variant.startswith("graphamp"):
 
         class Padded(graphamp.Graph):
@@ -190,6 +192,9 @@ def child_steady(layers: int, length_index: int = 2, reps: int = 30) -> dict:
     }
 
 
+FUSED_ENV = "GRAPHAMP_BENCH_FUSED_ADAMW"  # set by --fused for the children
+
+
 def run_child(args: list[str], restart: bool = False) -> dict:
     """The cell in a fresh process on an empty cache directory; ``restart``: then again in a
     second fresh process on the directory the first filled (its row, with the cold total)."""
@@ -225,7 +230,8 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         "# Changing shapes on the CPU (`benchmarks/variable_shapes.py`)",
         "",
         f"{meta['machine']}; torch {meta['torch']}; GPT-2 from a GPT2Config (n_embd 128), "
-        "bf16 AMP, AdamW, inductor, batch 8 padded by DataCollatorWithPadding; each cell a fresh "
+        f"bf16 AMP, {rows[0].get('optimizer', 'AdamW') if rows else 'AdamW'}, inductor, batch 8 "
+        "padded by DataCollatorWithPadding; each cell a fresh "
         "process on an empty inductor cache. Total seconds of all steps, compiles included.",
         "",
         "| layers | steps | lengths | graphamp s (compiles) | graphamp, marked s (compiles) "
@@ -284,11 +290,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--restart", action="store_true", help="each cell again on the cache its cold run filled"
     )
+    parser.add_argument("--fused", action="store_true", help="AdamW(fused=True) in every variant")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
+    if args.fused:
+        os.environ[FUSED_ENV] = "1"
     if args.child:
         kind, *rest = args.child
         row = child_steady(int(rest[0])) if kind == "steady" else child_total(kind, *map(int, rest))
+        row["optimizer"] = "AdamW(fused=True)" if os.environ.get(FUSED_ENV) == "1" else "AdamW"
         print(json.dumps(row), flush=True)
         return [row]
     rows = []

@@ -38,11 +38,11 @@ def run_zero(
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
 
 
-def single_process(steps=STEPS, sizes=None):
+def single_process(steps=STEPS, sizes=None, fused=False):
     model = make_model(seed=0, width=WIDTH)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        g, opt = make_training(0, 1, model)
+        g, opt = make_training(0, 1, model, fused=fused)
         for step, (x, y) in enumerate(global_batches()[:steps]):
             n = sizes[step] if sizes else len(x)
             g(x[:n], y[:n])
@@ -91,6 +91,17 @@ def test_zero_trains_like_one_process_with_an_overflow_on_one_rank(nproc, stage,
     for r in ranks:
         assert r["state_bytes"] == rows_bytes + steps_bytes
     assert rows_bytes <= (full_bytes - steps_bytes) / nproc * 1.05
+
+
+@pytest.mark.slow
+def test_zero2_with_a_fused_adamw_runs_its_kernel_on_the_rows(tmp_path):
+    """AdamW(fused=True) under ZeRO-2: torch's fused kernel updates each rank's rows (odd
+    sizes, an overflow on one rank skips the step on all), like one process with the same
+    optimizer."""
+    reference = single_process(fused=True)
+    env = {"GRAPHAMP_TEST_FUSED": "1"}
+    ranks = run_zero(2, 2, tmp_path / "run", env=env)
+    _assert_like_one_process(ranks, reference)
 
 
 @pytest.mark.slow

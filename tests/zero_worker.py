@@ -10,7 +10,7 @@ Writes rank{r}.pt (parameters, optimizer state dict, skips, bytes of optimizer s
 from rank 0, a checkpoint (model, optimizer.state_dict(), graph state) into OUT_DIR.
 GRAPHAMP_TEST_FULLY_SHARD=blocks|root: the model is wrapped with FSDP2's fully_shard instead of
 asking for enable_zero (STAGE 3 then). GRAPHAMP_TEST_NORM: the first layer is followed by a
-LayerNorm in the same block.
+LayerNorm in the same block. GRAPHAMP_TEST_FUSED=1: AdamW(fused=True).
 """
 
 import os
@@ -29,8 +29,11 @@ import graphamp
 WIDTH, CLIP = 63, 1.0  # 63: parameters whose sizes do not divide by the rank count
 
 
-def make_training(stage: int, acc: int, model: nn.Module):
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+def make_training(stage: int, acc: int, model: nn.Module, fused: bool | None = None):
+    """``fused`` (default: GRAPHAMP_TEST_FUSED=1): AdamW(fused=True), torch's fused kernel."""
+    if fused is None:
+        fused = os.environ.get("GRAPHAMP_TEST_FUSED") == "1"
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, fused=fused or None)
 
     class Zero(graphamp.Graph):
         def __init__(self):
