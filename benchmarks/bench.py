@@ -14,6 +14,9 @@ and each variant, all variants of a workload one after the other in one process 
                       (not run unless named: the cost of overflow forensics, as a ratio to the
                       untraced variant of the same run)
     graphamp_fp16_inline, graphamp_bf16_inline   the same with repeated blocks inlined
+    graphamp_fp16_fused, graphamp_bf16_fused     the optimizer built with fused=True (torch's
+                      fused kernel as one op of the step, as the compile_* peers' optimizer;
+                      not run unless named)
     graphamp_bf16_fp8, graphamp_bf16_fp8rw, graphamp_bf16_fp8dl
                       bf16 with fp8 matmuls (tensorwise, rowwise, delayed);
                       not run unless named
@@ -70,10 +73,12 @@ VARIANTS = (
 )
 TRACED_VARIANTS = ("graphamp_fp16_traced", "graphamp_bf16_traced")  # only when named
 INLINE_VARIANTS = ("graphamp_fp16_inline", "graphamp_bf16_inline")  # only when named
+# the optimizer built with fused=True (torch's fused kernel, one op of the step): only when named
+FUSED_VARIANTS = ("graphamp_fp16_fused", "graphamp_bf16_fused")
 # enable_fp8, only when named: suffix -> recipe
 FP8_RECIPES = {"_fp8": "tensorwise", "_fp8rw": "rowwise", "_fp8dl": "delayed"}
 FP8_VARIANTS = tuple(f"graphamp_bf16{suffix}" for suffix in FP8_RECIPES)
-SUFFIXES = ("_traced", "_inline", *FP8_RECIPES)
+SUFFIXES = ("_traced", "_inline", "_fused", *FP8_RECIPES)
 
 
 def _base_variant(variant: str) -> str:
@@ -101,7 +106,7 @@ def make_step(variant: str, workload, model, device, backend: str, inductor_opti
     dtype = BF16 if _dtype_name(variant) == "bf16" else FP16
     cuda = device.type == "cuda"
     if variant.startswith("graphamp"):
-        opt = workload.make_optimizer(model, False)
+        opt = workload.make_optimizer(model, variant.endswith("_fused"))
 
         class TrainGraph(graphamp.Graph):
             def __init__(self):
@@ -461,7 +466,7 @@ def main(argv=None) -> list[dict]:
         "--variant",
         nargs="*",
         default=list(VARIANTS),
-        choices=VARIANTS + TRACED_VARIANTS + INLINE_VARIANTS + FP8_VARIANTS,
+        choices=VARIANTS + TRACED_VARIANTS + INLINE_VARIANTS + FUSED_VARIANTS + FP8_VARIANTS,
     )
     parser.add_argument("--steps", type=int, default=50, help="measured steps (default 50)")
     parser.add_argument("--warmup", type=int, default=10)

@@ -20,6 +20,9 @@
 #   resnet50    ResNet-50 B128, bf16 then fp16, against torch.compile + autocast (+ GradScaler)
 #   -- named only --
 #   gpt2_warm   the gpt2 command again on the cache gpt2 filled: warm first calls
+#   fused       GPT-2 124M bf16 with AdamW(fused=True) (torch's fused kernel in the step, the
+#               optimizer the compile_* peers use) against graphamp's own update and
+#               torch.compile, cold inductor cache: first call and steady step
 #   first_call  benchmarks/first_call.py on the GPU: GPT-2 6-layer and ViT-tiny, graphamp vs
 #               torch.compile + autocast, each in a fresh process, cold then warm inductor cache
 #   kernels     benchmarks/kernel_count.py: structural launch counts of the step (mlp, gpt2-6l)
@@ -75,6 +78,11 @@ part_gpt2() {
   rm -rf "$TORCHINDUCTOR_CACHE_DIR"
   bench --workload gpt2 --variant graphamp_fp16 compile_amp_fp16 graphamp_bf16 compile_bf16 \
     eager_amp_fp16 --profile --tag gpt2_cold "${GRAPHAMP_INDUCTOR[@]}"
+}
+part_fused() {
+  rm -rf "$TORCHINDUCTOR_CACHE_DIR"
+  bench --workload gpt2 --variant graphamp_bf16_fused graphamp_bf16 compile_bf16 --tag fused \
+    "${GRAPHAMP_INDUCTOR[@]}"
 }
 part_outline() {
   bench --workload gpt2 --variant graphamp_bf16 graphamp_bf16_inline --steps 100 --tag outline \
