@@ -255,6 +255,31 @@ def test_fused_adam_runs_torchs_fused_kernel_bitwise_like_eager(cls, kwargs):
     assert "torch's fused kernel (fused=True)" in repr(g)
 
 
+def test_a_fused_adamw_over_float32_and_bfloat16_parameters_matches_eager():
+    """One group holding float32 and bfloat16 parameters: the kernel is called once per dtype,
+    as eager groups them (its CUDA kernel takes one dtype a call), bitwise eager's run."""
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4).to(torch.bfloat16)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)).to(torch.bfloat16)).float()
+
+    model = Mixed()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    eager_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+    g = _graph(model, opt)
+    batches = _batches(3)
+    for x, y in batches:
+        g(x, y)
+    _eager(twin, eager_opt, batches)
+    _assert_bitwise_like(model, twin, opt, eager_opt)
+
+
 def test_fused_adamw_under_inductor_trains_like_eager():
     """Under inductor the fused op writes the step's parameters and state in place (inductor
     re-inplaces it); the run matches eager's fused AdamW (the forward and backward are

@@ -4,10 +4,10 @@ A compiled step bakes in the module tree it was captured from (which modules, pa
 buffers exist and which are in training mode), each optimizer's param groups (which parameters,
 ``requires_grad``, the options the update bakes in: momentum on/off, a traced optimizer's
 options but its lr), the config, the scaler's settings and the fp32 parts a transformers model
-declares (``model_pins.py``). ``StructureKey``
-turns all of that into one hashable ``records.guards.Structure`` per call; each compiled step
-assumes the one it was built for (``Guards.structure``), so any change rebuilds the step, and
-``records.guards.structure_words`` names what changed for the log.
+declares (``model_pins.py``). ``StructureKey`` turns all of that into one hashable
+``records.guards.Structure`` per call; each compiled step assumes the one it was built for
+(``Guards.structure``), so any change rebuilds the step, and ``records.guards.structure_words``
+names what changed for the log.
 
 Walking every module's children at every call would cost tens of microseconds on a large
 model, so the tree's identity fingerprint is recomputed only when torch registered a module,

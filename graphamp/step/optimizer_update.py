@@ -13,6 +13,10 @@ overflow flag: a skipped step leaves parameters and state bitwise unchanged. The
 one multi-tensor run per group when repeated blocks are outlined: split per block and outlined,
 its writes into the state could not fuse with its math (one copy kernel per tensor), which made
 the steady step 3-8% slower (issue 40).
+
+An Adam/AdamW built with ``fused=True`` runs torch's fused kernel instead, as eager does
+(``fused_adam_update``, ``torchkit/fused_update.py``): bitwise the eager fused optimizer, and
+nothing for the compiler to generate.
 """
 
 from __future__ import annotations
@@ -115,23 +119,30 @@ def fused_adam_update(t: GroupTensors, flags: dict, options: dict, skip: torch.T
     for s in steps:
         s.copy_(masked(skip, s, s + 1))
     beta1, beta2 = (float(b) for b in options["betas"])
-    torch.ops.graphamp.fused_adam_(
-        t.params,
-        t.grads,
-        t.state["exp_avg"],
-        t.state["exp_avg_sq"],
-        t.state.get("max_exp_avg_sq", []),
-        steps,
-        t.hyper["lr"],
-        beta1,
-        beta2,
-        float(options["weight_decay"]),
-        float(options["eps"]),
-        flags["amsgrad"],
-        flags["maximize"],
-        flags["decoupled"],
-        None if skip is None else skip.to(torch.float32),
-    )
+    found_inf = None if skip is None else skip.to(torch.float32)
+    second = t.state.get("max_exp_avg_sq")
+    # one call per device and dtype, as eager groups its tensors for the kernel
+    calls: dict[tuple, list[int]] = {}
+    for i, p in enumerate(t.params):
+        calls.setdefault((p.device, p.dtype), []).append(i)
+    for idx in calls.values():
+        torch.ops.graphamp.fused_adam_(
+            [t.params[i] for i in idx],
+            [t.grads[i] for i in idx],
+            [t.state["exp_avg"][i] for i in idx],
+            [t.state["exp_avg_sq"][i] for i in idx],
+            [second[i] for i in idx] if second is not None else [],
+            [steps[i] for i in idx],
+            t.hyper["lr"],
+            beta1,
+            beta2,
+            float(options["weight_decay"]),
+            float(options["eps"]),
+            flags["amsgrad"],
+            flags["maximize"],
+            flags["decoupled"],
+            found_inf,
+        )
 
 
 def _one_minus(values: list[torch.Tensor]) -> list[torch.Tensor]:
