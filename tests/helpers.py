@@ -79,6 +79,18 @@ def eager_step(model, loss_fn, opt, x, y, sch=None) -> torch.Tensor:
     return loss.detach()
 
 
+def regression_batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` (6x8 input, 6x4 target) batches from seed 1: the optimizer tests' data."""
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)) for _ in range(n)]
+
+
+def eager_steps(model, opt, batches, loss_fn=F.mse_loss, sch=None) -> None:
+    """``eager_step`` over every batch."""
+    for x, y in batches:
+        eager_step(model, loss_fn, opt, x, y, sch)
+
+
 def sgd_with_state(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.optim.SGD:
     """SGD (lr 0.1, momentum 0.9) over ``model`` after one eager cross-entropy step on ``(x, y)``,
     its gradients cleared: the optimizer has state, so a test's "unchanged" means something."""

@@ -14,31 +14,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import make_graph
+from helpers import eager_steps, make_graph, regression_batches
 
 import graphamp
 
 
 def _model() -> nn.Module:
     return models.mlp(8, 16, 4, act=nn.Tanh, bias=True, seed=0)
-
-
-def _batches(n=4):
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)) for _ in range(n)]
-
-
-def _graph(model, optimizer, amp=None, scaler=None, lr_sch=None):
-    return make_graph(model, F.mse_loss, optimizer, amp=amp, scaler=scaler, lr_sch=lr_sch)
-
-
-def _eager(model, optimizer, batches, lr_sch=None):
-    for x, y in batches:
-        optimizer.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), y).backward()
-        optimizer.step()
-        if lr_sch is not None:
-            lr_sch.step()
 
 
 FUSED = [
@@ -71,7 +53,7 @@ def _assert_bitwise_like(model, twin, opt, eager_opt):
 
 
 @pytest.mark.parametrize("cls, kwargs", FUSED)
-def test_fused_adam_runs_torchs_fused_kernel_bitwise_like_eager(cls, kwargs):
+def test_fused_adam_runs_torchs_fused_kernel_bitwise_likeeager_steps(cls, kwargs):
     """Adam/AdamW(fused=True): the step calls torch's fused kernel, so parameters and state are
     bitwise those of the eager fused optimizer (graphamp's multi-tensor math is not: it is
     torch's capturable form, 1e-8 apart), with an lr scheduler changing the lr every step
@@ -79,17 +61,17 @@ def test_fused_adam_runs_torchs_fused_kernel_bitwise_like_eager(cls, kwargs):
     model, twin, opt, eager_opt = _fused_pair(cls, kwargs)
     sch = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7)
     eager_sch = torch.optim.lr_scheduler.ExponentialLR(eager_opt, gamma=0.7)
-    g = _graph(model, opt, lr_sch=sch)
-    batches = _batches(5)
+    g = make_graph(model, F.mse_loss, opt, lr_sch=sch)
+    batches = regression_batches(5)
     for x, y in batches:
         g(x, y)
-    _eager(twin, eager_opt, batches, eager_sch)
+    eager_steps(twin, eager_opt, batches, sch=eager_sch)
     _assert_bitwise_like(model, twin, opt, eager_opt)
     assert len(g.compiled_steps) == 1
     assert "torch's fused kernel (fused=True)" in repr(g)
 
 
-def test_a_fused_adamw_over_float32_and_bfloat16_parameters_matches_eager():
+def test_a_fused_adamw_over_float32_and_bfloat16_parameters_matcheseager_steps():
     """One group holding float32 and bfloat16 parameters: the kernel is called once per dtype,
     as eager groups them (its CUDA kernel takes one dtype a call), bitwise eager's run."""
 
@@ -106,24 +88,24 @@ def test_a_fused_adamw_over_float32_and_bfloat16_parameters_matches_eager():
     twin = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     eager_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
-    g = _graph(model, opt)
-    batches = _batches(3)
+    g = make_graph(model, F.mse_loss, opt)
+    batches = regression_batches(3)
     for x, y in batches:
         g(x, y)
-    _eager(twin, eager_opt, batches)
+    eager_steps(twin, eager_opt, batches)
     _assert_bitwise_like(model, twin, opt, eager_opt)
 
 
-def test_fused_adamw_under_inductor_trains_like_eager():
+def test_fused_adamw_under_inductor_trains_likeeager_steps():
     """Under inductor the fused op writes the step's parameters and state in place (inductor
     re-inplaces it); the run matches eager's fused AdamW (the forward and backward are
     inductor's kernels, so not bitwise)."""
     model, twin, opt, eager_opt = _fused_pair(torch.optim.AdamW, {"weight_decay": 0.1})
     g = make_graph(model, F.mse_loss, opt, backend="inductor")
-    batches = _batches(4)
+    batches = regression_batches(4)
     for x, y in batches:
         g(x, y)
-    _eager(twin, eager_opt, batches)
+    eager_steps(twin, eager_opt, batches)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         for key in ("step", "exp_avg", "exp_avg_sq"):
@@ -138,8 +120,10 @@ def test_a_skipped_fp16_step_leaves_a_fused_adamw_as_it_was():
     model = _model()
     before = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    g = _graph(model, opt, torch.float16, graphamp.GradScaler(init_scale=2.0**24))
-    x, y = _batches(1)[0]
+    g = make_graph(
+        model, F.mse_loss, opt, amp=torch.float16, scaler=graphamp.GradScaler(init_scale=2.0**24)
+    )
+    x, y = regression_batches(1)[0]
     g(x, y)
     assert bool(g.history.latest()["skipped"])
     for p, q in zip(model.parameters(), before.parameters()):
@@ -158,13 +142,13 @@ def test_a_fused_adams_betas_changed_mid_run_build_the_step_again():
     step: changed between calls, the step is built again (never the old value) and the run
     stays bitwise eager's."""
     model, twin, opt, eager_opt = _fused_pair(torch.optim.AdamW, {"weight_decay": 0.1})
-    g = _graph(model, opt)
-    for i, (x, y) in enumerate(_batches(4)):
+    g = make_graph(model, F.mse_loss, opt)
+    for i, (x, y) in enumerate(regression_batches(4)):
         if i == 2:
             for o in (opt, eager_opt):
                 o.param_groups[0]["betas"] = (0.8, 0.99)
                 o.param_groups[0]["weight_decay"] = 0.2
         g(x, y)
-        _eager(twin, eager_opt, [(x, y)])
+        eager_steps(twin, eager_opt, [(x, y)])
     _assert_bitwise_like(model, twin, opt, eager_opt)
     assert len(g.compiled_steps) == 2

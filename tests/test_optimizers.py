@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import import_torch_testing, make_graph
+from helpers import eager_steps, import_torch_testing, make_graph, regression_batches
 
 import graphamp
 from graphamp import UnsupportedOptimizerError
@@ -59,22 +59,8 @@ def _model(cls) -> nn.Module:
     return models.mlp(8, 16, 4, act=nn.Tanh, bias=bias, seed=0)
 
 
-def _batches(n=4):
-    gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(6, 8, generator=gen), torch.randn(6, 4, generator=gen)) for _ in range(n)]
-
-
 def _graph(model, optimizer, amp=None, scaler=None, lr_sch=None):
     return make_graph(model, F.mse_loss, optimizer, amp=amp, scaler=scaler, lr_sch=lr_sch)
-
-
-def _eager(model, optimizer, batches, lr_sch=None):
-    for x, y in batches:
-        optimizer.zero_grad(set_to_none=True)
-        F.mse_loss(model(x), y).backward()
-        optimizer.step()
-        if lr_sch is not None:
-            lr_sch.step()
 
 
 def _close(cls):
@@ -84,14 +70,14 @@ def _close(cls):
 
 
 @pytest.mark.parametrize("cls, kwargs", _settings())
-def test_every_optimizer_in_torchs_database_trains_like_eager(cls, kwargs):
+def test_every_optimizer_in_torchs_database_trains_likeeager_steps(cls, kwargs):
     model, twin = _model(cls), _model(cls)
     optimizer, eager_optimizer = cls(model.parameters(), **kwargs), cls(twin.parameters(), **kwargs)
     g = _graph(model, optimizer)
-    batches = _batches()
+    batches = regression_batches()
     for x, y in batches:
         g(x, y)
-    _eager(twin, eager_optimizer, batches)
+    eager_steps(twin, eager_optimizer, batches)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, **_close(cls))
     for p, q in zip(model.parameters(), twin.parameters()):
@@ -121,7 +107,7 @@ def test_a_skipped_fp16_step_leaves_a_traced_optimizer_as_it_was(cls, kwargs):
     before = copy.deepcopy(model)
     optimizer = cls(model.parameters(), lr=1e-2, **kwargs)
     g = _graph(model, optimizer, torch.float16, graphamp.GradScaler(init_scale=2.0**24))
-    x, y = _batches(1)[0]
+    x, y = regression_batches(1)[0]
     g(x, y)
     assert bool(g.history.latest()["skipped"])
     for p, q in zip(model.parameters(), before.parameters()):
@@ -149,10 +135,10 @@ def test_a_scheduler_changing_a_traced_optimizers_lr_compiles_once():
     sch = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.7)
     eager_sch = torch.optim.lr_scheduler.ExponentialLR(eager_opt, gamma=0.7)
     g = _graph(model, opt, lr_sch=sch)
-    batches = _batches(6)
+    batches = regression_batches(6)
     for x, y in batches:
         g(x, y)
-    _eager(twin, eager_opt, batches, eager_sch)
+    eager_steps(twin, eager_opt, batches, sch=eager_sch)
     assert (
         len(g.compiled_steps) == 1 and opt.param_groups[0]["lr"] == eager_opt.param_groups[0]["lr"]
     )
@@ -176,12 +162,12 @@ def test_an_option_baked_into_the_step_changed_mid_run_builds_again(cls, kwargs,
     model, twin = _model(cls), _model(cls)
     opt, eager_opt = cls(model.parameters(), **kwargs), cls(twin.parameters(), **kwargs)
     g = _graph(model, opt)
-    batches = _batches(4)
+    batches = regression_batches(4)
     for i, (x, y) in enumerate(batches):
         if i == 2:
             opt.param_groups[0][option] = eager_opt.param_groups[0][option] = value
         g(x, y)
-        _eager(twin, eager_opt, [(x, y)])
+        eager_steps(twin, eager_opt, [(x, y)])
     assert len(g.compiled_steps) == 2
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
@@ -196,12 +182,12 @@ def test_a_tensor_option_written_in_place_builds_again():
     decay, eager_decay = torch.tensor(0.0), torch.tensor(0.0)
     opt.param_groups[0]["lr_decay"], eager_opt.param_groups[0]["lr_decay"] = decay, eager_decay
     g = _graph(model, opt)
-    for i, (x, y) in enumerate(_batches(4)):
+    for i, (x, y) in enumerate(regression_batches(4)):
         if i == 2:
             decay.fill_(0.5)
             eager_decay.fill_(0.5)
         g(x, y)
-        _eager(twin, eager_opt, [(x, y)])
+        eager_steps(twin, eager_opt, [(x, y)])
     assert len(g.compiled_steps) == 2
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
@@ -274,15 +260,15 @@ THIRD_PARTY = {
 
 
 @pytest.mark.parametrize("name", sorted(THIRD_PARTY))
-def test_a_third_party_optimizer_in_plain_torch_trains_like_eager(name):
+def test_a_third_party_optimizer_in_plain_torch_trains_likeeager_steps(name):
     cls, settings, state_keys = THIRD_PARTY[name]
     model, twin = _model(cls), _model(cls)
     opt, eager_opt = cls(model.parameters(), **settings), cls(twin.parameters(), **settings)
     g = _graph(model, opt)
-    batches = _batches(5)
+    batches = regression_batches(5)
     for x, y in batches:
         g(x, y)
-    _eager(twin, eager_opt, batches)
+    eager_steps(twin, eager_opt, batches)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         for key in state_keys:
@@ -316,7 +302,7 @@ def test_what_cannot_be_one_traced_update_is_refused_by_name(make, words):
     model = _model(torch.optim.RMSprop)
     with pytest.raises(UnsupportedOptimizerError, match=words):
         g = _graph(model, make(model.parameters()))
-        g(*_batches(1)[0])
+        g(*regression_batches(1)[0])
 
 
 @pytest.mark.inductor
@@ -330,7 +316,7 @@ def test_a_traced_optimizer_with_scalar_state_under_inductor_and_fp16():
     g = _graph(model, opt, torch.float16, graphamp.GradScaler())
     g.config.set_backend("inductor")
     scaler = torch.amp.GradScaler("cpu")
-    for x, y in _batches(6):
+    for x, y in regression_batches(6):
         g(x, y)
         eager_opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
