@@ -38,10 +38,9 @@ def optimizer_kind(optimizer: Any) -> str:
         raise UnsupportedOptimizerError(
             f"{type(optimizer).__qualname__} is not a torch.optim.Optimizer"
         )
-    kind = SUPPORTED.get(type(optimizer))
-    if kind is None:
+    kind = kind_of(optimizer)
+    if kind == TRACED:
         refuse_untraceable(optimizer)
-        kind = TRACED
     for group in optimizer.param_groups:
         if group.get("differentiable"):
             raise UnsupportedOptimizerError(
@@ -195,6 +194,11 @@ class GroupPlan:
     param_keys: list[tuple[str, ...]] | None = None
     initial: list[dict[str, Any]] | None = None
 
+    @property
+    def fused(self) -> bool:
+        """An Adam/AdamW group built with ``fused=True``: torch's fused kernel updates it."""
+        return dict(self.flags).get("fused") is not None
+
 
 @dataclass
 class OptimizerPlan:
@@ -260,12 +264,13 @@ class OptimizerPlan:
     def hyper_names(self) -> tuple[str, ...]:
         return HYPER[self.kind]
 
-    def hyper_dtype(self, k: int, device: torch.device) -> torch.dtype:
-        """The dtype of param group ``k``'s hyperparameter inputs: float32, or float64 for a
-        fused group on the CPU, whose kernel then reads the lr as the same double eager
-        passes it (float32 rounds it: parameters 1e-8 off eager's fused run)."""
-        fused = dict(self.groups[k].flags).get("fused") is not None
-        return torch.float64 if fused and device.type == "cpu" else torch.float32
+    def hyper_inputs(self, k: int, device: torch.device) -> list[torch.Tensor]:
+        """Param group ``k``'s hyperparameter inputs (``hyper_names``), zeros: float32, or
+        float64 for a fused group on the CPU, whose kernel then reads the lr as the same double
+        eager passes it (float32 rounds it: parameters 1e-8 off eager's fused run)."""
+        wide = self.groups[k].fused and device.type == "cpu"
+        dtype = torch.float64 if wide else torch.float32
+        return [torch.zeros((), dtype=dtype, device=device) for _ in self.hyper_names]
 
     def hyper_values(self, group: dict) -> tuple[Any, ...]:
         if self.kind == TRACED:

@@ -273,10 +273,7 @@ def _hyper_slots(plan: StepPlan, device: torch.device) -> list[HyperSlot]:
         HyperSlot(
             opt,
             k,
-            [
-                torch.zeros((), dtype=opt.hyper_dtype(k, device), device=device)
-                for _ in opt.hyper_names
-            ],
+            opt.hyper_inputs(k, device),
         )
         for opt in plan.optimizers
         for k in range(len(opt.optimizer.param_groups))

@@ -36,10 +36,10 @@ def example_inputs(
     cap = plan.captured
     params, buffers = dict(root.named_parameters()), dict(root.named_buffers())
     hyper = [
-        torch.zeros((), dtype=o.hyper_dtype(k, device), device=device)
+        t
         for o in plan.optimizers
         for k in range(len(o.optimizer.param_groups))
-        for _ in o.hyper_names
+        for t in o.hyper_inputs(k, device)
     ]
     scaler: list[torch.Tensor] = []
     if plan.scaler is not None:

@@ -212,7 +212,7 @@ def update_optimizer(
         if not idx:
             continue
         tensors = GroupTensors([params[i] for i in idx], [grads[i] for i in idx], state, hyper)
-        if dict(group.flags).get("fused"):
+        if group.fused:
             fused_adam_update(tensors, dict(group.flags), opt.optimizer.param_groups[g], skip)
             continue
         new_params, new_state = apply_update(opt, group, tensors, fresh)

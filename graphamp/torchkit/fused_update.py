@@ -51,7 +51,7 @@ def fused_adam_(
     already counted. The kernel writes the parameters and state in place (the grads too, when
     it unscales them: never here, the step has unscaled them already)."""
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    # on the CPU the lr is a float64 input (records.optimizers.hyper_dtype), passed as the number
+    # on the CPU the lr is a float64 input (OptimizerPlan.hyper_inputs), passed as the number
     # eager passes; a device kernel reads its float32 tensor itself (no host read)
     lr_arg = float(lr) if lr.device.type == "cpu" else lr
     kernel(
