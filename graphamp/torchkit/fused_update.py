@@ -13,8 +13,9 @@ before the kernel and writes them back after it. A custom op that declares what 
 wrapped in ``auto_functionalized`` instead, which inductor turns back into the in-place call on
 the step's own parameter and state inputs, with no copy.
 
-The learning rate is a tensor (a step input: a scheduler never recompiles), taken by the kernel's
-``tensor_lr`` overload; beta1, beta2, eps and the weight decay are the kernel's float arguments,
+The learning rate is a tensor (a step input: a scheduler never recompiles): on a GPU the
+kernel's ``tensor_lr`` overload reads it on the device; on the CPU it is a float64 input read as
+the number eager passes; beta1, beta2, eps and the weight decay are the kernel's float arguments,
 baked into the step and part of its key (``records.optimizers.group_flags``), so changing one
 builds the step again. ``found_inf`` (1.0 for a skipped step) makes the kernel leave the
 parameters and state as they were, as it does under ``torch.amp.GradScaler``.
