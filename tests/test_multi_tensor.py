@@ -110,7 +110,7 @@ def _adam_per_param(t, flags):
 
 
 def _group(kind: str, amsgrad: bool, gen: torch.Generator):
-    from graphamp.step.optimizer_update import GroupTensors
+    from graphamp.step.update_math import GroupTensors
 
     shapes = [(7, 5), (5,), (3, 4, 2), ()]
     rand = lambda s, scale=1.0: torch.randn(s, generator=gen) * scale  # noqa: E731
@@ -141,7 +141,7 @@ def _group(kind: str, amsgrad: bool, gen: torch.Generator):
 )
 @pytest.mark.parametrize("fresh", [None, (True, False, True, False)])
 def test_sgd_multi_tensor_is_bitwise_the_per_parameter_update(flags, fresh):
-    from graphamp.step.optimizer_update import sgd_update
+    from graphamp.step.update_math import sgd_update
 
     t = _group("sgd", False, torch.Generator().manual_seed(1))
     fresh = [torch.tensor(f) for f in fresh] if fresh and flags["dampening"] else None
@@ -158,7 +158,7 @@ def test_sgd_multi_tensor_is_bitwise_the_per_parameter_update(flags, fresh):
     ],
 )
 def test_adam_multi_tensor_is_bitwise_the_per_parameter_update(flags):
-    from graphamp.step.optimizer_update import adam_update
+    from graphamp.step.update_math import adam_update
 
     t = _group("adam", flags["amsgrad"], torch.Generator().manual_seed(2))
     _assert_bitwise(adam_update(t, flags), _adam_per_param(t, flags))
@@ -178,16 +178,14 @@ def _assert_bitwise(got, ref):
 def _train_state(per_param: bool, backend: str, monkeypatch) -> list[torch.Tensor]:
     """Five fp16 steps (clipping, a grad scaler, one overflow) of an MLP with AdamW and
     SGD-momentum param groups; every parameter and optimizer state tensor afterwards."""
-    import graphamp.step.optimizer_update as ou
+    import graphamp.step.update_math as um
 
     if per_param:
         monkeypatch.setattr(
-            ou,
+            um,
             "apply_update",
-            lambda plan, group, t, first: (
-                _sgd_per_param(t, dict(group.flags), first)
-                if plan.kind == "sgd"
-                else _adam_per_param(t, dict(group.flags))
+            lambda kind, t, flags, first: (
+                _sgd_per_param(t, flags, first) if kind == "sgd" else _adam_per_param(t, flags)
             ),
         )
     torch.manual_seed(0)

@@ -114,7 +114,7 @@ def _calls(g) -> list[str]:
 @pytest.mark.parametrize(
     "name, calls, distinct",
     [
-        ("tiny_gpt", 6, 2),  # 3 blocks: forward and backward (the update is not outlined)
+        ("tiny_gpt", 6, 2),  # 3 blocks: forward and backward (the update is an op per block)
         # one block's backward region has no equal: it stays inline
         pytest.param("block_stack", 5, 2, marks=pytest.mark.slow),
         ("hf_gpt2", 6, 2),
@@ -206,7 +206,7 @@ def test_outlined_step_is_bitwise_with_momentum_and_skipped_steps():
     skipped = outlined[0].history.fetch()["skipped"]
     assert 0.0 < sum(skipped) < len(skipped), skipped  # both kinds of step happened
     calls = _calls(outlined[0])
-    assert {c.split("_")[1] for c in calls} == {"fw", "bw"}  # the update stays one run
+    assert {c.split("_")[1] for c in calls} == {"fw", "bw"}  # the update is not a subgraph
 
 
 def _train_two_groups(outline: bool):

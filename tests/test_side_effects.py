@@ -415,7 +415,9 @@ def test_a_table_kept_on_the_module_and_read_in_the_same_forward_trains_like_eag
         return F.mse_loss(out, y), out
 
     model = KeepsItsPyramid()
-    g, ref = _train_like_eager(model, loss_of, batches)
+    # the outputs sum strided views, which eager and the step add in different orders: on some
+    # CPUs an output was 8e-6 (7e-5 relative) from eager's, both in float32
+    g, ref = _train_like_eager(model, loss_of, batches, rtol=1e-4, atol=1e-5)
     assert [type(t) for t in model.pyramid] == [torch.Tensor] * 3
     for mine, theirs in zip(model.pyramid, ref.pyramid):
         torch.testing.assert_close(mine, theirs.detach())

@@ -26,6 +26,7 @@ from ..records.inputs import FlatInputs
 from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
 from ..records.state import SharedState
 from ..runner.sharded_params import shard_parameters
+from ..step import count_block_updates
 from ..torchkit.shapes import fake_batch, new_fake_mode, shape_guard
 from . import stages
 from .stage_errors import PASS_THROUGH, stage_error
@@ -149,7 +150,7 @@ def _step_graph(
         if found.step is not None:
             return found.step
         key = found.key
-    step = run("assemble", stages.assemble, plan, passed, example, choices, describe=_size)
+    step = run("assemble", stages.assemble, plan, passed, example, choices, describe=_assembled)
     if choices.recompute:
         step = run("recompute", stages.recompute, ctx, step, captured.regions, describe=_size)
     if choices.outline:
@@ -201,6 +202,13 @@ def _passes(passed: Passed) -> str:
 
 def _size(step: StepGraph) -> str:
     return f"{nodes(step.gm)} nodes"
+
+
+def _assembled(step: StepGraph) -> str:
+    calls, kernels = count_block_updates(step.gm)
+    if not calls:
+        return _size(step)
+    return f"{_size(step)}; the update of {calls} blocks by {kernels} kernel{'s' * (kernels > 1)}"
 
 
 def _outline_line(step: StepGraph) -> str:

@@ -89,6 +89,8 @@ def stage_error(spec: GraphSpec, stage: str, error: Exception) -> GraphampError:
 _STEP_PARTS = {
     "gradients.py": "the backward",
     "optimizer_update.py": "the optimizer update",
+    "update_math.py": "the optimizer update",
+    "block_update.py": "the optimizer update",
     "scaling.py": "unscaling, the overflow check or clipping",
     "collectives.py": "the gradients' all-reduce",
     "zero.py": "ZeRO's sharded update",

@@ -40,10 +40,12 @@ from ..step import (
     OutlineResult,
     assemble_step,
     build_plan,
+    compile_block_kernels,
     example_inputs,
     outline_blocks,
     place_shard_collectives,
     recompute_checkpointed,
+    set_kernel_backend,
 )
 from ..torchkit.fxutil import copy_graph_module
 from ..torchkit.pin_match import PinMatch, resolve_pins
@@ -305,7 +307,8 @@ def look_up(
 
 
 def assemble(plan: StepPlan, passed: Passed, example: list, choices: Choices) -> StepGraph:
-    return StepGraph(assemble_step(plan, passed.forward, example, choices.outline))
+    outline = choices.outline
+    return StepGraph(assemble_step(plan, passed.forward, example, outline, block_updates=outline))
 
 
 def recompute(ctx: BuildContext, step: StepGraph, regions: frozenset[str]) -> StepGraph:
@@ -364,7 +367,10 @@ def compile(
 
     def compile_once() -> StepFn:
         options = dict(config.inductor_options)
-        return compile_step(step.gm, example, config.backend, options, step.loaded)
+        set_kernel_backend(step.gm, config.backend)  # the blocks' update kernels: the same
+        compiled = compile_step(step.gm, example, config.backend, options, step.loaded)
+        compile_block_kernels(step.gm, step.loaded)
+        return compiled
 
     with CompileProgress(label, show=ctx.spec.progress and config.backend != "eager"):
         compiled, caches = compile_from_cache(ctx.spec.name, config.backend, compile_once)

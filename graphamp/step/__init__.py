@@ -6,6 +6,7 @@ one module per subgraph (gradients, scaling, optimizer_update, history, collecti
 """
 
 from .assemble import assemble_step
+from .block_update import compile_block_kernels, count_block_updates, set_kernel_backend
 from .examples import example_inputs
 from .outline import OutlineResult, outline_blocks
 from .plan import build_plan
@@ -17,8 +18,11 @@ __all__ = [
     "RecomputeResult",
     "assemble_step",
     "build_plan",
+    "compile_block_kernels",
+    "count_block_updates",
     "example_inputs",
     "outline_blocks",
     "place_shard_collectives",
     "recompute_checkpointed",
+    "set_kernel_backend",
 ]

@@ -31,6 +31,7 @@ from ..records.sharding import block_of
 from ..records.spec import StepPlan
 from ..torchkit.fp8_numerics import rolled_history
 from ..torchkit.fxutil import NodeTagger, rename_placeholders, trace_functional
+from .block_update import pass_gradients_uncast
 from .collectives import agree_on_amax, agree_on_overflow, agree_on_probes, average_over_ranks
 from .gradients import (
     ForwardResult,
@@ -40,7 +41,7 @@ from .gradients import (
     run_forward,
 )
 from .history_row import record_history
-from .optimizer_update import densify_sparse_grads, masked, update_optimizer
+from .optimizer_update import densify_sparse_grads, update_optimizer
 from .overflow_probes import ProbeRecorder, record_overflow
 from .scaling import (
     add_explicit_gradients,
@@ -51,6 +52,7 @@ from .scaling import (
 )
 from .shard_gathers import GATHER, KEEP_GATHERED, SCATTER
 from .traced_optimizer import tensorify_scalar_reads
+from .update_math import masked
 from .zero import gather_parameters, global_norm, local_rows, scatter_gradients
 
 
@@ -59,12 +61,15 @@ def assemble_step(
     fwd_gm: fx.GraphModule,
     example: list[torch.Tensor],
     record_origins: bool = False,
+    block_updates: bool = False,
 ) -> fx.GraphModule:
     """Trace the step into one FX graph over fake copies of ``example`` (nothing runs).
 
     ``record_origins``: every backward node also carries the autograd ``seq_nr`` of the forward
-    op it differentiates (what ``outline.py`` finds a block's backward by)."""
-    step = make_step_function(plan, fwd_gm, record_origins)
+    op it differentiates (what ``outline.py`` finds a block's backward by). ``block_updates``:
+    each repeated block's parameters are updated by one kernel compiled once per distinct
+    block (``block_update.py``)."""
+    step = make_step_function(plan, fwd_gm, record_origins, block_updates)
     # a failure here (a custom Function's backward, a bug) becomes a graphamp error, naming the
     # user's line, where the pipeline runs the stage (pipeline/build.py)
     with fx_traceback.preserve_node_meta() if record_origins else nullcontext():
@@ -72,6 +77,8 @@ def assemble_step(
     rename_placeholders(gm, plan.layout.names)
     if any(o.kind == TRACED for o in plan.optimizers):
         tensorify_scalar_reads(gm)
+    if block_updates:
+        pass_gradients_uncast(gm)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     # make_fx leaves its tracer class on the module and its graph; only copy.deepcopy reads
@@ -83,7 +90,12 @@ def assemble_step(
     return gm
 
 
-def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: bool = False):
+def make_step_function(
+    plan: StepPlan,
+    fwd_gm: fx.GraphModule,
+    record_origins: bool = False,
+    block_updates: bool = False,
+):
     """The functional step over the flat inputs of ``plan.layout``, one subgraph per call."""
 
     def step(*flat):
@@ -111,7 +123,7 @@ def make_step_function(plan: StepPlan, fwd_gm: fx.GraphModule, record_origins: b
                 grads = average_over_ranks(grads, plan.process_group)
         before = _write_changed_params(plan, s, fwd)
         updates, norms = _unscale_and_clip(plan, grads, scale, fwd)
-        _update_optimizers(plan, s, updates, rows)
+        _update_optimizers(plan, s, updates, rows, block_updates)
         found_total = any_skip = None
         if plan.scaler is not None:
             with NodeTagger({"graphamp_subgraph": "grad_scaler"}):
@@ -282,9 +294,12 @@ def _update_optimizers(
     s: StepInputs,
     updates: list[_OptimizerUpdate],
     rows: list[torch.Tensor] | None,
+    block_updates: bool,
 ):
     """Each optimizer's masked update (ZeRO-1/2: of this rank's rows, then all-gathered;
-    ZeRO-3: of the step's inputs, which are the rows)."""
+    ZeRO-3: of the step's inputs, which are the rows). ``block_updates``: whole parameters'
+    repeated blocks by one kernel each (shards have no blocks)."""
+    by_block = block_updates and rows is None and not plan.zero_stage
     states, hypers, fresh = iter(s.opt_state), iter(s.hyper), iter(s.momentum_fresh)
     params = s.params
     for u, counter in zip(updates, s.counters):
@@ -297,7 +312,12 @@ def _update_optimizers(
             with NodeTagger({"graphamp_subgraph": "zero"}):
                 mine = local_rows(mine, s.zero_rank, plan.process_group)
         with NodeTagger({"graphamp_subgraph": "optimizer"}):
-            update_optimizer(u.opt, mine, u.grads, states, hypers, counter, skip, fresh)
+            names = (
+                [plan.captured.param_names[i] for i in u.opt.forward_positions]
+                if by_block
+                else None
+            )
+            update_optimizer(u.opt, mine, u.grads, states, hypers, counter, skip, fresh, names)
         if plan.zero_stage in (1, 2):
             with NodeTagger({"graphamp_subgraph": "zero"}):
                 full = [params[i] for i in u.opt.forward_positions]

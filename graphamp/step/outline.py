@@ -15,8 +15,9 @@ and backward once. The step stays one graph and one program.
 - Each block's backward recomputes the cheap values it reads from the block's forward instead
   of having the forward's subgraph store them (``block_saves.py``): inside one inlined step the
   compiler makes that choice per kernel, across a subgraph's boundary it cannot.
-- The optimizer update is not outlined: its multi-tensor run over every parameter fuses its
-  writes into the state with its math, which a per-block subgraph could not (issue 40).
+- The optimizer update is not part of a subgraph: a subgraph's writes into the state came back
+  outside it as a copy kernel per tensor (issue 40). Assembly gives each repeated block's update
+  its own op instead, whose kernel is compiled once per distinct block (``block_update.py``).
 - Regions whose subgraph code and input metadata are equal share one subgraph; a region with no
   equal is left inline, and so is one that is not contiguous in the step's order.
 - No output of a subgraph shares memory with its inputs or its other outputs (invoke_subgraph's

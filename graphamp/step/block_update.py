@@ -1,0 +1,293 @@
+"""The optimizer update of repeated blocks: one kernel per distinct block, compiled once (issue 40).
+
+Inline, the multi-tensor update over every parameter becomes one loop per parameter in
+inductor's generated code: on a 12-layer GPT-2 that is 2,300 more nodes for inductor to
+schedule and generate, most of the gap between graphamp's cold first call and torch.compile's
+(``benchmarks/results/first_call_cpu.md``). Where the step's blocks repeat and outlining is on
+(``config.set_outline_blocks``), each block's parameters are updated instead by one call of
+``graphamp::update_block_``. Its kernel is the same multi-tensor math
+(``update_math.write_masked``), compiled with the step's backend on the first call for each
+distinct block (the optimizer kind, its options, the tensors' sizes, dtypes and strides) and
+reused by every block equal to it. The step's own compile sees one opaque call per block.
+
+Why a custom op and not an outlined subgraph: the update writes its parameters and state. An op
+that declares its writes is auto-functionalized in the step, and inductor turns it back into
+the in-place call on the step's own inputs with no copy (as for the fused kernel,
+``torchkit/fused_update.py``). A subgraph's writes came back outside it as one copy kernel per
+tensor, which made the steady step 3-8% slower.
+
+Gradients reach the op in the dtype the backward made them (``pass_gradients_uncast``): where a
+gradient is only the upcast of a low-precision gradient (a bf16 compute copy's, cast back to
+its fp32 parameter's dtype), the op gets the bf16 gradient and its kernel casts it inside its
+own loop. That is what inductor does with the update inline: the fp32 gradient is never written
+to memory. The upcast is exact, so the values are the same either way.
+
+With any backend other than inductor the op runs the math eagerly, bitwise the inline update
+(the same ops on a subset of the same lists).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from ..torchkit.backends import call_backend
+from ..torchkit.fxutil import trace_functional
+from .update_math import GroupTensors, write_masked
+
+# Defined on torch's dispatcher directly, not with ``torch.library.custom_op``: that wraps every
+# call in an autograd Function whose pytree flattening of a block's ~50 tensors cost 340 us a
+# call on the CPU, twice the kernel's own time (a block of the 6-layer GPT-2, AdamW). Here the
+# autograd key falls through to torch's C++ fallback. The step never differentiates the update.
+_LIB = torch.library.Library("graphamp", "FRAGMENT")
+_LIB.define(
+    "update_block_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, "
+    "Tensor(c!)[] fresh, Tensor[] hypers, Tensor? skip, str spec) -> ()"
+)
+
+
+def _update_block(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[Tensor],
+    fresh: list[Tensor],
+    hypers: list[Tensor],
+    skip: Tensor | None,
+    spec: str,
+) -> None:
+    """One block's masked update, in place. ``states``: the state tensors key by key (each key's
+    ``len(params)`` tensors in a row); ``fresh``: the momentum-start flags, or none; ``spec``:
+    the update and its tensors' sizes and dtypes (``_Spec``), as JSON."""
+    flat = [*params, *grads, *states, *fresh, *hypers]
+    if skip is not None:
+        flat.append(skip)
+    key = (spec, tuple(t.stride() for t in flat))
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _KERNELS[key] = _kernel(_Spec(spec), flat)
+    with torch.no_grad():  # the parameters are leaves that require grad, written in place
+        kernel(*flat)
+
+
+def _no_values(params, grads, states, fresh, hypers, skip, spec) -> None:  # noqa: ARG001 - the op's schema
+    return None
+
+
+_LIB.impl("update_block_", _update_block, "CompositeExplicitAutograd")
+torch.library.register_fake("graphamp::update_block_", _no_values, lib=_LIB)
+
+
+class _Spec:
+    """What a block's kernel computes, parsed from the op's ``spec`` string."""
+
+    def __init__(self, text: str):
+        d = json.loads(text)
+        self.kind: str = d["kind"]
+        self.flags: dict = d["flags"]
+        self.state_keys: list[str] = d["state_keys"]
+        self.hyper_names: list[str] = d["hyper_names"]
+        self.n: int = d["n"]
+        self.fresh: bool = d["fresh"]
+        self.backend: str = d["backend"]
+        self.inputs: list = d["inputs"]  # [dtype, sizes, device] of each flat input
+
+    def update(self, *flat: Tensor) -> tuple:
+        """The masked update over the op's flat inputs (``update_block_``'s order)."""
+        n, keys = self.n, self.state_keys
+        params, given = list(flat[:n]), flat[n : 2 * n]
+        at = 2 * n
+        state = {k: list(flat[at + i * n : at + (i + 1) * n]) for i, k in enumerate(keys)}
+        at += len(keys) * n
+        fresh = list(flat[at : at + n]) if self.fresh else None
+        at += n if self.fresh else 0
+        hyper = dict(zip(self.hyper_names, flat[at : at + len(self.hyper_names)]))
+        at += len(self.hyper_names)
+        skip = flat[at] if at < len(flat) else None
+        # the upcast the step left to the kernel (pass_gradients_uncast): exact, fused here
+        grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(given, params)]
+        write_masked(self.kind, self.flags, GroupTensors(params, grads, state, hyper), fresh, skip)
+        return ()
+
+
+def spec_text(
+    kind: str, flags: dict, state_keys, hyper_names, fresh: bool, flat: list[Tensor]
+) -> str:
+    """The ``spec`` of a call on the op's ``flat`` inputs (``update_block_``'s order)."""
+    n = (len(flat) - len(hyper_names)) // (2 + len(state_keys) + fresh)
+    return json.dumps(
+        {
+            "kind": kind,
+            "flags": flags,
+            "state_keys": list(state_keys),
+            "hyper_names": list(hyper_names),
+            "n": n,
+            "fresh": fresh,
+            "backend": "eager",  # the step's backend, set as it is compiled (set_kernel_backend)
+            "inputs": [[str(t.dtype), [int(d) for d in t.shape], str(t.device)] for t in flat],
+        },
+        sort_keys=True,
+    )
+
+
+# (spec, strides) -> the kernel, made at the first call (the specs name sizes and dtypes)
+_KERNELS: dict[tuple[str, tuple], Callable[..., object]] = {}
+
+
+def _kernel(spec: _Spec, flat: list[Tensor], cached: bool = False) -> Callable[..., object]:
+    """The block's update for ``spec``: with inductor, compiled for tensors like ``flat`` (a
+    restart finds it in inductor's caches; ``cached``: expected there, as ``compile_step``
+    takes it); with any other backend, the eager math."""
+    if spec.backend != "inductor":
+        return spec.update
+    example = [t.detach() for t in flat]
+    with torch.no_grad():
+        gm = trace_functional(spec.update, example, propagate_input_mutations=True)
+        gm._tracer_cls = gm.graph._tracer_cls = None  # as assembly does: AOTAutograd's key
+        return call_backend(gm, example, "inductor", cached=cached)
+
+
+# -- in the step ------------------------------------------------------------------------------
+
+
+def block_of(name: str) -> tuple[str, str] | None:
+    """(block, name inside it) of a parameter's qualified name: the block is the path up to its
+    outermost numbered module (``h.3`` of ``transformer.h.3.attn.c_attn.weight``), as outlining
+    finds blocks (``outline.find_blocks``); None outside any."""
+    parts = name.split(".")
+    for k, part in enumerate(parts[:-1]):
+        if k > 0 and part.isdigit():
+            return ".".join(parts[: k + 1]), ".".join(parts[k + 1 :])
+    return None
+
+
+def update_repeated_blocks(
+    kind: str,
+    flags: dict,
+    state_keys,
+    hyper_names,
+    tensors: GroupTensors,
+    fresh: list[Tensor] | None,
+    skip: Tensor | None,
+    names: list[str],
+) -> list[int]:
+    """One ``update_block_`` call per block of the group (``names``: its parameters') that has
+    an equal in the group (the same parameter names inside it, sizes and dtypes); returns the
+    positions left to the inline update."""
+    blocks: dict[str, list[int]] = {}
+    inside: dict[int, str] = {}
+    for j, name in enumerate(names):
+        where = block_of(name)
+        if where is not None:
+            blocks.setdefault(where[0], []).append(j)
+            inside[j] = where[1]
+    equal: dict[tuple, list[list[int]]] = {}
+    for members in blocks.values():
+        p = tensors.params
+        key = tuple((inside[j], str(p[j].shape), p[j].dtype, p[j].device) for j in members)
+        equal.setdefault(key, []).append(members)
+    done: set[int] = set()
+    for instances in equal.values():
+        if len(instances) < 2:
+            continue
+        for members in instances:
+            _call(kind, flags, state_keys, hyper_names, tensors, fresh, skip, members)
+            done.update(members)
+    return [j for j in range(len(names)) if j not in done]
+
+
+def _call(kind, flags, state_keys, hyper_names, t: GroupTensors, fresh, skip, members) -> None:
+    params = [t.params[j] for j in members]
+    grads = [t.grads[j] for j in members]
+    states = [t.state[k][j] for k in state_keys for j in members]
+    flags_of = [fresh[j] for j in members] if fresh is not None else []
+    hypers = [t.hyper[h] for h in hyper_names]
+    flat = [*params, *grads, *states, *flags_of, *hypers] + ([skip] if skip is not None else [])
+    spec = spec_text(kind, flags, state_keys, hyper_names, fresh is not None, flat)
+    torch.ops.graphamp.update_block_(params, grads, states, flags_of, hypers, skip, spec)
+
+
+# -- on the assembled step ----------------------------------------------------------------------
+
+
+def _calls(gm: fx.GraphModule):
+    """The step's ``update_block_`` nodes (auto-functionalized in a functional step)."""
+    op = torch.ops.graphamp.update_block_.default
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (node.target is op or (node.args and node.args[0] is op)):
+            yield node
+
+
+def count_block_updates(gm: fx.GraphModule) -> tuple[int, int]:
+    """(calls, distinct kernels) of the step's block updates."""
+    specs = [node.kwargs["spec"] for node in _calls(gm)]
+    return len(specs), len(set(specs))
+
+
+_UPCASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def pass_gradients_uncast(gm: fx.GraphModule) -> int:
+    """Each gradient an ``update_block_`` call reads that is the exact upcast of a
+    lower-precision float gradient is passed uncast (the kernel casts it in its loop); returns
+    how many. The cast stays in the step while something else reads it."""
+    passed = 0
+    for node in _calls(gm):
+        grads = list(node.kwargs["grads"])
+        spec = json.loads(node.kwargs["spec"])
+        n = spec["n"]
+        for i, g in enumerate(grads):
+            if not (isinstance(g, fx.Node) and g.target in _UPCASTS and _is_exact_upcast(g)):
+                continue
+            grads[i] = g.args[0]
+            spec["inputs"][n + i][0] = str(grads[i].meta["val"].dtype)
+            passed += 1
+        node.update_kwarg("grads", grads)
+        node.update_kwarg("spec", json.dumps(spec, sort_keys=True))
+    return passed
+
+
+def _is_exact_upcast(cast: fx.Node) -> bool:
+    src, out = cast.args[0], cast.meta.get("val")
+    if not isinstance(src, fx.Node) or not isinstance(out, torch.Tensor):
+        return False
+    into = src.meta.get("val")
+    if not isinstance(into, torch.Tensor) or not (
+        into.is_floating_point() and out.is_floating_point()
+    ):
+        return False
+    if set(cast.kwargs) - {"dtype", "layout", "device"} or into.device != out.device:
+        return False
+    return torch.finfo(into.dtype).bits < torch.finfo(out.dtype).bits and into.shape == out.shape
+
+
+def compile_block_kernels(gm: fx.GraphModule, cached: bool = False) -> int:
+    """Make the kernels of the step's ``update_block_`` calls now, as the step is compiled,
+    rather than at its first run (for contiguous tensors of each call's sizes: a call whose
+    inputs are laid out otherwise gets a kernel of its own then). ``cached``: the step came from
+    the step cache (``compile_step``'s). Returns how many were made."""
+    made = 0
+    for spec in dict.fromkeys(node.kwargs["spec"] for node in _calls(gm)):
+        parsed = _Spec(spec)
+        flat = [
+            torch.empty(sizes, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+            for dtype, sizes, device in parsed.inputs
+        ]
+        key = (spec, tuple(t.stride() for t in flat))
+        if key not in _KERNELS:
+            _KERNELS[key] = _kernel(parsed, flat, cached)
+            made += 1
+    return made
+
+
+def set_kernel_backend(gm: fx.GraphModule, backend: str) -> None:
+    """The step's ``update_block_`` calls compile their kernels with ``backend`` (called as the
+    step is compiled: the assembled and cached step does not depend on the backend)."""
+    for node in _calls(gm):
+        spec = json.loads(node.kwargs["spec"])
+        spec["backend"] = backend
+        node.update_kwarg("spec", json.dumps(spec, sort_keys=True))
+    gm.recompile()
