@@ -36,8 +36,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# graphamp (repeated blocks outlined, the default), graphamp with them inlined, the peer
-VARIANTS = ("graphamp", "graphamp-inline", "compile")
+# graphamp (repeated blocks outlined, the default), with their updates by one kernel each
+# (config.set_block_updates), with them inlined, the peer
+VARIANTS = ("graphamp", "graphamp-blocks", "graphamp-inline", "compile")
 WORKLOADS = ("gpt2-6l", "gpt2-12l", "hf-gpt2-6l", "vit-tiny")
 # issue 31: graphamp / torch.compile at most 1.0 cold and 1.5 warm; the 12-layer cold first
 # call at most 1.3x the 6-layer one
@@ -177,7 +178,8 @@ def first_call(
                 self.add_optimizer(opt)
                 self.config.enable_amp(True, dtype=dtype)
                 self.config.set_backend(backend)
-                self.config.set_outline_blocks(variant == "graphamp")
+                self.config.set_outline_blocks(variant != "graphamp-inline")
+                self.config.set_block_updates(variant == "graphamp-blocks")
                 if dtype == torch.float16:
                     self.set_grad_scaler(graphamp.GradScaler())
 

@@ -83,7 +83,7 @@ def make_workload(name: str, smoke: bool):
     return resnet18(), batch, F.cross_entropy, sgd
 
 
-KINDS = ("plain", "checkpointed", "accumulated", "dynamic")
+KINDS = ("plain", "checkpointed", "accumulated", "dynamic", "block_updates")
 
 
 def make_step(
@@ -122,6 +122,8 @@ def make_step(
                 self.config.set_gradient_accumulation_steps(2)
             elif kind == "dynamic":
                 self.config.set_dynamic_shapes(True)
+            elif kind == "block_updates":  # the outlined blocks' updates by one kernel each
+                self.config.set_block_updates(True)
 
         def build(self, x, y):
             loss = loss_fn(self.model(x), y)
@@ -256,7 +258,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default="plain",
         choices=KINDS,
         help="graphamp's step with activation checkpointing of every block, 2 micro-batches of "
-        "gradient accumulation, or symbolic sizes (results in outline_cost_KIND_cpu.*)",
+        "gradient accumulation, symbolic sizes, or the outlined blocks' updates by one kernel "
+        "each (config.set_block_updates); results in outline_cost_KIND_cpu.*",
     )
     parser.add_argument(
         "--malloc-kept",

@@ -9,6 +9,7 @@ words what they raise (``stage_errors.py``).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,6 +241,7 @@ class Choices:
     """What this build does besides assembling and compiling, decided once, after planning."""
 
     outline: bool  # repeated blocks as shared subgraphs (config.set_outline_blocks)
+    block_updates: bool  # their updates by one kernel each (config.set_block_updates)
     recompute: bool  # activation checkpointing copies its regions before their backward
     cache: bool  # the step cache is looked up (and written after a miss)
 
@@ -260,7 +262,7 @@ def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
         and not plan.fp8_state
     )
     recompute = bool(captured.regions) and spec.training
-    return Choices(outline, recompute, config.step_cache)
+    return Choices(outline, outline and config.block_updates, recompute, config.step_cache)
 
 
 # -- the step graph: loaded, or assembled (recomputed, outlined) and saved --------------------------
@@ -294,7 +296,14 @@ def look_up(
 ) -> CacheLookup:
     """The key of everything assembly and outlining read (``backend/step_key.py``), and the
     step saved under it, if any."""
-    what = (plan, passed.forward, example, choices.outline, sorted(captured.regions))
+    what = (
+        plan,
+        passed.forward,
+        example,
+        choices.outline,
+        choices.block_updates,
+        sorted(captured.regions),
+    )
     try:
         key = step_key((*what, ctx.spec.training))
     except Uncacheable as e:
@@ -307,8 +316,9 @@ def look_up(
 
 
 def assemble(plan: StepPlan, passed: Passed, example: list, choices: Choices) -> StepGraph:
-    outline = choices.outline
-    return StepGraph(assemble_step(plan, passed.forward, example, outline, block_updates=outline))
+    return StepGraph(
+        assemble_step(plan, passed.forward, example, choices.outline, choices.block_updates)
+    )
 
 
 def recompute(ctx: BuildContext, step: StepGraph, regions: frozenset[str]) -> StepGraph:
@@ -365,15 +375,22 @@ def compile(
     detail = f"{nodes(step.gm)} nodes, {config.backend}"
     label = f"{ctx.spec.name}: compiling the step ({detail})"
 
+    kernels: list[tuple[int, float]] = []  # the blocks' update kernels made, and their seconds
+
     def compile_once() -> StepFn:
         options = dict(config.inductor_options)
         set_kernel_backend(step.gm, config.backend)  # the blocks' update kernels: the same
         compiled = compile_step(step.gm, example, config.backend, options, step.loaded)
-        compile_block_kernels(step.gm, step.loaded)
+        start = time.perf_counter()
+        made = compile_block_kernels(step.gm, step.loaded)
+        kernels.append((made, time.perf_counter() - start))
         return compiled
 
     with CompileProgress(label, show=ctx.spec.progress and config.backend != "eager"):
         compiled, caches = compile_from_cache(ctx.spec.name, config.backend, compile_once)
+    if kernels and kernels[-1][0] and config.backend == "inductor":
+        made, seconds = kernels[-1]
+        detail += f", {made} block update kernel{'s' * (made > 1)} in {seconds:.2f} s"
     if config.backend == "inductor":  # whether a restart was served from inductor's caches
         detail += ", " + (caches or "no cache")
     replay = device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False
