@@ -1,10 +1,10 @@
 """The optimizer update, traced into the step: torch's SGD and Adam/AdamW on values.
 
 Each param group's update is the multi-tensor math of ``update_math.py`` (torch's capturable
-single-tensor form, op for op), every write masked by the overflow flag. Where the step's
-blocks repeat and outlining is on, each block's parameters are updated by one call of a kernel
-compiled once per distinct block (``block_update.py``), and the rest inline; either way the
-values are the same.
+single-tensor form, op for op), every write masked by the overflow flag. With
+``config.set_block_updates``, each outlined block's parameters are updated by one call of a
+kernel compiled once per distinct block (``block_update.py``), and the rest inline; either way
+the values are the same.
 
 An Adam/AdamW built with ``fused=True`` runs torch's fused kernel instead, as eager does
 (``fused_adam_update``, ``torchkit/fused_update.py``): bitwise the eager fused optimizer, and
