@@ -29,6 +29,8 @@ def compile_step(
     """A callable ``fn(*flat) -> outputs`` running the step ``gm`` compiled with ``backend``
     (``torchkit.backends.call_backend``; ``cached``: the step came from graphamp's step cache),
     with inductor's settings for a whole step and the user's ``inductor_options``."""
+    if backend == "eager":  # the step runs as traced: nothing to lay out again
+        return gm
     _views_as_reshapes(gm)
     options = {}
     if backend == "inductor":
