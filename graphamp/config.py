@@ -394,9 +394,10 @@ class GraphConfig:
         parameter. The first call compiles much less: cold on the CPU, 1.14-1.25x
         torch.compile's first call instead of 1.7-2.0x (6- and 12-layer GPT-2, transformers'
         GPT-2, ViT-Ti; benchmarks/results/first_call_cpu.md, round 5). Each call costs the
-        steady step about 0.15 ms on the CPU: 0.97-1.00x the default step on the project's
-        GPT and ResNet-18, 1.01-1.03x on transformers' GPT-2 and 1.04x on ViT-Ti (24 calls a
-        step). The values are the same as the default update's (bitwise in the CPU tests)."""
+        steady step about 0.15 ms on the CPU: against the inlined step, 0.97-1.00x on the
+        project's GPT and ResNet-18, 1.01-1.03x on transformers' GPT-2 and 1.04x on ViT-Ti (24
+        calls a step; the default step is within 1% of the inlined one). The values are the
+        same as the default update's (bitwise in the CPU tests)."""
         self._set(block_updates=check_bool("set_block_updates(mode)", mode))
 
     def set_step_cache(self, mode: bool = True) -> None:
