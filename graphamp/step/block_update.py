@@ -10,7 +10,7 @@ one call of ``graphamp::update_block_``. Its kernel is the same multi-tensor mat
 for each distinct block (the optimizer kind, its options, the tensors' sizes, dtypes and
 strides), and reused by every block equal to it. The step's own compile sees one opaque call per
 block. Each call costs the steady step about 0.15 ms on the CPU (dispatch, inductor's wrapper,
-a kernel's fixed costs), which is why it is not the default: 1.04x the default step on ViT-Ti,
+a kernel's fixed costs), which is why it is not the default: 1.04x the inlined step on ViT-Ti,
 with 24 calls a step.
 
 Why a custom op and not an outlined subgraph: the update writes its parameters and state. An op
