@@ -63,10 +63,17 @@ def _graph(model, optimizer, amp=None, scaler=None, lr_sch=None):
     return make_graph(model, F.mse_loss, optimizer, amp=amp, scaler=scaler, lr_sch=lr_sch)
 
 
-def _close(cls):
+def _close(cls, kwargs=None):
     # Muon orthogonalises in bfloat16 (Newton-Schulz): the traced norm and matmuls round
     # differently from eager's kernels there
-    return dict(rtol=2e-2, atol=2e-3) if cls is torch.optim.Muon else dict(rtol=1e-5, atol=1e-6)
+    if cls is torch.optim.Muon:
+        return dict(rtol=2e-2, atol=2e-3)
+    # centered RMSprop divides by sqrt(square_avg - grad_avg**2), a difference of close numbers
+    # that magnifies the gradients' float32 rounding: on some CPUs a weight was 7.8e-6 (1.6e-5
+    # relative) from eager's after four steps, on the tree before this check changed too
+    if cls is torch.optim.RMSprop and (kwargs or {}).get("centered"):
+        return dict(rtol=1e-4, atol=1e-5)
+    return dict(rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("cls, kwargs", _settings())
@@ -78,14 +85,15 @@ def test_every_optimizer_in_torchs_database_trains_likeeager_steps(cls, kwargs):
     for x, y in batches:
         g(x, y)
     eager_steps(twin, eager_optimizer, batches)
+    close = _close(cls, kwargs)
     for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, **_close(cls))
+        torch.testing.assert_close(p, q, **close)
     for p, q in zip(model.parameters(), twin.parameters()):
         mine, theirs = optimizer.state[p], eager_optimizer.state[q]
         assert sorted(mine) == sorted(theirs)
         for key in theirs:
             torch.testing.assert_close(
-                torch.as_tensor(mine[key]).cpu(), torch.as_tensor(theirs[key]).cpu(), **_close(cls)
+                torch.as_tensor(mine[key]).cpu(), torch.as_tensor(theirs[key]).cpu(), **close
             )
     assert len(g.compiled_steps) == 1
     path = "multi-tensor update" if cls.__name__ in BUILT_IN else "its step() traced"
