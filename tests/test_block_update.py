@@ -203,7 +203,9 @@ def test_the_compiled_kernel_computes_what_the_eager_math_does():
         for skip in (False, True, False):
             skip_t = torch.tensor(skip)
             flat = [*params, *grads, *states, *hypers, skip_t]
-            spec = json.loads(spec_text("adam", {**flags, "fused": None}, keys, names, False, flat))
+            spec = json.loads(
+                spec_text("adam", {**flags, "fused": None}, keys, names, len(shapes), False, flat)
+            )
             spec["backend"] = backend
             UPDATE_BLOCK(
                 params, grads, states, [], hypers, skip_t, json.dumps(spec, sort_keys=True)

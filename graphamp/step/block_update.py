@@ -117,10 +117,10 @@ class _Spec:
 
 
 def spec_text(
-    kind: str, flags: dict, state_keys, hyper_names, fresh: bool, flat: list[Tensor]
+    kind: str, flags: dict, state_keys, hyper_names, n: int, fresh: bool, flat: list[Tensor]
 ) -> str:
-    """The ``spec`` of a call on the op's ``flat`` inputs (``update_block_``'s order)."""
-    n = (len(flat) - len(hyper_names)) // (2 + len(state_keys) + fresh)
+    """The ``spec`` of a call on the op's ``flat`` inputs (``update_block_``'s order) for a
+    block of ``n`` parameters."""
     return json.dumps(
         {
             "kind": kind,
@@ -209,7 +209,7 @@ def _call(kind, flags, state_keys, hyper_names, t: GroupTensors, fresh, skip, me
     flags_of = [fresh[j] for j in members] if fresh is not None else []
     hypers = [t.hyper[h] for h in hyper_names]
     flat = [*params, *grads, *states, *flags_of, *hypers] + ([skip] if skip is not None else [])
-    spec = spec_text(kind, flags, state_keys, hyper_names, fresh is not None, flat)
+    spec = spec_text(kind, flags, state_keys, hyper_names, len(members), fresh is not None, flat)
     torch.ops.graphamp.update_block_(params, grads, states, flags_of, hypers, skip, spec)
 
 
