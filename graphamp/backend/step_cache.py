@@ -64,6 +64,7 @@ log = logging.getLogger("graphamp")
 _MAGIC = b"graphamp-step-cache 2\n"
 _DIGEST = 32  # bytes of HMAC-SHA256
 _STALE_TMP_S = 3600  # a temporary file older than this was left by a killed writer
+_REBUILD = "assembling the step again and replacing it"  # what follows a refused entry
 
 
 @dataclass
@@ -125,9 +126,12 @@ def _restored(graph_name: str, path: str, step: Any, fake_mode: FakeTensorMode) 
     return CachedStep(step.step_gm, step.outline)
 
 
-def _authenticated_payload(graph_name: str, key: str, path: str) -> bytes | None:
-    """The entry's payload, once its HMAC is checked (nothing is unpickled before); None
-    when there is no entry, or (with a warning) when it is unreadable or not authentic."""
+def _authenticated_payload(
+    graph_name: str, mac_key: str, path: str, then: str = _REBUILD
+) -> bytes | None:
+    """The payload of the file at ``path``, once its HMAC under ``mac_key`` is checked
+    (nothing is unpickled before); None when there is no file, or (with a warning ending in
+    ``then``) when it is unreadable or not authentic."""
     secret = _secret(graph_name)
     if secret is None:
         return None
@@ -137,19 +141,22 @@ def _authenticated_payload(graph_name: str, key: str, path: str) -> bytes | None
     except FileNotFoundError:
         return None
     except OSError as e:
-        _warn(graph_name, path, f"unreadable ({e})")
+        _warn(graph_name, path, f"unreadable ({e})", then)
         return None
     head = len(_MAGIC)
     if not data.startswith(_MAGIC) or len(data) < head + _DIGEST:
-        _warn(graph_name, path, "not a graphamp step cache entry of this version, or truncated")
+        _warn(
+            graph_name, path, "not a graphamp step cache file of this version, or truncated", then
+        )
         return None
     digest, payload = data[head : head + _DIGEST], data[head + _DIGEST :]
-    if not hmac.compare_digest(digest, _mac(secret, key, payload)):
+    if not hmac.compare_digest(digest, _mac(secret, mac_key, payload)):
         _warn(
             graph_name,
             path,
             "it is not authenticated (truncated, altered, copied from another entry or "
             "written by someone else); it was not unpickled",
+            then,
         )
         return None
     return payload
@@ -178,6 +185,33 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
         return False
     finally:
         _put_back(taken)
+    return _write(graph_name, key, entry_path(key), payload)
+
+
+def save_note(graph_name: str, key: str, kind: str, data: bytes) -> bool:
+    """Write a note of ``kind`` about the step under ``key`` (``aot_key.py``'s), authenticated
+    as entries are; False, logged, when it cannot be written."""
+    return _write(graph_name, _note_mac_key(key, kind), _note_path(key, kind), data)
+
+
+def load_note(graph_name: str, key: str, kind: str) -> bytes | None:
+    """The note of ``kind`` about the step under ``key``; None when there is none, or (with a
+    warning) when it is damaged or not authentic."""
+    path = _note_path(key, kind)
+    return _authenticated_payload(graph_name, _note_mac_key(key, kind), path, "replacing it")
+
+
+def _note_path(key: str, kind: str) -> str:
+    return os.path.join(directory(), f"{key}.{kind}")
+
+
+def _note_mac_key(key: str, kind: str) -> str:
+    return f"{key}.{kind}"  # a note is never taken for an entry, nor for another kind of note
+
+
+def _write(graph_name: str, mac_key: str, path: str, payload: bytes) -> bool:
+    """``payload`` authenticated under ``mac_key`` in ``path``: written to a temporary file,
+    flushed and renamed into place; False, logged, when it cannot be written."""
     secret = _secret(graph_name)
     if secret is None:
         return False
@@ -186,10 +220,10 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".step")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + _mac(secret, key, payload) + payload)
+                f.write(_MAGIC + _mac(secret, mac_key, payload) + payload)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, entry_path(key))
+            os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
             raise
@@ -498,10 +532,5 @@ def _put_values(gm: fx.GraphModule, values: list, mode: FakeTensorMode) -> None:
         nodes[(path, name)].meta["val"] = _decode(code, mode)
 
 
-def _warn(graph_name: str, path: str, why: str) -> None:
-    log.warning(
-        "%s: step cache: ignoring %s: %s; assembling the step again and replacing it",
-        graph_name,
-        path,
-        why,
-    )
+def _warn(graph_name: str, path: str, why: str, then: str = _REBUILD) -> None:
+    log.warning("%s: step cache: ignoring %s: %s; %s", graph_name, path, why, then)

@@ -159,6 +159,7 @@ def _step_graph(
         step = run("place_collectives", stages.place_collectives, step, describe=_size)
     if key is not None:
         run("save_step", stages.save_step, ctx, key, step, describe=str)
+        step = dataclasses.replace(step, key=key)  # saved or not: compile notes its key under it
     return step
 
 

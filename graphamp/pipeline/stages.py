@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..backend import compile_step, step_cache
+from ..backend import compile_step, source_keys, step_cache
+from ..backend.aot_key import remembered_key
 from ..backend.inductor_cache import compile_from_cache
 from ..backend.progress import CompileProgress
 from ..backend.step_key import Uncacheable, step_key
@@ -275,6 +276,7 @@ class StepGraph:
     gm: fx.GraphModule
     loaded: bool = False  # from the step cache: assembly and outlining skipped
     outline: OutlineResult | None = None  # None: not outlined
+    key: str | None = None  # the step cache's key it was loaded or saved under
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,7 @@ def look_up(
     cached = step_cache.load(ctx.spec.name, key, ctx.fake_mode)
     if cached is None:
         return CacheLookup(key, None, f"miss ({key[:12]})")
-    step = StepGraph(cached.step_gm, loaded=True, outline=cached.outline)
+    step = StepGraph(cached.step_gm, loaded=True, outline=cached.outline, key=key)
     return CacheLookup(key, step, f"hit ({key[:12]}): {nodes(step.gm)} nodes")
 
 
@@ -376,23 +378,33 @@ def compile(
     label = f"{ctx.spec.name}: compiling the step ({detail})"
 
     kernels: list[tuple[int, float]] = []  # the blocks' update kernels made, and their seconds
+    keys: list[bool] = []  # whether AOTAutograd's key of the step was remembered, per try
+    saved_key = step.key if config.backend == "inductor" else None
 
     def compile_once() -> StepFn:
         options = dict(config.inductor_options)
         set_kernel_backend(step.gm, config.backend)  # the blocks' update kernels: the same
-        compiled = compile_step(step.gm, example, config.backend, options, step.loaded)
+        with remembered_key(step.gm, saved_key, ctx.spec.name) as memo:
+            compiled = compile_step(step.gm, example, config.backend, options, step.loaded)
+        keys.append(memo.remembered)
         start = time.perf_counter()
         made = compile_block_kernels(step.gm, step.loaded)
         kernels.append((made, time.perf_counter() - start))
         return compiled
 
+    # the step cache on: torch's source hashes kept from the last run, if its files are the same
+    sources = source_keys.preset(ctx.spec.name) if saved_key is not None else None
     with CompileProgress(label, show=ctx.spec.progress and config.backend != "eager"):
         compiled, caches = compile_from_cache(ctx.spec.name, config.backend, compile_once)
+    if caches:  # inductor's caches were looked up: the hashes were computed (or given)
+        source_keys.keep(ctx.spec.name, sources)
     if kernels and kernels[-1][0] and config.backend == "inductor":
         made, seconds = kernels[-1]
         detail += f", {made} block update kernel{'s' * (made > 1)} in {seconds:.2f} s"
     if config.backend == "inductor":  # whether a restart was served from inductor's caches
         detail += ", " + (caches or "no cache")
+        if keys and keys[-1]:
+            detail += ", AOTAutograd's key remembered"
     replay = device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False
     runner = Runner(
         plan,

@@ -1,0 +1,138 @@
+"""torch's and triton's source hashes, kept across processes while their files are unchanged.
+
+Every key inductor computes (AOTAutograd's, the FX-graph cache's, ``aot_key.py``'s context)
+holds ``torch_key()``, a hash of torch's 2,400 Python files, and ``triton_key()``, a hash of
+triton's compiler files and of libtriton (hundreds of MB). A process computes each once, at its
+first compile: 0.43 s of a 2.3 s restart on the CPU machine, every restart, for files that
+have not changed since the last one.
+
+So the values a compile computed are kept in graphamp's cache directory with a fingerprint of
+the files they read, taken before they were computed: each file's path, size and modification
+time under torch's and triton's package directories (30 ms). A later process whose
+fingerprint is the same gives torch the kept values (torch's own ``set`` of these caches);
+any file added, removed, rewritten or touched makes the fingerprint differ, and torch hashes
+its files as before. The file is authenticated like the step cache's entries. Where torch's
+caches cannot be set (a torch without ``set``), nothing is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+
+from . import step_cache
+
+log = logging.getLogger("graphamp")
+
+_NOTE = ("installed", "sources")  # (key, kind) of the note in the step cache's directory
+_MODULES = (".py", ".so", ".pyd")  # what torch_key and triton_key read as modules
+_INDUCTOR_FILES = (".cpp", ".h", ".ld")  # and besides, in inductor's folder (aoti_runtime...)
+
+
+def preset(graph_name: str) -> str | None:
+    """Give torch the kept hashes if the files are unchanged; the fingerprint of the files as
+    they are now (for ``keep``), or None where torch's caches cannot be set."""
+    hashes = _torch_hashes()
+    if hashes is None:
+        return None
+    fingerprint = _fingerprint()
+    data = step_cache.load_note(graph_name, *_NOTE)
+    kept = _parse(data)
+    if kept is not None and kept.get("fingerprint") == fingerprint:
+        for name, fn in hashes.items():
+            _set(fn, kept["values"].get(name))
+    return fingerprint
+
+
+def keep(graph_name: str, fingerprint: str | None) -> None:
+    """Keep the hashes this process computed, under the fingerprint taken before (``preset``);
+    call only after a compile that computed them (an inductor cache was looked up)."""
+    hashes = _torch_hashes()
+    if fingerprint is None or hashes is None:
+        return
+    values = {name: _encode(fn()) for name, fn in hashes.items()}
+    kept = _parse(step_cache.load_note(graph_name, *_NOTE))
+    if kept == {"fingerprint": fingerprint, "values": values}:
+        return
+    data = json.dumps({"fingerprint": fingerprint, "values": values}).encode()
+    step_cache.save_note(graph_name, *_NOTE, data)
+
+
+def _torch_hashes() -> dict[str, Any] | None:
+    """torch's cached source hashes, where each can be set (``prefetchable_cache``)."""
+    try:
+        from torch._inductor import codecache
+    except ImportError:
+        return None
+    hashes = {"torch": getattr(codecache, "torch_key", None)}
+    hashes["triton"] = getattr(codecache, "triton_key", None)
+    if not all(callable(fn) and hasattr(fn, "set") for fn in hashes.values()):
+        return None
+    return hashes
+
+
+def _set(fn: Any, encoded: Any) -> None:
+    if not isinstance(encoded, list) or len(encoded) != 2:
+        return
+    kind, text = encoded
+    value = bytes.fromhex(text) if kind == "bytes" else text
+    try:
+        fn.set(value)
+    except RuntimeError:  # already computed in this process: nothing to save
+        pass
+
+
+def _encode(value: Any) -> list:
+    if isinstance(value, bytes):
+        return ["bytes", value.hex()]
+    return ["str" if isinstance(value, str) else "none", value]
+
+
+def _parse(data: bytes | None) -> dict | None:
+    if data is None:
+        return None
+    try:
+        kept = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(kept, dict) or not isinstance(kept.get("values"), dict):
+        return None
+    return kept
+
+
+def _fingerprint() -> str:
+    """Path, size and modification time of every Python and extension file under torch's and
+    triton's package directories, with torch's version: what ``torch_key`` and ``triton_key``
+    read is among them."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for name in ("torch", "triton"):
+        spec = importlib.util.find_spec(name)  # triton is not imported for this
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            h.update(f"{name}\0{folder}\n".encode())
+            _walk(folder, h)
+    return h.hexdigest()
+
+
+def _walk(root: str, h: Any) -> None:
+    pending = [root]
+    while pending:
+        folder = pending.pop()
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(entry.path)
+            elif entry.name.endswith(_MODULES) or (
+                "_inductor" in entry.path and entry.name.endswith(_INDUCTOR_FILES)
+            ):
+                info = entry.stat()
+                h.update(f"{entry.path}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())

@@ -1,0 +1,186 @@
+"""What a restart no longer recomputes (backend/aot_key.py, backend/source_keys.py).
+
+- AOTAutograd's cache key of a step loaded from the step cache is read from the note its first
+  compile wrote, while the compile's context (inductor's settings, thread count, torch) is the
+  same; any change of context hashes the step again. A damaged or planted note is ignored.
+- torch's and triton's source hashes are kept while their files are unchanged.
+
+Each test has its own step cache directory (conftest) and its own inductor cache directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import models
+import pytest
+import torch
+import torch.nn as nn
+from helpers import assert_bitwise, make_graph
+from torch._inductor.utils import fresh_cache
+
+from graphamp.backend import source_keys, step_cache
+
+REMEMBERED = "AOTAutograd's key remembered"
+
+
+def _counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache_")}
+
+
+def _run(caplog, configure=None, threads: int | None = None):
+    """A fresh seed MLP, AdamW and bf16 Graph on inductor, trained 2 steps: (whether the step
+    was loaded, whether AOTAutograd's key was remembered, what AOTAutograd's cache did,
+    losses and state)."""
+    torch.manual_seed(0)
+    model = models.seed_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    g = make_graph(
+        model,
+        nn.CrossEntropyLoss(),
+        opt,
+        backend="inductor",
+        amp=torch.bfloat16,
+        configure=configure,
+    )
+    before = _counters()
+    caplog.clear()
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with caplog.at_level(logging.INFO, logger="graphamp"):
+            losses = [g(x, y).detach().clone() for x, y in models.batches(2, 16, 256, 10, seed=1)]
+    finally:
+        torch.set_num_threads(previous)
+    after = _counters()
+    cache = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    loaded = "assemble" not in g.compiled_steps[-1].timings
+    return loaded, REMEMBERED in caplog.text, cache, (losses, model.state_dict())
+
+
+def _notes() -> list[str]:
+    return sorted(n for n in os.listdir(step_cache.directory()) if n.endswith(".aot"))
+
+
+@pytest.mark.inductor
+def test_a_restart_reads_aot_autograds_key_from_the_note_and_trains_bitwise(caplog):
+    with fresh_cache():
+        cold = _run(caplog)
+        assert cold[:2] == (False, False) and cold[2].get("autograd_cache_saved") == 1, cold[:3]
+        assert len(_notes()) == 1
+        warm = _run(caplog)
+        assert warm[:2] == (True, True), warm[:3]
+        assert warm[2] == {"autograd_cache_hit": 1}, warm[2]
+        assert_bitwise(cold[3], warm[3])
+
+
+@pytest.mark.inductor
+def test_a_changed_context_or_a_damaged_note_hashes_the_step_again(caplog):
+    """Another thread count or another inductor setting is another context: the note is not
+    used, and the step is hashed (a miss, where the setting changes what inductor makes); the
+    note then holds the new context. A note that is not authentic is ignored with a warning."""
+    with fresh_cache():
+        base = _run(caplog)
+        assert not base[1]
+
+        threads = _run(caplog, threads=max(1, torch.get_num_threads() - 1))
+        assert threads[0] and not threads[1], threads[:3]
+
+        options = _run(
+            caplog, configure=lambda g: g.config.set_inductor_options(**{"cpp.simdlen": 1})
+        )
+        assert options[0] and not options[1], options[:3]
+        assert "autograd_cache_miss" in options[2], options[2]
+        again = _run(
+            caplog, configure=lambda g: g.config.set_inductor_options(**{"cpp.simdlen": 1})
+        )
+        assert again[1] and again[2] == {"autograd_cache_hit": 1}, again[:3]
+        assert_bitwise(options[3], again[3])
+
+        (note,) = _notes()
+        path = os.path.join(step_cache.directory(), note)
+        with open(path, "rb") as f:
+            data = f.read()
+        planted = data.replace(b'"key": "', b'"key": "x')  # another key, the old HMAC
+        with open(path, "wb") as f:
+            f.write(planted)
+        damaged = _run(
+            caplog, configure=lambda g: g.config.set_inductor_options(**{"cpp.simdlen": 1})
+        )
+        assert not damaged[1] and damaged[2] == {"autograd_cache_hit": 1}, damaged[:3]
+        assert "not authenticated" in caplog.text
+        assert_bitwise(options[3], damaged[3])
+
+
+def test_the_files_fingerprint_changes_with_any_file(tmp_path):
+    import hashlib
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "notes.txt").write_text("not read by torch_key\n")
+
+    def fingerprint() -> str:
+        h = hashlib.sha256()
+        source_keys._walk(str(tmp_path), h)
+        return h.hexdigest()
+
+    first = fingerprint()
+    assert fingerprint() == first
+    (tmp_path / "pkg" / "notes.txt").write_text("changed\n")
+    assert fingerprint() == first  # not a file the hashes read
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")  # same size, new time
+    os.utime(tmp_path / "pkg" / "a.py", ns=(1, 1))
+    second = fingerprint()
+    assert second != first
+    (tmp_path / "pkg" / "b.so").write_bytes(b"")
+    assert fingerprint() != second
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from graphamp.backend import source_keys
+    from torch._inductor.codecache import torch_key
+    fingerprint = source_keys.preset("child")
+    print(json.dumps({"fingerprint": fingerprint, "torch_key": torch_key().hex()}))
+    """
+)
+
+
+def _child(env: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_kept_source_hashes_are_given_to_torch_only_while_the_files_are_unchanged(
+    tmp_path, monkeypatch
+):
+    """A kept note whose fingerprint is the files' gives torch its values (a planted value
+    proves it was not computed); with another fingerprint torch computes its own."""
+    if source_keys._torch_hashes() is None:
+        pytest.skip("this torch's source hashes cannot be set")
+    monkeypatch.setenv("GRAPHAMP_CACHE_DIR", str(tmp_path))
+    env = dict(os.environ)
+    real = _child(env)
+    fingerprint = real["fingerprint"]
+    assert fingerprint is not None
+
+    def keep(fp: str) -> None:
+        values = {"torch": ["bytes", "ab" * 32], "triton": ["none", None]}
+        data = json.dumps({"fingerprint": fp, "values": values}).encode()
+        assert step_cache.save_note("test", *source_keys._NOTE, data)
+
+    keep(fingerprint)
+    assert _child(env)["torch_key"] == "ab" * 32
+    keep("0" * 64)  # files changed since
+    assert _child(env)["torch_key"] == real["torch_key"]
