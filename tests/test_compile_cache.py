@@ -73,7 +73,7 @@ def test_views_become_reshapes_in_outlined_subgraphs_too():
     """The backend traces every subgraph again with its own layouts: a ``view`` assembly
     recorded inside an outlined block fails there as in the top graph (seen on transformers'
     GPT-2 with an attention mask), so both become ``reshape``."""
-    from graphamp.backend.compile import _views_as_reshapes
+    from graphamp.backend.compile import views_as_reshapes
 
     model = models.TinyGPT()
     g = make_graph(model, models.lm_loss, torch.optim.AdamW(model.parameters()), backend="eager")
@@ -86,7 +86,7 @@ def test_views_become_reshapes_in_outlined_subgraphs_too():
         return sum(n.target is torch.ops.aten.view.default for n in m.graph.nodes)
 
     assert sum(map(views, subgraphs)) > 0
-    _views_as_reshapes(step)
+    views_as_reshapes(step)
     assert views(step) == 0 and sum(map(views, subgraphs)) == 0
 
 

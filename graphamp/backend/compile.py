@@ -31,15 +31,17 @@ def compile_step(
     with inductor's settings for a whole step and the user's ``inductor_options``."""
     if backend == "eager":  # the step runs as traced: nothing to lay out again
         return gm
-    _views_as_reshapes(gm)
+    views_as_reshapes(gm)  # done before the step was saved, unless it was not saved
     options = {}
     if backend == "inductor":
         options = {**default_inductor_options(gm, example), **(inductor_options or {})}
     return cast(StepFn, call_backend(gm, example, backend, options, cached))
 
 
-def _views_as_reshapes(gm: fx.GraphModule) -> None:
-    """Every ``view`` of the step becomes a ``reshape``, in place.
+def views_as_reshapes(gm: fx.GraphModule) -> None:
+    """Every ``view`` of the step becomes a ``reshape``, in place, for any backend but eager
+    (the pipeline does it before the step cache saves the step, so a loaded step needs no
+    change: its graph modules' code is generated once, on load).
 
     The backend traces the step again with its own decompositions, which can lay an
     intermediate out differently from assembly's trace, and a ``view`` recorded for one layout
@@ -54,10 +56,11 @@ def _views_as_reshapes(gm: fx.GraphModule) -> None:
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
-        for node in module.graph.nodes:
-            if node.target is torch.ops.aten.view.default:
-                node.target = torch.ops.aten.reshape.default
-        module.recompile()
+        views = module.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default)
+        for node in views:
+            node.target = torch.ops.aten.reshape.default
+        if views:
+            module.recompile()
 
 
 def default_inductor_options(gm: fx.GraphModule, example: list[torch.Tensor]) -> dict:

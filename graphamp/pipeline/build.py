@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable, Iterator, TypeVar
 
 from ..backend import distributed
+from ..backend.compile import views_as_reshapes
 from ..backend.progress import log_stage
 from ..capture import BuildRoot, autocast_forward
 from ..records.guards import BuildRequest, Guards, StateSize
@@ -157,6 +158,10 @@ def _step_graph(
         step = run("outline", stages.outline, step, describe=_outline_line)
     if plan.zero_stage == 3:  # last: it places collectives around the calls outlining made
         step = run("place_collectives", stages.place_collectives, step, describe=_size)
+    if (
+        ctx.spec.config.backend != "eager"
+    ):  # as the backend takes it, so a loaded step needs no change
+        views_as_reshapes(step.gm)
     if key is not None:
         run("save_step", stages.save_step, ctx, key, step, describe=str)
         step = dataclasses.replace(step, key=key)  # saved or not: compile notes its key under it

@@ -305,6 +305,7 @@ def look_up(
         choices.outline,
         choices.block_updates,
         sorted(captured.regions),
+        ctx.spec.config.backend == "eager",  # other backends' steps are saved with reshapes
     )
     try:
         key = step_key((*what, ctx.spec.training))
