@@ -41,7 +41,11 @@ def preset(graph_name: str) -> str | None:
     hashes = _torch_hashes()
     if hashes is None:
         return None
-    fingerprint = _fingerprint()
+    try:
+        fingerprint = _fingerprint()
+    except OSError as e:  # a file vanished or cannot be read: torch hashes its files itself
+        log.info("%s: torch's source hashes not kept (%s)", graph_name, e)
+        return None
     data = step_cache.load_note(graph_name, *_NOTE)
     kept = _parse(data)
     if kept is not None and kept.get("fingerprint") == fingerprint:

@@ -158,9 +158,8 @@ def _step_graph(
         step = run("outline", stages.outline, step, describe=_outline_line)
     if plan.zero_stage == 3:  # last: it places collectives around the calls outlining made
         step = run("place_collectives", stages.place_collectives, step, describe=_size)
-    if (
-        ctx.spec.config.backend != "eager"
-    ):  # as the backend takes it, so a loaded step needs no change
+    # as the backend takes it (eager: as traced), so that a step loaded later needs no change
+    if ctx.spec.config.backend != "eager":
         views_as_reshapes(step.gm)
     if key is not None:
         run("save_step", stages.save_step, ctx, key, step, describe=str)
