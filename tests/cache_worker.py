@@ -9,6 +9,7 @@ entry holds its losses, its model's state and what inductor's caches did while i
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from helpers import make_graph
-from models import seed_mlp, tiny_gpt2
+from models import Block, TinyGPT, lm_loss, seed_mlp, tiny_gpt2
 
 import graphamp
 
@@ -92,7 +93,33 @@ def case(name: str):
         return g, [(torch.randn(6, 16, generator=gen), torch.tensor(y)) for y in labels]
     if name in REAL_MODELS:
         return _real_model(name, gen)
+    if name in ("dynamic_tinygpt", "checkpointed_tinygpt"):
+        return _tinygpt(name, gen)
     raise ValueError(name)
+
+
+def _tinygpt(name: str, gen: torch.Generator):
+    """TinyGPT on inductor, bf16, AdamW: over three sequence lengths (a static step, then one
+    with the length symbolic), or with its blocks checkpointed (recomputed in the backward)."""
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    checkpointed = name == "checkpointed_tinygpt"
+    g = make_graph(
+        model,
+        lm_loss,
+        opt,
+        backend="inductor",
+        amp=torch.bfloat16,
+        configure=(lambda g: g.config.enable_activation_checkpointing(Block))
+        if checkpointed
+        else None,
+    )
+    lengths = [16, 16] if checkpointed else [16, 12, 8]
+    batches = [
+        (torch.randint(0, 64, (4, t), generator=gen), torch.randint(0, 64, (4, t), generator=gen))
+        for t in lengths
+    ]
+    return g, batches
 
 
 # real models for the step cache's restart (aot_eager: the assembled step is what is cached)
@@ -150,7 +177,15 @@ def run_case(name: str) -> dict:
     torch.manual_seed(0)
     before = _cache_counters()
     g, batches = case(name)
-    losses = [g(x, y).detach().clone() for x, y in batches]
+    remembered, log = _CompileLines(), logging.getLogger("graphamp")
+    level = log.level
+    log.addHandler(remembered)
+    log.setLevel(logging.INFO)
+    try:
+        losses = [g(x, y).detach().clone() for x, y in batches]
+    finally:
+        log.removeHandler(remembered)
+        log.setLevel(level)
     after = _cache_counters()
     return {
         "losses": losses,
@@ -159,7 +194,22 @@ def run_case(name: str) -> dict:
         "programs": len(g.compiled_steps),
         # the step came from graphamp's step cache (assembly skipped)
         "loaded": "assemble" not in g.compiled_steps[-1].timings,
+        "all_loaded": all("assemble" not in p.timings for p in g.compiled_steps),
+        # compiles that took AOTAutograd's key from the step cache's note (backend/aot_key.py)
+        "remembered": remembered.count,
     }
+
+
+class _CompileLines(logging.Handler):
+    """Counts the compile lines that say AOTAutograd's key was remembered."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "AOTAutograd's key remembered" in record.getMessage():
+            self.count += 1
 
 
 def main(names: str, out: str) -> None:

@@ -180,6 +180,26 @@ def test_restart_hits_inductor_and_aot_autograd_caches(case, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.inductor
+def test_dynamic_and_checkpointed_steps_restart_from_every_cache_in_a_fresh_process(tmp_path):
+    """A step with the sequence length symbolic (after a static one) and a step with
+    recomputed blocks, each restarted in a fresh process: every program is loaded from the
+    step cache, takes AOTAutograd's key from its note, hits both of inductor's caches, and
+    trains bitwise as the cold run."""
+    cases = "dynamic_tinygpt,checkpointed_tinygpt"
+    cold = _run_worker(cases, tmp_path / "cache", tmp_path / "cold.pt")
+    warm = _run_worker(cases, tmp_path / "cache", tmp_path / "warm.pt")
+    for name, programs in (("dynamic_tinygpt", 2), ("checkpointed_tinygpt", 1)):
+        c, w = cold[name], warm[name]
+        assert c["programs"] == w["programs"] == programs, name
+        assert not c["loaded"] and w["all_loaded"], name
+        assert c["remembered"] == 0 and w["remembered"] == programs, (name, w["remembered"])
+        assert w["cache"].get("autograd_cache_hit") == programs, (name, w["cache"])
+        assert "autograd_cache_miss" not in w["cache"], (name, w["cache"])
+        _assert_same_run(c, w)
+
+
+@pytest.mark.slow
 def test_a_restart_of_real_models_loads_the_step_from_the_step_cache(tmp_path):
     """transformers' GPT-2 (labels, dropout drawing from torch's generator inside the step) and
     torchvision's ResNet-18 (BatchNorm buffers written by the step), each restarted in a fresh
