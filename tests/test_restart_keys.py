@@ -177,8 +177,9 @@ def test_kept_source_hashes_are_given_to_torch_only_while_the_files_are_unchange
 
     def keep(fp: str) -> None:
         values = {"torch": ["bytes", "ab" * 32], "triton": ["none", None]}
-        data = json.dumps({"fingerprint": fp, "values": values}).encode()
-        assert step_cache.save_note("test", *source_keys._NOTE, data)
+        assert step_cache.save_note(
+            "test", *source_keys._NOTE, {"fingerprint": fp, "values": values}
+        )
 
     keep(fingerprint)
     assert _child(env)["torch_key"] == "ab" * 32

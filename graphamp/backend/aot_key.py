@@ -24,7 +24,6 @@ step's hash would have given.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -111,8 +110,7 @@ def _key_of(mod: Any, example_inputs: Any, *rest: Any) -> Any:
         memo.remembered = True
         return note["key"], []
     key, lines = compute(mod, example_inputs, *rest)
-    note_text = json.dumps({"context": context, "key": key})
-    memo.noted = step_cache.save_note(graph_name, step_key, _NOTE, note_text.encode())
+    memo.noted = step_cache.save_note(graph_name, step_key, _NOTE, {"context": context, "key": key})
     return key, lines
 
 
@@ -135,13 +133,7 @@ def _inputs_only(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _read(graph_name: str, step_key: str) -> dict | None:
-    data = step_cache.load_note(graph_name, step_key, _NOTE)
-    if data is None:
-        return None
-    try:
-        note = json.loads(data)
-    except ValueError:
-        return None
-    if not isinstance(note, dict) or not isinstance(note.get("key"), str):
+    note = step_cache.load_note(graph_name, step_key, _NOTE)
+    if note is None or not isinstance(note.get("key"), str):
         return None
     return note

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 from typing import Any
@@ -46,8 +45,7 @@ def preset(graph_name: str) -> str | None:
     except OSError as e:  # a file vanished or cannot be read: torch hashes its files itself
         log.info("%s: torch's source hashes not kept (%s)", graph_name, e)
         return None
-    data = step_cache.load_note(graph_name, *_NOTE)
-    kept = _parse(data)
+    kept = _kept(graph_name)
     if kept is not None and kept.get("fingerprint") == fingerprint:
         for name, fn in hashes.items():
             _set(fn, kept["values"].get(name))
@@ -61,11 +59,9 @@ def keep(graph_name: str, fingerprint: str | None) -> None:
     if fingerprint is None or hashes is None:
         return
     values = {name: _encode(fn()) for name, fn in hashes.items()}
-    kept = _parse(step_cache.load_note(graph_name, *_NOTE))
-    if kept == {"fingerprint": fingerprint, "values": values}:
-        return
-    data = json.dumps({"fingerprint": fingerprint, "values": values}).encode()
-    step_cache.save_note(graph_name, *_NOTE, data)
+    note = {"fingerprint": fingerprint, "values": values}
+    if _kept(graph_name) != note:
+        step_cache.save_note(graph_name, *_NOTE, note)
 
 
 def _torch_hashes() -> dict[str, Any] | None:
@@ -98,14 +94,9 @@ def _encode(value: Any) -> list:
     return ["str" if isinstance(value, str) else "none", value]
 
 
-def _parse(data: bytes | None) -> dict | None:
-    if data is None:
-        return None
-    try:
-        kept = json.loads(data)
-    except ValueError:
-        return None
-    if not isinstance(kept, dict) or not isinstance(kept.get("values"), dict):
+def _kept(graph_name: str) -> dict | None:
+    kept = step_cache.load_note(graph_name, *_NOTE)
+    if kept is None or not isinstance(kept.get("values"), dict):
         return None
     return kept
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import stat
@@ -188,17 +189,26 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
     return _write(graph_name, key, entry_path(key), payload)
 
 
-def save_note(graph_name: str, key: str, kind: str, data: bytes) -> bool:
-    """Write a note of ``kind`` about the step under ``key`` (``aot_key.py``'s), authenticated
-    as entries are; False, logged, when it cannot be written."""
-    return _write(graph_name, _note_mac_key(key, kind), _note_path(key, kind), data)
+def save_note(graph_name: str, key: str, kind: str, note: dict) -> bool:
+    """Write a note of ``kind`` (a JSON object) about the step under ``key``, authenticated as
+    entries are (``aot_key.py``, ``source_keys.py``); False, logged, when it cannot be
+    written."""
+    payload = json.dumps(note, sort_keys=True).encode()
+    return _write(graph_name, _note_mac_key(key, kind), _note_path(key, kind), payload)
 
 
-def load_note(graph_name: str, key: str, kind: str) -> bytes | None:
+def load_note(graph_name: str, key: str, kind: str) -> dict | None:
     """The note of ``kind`` about the step under ``key``; None when there is none, or (with a
-    warning) when it is damaged or not authentic."""
+    warning) when it is damaged or not authentic. Its fields are the caller's to check."""
     path = _note_path(key, kind)
-    return _authenticated_payload(graph_name, _note_mac_key(key, kind), path, "replacing it")
+    payload = _authenticated_payload(graph_name, _note_mac_key(key, kind), path, "replacing it")
+    if payload is None:
+        return None
+    try:
+        note = json.loads(payload)
+    except ValueError:  # authentic, so written by another graphamp: replaced when next saved
+        return None
+    return note if isinstance(note, dict) else None
 
 
 def _note_path(key: str, kind: str) -> str:
