@@ -24,7 +24,6 @@ step's hash would have given.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,8 +35,6 @@ import torch.fx as fx
 
 from . import step_cache
 
-log = logging.getLogger("graphamp")
-
 _NOTE = "aot"  # the note's kind, beside the step's entry
 
 
@@ -46,7 +43,6 @@ class KeyMemo:
     """What happened to AOTAutograd's key during one compile."""
 
     remembered: bool = False  # the note's key was used: the step was not hashed
-    noted: bool = False  # the key was computed and the note written
 
 
 @contextmanager
@@ -76,24 +72,26 @@ def remembered_key(gm: fx.GraphModule, step_key: str | None, graph_name: str) ->
 # is replaced while any is, and torch's is put back when the last one is done
 _active: dict[int, tuple[fx.GraphModule, str, str, KeyMemo]] = {}
 _lock = threading.Lock()
-_torch_key_fn: list[Any] = []  # torch's autograd_cache_key while ours is installed
+_torch_key_fn: list[Any] = []  # torch's autograd_cache_key, kept from the first install
 
 
 def _install() -> None:
     from torch._functorch._aot_autograd import autograd_cache
 
-    _torch_key_fn.append(autograd_cache.autograd_cache_key)
+    if not _torch_key_fn:
+        _torch_key_fn.append(autograd_cache.autograd_cache_key)
     autograd_cache.autograd_cache_key = _key_of  # type: ignore[assignment]
 
 
 def _uninstall() -> None:
     from torch._functorch._aot_autograd import autograd_cache
 
-    autograd_cache.autograd_cache_key = _torch_key_fn.pop()
+    autograd_cache.autograd_cache_key = _torch_key_fn[0]
 
 
 def _key_of(mod: Any, example_inputs: Any, *rest: Any) -> Any:
-    """AOTAutograd's ``autograd_cache_key``, from the note for a step being compiled."""
+    """AOTAutograd's ``autograd_cache_key``, from the note for a step being compiled (a call
+    that began while ours was installed may end after: torch's is kept for it)."""
     compute = _torch_key_fn[0]
     graph = getattr(mod, "gm", mod)
     with _lock:
@@ -110,7 +108,7 @@ def _key_of(mod: Any, example_inputs: Any, *rest: Any) -> Any:
         memo.remembered = True
         return note["key"], []
     key, lines = compute(mod, example_inputs, *rest)
-    memo.noted = step_cache.save_note(graph_name, step_key, _NOTE, {"context": context, "key": key})
+    step_cache.save_note(graph_name, step_key, _NOTE, {"context": context, "key": key})
     return key, lines
 
 
