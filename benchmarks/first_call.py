@@ -40,10 +40,10 @@ ROOT = os.path.dirname(HERE)
 # (config.set_block_updates), with them inlined, the peer
 VARIANTS = ("graphamp", "graphamp-blocks", "graphamp-inline", "compile")
 WORKLOADS = ("gpt2-6l", "gpt2-12l", "hf-gpt2-6l", "vit-tiny")
-# issue 31: graphamp / torch.compile at most 1.0 cold and 1.5 warm; the 12-layer cold first
-# call at most 1.3x the 6-layer one
-TARGETS = {"cold": 1.0, "warm": 1.5}
-DEPTH_TARGET = 1.3
+# issue 40: graphamp / torch.compile at most 1.0 cold and on a restart (warm); the 12-layer
+# cold first call at most 1.15x the 6-layer one (issue 31's were 1.5 warm and 1.3)
+TARGETS = {"cold": 1.0, "warm": 1.0}
+DEPTH_TARGET = 1.15
 
 
 def make_workload(name: str, smoke: bool = False):
