@@ -82,6 +82,7 @@ def test_a_restart_reads_aot_autograds_key_from_the_note_and_trains_bitwise(capl
         assert_bitwise(cold[3], warm[3])
 
 
+@pytest.mark.slow  # four inductor compiles (25 s); the default lane keeps the restart above
 @pytest.mark.inductor
 def test_a_changed_context_or_a_damaged_note_hashes_the_step_again(caplog):
     """Another thread count or another inductor setting is another context: the note is not
