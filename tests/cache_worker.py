@@ -177,14 +177,20 @@ def run_case(name: str) -> dict:
     torch.manual_seed(0)
     before = _cache_counters()
     g, batches = case(name)
+    # graphamp's INFO lines counted; its warnings still on stderr, as without a handler (the
+    # tests read them there)
     remembered, log = _CompileLines(), logging.getLogger("graphamp")
+    warnings = logging.StreamHandler(sys.stderr)
+    warnings.setLevel(logging.WARNING)
     level = log.level
     log.addHandler(remembered)
+    log.addHandler(warnings)
     log.setLevel(logging.INFO)
     try:
         losses = [g(x, y).detach().clone() for x, y in batches]
     finally:
         log.removeHandler(remembered)
+        log.removeHandler(warnings)
         log.setLevel(level)
     after = _cache_counters()
     return {
