@@ -31,7 +31,7 @@ def compile_step(
     with inductor's settings for a whole step and the user's ``inductor_options``."""
     if backend == "eager":  # the step runs as traced: nothing to lay out again
         return gm
-    views_as_reshapes(gm)  # done before the step was saved, unless it was not saved
+    views_as_reshapes(gm)  # the pipeline did it before saving: this is for other callers
     options = {}
     if backend == "inductor":
         options = {**default_inductor_options(gm, example), **(inductor_options or {})}

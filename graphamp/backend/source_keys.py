@@ -34,11 +34,18 @@ _MODULES = (".py", ".so", ".pyd")  # what torch_key and triton_key read as modul
 _INDUCTOR_FILES = (".cpp", ".h", ".ld")  # and besides, in inductor's folder (aoti_runtime...)
 
 
+# this process's hashes are settled (given to torch, or kept after a compile computed them):
+# later builds in it neither walk the files again nor read or write the note
+_settled = False
+
+
 def preset(graph_name: str) -> str | None:
     """Give torch the kept hashes if the files are unchanged; the fingerprint of the files as
-    they are now (for ``keep``), or None where torch's caches cannot be set."""
+    they are now (for ``keep``), or None where torch's caches cannot be set or this process's
+    hashes are already settled."""
+    global _settled
     hashes = _torch_hashes()
-    if hashes is None:
+    if hashes is None or _settled:
         return None
     try:
         fingerprint = _fingerprint()
@@ -49,19 +56,21 @@ def preset(graph_name: str) -> str | None:
     if kept is not None and kept.get("fingerprint") == fingerprint:
         for name, fn in hashes.items():
             _set(fn, kept["values"].get(name))
+        _settled = True
+        return None  # nothing for ``keep`` to write
     return fingerprint
 
 
 def keep(graph_name: str, fingerprint: str | None) -> None:
     """Keep the hashes this process computed, under the fingerprint taken before (``preset``);
     call only after a compile that computed them (an inductor cache was looked up)."""
+    global _settled
     hashes = _torch_hashes()
     if fingerprint is None or hashes is None:
         return
     values = {name: _encode(fn()) for name, fn in hashes.items()}
-    note = {"fingerprint": fingerprint, "values": values}
-    if _kept(graph_name) != note:
-        step_cache.save_note(graph_name, *_NOTE, note)
+    step_cache.save_note(graph_name, *_NOTE, {"fingerprint": fingerprint, "values": values})
+    _settled = True
 
 
 def _torch_hashes() -> dict[str, Any] | None:
