@@ -223,7 +223,7 @@ def first_call(
     if variant.startswith("graphamp"):
         compiled = step.compiled_steps[-1]
         out["timings"] = {k: round(v, 3) for k, v in compiled.timings.items()}
-        out["step_nodes"] = len(compiled.step_graph.graph.nodes)
+        out["step_nodes"] = compiled.step_nodes
     # where compilation went: torch's own timers (seconds, summed over calls)
     names, values = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
     out["compile_times"] = {n: float(v) for n, v in zip(names, values) if float(v) >= 0.5}

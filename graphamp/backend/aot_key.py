@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from . import step_cache
+from .compile import default_inductor_options
 
 _NOTE = "aot"  # the note's kind, beside the step's entry
 
@@ -45,32 +46,70 @@ class KeyMemo:
     remembered: bool = False  # the note's key was used: the step was not hashed
 
 
+@dataclass(frozen=True)
+class _Compiling:
+    """A graph being compiled now whose AOTAutograd key may come from a note."""
+
+    graph: fx.GraphModule
+    step_key: str
+    graph_name: str
+    memo: KeyMemo
+    # a restart's stand-in for a step it did not load (``noted_step.py``): the inputs-only
+    # graph its context is computed on, and the note whose key it takes, or none
+    stand_in_for: fx.GraphModule | None = None
+    note: dict | None = None
+
+
+class NotNoted(BaseException):
+    """A stand-in's compile stopped: the note does not hold this compile's context, or
+    inductor's caches do not hold the step. A BaseException, so that no ``except Exception``
+    of torch's between the key (or the stand-in's trace) and the caller turns it into a
+    fallback that would compile the stand-in."""
+
+
 @contextmanager
 def remembered_key(gm: fx.GraphModule, step_key: str | None, graph_name: str) -> Iterator[KeyMemo]:
     """While inductor compiles ``gm`` (the step saved or loaded under ``step_key``), its
     AOTAutograd cache key comes from the note when the compile's context matches the note's.
     Other graphs compiled meanwhile (the blocks' update kernels, other threads' graphs) are
     keyed as usual."""
-    memo = KeyMemo()
     if step_key is None:
-        yield memo
+        yield KeyMemo()
         return
+    with _registered(_Compiling(gm, step_key, graph_name, KeyMemo())) as compiling:
+        yield compiling.memo
+
+
+@contextmanager
+def noted_key(
+    stand_in: fx.GraphModule, inputs_only: fx.GraphModule, note: dict, graph_name: str
+) -> Iterator[KeyMemo]:
+    """While inductor compiles ``stand_in`` (``noted_step.py``), its AOTAutograd key is
+    ``note``'s, where the context computed on ``inputs_only`` matches the note's; otherwise
+    the compile stops with ``NotNoted``."""
+    compiling = _Compiling(stand_in, "", graph_name, KeyMemo(), inputs_only, note)
+    with _registered(compiling):
+        yield compiling.memo
+
+
+@contextmanager
+def _registered(compiling: _Compiling) -> Iterator[_Compiling]:
     with _lock:
         if not _active:
             _install()
-        _active[id(gm)] = (gm, step_key, graph_name, memo)
+        _active[id(compiling.graph)] = compiling
     try:
-        yield memo
+        yield compiling
     finally:
         with _lock:
-            del _active[id(gm)]
+            del _active[id(compiling.graph)]
             if not _active:
                 _uninstall()
 
 
-# the steps being compiled now, by id: (graph, step key, graph name, memo); the key function
-# is replaced while any is, and torch's is put back when the last one is done
-_active: dict[int, tuple[fx.GraphModule, str, str, KeyMemo]] = {}
+# the steps being compiled now, by id; the key function is replaced while any is, and torch's
+# is put back when the last one is done
+_active: dict[int, _Compiling] = {}
 _lock = threading.Lock()
 _torch_key_fn: list[Any] = []  # torch's autograd_cache_key, kept from the first install
 
@@ -96,41 +135,78 @@ def _key_of(mod: Any, example_inputs: Any, *rest: Any) -> Any:
     graph = getattr(mod, "gm", mod)
     with _lock:
         found = _active.get(id(graph))
-    if found is None or found[0] is not graph:
+    if found is None or found.graph is not graph:
         return compute(mod, example_inputs, *rest)
-    gm, step_key, graph_name, memo = found
+    if found.stand_in_for is not None:
+        return _stand_in_key(compute, found, example_inputs, rest)
     try:
-        context = _context(compute, gm, example_inputs, rest)
+        context = _context(compute, _inputs_only(_inputs(graph)), example_inputs, rest)
     except Exception:  # the small key failed: the step is hashed, and no note kept
         return compute(mod, example_inputs, *rest)
-    note = _read(graph_name, step_key)
+    note = read_note(found.graph_name, found.step_key)
     if note is not None and note.get("context") == context:
-        memo.remembered = True
+        found.memo.remembered = True
         return note["key"], []
     key, lines = compute(mod, example_inputs, *rest)
-    step_cache.save_note(graph_name, step_key, _NOTE, {"context": context, "key": key})
+    step_cache.save_note(
+        found.graph_name, found.step_key, _NOTE, _note(graph, example_inputs, context, key)
+    )
     return key, lines
 
 
-def _context(compute: Any, gm: fx.GraphModule, example_inputs: Any, rest: tuple) -> list:
+def _stand_in_key(compute: Any, found: _Compiling, example_inputs: Any, rest: tuple) -> Any:
+    assert found.stand_in_for is not None and found.note is not None
+    try:
+        context = _context(compute, found.stand_in_for, example_inputs, rest)
+    except Exception as e:
+        raise NotNoted(f"the compile's context could not be keyed ({type(e).__name__})") from e
+    note = found.note
+    if note.get("context") != context:
+        raise NotNoted("the compile's context is not the note's")
+    found.memo.remembered = True
+    return note["key"], []
+
+
+def _note(graph: fx.GraphModule, example_inputs: Any, context: list, key: str) -> dict:
+    """The note: the context and the key, and what a restart needs to compile the step from
+    the note alone (``noted_step.py``): the step's input names (where all are untyped), its
+    node count, and the inductor settings graphamp derived from its graph."""
+    note: dict[str, Any] = {"context": context, "key": key}
+    placeholders = graph.graph.find_nodes(op="placeholder")
+    if all(n.type is None for n in placeholders):
+        note["inputs"] = [n.target for n in placeholders]
+        note["nodes"] = len(graph.graph.nodes)
+        note["defaults"] = default_inductor_options(graph, list(example_inputs))
+    return note
+
+
+def _context(compute: Any, inputs_only: fx.GraphModule, example_inputs: Any, rest: tuple) -> list:
     """What AOTAutograd's key reads besides the step's ops: its key of a graph of the step's
     inputs alone, in this compile; and the thread count, which inductor's key reads only where
     the graph makes CPU code (the inputs-only graph may not show it)."""
-    inputs_only = _inputs_only(gm)
     key, _ = compute(inputs_only, example_inputs, *rest)
     return [key, torch.get_num_threads()]
 
 
-def _inputs_only(gm: fx.GraphModule) -> fx.GraphModule:
+def _inputs(gm: fx.GraphModule) -> list[tuple[str, Any]]:
+    return [(n.target, n.type) for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def _inputs_only(inputs: list[tuple[str, Any]]) -> fx.GraphModule:
+    """A graph of these inputs (name, type) and no ops: what the context is computed on, made
+    the same way from a step and from a note's names."""
     graph = fx.Graph()
-    for node in gm.graph.find_nodes(op="placeholder"):
-        copy = graph.placeholder(node.target, type_expr=node.type)
-        copy.meta.update(node.meta)
+    for name, type_expr in inputs:
+        graph.placeholder(name, type_expr=type_expr)
     graph.output(())
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def _read(graph_name: str, step_key: str) -> dict | None:
+def inputs_only(names: list[str]) -> fx.GraphModule:
+    return _inputs_only([(name, None) for name in names])
+
+
+def read_note(graph_name: str, step_key: str) -> dict | None:
     note = step_cache.load_note(graph_name, step_key, _NOTE)
     if note is None or not isinstance(note.get("key"), str):
         return None

@@ -49,12 +49,13 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from ..errors import GraphampError
 from ..torchkit.compat import backed_sizes
 from . import step_unpickler
 from .inductor_cache import cache_directory
@@ -99,6 +100,37 @@ def load(graph_name: str, key: str, fake_mode: FakeTensorMode) -> CachedStep | N
     payload = _authenticated_payload(graph_name, key, path)
     if payload is None:
         return None
+    return _unpickled(graph_name, path, payload, fake_mode)
+
+
+def load_later(
+    graph_name: str, key: str, fake_mode: FakeTensorMode
+) -> Callable[[], fx.GraphModule] | None:
+    """The step saved under ``key``, authenticated now and unpickled by the function returned
+    when it is called (``noted_step.py``: a restart may never need the graph); None as
+    ``load``. The entry's bytes are kept meanwhile: what is unpickled later is what was
+    authenticated, whatever happens to the file."""
+    path = entry_path(key)
+    payload = _authenticated_payload(graph_name, key, path)
+    if payload is None:
+        return None
+
+    def unpickle() -> fx.GraphModule:
+        step = _unpickled(graph_name, path, payload, fake_mode)
+        if step is None:  # authenticated, so graphamp's own fault; the warning said why
+            raise GraphampError(
+                f"{graph_name}: the step cache's entry {path} was authenticated when the step "
+                "was built, but its graph does not load now; the compiled step runs as built. "
+                "Please report this"
+            )
+        return step.step_gm
+
+    return unpickle
+
+
+def _unpickled(
+    graph_name: str, path: str, payload: bytes, fake_mode: FakeTensorMode
+) -> CachedStep | None:
     try:
         step = step_unpickler.loads(payload, fake_mode)  # what a step holds, nothing else
     except Exception as e:  # a damaged or foreign pickle can raise anything

@@ -154,9 +154,11 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
     """The report for ``program``'s forward; with ``trace`` (the autocast oracle's run on the
     same forward), autocast's counts beside graphamp's."""
     amp = program.amp
-    copies = [
-        n for n in program.step_gm.graph.nodes if n.meta.get("graphamp_subgraph") == "recompute"
-    ]
+    copies = []  # a step without checkpointing need not be read (a restart's may not be loaded)
+    if program.step.recomputes:
+        copies = [
+            n for n in program.step_gm.graph.nodes if n.meta.get("graphamp_subgraph") == "recompute"
+        ]
     rows = report_rows(program.forward, frozenset(n.meta.get("fwd_node") for n in copies))
     regions = {n.meta.get("recompute_region", "") for n in copies}
     return PrecisionReport(

@@ -123,7 +123,7 @@ def _build_after_capture(ctx: BuildContext, run: _Stages, captured: Captured) ->
         forward=passed.forward,
         amp=passed.amp,
         plan=plan,
-        step_gm=step.gm,
+        step=step.graph,
         runner=compiled.runner,
         device=captured.device,
         timings=dict(run.timings),

@@ -8,6 +8,7 @@ words what they raise (``stage_errors.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,8 +17,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..backend import compile_step, source_keys, step_cache
-from ..backend.aot_key import remembered_key
+from ..backend import compile_step, noted_step, source_keys, step_cache
+from ..backend.aot_key import read_note, remembered_key
 from ..backend.inductor_cache import compile_from_cache
 from ..backend.progress import CompileProgress
 from ..backend.step_key import Uncacheable, step_key
@@ -32,6 +33,7 @@ from ..capture import (
 )
 from ..errors import ConfigError
 from ..passes import DEFAULT_LISTS, AmpContext, run_amp_passes
+from ..records.deferred import DeferredGraph
 from ..records.guards import BuildRequest
 from ..records.inputs import FlatInputs
 from ..records.spec import CapturedForward, GraphSpec, PassRecord, StepFn, StepPlan
@@ -273,10 +275,19 @@ def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
 class StepGraph:
     """The whole step as one FX graph, and how it came to be."""
 
-    gm: fx.GraphModule
+    graph: DeferredGraph  # a restart's is unpickled when first read (``noted_step.py``)
     loaded: bool = False  # from the step cache: assembly and outlining skipped
     outline: OutlineResult | None = None  # None: not outlined
     key: str | None = None  # the step cache's key it was loaded or saved under
+    note: dict | None = None  # loaded and not unpickled: the note it may compile from
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, recomputes: bool = False, **kw: Any) -> StepGraph:
+        return cls(DeferredGraph.ready(gm, recomputes), **kw)
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.graph.gm
 
 
 @dataclass(frozen=True)
@@ -311,15 +322,37 @@ def look_up(
         key = step_key((*what, ctx.spec.training))
     except Uncacheable as e:
         return CacheLookup(None, None, f"not used: {e}")
+    deferred = _deferred(ctx, key, choices)
+    if deferred is not None:
+        return CacheLookup(key, deferred, f"hit ({key[:12]}): {deferred.graph.nodes} nodes")
     cached = step_cache.load(ctx.spec.name, key, ctx.fake_mode)
     if cached is None:
         return CacheLookup(key, None, f"miss ({key[:12]})")
-    step = StepGraph(cached.step_gm, loaded=True, outline=cached.outline, key=key)
+    step = StepGraph.of(
+        cached.step_gm, choices.recompute, loaded=True, outline=cached.outline, key=key
+    )
     return CacheLookup(key, step, f"hit ({key[:12]}): {nodes(step.gm)} nodes")
 
 
+def _deferred(ctx: BuildContext, key: str, choices: Choices) -> StepGraph | None:
+    """The step under ``key``, authenticated and not unpickled, where the compile may need
+    only the note (``noted_step.py``): inductor, static sizes, and nothing that reads the
+    graph at every build (the blocks' update kernels, checkpointing's count in the report)."""
+    config = ctx.spec.config
+    if config.backend != "inductor" or ctx.request.dynamic or choices.block_updates:
+        return None
+    note = read_note(ctx.spec.name, key)
+    if choices.recompute or note is None or not noted_step.usable(note):
+        return None
+    load = step_cache.load_later(ctx.spec.name, key, ctx.fake_mode)
+    if load is None:
+        return None
+    graph = DeferredGraph(load, note["nodes"], recomputes=False)
+    return StepGraph(graph, loaded=True, key=key, note=note)
+
+
 def assemble(plan: StepPlan, passed: Passed, example: list, choices: Choices) -> StepGraph:
-    return StepGraph(
+    return StepGraph.of(
         assemble_step(plan, passed.forward, example, choices.outline, choices.block_updates)
     )
 
@@ -333,20 +366,20 @@ def recompute(ctx: BuildContext, step: StepGraph, regions: frozenset[str]) -> St
         recomputed.copies,
         len(recomputed.regions),
     )
-    return step
+    return dataclasses.replace(step, graph=DeferredGraph.ready(step.gm, recomputes=True))
 
 
 def outline(step: StepGraph) -> StepGraph:
     """Repeated blocks as shared subgraphs, on a copy: if outlining fails, the inlined step is
     compiled (and the INFO line says why)."""
     outlined = copy_graph_module(step.gm)
+    recomputes = step.graph.recomputes
     try:
         result = outline_blocks(outlined)
     except Exception as e:  # outlining is an optimisation; the step is correct without it
-        return StepGraph(
-            step.gm, outline=OutlineResult(left_inline=[f"all ({type(e).__name__}: {e})"])
-        )
-    return StepGraph(outlined, outline=result)
+        failed = OutlineResult(left_inline=[f"all ({type(e).__name__}: {e})"])
+        return dataclasses.replace(step, outline=failed)
+    return StepGraph.of(outlined, recomputes, outline=result)
 
 
 def place_collectives(step: StepGraph) -> StepGraph:
@@ -375,19 +408,26 @@ def compile(
 ) -> Compiled:
     """The backend on the whole step, and the Runner that binds it to the live state."""
     config = ctx.spec.config
-    detail = f"{nodes(step.gm)} nodes, {config.backend}"
+    detail = f"{step.graph.nodes} nodes, {config.backend}"
     label = f"{ctx.spec.name}: compiling the step ({detail})"
 
     kernels: list[tuple[int, float]] = []  # the blocks' update kernels made, and their seconds
-    keys: list[bool] = []  # whether AOTAutograd's key of the step was remembered, per try
+    keys: list[str] = []  # per try: how AOTAutograd's key of the step was had ("": hashed)
     saved_key = step.key if config.backend == "inductor" else None
 
     def compile_once() -> StepFn:
         options = dict(config.inductor_options)
+        if step.note is not None and not step.graph.in_memory:
+            noted = noted_step.compile_noted(
+                ctx.spec.name, step.note, example, ctx.fake_mode, options
+            )
+            if noted is not None:
+                keys.append(f"{REMEMBERED}, {GRAPH_NOT_LOADED}")
+                return noted
         set_kernel_backend(step.gm, config.backend)  # the blocks' update kernels: the same
         with remembered_key(step.gm, saved_key, ctx.spec.name) as memo:
             compiled = compile_step(step.gm, example, config.backend, options, step.loaded)
-        keys.append(memo.remembered)
+        keys.append(REMEMBERED if memo.remembered else "")
         start = time.perf_counter()
         made = compile_block_kernels(step.gm, step.loaded)
         kernels.append((made, time.perf_counter() - start))
@@ -405,7 +445,7 @@ def compile(
     if config.backend == "inductor":  # whether a restart was served from inductor's caches
         detail += ", " + (caches or "no cache")
         if keys and keys[-1]:
-            detail += ", AOTAutograd's key remembered"
+            detail += ", " + keys[-1]
     replay = device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False
     runner = Runner(
         plan,
@@ -418,6 +458,10 @@ def compile(
         graph_name=ctx.spec.name,
     )
     return Compiled(runner, detail)
+
+
+REMEMBERED = "AOTAutograd's key remembered"  # the compile line's words (the tests read them)
+GRAPH_NOT_LOADED = "the step's graph not loaded"
 
 
 def nodes(gm: fx.GraphModule) -> int:

@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .deferred import DeferredGraph
 from .frames import UserFrame
 from .guards import AttributeRead, Guards, LiftedValue
 from .inputs import FlatInputs, InputSignature
@@ -336,7 +337,7 @@ class Program:
     forward: fx.GraphModule  # the forward after the AMP passes (the captured one if AMP is off)
     amp: AmpContext | None  # the passes' context and statistics; None when AMP is off
     plan: StepPlan
-    step_gm: fx.GraphModule  # the whole step as compiled
+    step: DeferredGraph  # the whole step as compiled (a restart's: loaded when first read)
     runner: StepRunner
     device: torch.device
     timings: dict[str, float] = field(default_factory=dict)  # stage name -> seconds
@@ -349,6 +350,10 @@ class Program:
     def dynamic(self) -> frozenset[tuple[int, int]]:
         """The batch dimensions (tensor index, dim) it traced as symbols."""
         return self.guards.shapes.dynamic if self.guards is not None else frozenset()
+
+    @property
+    def step_gm(self) -> fx.GraphModule:
+        return self.step.gm
 
 
 # -- what the autocast oracle measures (read by the inspection modules) ----------------------------
@@ -414,7 +419,13 @@ class CompiledStep:
     step_nodes: int  # nodes of the whole compiled step
     calls: int  # how many times it ran (when the view was taken)
     forward_graph: fx.GraphModule
-    step_graph: fx.GraphModule
+    step: DeferredGraph = field(repr=False)  # read through ``step_graph``
+
+    @property
+    def step_graph(self) -> fx.GraphModule:
+        """The whole step's graph module (a restart's step is loaded from the step cache at
+        this first read)."""
+        return self.step.gm
 
     @classmethod
     def of(cls, program: Program) -> CompiledStep:
@@ -427,8 +438,8 @@ class CompiledStep:
             cuda_graph=program.runner.uses_cuda_graph,
             timings=dict(program.timings),
             forward_nodes=len(program.forward.graph.nodes),
-            step_nodes=len(program.step_gm.graph.nodes),
+            step_nodes=program.step.nodes,
             calls=program.runner.calls,
             forward_graph=program.forward,
-            step_graph=program.step_gm,
+            step=program.step,
         )
