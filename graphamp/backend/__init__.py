@@ -5,7 +5,8 @@
 the assembled step on disk under ``step_key`` (the disk key: a digest of everything assembly
 read; the in-memory key a call is matched by is ``runtime/structure_key.py``); ``aot_key`` and
 ``source_keys`` spare a restart the hashing inductor's cache lookups start with (AOTAutograd's
-key of the cached step, torch's source hashes), each kept beside the step cache's entries;
+key of the cached step, torch's source hashes), each kept beside the step cache's entries, and
+``noted_step`` compiles a restart's static step from that note without unpickling its graph;
 ``distributed`` makes every rank build the same step; ``progress`` is what a long build says.
 Nothing here runs on a steady call.
 """
