@@ -7,8 +7,9 @@ restart whose note matches needs only the step's inputs: inductor is handed a *s
 graph of the step's inputs (the note's names, the example's fakes) that returns nothing, and
 AOTAutograd's key of the stand-in is the note's (``aot_key.noted_key``), where the context
 computed in this compile is the note's. The step's graph is unpickled when something reads it
-(``records/deferred.py``). Measured on a 12-layer GPT-2 step (CPU): the step cache's load and
-the restore of 7,600 nodes' values, 0.7 s of a 3.6 s restart, go.
+(``records/deferred.py``). On a 12-layer GPT-2 step (CPU) the step cache's stage of a restart
+went from 0.76-0.89 s (GraphPickler's rebuild of the graph, its values and code) to 0.09-0.12 s
+(round 7 of ``benchmarks/results/first_call_cpu.md``).
 
 The stand-in must never be compiled as if it were the step. Two things stop that, each with
 ``aot_key.NotNoted`` (a BaseException, so no ``except Exception`` of torch's turns it into a
