@@ -47,17 +47,23 @@ class KeyMemo:
 
 
 @dataclass(frozen=True)
+class _StandIn:
+    """A restart's stand-in for a step it did not load (``noted_step.py``): the note whose key
+    it takes, and the inputs-only graph of the note's names its context is computed on."""
+
+    note: dict
+    inputs_only: fx.GraphModule
+
+
+@dataclass(frozen=True)
 class _Compiling:
     """A graph being compiled now whose AOTAutograd key may come from a note."""
 
     graph: fx.GraphModule
-    step_key: str
+    step_key: str  # "" for a stand-in (its note is given)
     graph_name: str
     memo: KeyMemo
-    # a restart's stand-in for a step it did not load (``noted_step.py``): the inputs-only
-    # graph its context is computed on, and the note whose key it takes, or none
-    stand_in_for: fx.GraphModule | None = None
-    note: dict | None = None
+    stand_in: _StandIn | None = None
 
 
 class NotNoted(BaseException):
@@ -81,13 +87,12 @@ def remembered_key(gm: fx.GraphModule, step_key: str | None, graph_name: str) ->
 
 
 @contextmanager
-def noted_key(
-    stand_in: fx.GraphModule, inputs_only: fx.GraphModule, note: dict, graph_name: str
-) -> Iterator[KeyMemo]:
+def noted_key(stand_in: fx.GraphModule, note: dict, graph_name: str) -> Iterator[KeyMemo]:
     """While inductor compiles ``stand_in`` (``noted_step.py``), its AOTAutograd key is
-    ``note``'s, where the context computed on ``inputs_only`` matches the note's; otherwise
-    the compile stops with ``NotNoted``."""
-    compiling = _Compiling(stand_in, "", graph_name, KeyMemo(), inputs_only, note)
+    ``note``'s, where the context computed on a graph of the note's inputs matches the note's;
+    otherwise the compile stops with ``NotNoted``."""
+    inputs_only = _inputs_only([(name, None) for name in note["inputs"]])
+    compiling = _Compiling(stand_in, "", graph_name, KeyMemo(), _StandIn(note, inputs_only))
     with _registered(compiling):
         yield compiling.memo
 
@@ -137,8 +142,8 @@ def _key_of(mod: Any, example_inputs: Any, *rest: Any) -> Any:
         found = _active.get(id(graph))
     if found is None or found.graph is not graph:
         return compute(mod, example_inputs, *rest)
-    if found.stand_in_for is not None:
-        return _stand_in_key(compute, found, example_inputs, rest)
+    if found.stand_in is not None:
+        return _stand_in_key(compute, found.stand_in, found.memo, example_inputs, rest)
     try:
         context = _context(compute, _inputs_only(_inputs(graph)), example_inputs, rest)
     except Exception:  # the small key failed: the step is hashed, and no note kept
@@ -154,17 +159,17 @@ def _key_of(mod: Any, example_inputs: Any, *rest: Any) -> Any:
     return key, lines
 
 
-def _stand_in_key(compute: Any, found: _Compiling, example_inputs: Any, rest: tuple) -> Any:
-    assert found.stand_in_for is not None and found.note is not None
+def _stand_in_key(
+    compute: Any, stand_in: _StandIn, memo: KeyMemo, example_inputs: Any, rest: tuple
+) -> Any:
     try:
-        context = _context(compute, found.stand_in_for, example_inputs, rest)
+        context = _context(compute, stand_in.inputs_only, example_inputs, rest)
     except Exception as e:
         raise NotNoted(f"the compile's context could not be keyed ({type(e).__name__})") from e
-    note = found.note
-    if note.get("context") != context:
+    if stand_in.note.get("context") != context:
         raise NotNoted("the compile's context is not the note's")
-    found.memo.remembered = True
-    return note["key"], []
+    memo.remembered = True
+    return stand_in.note["key"], []
 
 
 def _note(graph: fx.GraphModule, example_inputs: Any, context: list, key: str) -> dict:
@@ -200,10 +205,6 @@ def _inputs_only(inputs: list[tuple[str, Any]]) -> fx.GraphModule:
         graph.placeholder(name, type_expr=type_expr)
     graph.output(())
     return fx.GraphModule(torch.nn.Module(), graph)
-
-
-def inputs_only(names: list[str]) -> fx.GraphModule:
-    return _inputs_only([(name, None) for name in names])
 
 
 def read_note(graph_name: str, step_key: str) -> dict | None:

@@ -63,7 +63,7 @@ def compile_noted(
     fakes = [_fake(t, fake_mode) for t in example]
     stand_in = _stand_in(names, fakes)
     options = {**note["defaults"], **user_options}
-    with aot_key.noted_key(stand_in, aot_key.inputs_only(names), note, graph_name) as memo:
+    with aot_key.noted_key(stand_in, note, graph_name) as memo:
         try:
             compiled = call_backend(stand_in, fakes, "inductor", options, cached=True)
         except aot_key.NotNoted as e:

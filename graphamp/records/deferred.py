@@ -26,7 +26,7 @@ class DeferredGraph:
         nodes: int,
         recomputes: bool,
     ) -> None:
-        self._load: Callable[[], fx.GraphModule] | None = load
+        self._load = load
         self._gm: fx.GraphModule | None = None
         self._lock = threading.Lock()
         self.nodes = nodes
@@ -35,7 +35,7 @@ class DeferredGraph:
     @classmethod
     def ready(cls, gm: fx.GraphModule, recomputes: bool = False) -> DeferredGraph:
         graph = cls(lambda: gm, len(gm.graph.nodes), recomputes)
-        graph._gm, graph._load = gm, None
+        graph._gm = gm
         return graph
 
     @property
@@ -46,8 +46,8 @@ class DeferredGraph:
     @property
     def gm(self) -> fx.GraphModule:
         with self._lock:  # two threads reading it at once load it once
-            if self._gm is None:
-                assert self._load is not None
-                self._gm = self._load()
-                self._load = None  # what it held (the entry's bytes) can go
-            return self._gm
+            gm = self._gm
+            if gm is None:
+                gm = self._gm = self._load()
+                self._load = lambda: gm  # what the loader held (the entry's bytes) can go
+            return gm
