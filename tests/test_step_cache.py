@@ -10,6 +10,7 @@ fresh process, with inductor, is tests/test_compile_cache.py's.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import graphamp
 from graphamp.backend import step_cache, step_key
 from graphamp.inspect.memory import step_memory
+from graphamp.records.frames import SOURCE_LINE_META
 
 
 def _entries() -> list[str]:
@@ -88,7 +90,11 @@ def _assert_same(a, b) -> None:
 
 @pytest.mark.parametrize(
     "make, batches",
-    [(_mlp, _mlp_batches), (_gpt, _gpt_batches), (_gpt_fp16_scaler, _gpt_batches)],
+    [
+        (_mlp, _mlp_batches),
+        (_gpt, _gpt_batches),
+        pytest.param(_gpt_fp16_scaler, _gpt_batches, marks=pytest.mark.slow),
+    ],
     ids=["mlp_bf16_adamw", "tinygpt_bf16_adamw_outlined", "tinygpt_fp16_scaler_sgd"],
 )
 def test_a_second_build_loads_the_step_and_trains_bitwise_as_the_assembled_one(make, batches):
@@ -113,7 +119,10 @@ def test_a_second_build_loads_the_step_and_trains_bitwise_as_the_assembled_one(m
     "configure",
     [
         lambda g: g.config.set_outline_blocks(False),
-        lambda g: g.config.enable_activation_checkpointing(models.Block),
+        pytest.param(
+            lambda g: g.config.enable_activation_checkpointing(models.Block),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["outlining_off", "activation_checkpointing"],
 )
@@ -150,6 +159,73 @@ def test_the_step_cache_follows_inductors_cache_directory(monkeypatch, tmp_path)
 
 
 # -- a change never meets a stale entry ------------------------------------------------------------
+
+
+_SCRIPT = """
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def build(g, x, y):
+    loss = F.cross_entropy(g.model(x), y)
+    loss.backward()
+    return loss
+"""
+
+
+def _user_script(folder, blank_lines: int):
+    """The user's script ``train.py`` in ``folder``, its code ``blank_lines`` lines down."""
+    folder.mkdir()
+    path = folder / "train.py"
+    path.write_text("\n" * blank_lines + _SCRIPT)
+    spec = importlib.util.spec_from_file_location("train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _source_lines(gm) -> int:
+    graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    return sum(k in n.meta for graph in graphs for n in graph.nodes for k in SOURCE_LINE_META)
+
+
+def test_a_script_whose_lines_moved_loads_its_step_and_shows_only_its_new_lines(tmp_path):
+    """Lines moved by an edit elsewhere in the script (and the script moved to another folder)
+    are the same step: the restart loads it, trains bitwise as the first build, and shows the
+    script's new lines, never the old ones."""
+    runs = []
+    for blank_lines in (0, 9):
+        script = _user_script(tmp_path / f"checkout{blank_lines}", blank_lines)
+        torch.manual_seed(0)
+        model = script.Net()
+        opt = _adamw(model)
+        g = make_graph(model, None, opt, amp=torch.bfloat16, build=script.build)
+        batches = models.batches(2, 8, 16, 4, seed=1)
+        losses = [g(x, y).detach().clone() for x, y in batches]
+        runs.append((g, losses, model.state_dict(), opt.state_dict()["state"]))
+    (first, *trained), (moved, *trained_moved) = runs
+    assert not _loaded(first) and _loaded(moved)
+    assert_bitwise(trained, trained_moved)
+    # the precision report reads this build's forward: the new line of each op
+    sources = {row["source"] for row in moved.precision_report().rows if row["source"]}
+    assert sources and all(s.startswith("train.py:") for s in sources), sources
+    old = {row["source"] for row in first.precision_report().rows if row["source"]}
+    assert {int(s.split(":")[1]) for s in sources} == {int(s.split(":")[1]) + 9 for s in old}
+    # the steps keep no source lines (a loaded one could only show stale ones): the assembled
+    # and the loaded step are one code, as AOTAutograd's cache key reads it
+    steps = [g.compiled_steps[-1].step_graph for g in (first, moved)]
+    assert [_source_lines(step) for step in steps] == [0, 0]
+    assert steps[0].code == steps[1].code and "checkout" not in steps[1].code
 
 
 def _versioned_mlp(variant: str):
@@ -377,6 +453,7 @@ def test_even_an_authenticated_entry_builds_only_what_a_step_holds(caplog):
     _assert_same(first, second)
 
 
+@pytest.mark.slow
 def test_an_entry_copied_over_another_keys_entry_is_refused(caplog):
     mlp_data, gpt_data = _mlp_batches(), _gpt_batches()
     _train(_mlp, mlp_data)

@@ -5,7 +5,8 @@ and the metadata of the example inputs; outlining reads the traced step. Those a
 key in full, by one walker (``_Digest``), together with the versions of torch and graphamp's
 own source. The user's code reaches the key through the forward: capture runs build() again in
 every process, so a changed model, build(), config value or attribute read gives a different
-forward graph (or plan) and a different key. Nothing is left out by default: an object the walker
+forward graph (or plan) and a different key. Where in the user's files each op was traced is
+not in the key: an edit that only moves lines is the same step. Nothing is left out by default: an object the walker
 does not know makes the step uncacheable (``Uncacheable``, with the reason) rather than a key
 that might not see a change.
 
@@ -31,15 +32,18 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from ..records.frames import SOURCE_LINE_META, UserFrame
 from ..records.layouts import StepLayout
 from ..records.optimizers import SUPPORTED
 from ..torchkit.ops import FunctionCall
 
 FORMAT = "graphamp-step-1"
 
-# provenance kept by torch for debugging: node names and graph ids of earlier passes, which
-# differ between processes (``id()``) and do not change what the node computes
-_SKIPPED_META = frozenset({"from_node"})
+# provenance kept for debugging, which does not change what a node computes: node names and
+# graph ids of earlier passes (``id()``, different in every process), and where in the user's
+# files the node was traced (a line moved by an edit elsewhere in the script is the same step;
+# the assembled step keeps no source lines, so a loaded one never shows stale ones)
+_SKIPPED_META = frozenset({"from_node", *SOURCE_LINE_META})
 # fields that are not inputs of assembly: what capture read (its values shaped the forward,
 # which is in the key) and a callback that undoes capture's writes if a later stage fails
 _SKIPPED_FIELDS = {
@@ -197,6 +201,9 @@ class _Digest:
         self._h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
 
     def _dataclass(self, obj: Any) -> None:
+        if isinstance(obj, UserFrame):  # where something was traced (see _SKIPPED_META)
+            self._text("frame")
+            return
         name = type(obj).__name__
         self._text(f"dataclass:{_qualname(type(obj))}")
         skipped = _SKIPPED_FIELDS.get(name, frozenset())

@@ -6,7 +6,11 @@ import linecache
 import os
 from dataclasses import dataclass
 
-__all__ = ["UserFrame"]
+__all__ = ["SOURCE_LINE_META", "UserFrame"]
+
+# the node metadata that says where in the user's files a node was traced: provenance for
+# messages and reports, never part of what the node computes
+SOURCE_LINE_META = ("stack_trace", "user_frame")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
+from ..records.frames import SOURCE_LINE_META
 from ..records.layouts import StepInputs
 from ..records.optimizers import TRACED, OptimizerPlan
 from ..records.sharding import block_of
@@ -81,6 +82,7 @@ def assemble_step(
         pass_gradients_uncast(gm)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
+    _drop_source_lines(gm)
     # make_fx leaves its tracer class on the module and its graph; only copy.deepcopy reads
     # it. A step loaded from the step cache has none (the cache's unpickler builds no tracer),
     # and AOTAutograd's cache key hashes the module's attributes: with it, a restart that
@@ -88,6 +90,22 @@ def assemble_step(
     gm._tracer_cls = gm.graph._tracer_cls = None
     gm.recompile()
     return gm
+
+
+def _drop_source_lines(gm: fx.GraphModule) -> None:
+    """The step keeps no record of where its nodes were traced in the user's files. The step
+    cache's key leaves them out (an edit that only moves lines is the same step), so a step
+    loaded from it could only show stale ones; without them the assembled and the loaded step
+    are one code, which AOTAutograd's cache key hashes (FX writes stack traces into the code as
+    comments). The precision and overflow reports read the forward and the plan, made afresh
+    by every build."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                for key in SOURCE_LINE_META:
+                    node.meta.pop(key, None)
+            if module is not gm:  # the step itself is recompiled below
+                module.recompile()
 
 
 def make_step_function(
