@@ -60,6 +60,7 @@ def _run(outline: bool, make_opt, steps: int = 3, **graph_options):
     return g, losses, state, moments
 
 
+@pytest.mark.slow
 def test_block_updates_are_off_by_default_and_part_of_the_cache_key():
     """Off by default: on ViT-Ti and transformers' GPT-2 the calls cost the steady step 1-4%
     on the CPU. Turning it on builds the step again."""
@@ -108,6 +109,7 @@ def test_each_block_is_one_call_of_one_kernel_and_bitwise_the_inlined_update(cap
     assert [d for d, _, _ in spec["inputs"][n : 2 * n]] == [str(g.dtype) for g in grads[:n]]
 
 
+@pytest.mark.slow
 def test_skipped_steps_and_momentum_started_from_the_gradient_are_bitwise_the_inlined_ones():
     """SGD with dampening (each buffer starts as a copy of its first gradient: the update's
     per-parameter start flags are written by the kernel too) and weight decay, fp16 with a
@@ -129,6 +131,7 @@ def test_skipped_steps_and_momentum_started_from_the_gradient_are_bitwise_the_in
     assert len(_update_calls(outlined[0])) == 3
 
 
+@pytest.mark.slow
 def test_blocks_split_over_param_groups_get_a_call_per_group_and_block():
     """nanoGPT's groups: weight decay for matrices, none for vectors; each group updates its
     part of every block."""

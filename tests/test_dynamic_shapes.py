@@ -18,6 +18,7 @@ import graphamp
 from graphamp.runner.cudagraph import CudaGraphsBySize
 
 INDUCTOR = pytest.param("inductor", marks=pytest.mark.inductor)
+INDUCTOR_SLOW = pytest.param("inductor", marks=[pytest.mark.inductor, pytest.mark.slow])
 LENGTHS = (12, 7, 16, 9, 7, 13)
 
 
@@ -62,7 +63,7 @@ def _train_lm(lengths, backend="aot_eager", configure=None, marks=()):
     return g
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR_SLOW])
 def test_a_variable_length_run_equals_eager_and_compiles_twice(backend, caplog):
     with caplog.at_level(logging.INFO, logger="graphamp"):
         g = _train_lm(LENGTHS, backend)
@@ -195,7 +196,7 @@ def _padded_gpt2_run(backend, amp=None, optimizer=torch.optim.AdamW):
     return g, model, twin, got, want
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR])
+@pytest.mark.parametrize("backend", ["aot_eager", INDUCTOR_SLOW])
 def test_padding_and_attention_masks_of_a_transformers_model(backend):
     g, model, twin, got, want = _padded_gpt2_run(backend)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -206,6 +207,7 @@ def test_padding_and_attention_masks_of_a_transformers_model(backend):
     assert len(g.compiled_steps) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_padded_transformers_gpt2_under_bf16_amp_on_inductor_trains_like_autocast():
     """inductor's own retrace laid the masked attention out differently from capture's trace,

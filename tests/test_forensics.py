@@ -340,6 +340,7 @@ def _gpt(scale_out: float | None):
     )
 
 
+@pytest.mark.slow
 def test_attention_mask_infinities_are_not_blamed():
     # masked_fill(-inf) makes infinities every step; the softmax absorbs them
     g, idx, targets = _gpt(None)

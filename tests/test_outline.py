@@ -114,7 +114,8 @@ def _calls(g) -> list[str]:
 @pytest.mark.parametrize(
     "name, calls, distinct",
     [
-        ("tiny_gpt", 6, 2),  # 3 blocks: forward and backward (the update is an op per block)
+        # 3 blocks: forward and backward (the update is an op per block)
+        pytest.param("tiny_gpt", 6, 2, marks=pytest.mark.slow),
         # one block's backward region has no equal: it stays inline
         pytest.param("block_stack", 5, 2, marks=pytest.mark.slow),
         ("hf_gpt2", 6, 2),
@@ -154,7 +155,10 @@ def test_outlining_is_on_by_default_and_part_of_the_cache_key():
     assert _calls(g) == []
 
 
-@pytest.mark.parametrize("name", ["block_stack", "tiny_gpt", "hf_gpt2"])
+@pytest.mark.parametrize(
+    "name",
+    ["block_stack", *(pytest.param(n, marks=pytest.mark.slow) for n in ("tiny_gpt", "hf_gpt2"))],
+)
 def test_no_subgraph_output_shares_memory_with_an_input_or_another_output(name):
     """invoke_subgraph's contract, which inductor's buffer reuse relies on: an outlined output
     sharing memory with a live one was overwritten (Adam then moved weights the wrong way).
@@ -243,6 +247,7 @@ def _returned_sources(sub) -> list:
     return sources
 
 
+@pytest.mark.slow
 def test_an_outlined_forward_stores_no_value_its_backward_recomputes_cheaply(caplog):
     """Issue 40 §0: an outlined forward returned every value its backward read, so GPT-2's
     GELU stored four float32 intermediates per block that the inlined step's kernels recompute

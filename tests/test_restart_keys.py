@@ -200,6 +200,7 @@ def _child(env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_kept_source_hashes_are_given_to_torch_only_while_the_files_are_unchanged(
     tmp_path, monkeypatch
 ):

@@ -600,6 +600,7 @@ def test_graphamp_imports_without_the_trainers():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_optim_rmsprop_traces_torchs_rmsprop_and_equals_the_stock_trainer(tmp_path):
     """optim='rmsprop' is torch's RMSprop: its own step() traced into graphamp's step, the
     losses those of the stock Trainer over 5 steps."""
