@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from ..records.spec import StepFn
 from ..torchkit.backends import call_backend
+from ..torchkit.fxutil import graph_modules
 
 
 def compile_step(
@@ -53,9 +54,7 @@ def views_as_reshapes(gm: fx.GraphModule) -> None:
     view (it is functional until its final copies into the state), so values are unchanged.
     Outlined blocks' subgraphs too: the backend traces them again as well (transformers'
     GPT-2 with an attention mask failed there, with the same message)."""
-    for module in gm.modules():
-        if not isinstance(module, fx.GraphModule):
-            continue
+    for module in graph_modules(gm):
         views = module.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default)
         for node in views:
             node.target = torch.ops.aten.reshape.default

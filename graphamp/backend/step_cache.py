@@ -57,6 +57,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..errors import GraphampError
 from ..torchkit.compat import backed_sizes
+from ..torchkit.fxutil import graph_modules
 from . import step_unpickler
 from .inductor_cache import cache_directory
 from .step_key import graphamp_source
@@ -154,7 +155,7 @@ def _restored(graph_name: str, path: str, step: Any, fake_mode: FakeTensorMode) 
     except Exception as e:  # as above
         _warn(graph_name, path, f"its values do not load ({type(e).__name__}: {e})")
         return None
-    for gm in _graph_modules(step.step_gm):
+    for gm in graph_modules(step.step_gm):
         gm.recompile()  # GraphPickler leaves the graph modules without their forward()
     return CachedStep(step.step_gm, step.outline)
 
@@ -393,10 +394,6 @@ def _remove_stale_temporaries(folder: str) -> None:
 _TAKEN_META = ("val", "tensor_meta")
 
 
-def _graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
-    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
-
-
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
@@ -510,7 +507,7 @@ def _shape_guards(gm: fx.GraphModule) -> list[Any]:
 
 def _left_symbolic(gm: fx.GraphModule) -> bool:
     """Whether a symbolic value is left in the metadata (``_take_values`` took the others)."""
-    return any(_symbolic(n.meta.get("val")) for m in _graph_modules(gm) for n in m.graph.nodes)
+    return any(_symbolic(n.meta.get("val")) for m in graph_modules(gm) for n in m.graph.nodes)
 
 
 def _guards_hold(guards: list[Any], mode: FakeTensorMode) -> bool:
@@ -548,7 +545,7 @@ def _take_values(gm: fx.GraphModule) -> _Taken:
     metadata, for ``_put_back``: (graph module path, node name, node, what was taken)."""
     taken = []
     paths = {id(m): path for path, m in gm.named_modules()}
-    for m in _graph_modules(gm):
+    for m in graph_modules(gm):
         for node in m.graph.nodes:
             value = node.meta.get("val")
             if node.op == "placeholder" and not _symbolic(value):

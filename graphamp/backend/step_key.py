@@ -6,9 +6,9 @@ key in full, by one walker (``_Digest``), together with the versions of torch an
 own source. The user's code reaches the key through the forward: capture runs build() again in
 every process, so a changed model, build(), config value or attribute read gives a different
 forward graph (or plan) and a different key. Where in the user's files each op was traced is
-not in the key: an edit that only moves lines is the same step. Nothing is left out by default: an object the walker
-does not know makes the step uncacheable (``Uncacheable``, with the reason) rather than a key
-that might not see a change.
+not in the key: an edit that only moves lines is the same step. Nothing is left out by default:
+an object the walker does not know makes the step uncacheable (``Uncacheable``, with the
+reason) rather than a key that might not see a change.
 
 Steps whose assembly runs user Python outside the forward graph are refused for that reason:
 a custom autograd Function (assembly calls its forward and backward again) and a GradScaler

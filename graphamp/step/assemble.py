@@ -31,7 +31,7 @@ from ..records.optimizers import TRACED, OptimizerPlan
 from ..records.sharding import block_of
 from ..records.spec import StepPlan
 from ..torchkit.fp8_numerics import rolled_history
-from ..torchkit.fxutil import NodeTagger, rename_placeholders, trace_functional
+from ..torchkit.fxutil import NodeTagger, graph_modules, rename_placeholders, trace_functional
 from .block_update import pass_gradients_uncast
 from .collectives import agree_on_amax, agree_on_overflow, agree_on_probes, average_over_ranks
 from .gradients import (
@@ -99,13 +99,12 @@ def _drop_source_lines(gm: fx.GraphModule) -> None:
     are one code, which AOTAutograd's cache key hashes (FX writes stack traces into the code as
     comments). The precision and overflow reports read the forward and the plan, made afresh
     by every build."""
-    for module in gm.modules():
-        if isinstance(module, fx.GraphModule):
-            for node in module.graph.nodes:
-                for key in SOURCE_LINE_META:
-                    node.meta.pop(key, None)
-            if module is not gm:  # the step itself is recompiled below
-                module.recompile()
+    for module in graph_modules(gm):
+        for node in module.graph.nodes:
+            for key in SOURCE_LINE_META:
+                node.meta.pop(key, None)
+        if module is not gm:  # the step itself is recompiled below
+            module.recompile()
 
 
 def make_step_function(

@@ -214,6 +214,11 @@ def rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
         node._rename(candidate)  # public API has no rename for nodes
 
 
+def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the graph modules under it (outlined regions, block updates)."""
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy whose nodes can be rewritten without touching ``gm``'s graph (each node's
     metadata copied shallowly)."""
