@@ -14,14 +14,17 @@ and each variant, all variants of a workload one after the other in one process 
                       (not run unless named: the cost of overflow forensics, as a ratio to the
                       untraced variant of the same run)
     graphamp_fp16_inline, graphamp_bf16_inline   the same with repeated blocks inlined
+    graphamp_fp16_outline, graphamp_bf16_outline the same with repeated blocks outlined
+                      (config.set_outline_blocks(False) and (True); not run unless named. The
+                      default outlines on the CPU and inlines on CUDA; the two named together
+                      give what outlining costs or saves in the steady step and the first
+                      call, as ratios of one process: issue 40 §0)
     graphamp_fp16_fused, graphamp_bf16_fused     the optimizer built with fused=True (torch's
                       fused kernel as one op of the step, as the compile_* peers' optimizer;
                       not run unless named)
     graphamp_bf16_fp8, graphamp_bf16_fp8rw, graphamp_bf16_fp8dl
                       bf16 with fp8 matmuls (tensorwise, rowwise, delayed);
                       not run unless named
-                      (config.set_outline_blocks(False); not run unless named: what outlining
-                      costs or saves in the steady step and the first call, as ratios)
 
 it reports ms/step (median of per-step CUDA-event times over the measured steps, launched back
 to back with one sync at the end), achieved TFLOP/s where the FLOPs are known, peak memory,
@@ -72,13 +75,15 @@ VARIANTS = (
     "graphamp_bf16",
 )
 TRACED_VARIANTS = ("graphamp_fp16_traced", "graphamp_bf16_traced")  # only when named
-INLINE_VARIANTS = ("graphamp_fp16_inline", "graphamp_bf16_inline")  # only when named
+# config.set_outline_blocks(False) and (True), only when named
+INLINE_VARIANTS = ("graphamp_fp16_inline", "graphamp_bf16_inline")
+OUTLINE_VARIANTS = ("graphamp_fp16_outline", "graphamp_bf16_outline")
 # the optimizer built with fused=True (torch's fused kernel, one op of the step): only when named
 FUSED_VARIANTS = ("graphamp_fp16_fused", "graphamp_bf16_fused")
 # enable_fp8, only when named: suffix -> recipe
 FP8_RECIPES = {"_fp8": "tensorwise", "_fp8rw": "rowwise", "_fp8dl": "delayed"}
 FP8_VARIANTS = tuple(f"graphamp_bf16{suffix}" for suffix in FP8_RECIPES)
-SUFFIXES = ("_traced", "_inline", "_fused", *FP8_RECIPES)
+SUFFIXES = ("_traced", "_inline", "_outline", "_fused", *FP8_RECIPES)
 
 
 def _base_variant(variant: str) -> str:
@@ -121,8 +126,8 @@ def make_step(variant: str, workload, model, device, backend: str, inductor_opti
                     self.set_grad_scaler(graphamp.GradScaler())
                 if variant.endswith("_traced"):
                     self.config.enable_overflow_tracing()
-                if variant.endswith("_inline"):
-                    self.config.set_outline_blocks(False)
+                if variant.endswith(("_inline", "_outline")):
+                    self.config.set_outline_blocks(variant.endswith("_outline"))
                 recipe = next((r for s, r in FP8_RECIPES.items() if variant.endswith(s)), None)
                 if recipe is not None:
                     self.config.enable_fp8(True, recipe=recipe)
@@ -400,7 +405,7 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
                 )
             if r.get("outline_step_ratio"):
                 lines.append(
-                    f"- {_base_variant(r['variant'])} (outlined, the default) over "
+                    f"- {r['variant'].replace('_inline', '_outline')} over "
                     f"{r['variant']} in the same run: steady step "
                     f"{r['outline_step_ratio']:.3f}x, first call "
                     f"{r['outline_first_call_ratio']:.2f}x"
@@ -438,9 +443,15 @@ def add_ratios(rows: list[dict]) -> None:
             r["tracing_cost"] = r["ms_per_step"] / base[0]["ms_per_step"]
         if base and r["variant"].endswith(tuple(FP8_RECIPES)):  # fp8 over bf16, same run
             r["fp8_speedup"] = base[0]["ms_per_step"] / r["ms_per_step"]
-        if base and r["variant"].endswith("_inline"):  # outlined (the default) over inlined
-            r["outline_step_ratio"] = base[0]["ms_per_step"] / r["ms_per_step"]
-            r["outline_first_call_ratio"] = base[0]["first_call_s"] / r["first_call_s"]
+        outlined = [
+            p
+            for p in rows
+            if p["workload"] == r["workload"]
+            and p["variant"] == r["variant"].replace("_inline", "_outline")
+        ]
+        if outlined and r["variant"].endswith("_inline"):  # outlined over inlined
+            r["outline_step_ratio"] = outlined[0]["ms_per_step"] / r["ms_per_step"]
+            r["outline_first_call_ratio"] = outlined[0]["first_call_s"] / r["first_call_s"]
         peers = [
             p
             for p in rows
@@ -466,7 +477,12 @@ def main(argv=None) -> list[dict]:
         "--variant",
         nargs="*",
         default=list(VARIANTS),
-        choices=VARIANTS + TRACED_VARIANTS + INLINE_VARIANTS + FUSED_VARIANTS + FP8_VARIANTS,
+        choices=VARIANTS
+        + TRACED_VARIANTS
+        + INLINE_VARIANTS
+        + OUTLINE_VARIANTS
+        + FUSED_VARIANTS
+        + FP8_VARIANTS,
     )
     parser.add_argument("--steps", type=int, default=50, help="measured steps (default 50)")
     parser.add_argument("--warmup", type=int, default=10)

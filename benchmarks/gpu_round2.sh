@@ -15,16 +15,18 @@
 #   mlp         seed MLP, 200 steps: ms/step vs eager and compiled AMP (target ≤ 0.06 ms, ≥ 20×)
 #   gpt2        GPT-2 124M fp16 + bf16 vs torch.compile + autocast (+ GradScaler), cold inductor
 #               cache: ms/step, TFLOP/s, MFU, peak memory, first call (cold), host syncs, profile
-#   outline     GPT-2 124M bf16, outlined blocks (the default) against inlined
-#               (set_outline_blocks(False)) in one process: the steady step's ratio (issue 40 §0)
+#   outline     GPT-2 124M bf16, outlined blocks against inlined (set_outline_blocks(True) and
+#               (False); CUDA's default inlines) in one process: the steady step's ratio and
+#               each program's kernels per step (issue 40 §0)
 #   resnet50    ResNet-50 B128, bf16 then fp16, against torch.compile + autocast (+ GradScaler)
 #   -- named only --
 #   gpt2_warm   the gpt2 command again on the cache gpt2 filled: warm first calls
 #   fused       GPT-2 124M bf16 with AdamW(fused=True) (torch's fused kernel in the step, the
 #               optimizer the compile_* peers use) against graphamp's own update and
 #               torch.compile, cold inductor cache: first call and steady step
-#   first_call  benchmarks/first_call.py on the GPU: GPT-2 6-layer and ViT-tiny, graphamp vs
-#               torch.compile + autocast, each in a fresh process, cold then warm inductor cache
+#   first_call  benchmarks/first_call.py on the GPU: the project's and transformers' 6-layer
+#               GPT-2, graphamp (its default) vs torch.compile + autocast, each in a fresh
+#               process, cold then a restart on the cache it filled (about 3 minutes)
 #   kernels     benchmarks/kernel_count.py: structural launch counts of the step (mlp, gpt2-6l)
 #   fp8         GPT-2 124M bf16, bf16 + fp8 matmuls (tensorwise, rowwise, delayed), torch.compile bf16
 #   llama_bf16  1.1B Llama-style decoder bf16 vs compile_bf16 (tokens/s, MFU, memory, first call)
@@ -85,7 +87,8 @@ part_fused() {
     "${GRAPHAMP_INDUCTOR[@]}"
 }
 part_outline() {
-  bench --workload gpt2 --variant graphamp_bf16 graphamp_bf16_inline --steps 100 --tag outline \
+  bench --workload gpt2 --variant graphamp_bf16_outline graphamp_bf16_inline --steps 100 \
+    --profile --tag outline \
     "${GRAPHAMP_INDUCTOR[@]}"
 }
 part_resnet50() {
@@ -113,7 +116,12 @@ part_first_call() {
   if [ ${#SMOKE[@]} -gt 0 ]; then
     limited "$PYTHON" benchmarks/first_call.py --smoke --repeat 1 --out "$OUT" --tag smoke
   else
-    limited "$PYTHON" benchmarks/first_call.py --device cuda --repeat 1 --out "$OUT" --tag cuda
+    # first_call.py's child processes take no inductor option: on torch 2.11 the environment
+    # turns loop reordering off (for both sides there)
+    local env=()
+    [ ${#GRAPHAMP_INDUCTOR[@]} -gt 0 ] && env=(TORCHINDUCTOR_LOOP_ORDERING_AFTER_FUSION=0)
+    limited env "${env[@]}" "$PYTHON" benchmarks/first_call.py --device cuda --repeat 1 \
+      --workload gpt2-6l hf-gpt2-6l --variant graphamp compile --out "$OUT" --tag cuda
   fi
 }
 part_kernels() {

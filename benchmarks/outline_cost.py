@@ -1,4 +1,4 @@
-"""The steady step with repeated blocks outlined (the default) against inlined, in one process.
+"""The steady step with repeated blocks outlined (the CPU's default) against inlined, one process.
 
 Issue 40 §0: a fast first call must not cost the steady step. For each workload this builds
 graphamp's step twice (``config.set_outline_blocks(True)`` and ``False``) and the peer

@@ -135,3 +135,30 @@ def test_skipped_step_on_cuda_is_bitwise():
     for k, v in model.state_dict().items():
         assert torch.equal(before[k], v), k
     assert g.grad_scaler.get_scale() == 64.0
+
+
+def test_a_cuda_step_is_inlined_by_default_and_outlined_when_asked():
+    """On CUDA the default inlines repeated blocks (outlined, GPT-2 124M's steady step measured
+    1.03-1.04x the inlined one on an H200); set_outline_blocks(True) still outlines, and both
+    train alike."""
+
+    def run(outline):
+        torch.manual_seed(0)
+        model = TinyGPT(layers=3).to(CUDA)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def configure(g):
+            if outline is not None:
+                g.config.set_outline_blocks(outline)
+
+        g = make_graph(model, lm_loss, opt, amp=torch.bfloat16, configure=configure)
+        torch.manual_seed(1)
+        losses = [g(*_gpt_batch()) for _ in range(3)]
+        graph = g.compiled_steps[-1].step_graph.graph
+        calls = [n for n in graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+        return torch.stack(losses), calls
+
+    default_losses, default_calls = run(None)
+    outlined_losses, outlined_calls = run(True)
+    assert default_calls == [] and len(outlined_calls) == 6  # 3 blocks, forward and backward
+    torch.testing.assert_close(default_losses, outlined_losses, rtol=1e-2, atol=1e-2)

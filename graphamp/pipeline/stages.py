@@ -249,13 +249,22 @@ class Choices:
     cache: bool  # the step cache is looked up (and written after a miss)
 
 
+def outlined_by_default(device: torch.device, grad_acc_steps: int) -> bool:
+    """Whether a step is outlined when the user has not said: only where its steady step
+    measured as fast outlined as inlined (the 2% rule, docs/usage.md). That is the CPU's plain
+    step (benchmarks/outline_cost.py: 0.985-1.009x on four workloads). Not a CUDA step: GPT-2
+    124M bf16 on an H200 measured 1.039x and 1.032x the inlined step (GPU rounds 3 and 4,
+    benchmarks/results/h200-round4; a profile counted 691 kernels a step against 617). Not
+    gradient accumulation: 1.10x on the CPU (1.04x with glibc's malloc keeping freed memory;
+    ``--kind accumulated``). Other devices are unmeasured, so inlined."""
+    return device.type == "cpu" and grad_acc_steps == 1
+
+
 def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
     spec, config = ctx.spec, ctx.spec.config
     wanted = config.outline_blocks
-    if wanted is None:  # the default: where the steady step measured no slower outlined
-        # (benchmarks/outline_cost.py --kind accumulated, CPU: 1.10x the inlined step, 1.04x
-        # with glibc's malloc keeping freed memory; docs/usage.md)
-        wanted = config.grad_acc_steps == 1
+    if wanted is None:
+        wanted = outlined_by_default(captured.device, config.grad_acc_steps)
     outline = (
         wanted
         and spec.training

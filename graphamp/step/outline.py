@@ -1,5 +1,5 @@
 """Repeated blocks compiled once (issue 31, item 2; ``config.set_outline_blocks``, on by
-default where the steady step costs nothing, ``pipeline/stages.choose``): the assembled step's
+default where the steady step costs nothing, ``pipeline/stages.outlined_by_default``): the step's
 forward and backward regions of N identical blocks become calls of one shared subgraph each
 (``torch.ops.higher_order.invoke_subgraph``), so inductor compiles each distinct block's forward
 and backward once. The step stays one graph and one program.
