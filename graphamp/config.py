@@ -389,7 +389,8 @@ class GraphConfig:
         self._set(outline_blocks=check_bool("set_outline_blocks(mode)", mode))
 
     def set_block_updates(self, mode: bool = True) -> None:
-        """Where repeated blocks are outlined, update each block's parameters by one call of
+        """Outline repeated blocks (unless ``set_outline_blocks(False)`` says otherwise, which
+        leaves this without effect and warns) and update each block's parameters by one call of
         an optimizer kernel compiled once per distinct block (off by default), instead of one
         multi-tensor update over every parameter, which inductor compiles as a loop per
         parameter. The first call compiles much less: cold on the CPU, 1.14-1.25x

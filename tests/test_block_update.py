@@ -76,6 +76,35 @@ def test_block_updates_are_off_by_default_and_part_of_the_cache_key():
     assert len(g.compiled_steps) == 2 and len(_update_calls(g)) == 3
 
 
+def test_block_updates_outline_a_step_the_default_inlines_and_warn_where_outlining_is_off(caplog):
+    """A step the default would inline (gradient accumulation here, CUDA alike) is outlined
+    when block updates are asked for, since they are calls of outlined blocks; with
+    set_outline_blocks(False) they cannot be, and a warning says so instead of nothing."""
+
+    def run(block_updates: bool):
+        torch.manual_seed(0)
+        model = TinyGPT(layers=3)
+
+        def configure(g):
+            g.config.set_gradient_accumulation_steps(2)
+            g.config.set_block_updates(block_updates)
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = make_graph(model, lm_loss, opt, amp=torch.bfloat16, configure=configure)
+        gen = torch.Generator().manual_seed(1)
+        losses = [g(*_tokens(gen)).detach().clone() for _ in range(2)]
+        return g, losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+    inlined, (g, *trained) = run(False), run(True)
+    assert _update_calls(inlined[0]) == [] and len(_update_calls(g)) == 3
+    assert_bitwise(inlined[1:], trained)
+    g.config.set_outline_blocks(False)
+    with caplog.at_level(logging.WARNING, logger="graphamp"):
+        g(*_tokens(torch.Generator().manual_seed(1)))
+    assert _update_calls(g) == []
+    assert any("set_block_updates(True) has no effect" in r.getMessage() for r in caplog.records)
+
+
 def test_block_of_names_the_outermost_numbered_module():
     assert block_of("transformer.h.3.attn.c_attn.weight") == (
         "transformer.h.3",

@@ -263,8 +263,14 @@ def outlined_by_default(device: torch.device, grad_acc_steps: int) -> bool:
 def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
     spec, config = ctx.spec, ctx.spec.config
     wanted = config.outline_blocks
-    if wanted is None:
-        wanted = outlined_by_default(captured.device, config.grad_acc_steps)
+    if wanted is None:  # block updates are calls of outlined blocks: asking for them outlines
+        wanted = config.block_updates or outlined_by_default(captured.device, config.grad_acc_steps)
+    elif config.block_updates and not wanted:
+        log.warning(
+            "%s: set_block_updates(True) has no effect while set_outline_blocks(False) "
+            "inlines the blocks: the update stays one multi-tensor run",
+            spec.name,
+        )
     outline = (
         wanted
         and spec.training
