@@ -405,7 +405,7 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
                 )
             if r.get("outline_step_ratio"):
                 lines.append(
-                    f"- {r['variant'].replace('_inline', '_outline')} over "
+                    f"- {_outlined_variant(r['variant'])} over "
                     f"{r['variant']} in the same run: steady step "
                     f"{r['outline_step_ratio']:.3f}x, first call "
                     f"{r['outline_first_call_ratio']:.2f}x"
@@ -428,30 +428,32 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
         f.write("\n".join(lines))
 
 
+def _row(rows: list[dict], workload: str, variant: str) -> dict | None:
+    """The row of ``variant`` on ``workload``, if it ran."""
+    return next((p for p in rows if p["workload"] == workload and p["variant"] == variant), None)
+
+
+def _outlined_variant(inlined: str) -> str:
+    """graphamp_bf16_outline for graphamp_bf16_inline: the pair that gives outlining's cost."""
+    return inlined.removesuffix("_inline") + "_outline"
+
+
 def add_ratios(rows: list[dict]) -> None:
     rows = [r for r in rows if not r.get("error")]
     for r in rows:
         if not r["variant"].startswith("graphamp"):
             continue
         dtype = _dtype_name(r["variant"])
-        base = [
-            p
-            for p in rows
-            if p["workload"] == r["workload"] and p["variant"] == _base_variant(r["variant"])
-        ]
+        base = _row(rows, r["workload"], _base_variant(r["variant"]))
         if base and r["variant"].endswith("_traced"):
-            r["tracing_cost"] = r["ms_per_step"] / base[0]["ms_per_step"]
+            r["tracing_cost"] = r["ms_per_step"] / base["ms_per_step"]
         if base and r["variant"].endswith(tuple(FP8_RECIPES)):  # fp8 over bf16, same run
-            r["fp8_speedup"] = base[0]["ms_per_step"] / r["ms_per_step"]
-        outlined = [
-            p
-            for p in rows
-            if p["workload"] == r["workload"]
-            and p["variant"] == r["variant"].replace("_inline", "_outline")
-        ]
-        if outlined and r["variant"].endswith("_inline"):  # outlined over inlined
-            r["outline_step_ratio"] = outlined[0]["ms_per_step"] / r["ms_per_step"]
-            r["outline_first_call_ratio"] = outlined[0]["first_call_s"] / r["first_call_s"]
+            r["fp8_speedup"] = base["ms_per_step"] / r["ms_per_step"]
+        if r["variant"].endswith("_inline"):  # outlined over inlined, where both ran
+            outlined = _row(rows, r["workload"], _outlined_variant(r["variant"]))
+            if outlined:
+                r["outline_step_ratio"] = outlined["ms_per_step"] / r["ms_per_step"]
+                r["outline_first_call_ratio"] = outlined["first_call_s"] / r["first_call_s"]
         peers = [
             p
             for p in rows
