@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.nn.functional as F
+from dist_worker import leave
 from test_trainer_lightning import Ours, Stock, _fit, _loader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -133,3 +134,4 @@ def _save_whole(trainer, module, rows, validated, out) -> None:
 
 if __name__ == "__main__":
     (resume if sys.argv[1].startswith("dcp-") else main)(sys.argv[1], sys.argv[2])
+    leave()  # every rank has saved: end without the interpreter's finalization (leave says why)

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import transformers
+from dist_worker import leave
 from test_trainer_transformers import GraphampTrainer, _args, _gpt2, _lm_data, _train
 
 STEPS = 6
@@ -55,3 +56,4 @@ def main(kind: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    leave()  # every rank has saved: end without the interpreter's finalization (leave says why)
