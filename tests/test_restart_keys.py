@@ -217,10 +217,31 @@ def test_kept_source_hashes_are_given_to_torch_only_while_the_files_are_unchange
     def keep(fp: str) -> None:
         values = {"torch": ["bytes", "ab" * 32], "triton": ["none", None]}
         assert step_cache.save_note(
-            "test", *source_keys._NOTE, {"fingerprint": fp, "values": values}
+            "test", *source_keys._note(), {"fingerprint": fp, "values": values}
         )
 
     keep(fingerprint)
     assert _child(env)["torch_key"] == "ab" * 32
     keep("0" * 64)  # files changed since
     assert _child(env)["torch_key"] == real["torch_key"]
+
+
+def test_another_graphamps_note_of_source_hashes_is_not_read_nor_warned_about(
+    tmp_path, monkeypatch, caplog
+):
+    """Another graphamp (an upgrade, an edited checkout) authenticates its files under its own
+    source: its note of torch's source hashes is its own, and this graphamp neither reads it
+    nor takes it for a damaged file (a warning on every run after an upgrade, until a compile
+    replaced it; at every run where no compile did)."""
+    monkeypatch.setenv("GRAPHAMP_CACHE_DIR", str(tmp_path))
+    note = {"fingerprint": "f" * 64, "values": {"torch": ["none", None]}}
+    with monkeypatch.context() as other:
+        for module in (source_keys, step_cache):
+            other.setattr(module, "graphamp_source", lambda: "another graphamp's source")
+        assert step_cache.save_note("test", *source_keys._note(), note)
+        assert source_keys._kept("test") == note  # that graphamp reads its own note
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        assert source_keys._kept("test") is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert step_cache.save_note("test", *source_keys._note(), note)
+    assert source_keys._kept("test") == note

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from . import step_cache
+from .step_key import graphamp_source
 
 log = logging.getLogger("graphamp")
 
-_NOTE = ("installed", "sources")  # (key, kind) of the note in the step cache's directory
 _MODULES = (".py", ".so", ".pyd")  # what torch_key and triton_key read as modules
 _INDUCTOR_FILES = (".cpp", ".h", ".ld")  # and besides, in inductor's folder (aoti_runtime...)
 
@@ -69,8 +69,15 @@ def keep(graph_name: str, fingerprint: str | None) -> None:
     if fingerprint is None or hashes is None:
         return
     values = {name: _encode(fn()) for name, fn in hashes.items()}
-    step_cache.save_note(graph_name, *_NOTE, {"fingerprint": fingerprint, "values": values})
+    step_cache.save_note(graph_name, *_note(), {"fingerprint": fingerprint, "values": values})
     _settled = True
+
+
+def _note() -> tuple[str, str]:
+    """(key, kind) of the note in the step cache's directory. One note per graphamp source, as
+    for the step entries: another graphamp (an upgrade, an edited checkout) authenticates
+    under its own source, so it would take this one's note for a damaged file and warn."""
+    return f"installed-{graphamp_source()[:16]}", "sources"
 
 
 def _torch_hashes() -> dict[str, Any] | None:
@@ -104,7 +111,7 @@ def _encode(value: Any) -> list:
 
 
 def _kept(graph_name: str) -> dict | None:
-    kept = step_cache.load_note(graph_name, *_NOTE)
+    kept = step_cache.load_note(graph_name, *_note())
     if kept is None or not isinstance(kept.get("values"), dict):
         return None
     return kept
