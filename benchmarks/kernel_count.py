@@ -8,11 +8,16 @@ hands the step graph to inductor twice:
   never called. Counted: kernel launch sites in the generated wrapper (Triton kernels, extern
   GEMMs, ATen fallbacks). A fallback site may launch more than one kernel on a real GPU (cuDNN
   attention, the multi-tensor unscale), and SDPA is the CPU op the capture saw, so this is a
-  structural count to compare versions, not a profiler count.
+  structural count to compare versions, not a profiler count. An outlined block's kernels are
+  counted at each call of its subgraph.
 - ``cpu``: the real inductor compile for the CPU; counted: C++ kernels and extern calls.
 
     python benchmarks/kernel_count.py --workload mlp gpt2 resnet50 --target cuda
     python benchmarks/kernel_count.py --workload mlp --target cpu
+    python benchmarks/kernel_count.py --workload gpt2-6l --variant graphamp_bf16_outline
+
+The step's blocks are outlined or inlined as the target's device would build them by default
+(CUDA: inlined); the ``_inline`` and ``_outline`` variants choose.
     PYTHONPATH=OTHER_TREE python benchmarks/kernel_count.py ...   # another version of graphamp
 
 Prints one JSON line per workload and target.
@@ -35,11 +40,12 @@ import torch.fx as fx
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from bench import FP8_VARIANTS, make_step  # noqa: E402
+from bench import FP8_VARIANTS, INLINE_VARIANTS, OUTLINE_VARIANTS, make_step  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 import graphamp  # noqa: E402
 import graphamp.pipeline.stages as stages  # noqa: E402
+from graphamp.torchkit.fxutil import graph_modules  # noqa: E402
 
 _H100 = dict(
     name="NVIDIA H100 80GB HBM3 (not present)",
@@ -116,17 +122,22 @@ def pretend_h100(sink: list[str]) -> None:
     GraphLowering.save_output_code = staticmethod(save)
 
 
-def capture_step(workload, variant: str) -> tuple[fx.GraphModule, list, dict]:
+def capture_step(workload, variant: str, target: str) -> tuple[fx.GraphModule, list, dict]:
     """graphamp's step graph for one batch, its example inputs and the first-call timings, on
-    the CPU; the compile stage is replaced by a function that keeps what it was given."""
+    the CPU; the compile stage is replaced by a function that keeps what it was given. The
+    step's blocks are outlined or inlined as ``target``'s device would have them by default
+    (CUDA inlines them), unless ``variant`` says which."""
     got: dict = {}
 
     def keep(gm, example, backend, options=None, cached=False):  # compile_step's signature
         got.update(gm=gm, example=example)
         raise _Captured()
 
-    real = stages.compile_step
+    real, real_default = stages.compile_step, stages.outlined_by_default
     stages.compile_step = keep
+    stages.outlined_by_default = lambda device, grad_acc_steps: real_default(
+        torch.device(target), grad_acc_steps
+    )
     try:
         model = workload.make_model()
         g = make_step(variant, workload, model, torch.device("cpu"), "inductor")
@@ -137,7 +148,7 @@ def capture_step(workload, variant: str) -> tuple[fx.GraphModule, list, dict]:
             pass
         got["capture_and_assemble_s"] = time.perf_counter() - start
     finally:
-        stages.compile_step = real
+        stages.compile_step, stages.outlined_by_default = real, real_default
     return got["gm"], got["example"], got
 
 
@@ -147,7 +158,7 @@ def subgraph_counts(gm: fx.GraphModule) -> dict[str, int]:
 
 
 def cuda_code(gm: fx.GraphModule, example: list) -> str:
-    """Inductor's CUDA code for ``gm`` (decomposed on CPU fakes, then moved to cuda:0)."""
+    """Inductor's CUDA code for ``gm``, moved to cuda:0 and decomposed on its fakes."""
     from torch._decomp import decomposition_table
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
@@ -161,21 +172,20 @@ def cuda_code(gm: fx.GraphModule, example: list) -> str:
     # decomposed here: inductor's fallback for them would run a real CUDA op
     for op in (aten._unsafe_masked_index_put_accumulate.default, aten._unsafe_masked_index.default):
         table[op] = decomposition_table[op]
-    cpu_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with cpu_mode:
-        fakes = [cpu_mode.from_tensor(t, static_shapes=True) for t in example]
-        gm = make_fx(gm, decomposition_table=table)(*fakes)
     device = torch.device("cuda", 0)
     on_cuda = lambda a: device if isinstance(a, torch.device) and a.type == "cpu" else a  # noqa: E731
-    for n in gm.graph.nodes:
-        n.args, n.kwargs = (
-            fx.node.map_aggregate(n.args, on_cuda),
-            fx.node.map_aggregate(n.kwargs, on_cuda),
-        )
-    gm.recompile()
-    mode = FakeTensorMode()
+    for module in graph_modules(gm):  # an outlined step's subgraphs name the device too
+        for n in module.graph.nodes:
+            n.args, n.kwargs = (
+                fx.node.map_aggregate(n.args, on_cuda),
+                fx.node.map_aggregate(n.kwargs, on_cuda),
+            )
+        module.recompile()
+    # one fake mode for the trace and the compile: an outlined step's subgraphs hold its fakes
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         fakes = [mode.from_tensor(t, static_shapes=True).to(device) for t in example]
+        gm = make_fx(gm, decomposition_table=table)(*fakes)
         try:
             compile_fx_inner(gm, fakes)
         except Exception:  # _Generated, wrapped by inductor
@@ -199,20 +209,52 @@ def cpu_code(gm: fx.GraphModule, example: list) -> str:
     return sink[-1]
 
 
-def launches(code: str) -> dict[str, int]:
-    """Kernel launch sites in the wrapper's ``call``: Triton/C++ kernels, extern GEMMs, ATen."""
-    body = code[code.index("def call(") :]
-    body = "\n".join(
-        line for line in body.splitlines() if not line.strip().startswith(("assert_", "#"))
+def _sites(text: str) -> collections.Counter:
+    """Kernel launch sites written in ``text``: Triton/C++ kernels, extern GEMMs, ATen."""
+    text = "\n".join(
+        line for line in text.splitlines() if not line.strip().startswith(("assert_", "#"))
     )
-    out = {
-        "triton": len(re.findall(r"\btriton_\w+\.run\(", body)),
-        "cpp": len(re.findall(r"^\s*cpp_fused_\w+\(", body, flags=re.M)),
-        "extern": len(re.findall(r"\bextern_kernels\.\w+\(", body)),
-        "aten": len(re.findall(r"torch\.ops\.aten\.\w+\.\w+\(", body)),
-    }
+    return collections.Counter(
+        triton=len(re.findall(r"\btriton_\w+\.run\(", text)),
+        cpp=len(re.findall(r"^\s*cpp_fused_\w+\(", text, flags=re.M)),
+        extern=len(re.findall(r"\bextern_kernels\.\w+\(", text)),
+        aten=len(re.findall(r"torch\.ops\.aten\.\w+\.\w+\(", text)),
+        combo_kernels=len(re.findall(r"\btriton_for_\w+\.run\(", text)),
+    )
+
+
+def _subgraph_bodies(code: str) -> dict[str, str]:
+    """The wrapper's top-level ``def NAME(args):`` functions (an outlined block's subgraph,
+    one per call site), by name."""
+    bodies: dict[str, list[str]] = {}
+    current = None
+    for line in code.splitlines():
+        match = re.match(r"def (\w+)\(args\):$", line)
+        if match:
+            current = bodies.setdefault(match.group(1), [])
+        elif current is not None and line and not line[0].isspace():
+            current = None
+        elif current is not None:
+            current.append(line)
+    return {name: "\n".join(lines) for name, lines in bodies.items()}
+
+
+def launches(code: str) -> dict[str, int]:
+    """Kernel launches of one run of the wrapper's ``call``: its own sites and, for each call of
+    a subgraph function (an outlined block), that function's."""
+    bodies = _subgraph_bodies(code)
+
+    def run(text: str) -> collections.Counter:
+        counts = _sites(text)
+        for name, body in bodies.items():
+            for _ in re.findall(rf"\b{name}\(", text):
+                counts += run(body)
+        return counts
+
+    counts = run(code[code.index("def call(") :])
+    out = {kind: counts[kind] for kind in ("triton", "cpp", "extern", "aten")}
     out["total"] = sum(out.values())
-    out["combo_kernels"] = len(re.findall(r"\btriton_for_\w+\.run\(", body))
+    out["combo_kernels"] = counts["combo_kernels"]
     return out
 
 
@@ -224,7 +266,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--variant",
         default="graphamp_fp16",
-        choices=["graphamp_fp16", "graphamp_bf16", *FP8_VARIANTS],
+        choices=[
+            "graphamp_fp16",
+            "graphamp_bf16",
+            *INLINE_VARIANTS,
+            *OUTLINE_VARIANTS,
+            *FP8_VARIANTS,
+        ],
     )
     parser.add_argument("--target", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--save-code", default=None, help="folder for the generated code")
@@ -236,13 +284,16 @@ def main(argv=None) -> list[dict]:
     rows = []
     for name in args.workload:
         workload = WORKLOADS[name](torch.device("cpu"), smoke=args.smoke, n_batches=1)
-        gm, example, got = capture_step(workload, args.variant)
+        gm, example, got = capture_step(workload, args.variant, args.target)
         row = {
             "workload": workload.name,
             "variant": args.variant,
             "target": args.target,
             "step_nodes": len(gm.graph.nodes),
             "by_subgraph": subgraph_counts(gm),
+            "outlined_calls": sum(
+                n.target is torch.ops.higher_order.invoke_subgraph for n in gm.graph.nodes
+            ),
             "capture_and_assemble_s": round(got["capture_and_assemble_s"], 2),
         }
         start = time.perf_counter()

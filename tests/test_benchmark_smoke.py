@@ -100,3 +100,29 @@ def test_forensics_cost_script_runs_on_the_cpu(tmp_path):
     assert (
         "| gpt | aot_eager |" in table and "Command: `python benchmarks/forensics_cost.py" in table
     )
+
+
+@pytest.mark.slow
+def test_kernel_count_counts_the_launches_inside_an_outlined_steps_subgraphs():
+    """kernel_count.py's CUDA target on the smoke GPT (2 blocks): the default variant is the
+    step CUDA builds (inlined), and the outlined step's launches include those of each call of
+    a block's subgraph, so both count the same GEMMs. It runs in its own process: it answers
+    torch's CUDA queries as an H100 would."""
+    import subprocess
+
+    script = os.path.join(ROOT, "benchmarks", "kernel_count.py")
+    rows = {}
+    for variant in ("graphamp_bf16", "graphamp_bf16_outline"):
+        done = subprocess.run(
+            [sys.executable, script, "--smoke", "--workload", "gpt2", "--target", "cuda"]
+            + ["--variant", variant],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+    inlined, outlined = rows["graphamp_bf16"], rows["graphamp_bf16_outline"]
+    assert inlined["outlined_calls"] == 0 and outlined["outlined_calls"] == 4  # 2 forward, 2 back
+    assert outlined["launches"]["extern"] == inlined["launches"]["extern"] > 0
+    assert outlined["launches"]["triton"] >= inlined["launches"]["triton"] > 0
