@@ -22,8 +22,9 @@ and backward once. The step stays one graph and one program.
 - Regions whose subgraph code and input metadata are equal share one subgraph; a region with no
   equal is left inline, and so is one that is not contiguous in the step's order.
 - No output of a subgraph shares memory with its inputs or its other outputs (invoke_subgraph's
-  contract, which inductor's buffer reuse relies on): outputs that are views are rebuilt
-  outside the call from their source, and anything still shared is returned as a copy.
+  contract, which inductor's buffer reuse relies on): outputs that are views (q, k and v
+  split from one projection too) are rebuilt outside the call from their source, and
+  anything still shared is returned as a copy.
 
 Every precision decision was made before (the regions are copied node for node, metadata kept),
 so the precision report is the same.
@@ -260,21 +261,44 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> _Extracted:
 
 
 def _view_chain(node: fx.Node, inside: set[fx.Node]) -> tuple[fx.Node, list[fx.Node]]:
-    """(source, [views from the source out to ``node``]): the region's single-tensor view ops
-    leading to ``node`` whose other arguments come from outside the region."""
+    """(source, [views from the source out to ``node``]): the region's view ops leading to
+    ``node`` whose other arguments come from outside the region."""
     chain: list[fx.Node] = []
-    while (
+    while step := _view_step(node, inside):
+        chain += step
+        node = _view_source(step[-1])
+    return node, chain[::-1]
+
+
+def _view_step(node: fx.Node, inside: set[fx.Node]) -> list[fx.Node]:
+    """The nodes of the one view ending in ``node``, last first: a view op, or an element of a
+    view op's list of views (q, k and v split from one projection); [] where it is none."""
+    if node.target is operator.getitem and node in inside and isinstance(node.args[1], int):
+        views = node.args[0]
+        if isinstance(views, fx.Node) and _view_op(views, inside, (list, tuple)):
+            return [node, views]
+        return []
+    return [node] if _view_op(node, inside, torch.Tensor) else []
+
+
+def _view_op(node: fx.Node, inside: set[fx.Node], returns: type | tuple[type, ...]) -> bool:
+    """``node`` is a region op that returns views (of type ``returns``) of its first argument,
+    with its other arguments from outside the region."""
+    return (
         node in inside
         and isinstance(node.target, torch._ops.OpOverload)
         and node.target.is_view
-        and isinstance(node.meta.get("val"), torch.Tensor)
-        and node.args
+        and isinstance(node.meta.get("val"), returns)
+        and bool(node.args)
         and isinstance(node.args[0], fx.Node)
         and not any(a in inside for a in node.all_input_nodes if a is not node.args[0])
-    ):
-        chain.append(node)
-        node = node.args[0]
-    return node, chain[::-1]
+    )
+
+
+def _view_source(view: fx.Node) -> fx.Node:
+    source = view.args[0]
+    assert isinstance(source, fx.Node)  # _view_op checked it
+    return source
 
 
 def _storage(node: fx.Node) -> StorageWeakRef | None:
