@@ -15,12 +15,11 @@ hands the step graph to inductor twice:
     python benchmarks/kernel_count.py --workload mlp gpt2 resnet50 --target cuda
     python benchmarks/kernel_count.py --workload mlp --target cpu
     python benchmarks/kernel_count.py --workload gpt2-6l --variant graphamp_bf16_outline
-
-The step's blocks are outlined or inlined as the target's device would build them by default
-(CUDA: inlined); the ``_inline`` and ``_outline`` variants choose.
     PYTHONPATH=OTHER_TREE python benchmarks/kernel_count.py ...   # another version of graphamp
 
-Prints one JSON line per workload and target.
+The step's blocks are outlined or inlined as the target's device would build them by default
+(CUDA: inlined); the ``_inline`` and ``_outline`` variants choose. Prints one JSON line per
+workload and target.
 """
 
 from __future__ import annotations
