@@ -265,40 +265,41 @@ def _view_chain(node: fx.Node, inside: set[fx.Node]) -> tuple[fx.Node, list[fx.N
     ``node`` whose other arguments come from outside the region."""
     chain: list[fx.Node] = []
     while step := _view_step(node, inside):
-        chain += step
-        node = _view_source(step[-1])
+        views, node = step
+        chain += views
     return node, chain[::-1]
 
 
-def _view_step(node: fx.Node, inside: set[fx.Node]) -> list[fx.Node]:
-    """The nodes of the one view ending in ``node``, last first: a view op, or an element of a
-    view op's list of views (q, k and v split from one projection); [] where it is none."""
+def _view_step(node: fx.Node, inside: set[fx.Node]) -> tuple[list[fx.Node], fx.Node] | None:
+    """(the nodes of the one view ending in ``node``, last first; the value it views): a view
+    op, or an element of a view op's list of views (q, k and v split from one projection);
+    None where ``node`` is no such view."""
     if node.target is operator.getitem and node in inside and isinstance(node.args[1], int):
         views = node.args[0]
-        if isinstance(views, fx.Node) and _view_op(views, inside, (list, tuple)):
-            return [node, views]
-        return []
-    return [node] if _view_op(node, inside, torch.Tensor) else []
+        if not isinstance(views, fx.Node):
+            return None
+        source = _viewed(views, inside, (list, tuple))
+        return ([node, views], source) if source is not None else None
+    source = _viewed(node, inside, torch.Tensor)
+    return ([node], source) if source is not None else None
 
 
-def _view_op(node: fx.Node, inside: set[fx.Node], returns: type | tuple[type, ...]) -> bool:
-    """``node`` is a region op that returns views (of type ``returns``) of its first argument,
-    with its other arguments from outside the region."""
-    return (
+def _viewed(
+    node: fx.Node, inside: set[fx.Node], returns: type | tuple[type, ...]
+) -> fx.Node | None:
+    """The value ``node`` views, where it is a region op returning views (of type ``returns``)
+    of its first argument with its other arguments from outside the region; else None."""
+    source = node.args[0] if node.args else None
+    if (
         node in inside
         and isinstance(node.target, torch._ops.OpOverload)
         and node.target.is_view
         and isinstance(node.meta.get("val"), returns)
-        and bool(node.args)
-        and isinstance(node.args[0], fx.Node)
-        and not any(a in inside for a in node.all_input_nodes if a is not node.args[0])
-    )
-
-
-def _view_source(view: fx.Node) -> fx.Node:
-    source = view.args[0]
-    assert isinstance(source, fx.Node)  # _view_op checked it
-    return source
+        and isinstance(source, fx.Node)
+        and not any(a in inside for a in node.all_input_nodes if a is not source)
+    ):
+        return source
+    return None
 
 
 def _storage(node: fx.Node) -> StorageWeakRef | None:
