@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import threading
+import time
 
 import models
 import pytest
@@ -517,6 +518,59 @@ def test_stale_temporary_files_are_removed_and_fresh_ones_kept():
     step_cache._opened.clear()  # as a new process opens the directory
     _train(_mlp, _mlp_batches(1))
     assert not os.path.exists(stale) and os.path.exists(fresh)
+
+
+def _age(path: str, days: float) -> None:
+    """Make ``path`` look last used ``days`` ago."""
+    then = time.time() - days * 86400
+    os.utime(path, (then, then))
+
+
+def test_entries_unused_for_30_days_are_removed_and_used_ones_kept(caplog):
+    g, *_ = _train(_mlp, _mlp_batches(1))
+    folder = step_cache.directory()
+    (used,) = _entries()
+    other = [os.path.join(folder, "0" * 64 + ".step"), os.path.join(folder, "0" * 64 + ".aot")]
+    for path in other:  # another graphamp's or another model's: never read again
+        with open(path, "wb") as f:
+            f.write(b"x" * 1000)
+    young = os.path.join(folder, "1" * 64 + ".step")
+    with open(young, "wb") as f:
+        f.write(b"y")
+    for path in [used, *other]:
+        _age(path, 31)
+    _age(young, 29)
+    step_cache._opened.clear()  # as a new process opens the directory
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        g2, *_ = _train(_mlp, _mlp_batches(1))
+    # the old entry this build reads was removed first, so the step is assembled again
+    assert not _loaded(g2)
+    assert not any(os.path.exists(p) for p in other)
+    assert os.path.exists(young) and os.path.exists(used)  # saved again
+    assert "removed 3 entries and notes not used for 30 days" in caplog.text
+
+
+def test_reading_an_entry_marks_it_used(monkeypatch):
+    _train(_mlp, _mlp_batches(1))
+    (entry,) = _entries()
+    _age(entry, 20)
+    g, *_ = _train(_mlp, _mlp_batches(1))
+    assert _loaded(g)
+    assert time.time() - os.path.getmtime(entry) < 3600  # read now: kept 30 more days
+    # GRAPHAMP_CACHE_DAYS shortens the wait: 10 days unused is now too long
+    _age(entry, 11)
+    monkeypatch.setenv("GRAPHAMP_CACHE_DAYS", "10")
+    step_cache._opened.clear()
+    g, *_ = _train(_mlp, _mlp_batches(1))
+    assert not _loaded(g)
+
+
+@pytest.mark.parametrize("text", ["soon", "0", "-3", "nan"])
+def test_a_bad_number_of_days_warns_and_keeps_the_default(monkeypatch, caplog, text):
+    monkeypatch.setenv("GRAPHAMP_CACHE_DAYS", text)
+    with caplog.at_level(logging.WARNING, logger="graphamp"):
+        assert step_cache._unused_days() == 30
+    assert "not a positive number of days" in caplog.text
 
 
 # -- not cached --------------------------------------------------------------------------------------

@@ -35,6 +35,11 @@ the secret are checked to be owned by the user, not symbolic links, and writable
 Entries are written to a temporary file, flushed to disk and renamed into place, so two
 processes saving one entry at once leave one whole entry and a reader never sees half of one;
 temporary files a killed process left for over an hour are removed.
+
+Size. Every graphamp source, torch build and model change keys new entries, and the old ones
+are never read again: when a process first opens the directory it removes the entries and notes
+not read for 30 days (``GRAPHAMP_CACHE_DAYS`` to change; reading one marks it used), logged at
+INFO. A removed entry is a rebuild, never a wrong step.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ log = logging.getLogger("graphamp")
 _MAGIC = b"graphamp-step-cache 2\n"
 _DIGEST = 32  # bytes of HMAC-SHA256
 _STALE_TMP_S = 3600  # a temporary file older than this was left by a killed writer
+_UNUSED_DAYS = 30.0  # an entry or note not read for longer is removed (GRAPHAMP_CACHE_DAYS)
 _REBUILD = "assembling the step again and replacing it"  # what follows a refused entry
 
 
@@ -193,6 +199,7 @@ def _authenticated_payload(
             then,
         )
         return None
+    _mark_used(path)
     return payload
 
 
@@ -318,6 +325,7 @@ def _open_directory(top: str) -> bytes:
     for folder in (os.path.dirname(top), top, os.path.join(top, "steps")):
         private_directory(folder)
     _remove_stale_temporaries(os.path.join(top, "steps"))
+    _remove_unused(os.path.join(top, "steps"))
     path = os.path.join(top, "secret")
     if not os.path.lexists(path):
         _write_secret(top, path)
@@ -387,6 +395,57 @@ def _remove_stale_temporaries(folder: str) -> None:
                     os.unlink(path)
             except OSError:
                 pass  # another process removed or renamed it
+
+
+def _mark_used(path: str) -> None:
+    """An entry or note just read: its modification time is now, so it is kept (``_remove_unused``)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # a read-only cache keeps its entries as they are
+
+
+def _remove_unused(folder: str) -> None:
+    """Remove the entries and notes in ``folder`` not read for ``GRAPHAMP_CACHE_DAYS`` days."""
+    days = _unused_days()
+    cutoff, removed, freed = time.time() - days * 86400, 0, 0
+    for name in os.listdir(folder):
+        if name.startswith("."):  # temporaries: _remove_stale_temporaries
+            continue
+        path = os.path.join(folder, name)
+        try:
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
+                os.unlink(path)
+                removed, freed = removed + 1, freed + info.st_size
+        except OSError:
+            pass  # another process removed it, or read it since
+    if removed:
+        log.info(
+            "step cache: removed %d entries and notes not used for %g days (%.1f MB) from %s",
+            removed,
+            days,
+            freed / 1e6,
+            folder,
+        )
+
+
+def _unused_days() -> float:
+    text = os.environ.get("GRAPHAMP_CACHE_DAYS")
+    if text is None:
+        return _UNUSED_DAYS
+    try:
+        days = float(text)
+    except ValueError:
+        days = -1.0
+    if not days > 0:  # NaN too
+        log.warning(
+            "GRAPHAMP_CACHE_DAYS=%r is not a positive number of days; using %g",
+            text,
+            _UNUSED_DAYS,
+        )
+        return _UNUSED_DAYS
+    return days
 
 
 # -- traced values, stored compactly ----------------------------------------------------------------
