@@ -19,7 +19,9 @@ from helpers import assert_bitwise, make_graph
 from models import TinyGPT, lm_loss
 
 import graphamp
-from graphamp.step.block_update import block_of, spec_text
+from graphamp.step import block_update
+from graphamp.step.block_update import block_of, numbered_blocks, spec_text
+from graphamp.step.update_math import GroupTensors
 
 UPDATE_BLOCK = torch.ops.graphamp.update_block_.default
 
@@ -114,6 +116,34 @@ def test_block_of_names_the_outermost_numbered_module():
     assert block_of("blocks.2.mlp.0.weight") == ("blocks.2", "mlp.0.weight")
     assert block_of("wte.weight") is None
     assert block_of("0.weight") is None  # a Sequential's own layers: no parent, no block
+    # torchvision's ViT names its layers; ln_1 is a layer of one, not a block
+    vit = "encoder.layers.encoder_layer_3.ln_1.weight"
+    assert block_of(vit) == ("encoder.layers.encoder_layer_3", "ln_1.weight")
+    assert numbered_blocks("encoder.layers.encoder_layer_3.mlp.0.weight") == [
+        ("encoder.layers.encoder_layer_3", "mlp.0.weight"),
+        ("encoder.layers.encoder_layer_3.mlp.0", "weight"),
+    ]
+
+
+def test_blocks_inside_stages_without_an_equal_get_the_calls(monkeypatch):
+    """Stages of different widths have no equal; the blocks inside each do, as outlining
+    finds them. Where some outer block has an equal, nothing inside the others is taken."""
+    calls = []
+    monkeypatch.setattr(block_update, "_call", lambda *args: calls.append(args[-1]))
+
+    def left(names, widths):
+        params = [torch.zeros(w) for w in widths]
+        t = GroupTensors(params, params, {}, {})
+        return block_update.update_repeated_blocks("sgd", {}, [], [], t, None, None, names)
+
+    staged = [f"stages.{s}.blocks.{b}.w" for s in range(2) for b in range(2)] + ["head.w"]
+    assert left(staged, [4, 4, 8, 8, 2]) == [4]
+    assert calls == [[0], [1], [2], [3]]
+    calls.clear()
+    # layers.0 and layers.1 are equal, layers.2 is not: its inner run stays inline
+    flat = ["layers.0.w", "layers.1.w", "layers.2.mlp.0.w", "layers.2.mlp.1.w"]
+    assert left(flat, [4, 4, 4, 4]) == [2, 3]
+    assert calls == [[0], [1]]
 
 
 def test_each_block_is_one_call_of_one_kernel_and_bitwise_the_inlined_update(caplog):

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..torchkit.backends import call_backend
 from ..torchkit.fxutil import trace_functional
+from .outline import numbered
 from .update_math import GroupTensors, write_masked
 
 # Defined on torch's dispatcher directly, not with ``torch.library.custom_op``: that wraps every
@@ -158,13 +159,23 @@ def _kernel(spec: _Spec, flat: list[Tensor], cached: bool = False) -> Callable[.
 
 def block_of(name: str) -> tuple[str, str] | None:
     """(block, name inside it) of a parameter's qualified name: the block is the path up to its
-    outermost numbered module (``h.3`` of ``transformer.h.3.attn.c_attn.weight``), as outlining
-    finds blocks (``outline.find_blocks``); None outside any."""
+    outermost numbered module (``h.3`` of ``transformer.h.3.attn.c_attn.weight``); None outside
+    any."""
+    found = numbered_blocks(name)
+    return found[0] if found else None
+
+
+def numbered_blocks(name: str) -> list[tuple[str, str]]:
+    """(block, name inside it) for each numbered module on a parameter's path, outermost first,
+    numbered as outlining numbers blocks (``outline.numbered``: ``3``, ``encoder_layer_3``)."""
     parts = name.split(".")
+    found = []
     for k, part in enumerate(parts[:-1]):
-        if k > 0 and part.isdigit():
-            return ".".join(parts[: k + 1]), ".".join(parts[k + 1 :])
-    return None
+        stem = numbered(part)
+        # a named run holds modules of its own: not ln_1, the owner of ln_1.weight
+        if k > 0 and stem is not None and (stem == "" or k < len(parts) - 2):
+            found.append((".".join(parts[: k + 1]), ".".join(parts[k + 1 :])))
+    return found
 
 
 def update_repeated_blocks(
@@ -178,27 +189,28 @@ def update_repeated_blocks(
     names: list[str],
 ) -> list[int]:
     """One ``update_block_`` call per block of the group (``names``: its parameters') that has
-    an equal in the group (the same parameter names inside it, sizes and dtypes); returns the
-    positions left to the inline update."""
-    blocks: dict[str, list[int]] = {}
-    inside: dict[int, str] = {}
-    for j, name in enumerate(names):
-        where = block_of(name)
-        if where is not None:
-            blocks.setdefault(where[0], []).append(j)
-            inside[j] = where[1]
-    equal: dict[tuple, list[list[int]]] = {}
-    for members in blocks.values():
-        p = tensors.params
-        key = tuple((inside[j], str(p[j].shape), p[j].dtype, p[j].device) for j in members)
-        equal.setdefault(key, []).append(members)
-    done: set[int] = set()
-    for instances in equal.values():
-        if len(instances) < 2:
-            continue
-        for members in instances:
-            _call(kind, flags, state_keys, hyper_names, tensors, fresh, skip, members)
-            done.update(members)
+    an equal in the group (the same parameter names inside it, sizes and dtypes). The blocks
+    are the outermost numbered modules; where none has an equal, the next numbered ones inside
+    them, as outlining chooses. Returns the positions left to the inline update."""
+    found = [numbered_blocks(name) for name in names]
+    p, done = tensors.params, set()
+    for depth in range(max(map(len, found), default=0)):
+        blocks: dict[str, list[int]] = {}
+        for j, chain in enumerate(found):
+            if depth < len(chain):
+                blocks.setdefault(chain[depth][0], []).append(j)
+        equal: dict[tuple, list[list[int]]] = {}
+        for members in blocks.values():
+            key = tuple(
+                (found[j][depth][1], str(p[j].shape), p[j].dtype, p[j].device) for j in members
+            )
+            equal.setdefault(key, []).append(members)
+        for instances in equal.values():
+            for members in instances if len(instances) > 1 else ():
+                _call(kind, flags, state_keys, hyper_names, tensors, fresh, skip, members)
+                done.update(members)
+        if done:
+            break
     return [j for j in range(len(names)) if j not in done]
 
 

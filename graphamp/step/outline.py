@@ -4,9 +4,13 @@ forward and backward regions of N identical blocks become calls of one shared su
 (``torch.ops.higher_order.invoke_subgraph``), so inductor compiles each distinct block's forward
 and backward once. The step stays one graph and one program.
 
-- Blocks are found automatically: the module paths ``parent.<index>`` of a ModuleList or
-  Sequential with at least two children that produced forward nodes (``model.h.3``,
-  ``model.layer1.0``); the outermost such paths.
+- Blocks are found automatically: the module paths of a run of numbered siblings that
+  produced forward nodes, at least two under one parent: a ModuleList's or Sequential's
+  ``parent.<index>`` (``model.h.3``, ``model.layer1.0``) or ``parent.<name>_<index>``
+  (torchvision's ViT: ``encoder.layers.encoder_layer_3``; a named run must hold modules of
+  its own: ``ln_1`` and ``ln_2`` are two layers, not blocks). The outermost such paths, of
+  which those whose forward has an equal are outlined; where none has (a network's stages of
+  different widths, each a run of blocks), the outermost runs inside them, and so on down.
 - A block's forward region is its nodes by module path (one region per micro-batch under
   gradient accumulation); its backward region the backward nodes
   whose autograd ``seq_nr`` is one of its forward ops' (assembly records it when asked:
@@ -126,20 +130,48 @@ def _repeated_forwards(gm: fx.GraphModule, regions: dict[Region, list[fx.Node]])
 
 
 def find_blocks(gm: fx.GraphModule) -> list[str]:
-    """The outermost module paths ``parent.<index>`` whose parent has two or more of them."""
-    return _outer_blocks(module_path(n) for n in gm.graph.nodes)
+    """The blocks to outline (module paths): the outermost runs of numbered siblings whose
+    forwards have equals, else the outermost inside them (see the module docstring)."""
+    candidates = _candidates([module_path(n) for n in gm.graph.nodes])
+    level = _outermost(candidates)
+    while len(level) > 1:
+        # equal to another block, not only to itself in another micro-batch
+        regions = {k: v for k, v in block_regions(gm, level).items() if "@" not in k[1]}
+        repeated = _repeated_forwards(gm, regions)
+        if repeated:
+            return [b for b in level if b in repeated]
+        inside = tuple(b + "." for b in level)
+        level = _outermost([c for c in candidates if c.startswith(inside)])
+    return []
 
 
-def _outer_blocks(paths) -> list[str]:
-    children: dict[str, set[str]] = {}
+def numbered(part: str) -> str | None:
+    """The name a run of numbered sibling modules shares: ``""`` for an index (``3``, a
+    ModuleList's or Sequential's child), ``"encoder_layer_"`` for ``encoder_layer_3``; None for
+    a name that is not numbered (``layer1`` and ``conv2`` are names, not positions)."""
+    stem = part.rstrip("0123456789")
+    if stem == part or (stem and not stem.endswith("_")):
+        return None
+    return stem
+
+
+def _candidates(paths: list[str]) -> list[str]:
+    """Every module path that is one of two or more numbered siblings of one name (a named one
+    holding modules of its own), sorted."""
+    runs: dict[tuple[str, str], set[str]] = {}
     for path in paths:
         parts = path.split(".")
         for i, part in enumerate(parts):
-            if part.isdigit() and i > 0:
-                children.setdefault(".".join(parts[:i]), set()).add(".".join(parts[: i + 1]))
-    candidates = sorted(p for kids in children.values() if len(kids) > 1 for p in kids)
+            stem = numbered(part)
+            if stem is not None and i > 0 and (stem == "" or i < len(parts) - 1):
+                parent = ".".join(parts[:i])
+                runs.setdefault((parent, stem), set()).add(".".join(parts[: i + 1]))
+    return sorted(p for kids in runs.values() if len(kids) > 1 for p in kids)
+
+
+def _outermost(candidates: list[str]) -> list[str]:
     outer: list[str] = []
-    for path in candidates:  # sorted: a parent path comes before the paths inside it
+    for path in sorted(candidates):  # a parent path comes before the paths inside it
         if not any(path.startswith(o + ".") for o in outer):
             outer.append(path)
     return outer
