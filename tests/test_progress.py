@@ -75,9 +75,10 @@ def test_each_stage_logs_one_info_line_with_its_node_counts(caplog):
     assert re.fullmatch(r"\d+ nodes", lines["capture"])
     assert lines["amp_passes"] == f"{step.forward_nodes} nodes, {casts} casts"
     assert lines["assemble"] == f"{step.step_nodes} nodes"
-    # on by default; no two of this Sequential's children are equal: the step is unchanged
+    # on by default; no two of this Sequential's children are equal: no blocks, the step is
+    # unchanged
     assert lines["outline"] == (
-        f"{step.step_nodes} nodes, 3 blocks, 0 distinct regions, 0 regions outlined"
+        f"{step.step_nodes} nodes, 0 blocks, 0 distinct regions, 0 regions outlined"
     )
     assert lines["compile"] == f"{step.step_nodes} nodes, aot_eager"
     assert re.fullmatch(r"miss \([0-9a-f]{12}\)", lines["step_cache"])
