@@ -18,8 +18,9 @@ step with its own multi-tensor update instead of the inlined one: the update's c
 process (results in outline_cost_fused_cpu.*).
 
 Workloads: transformers' GPT-2 (6 layers, n_embd 128, 4 heads, T 64, batch 8, GPT-2's vocabulary
-of 50257, AdamW), the project's GPT (benchmarks/workloads.GPT, the same sizes), ViT-Ti/16 (timm, else torchvision's
-ViT of the same dimensions; batch 4, AdamW) and torchvision's ResNet-18 (batch 8, 64x64, SGD
+of 50257, AdamW), the project's GPT (benchmarks/workloads.GPT, the same sizes), ViT-Ti/16
+(torchvision's VisionTransformer with ViT-Ti's dimensions, whose layers are named
+``encoder_layer_<i>``; batch 4, AdamW) and torchvision's ResNet-18 (batch 8, 64x64, SGD
 momentum). Results: benchmarks/results/outline_cost_cpu.{json,md} (``--out`` to change).
 """
 
