@@ -181,7 +181,7 @@ def _calls(g) -> list[str]:
         ("tv_vit", 4, 2),
         # no stage has an equal; each stage's two blocks do: 2 of each width, forward and
         # backward
-        ("stages", 8, 4),
+        pytest.param("stages", 8, 4, marks=pytest.mark.slow),
         # layer1.0 and layer1.1 are the only equal blocks (the others differ in width or
         # have a downsample)
         pytest.param("resnet18", 4, 2, marks=pytest.mark.slow),
