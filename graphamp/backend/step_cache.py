@@ -398,7 +398,8 @@ def _remove_stale_temporaries(folder: str) -> None:
 
 
 def _mark_used(path: str) -> None:
-    """An entry or note just read: its modification time is now, so it is kept (``_remove_unused``)."""
+    """An entry or note just read: its modification time is now, so ``_remove_unused`` keeps
+    it."""
     try:
         os.utime(path)
     except OSError:
