@@ -175,9 +175,9 @@ def _calls(g) -> list[str]:
         # backward region came out unlike the others: 5 calls)
         pytest.param("block_stack", 6, 2, marks=pytest.mark.slow),
         ("hf_gpt2", 6, 2),
-        # encoder_layer_1 and _2, not each layer's mlp.0 and mlp.3 (12 calls, 4 distinct);
-        # encoder_layer_0 reads its input in another layout (a contiguous sum, where the others
-        # read attention's transposed output), so it has no equal and stays inline
+        # encoder_layer_1 and _2, not the layers' MLP Linears mlp.0 and mlp.3 (before: 18
+        # calls, 6 distinct); encoder_layer_0 reads its input in another layout (a contiguous
+        # sum, where the others read attention's transposed output): no equal, left inline
         ("tv_vit", 4, 2),
         # no stage has an equal; each stage's two blocks do: 2 of each width, forward and
         # backward
