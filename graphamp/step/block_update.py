@@ -40,7 +40,7 @@ from torch import Tensor
 
 from ..torchkit.backends import call_backend
 from ..torchkit.fxutil import trace_functional
-from .outline import numbered
+from .outline import numbered_on
 from .update_math import GroupTensors, write_masked
 
 # Defined on torch's dispatcher directly, not with ``torch.library.custom_op``: that wraps every
@@ -167,15 +167,11 @@ def block_of(name: str) -> tuple[str, str] | None:
 
 def numbered_blocks(name: str) -> list[tuple[str, str]]:
     """(block, name inside it) for each numbered module on a parameter's path, outermost first,
-    numbered as outlining numbers blocks (``outline.numbered``: ``3``, ``encoder_layer_3``)."""
+    numbered as outlining numbers blocks (``outline.numbered_on``: ``3``, ``encoder_layer_3``)."""
     parts = name.split(".")
-    found = []
-    for k, part in enumerate(parts[:-1]):
-        stem = numbered(part)
-        # a named run holds modules of its own: not ln_1, the owner of ln_1.weight
-        if k > 0 and stem is not None and (stem == "" or k < len(parts) - 2):
-            found.append((".".join(parts[: k + 1]), ".".join(parts[k + 1 :])))
-    return found
+    return [
+        (".".join(parts[: k + 1]), ".".join(parts[k + 1 :])) for k, _ in numbered_on(parts[:-1])
+    ]
 
 
 def update_repeated_blocks(

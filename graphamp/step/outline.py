@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -65,12 +66,13 @@ class OutlineResult:
 def outline_blocks(gm: fx.GraphModule) -> OutlineResult:
     """Outline ``gm``'s repeated block regions in place (see the module docstring)."""
     _share_getitems(gm)
-    blocks = find_blocks(gm)
+    blocks, signatures = find_blocks(gm)
     result = OutlineResult(blocks=len(blocks))
     if len(blocks) < 2:
         return result
     regions = block_regions(gm, blocks)
-    repeated = _repeated_forwards(gm, regions)  # a block without an equal stays inline as it is
+    # a block without an equal (here: in another micro-batch too) stays inline as it is
+    repeated = _with_equal(_forward_signatures(gm, regions, signatures))
     result.saves = recompute_cheap_saves(
         gm, {key: nodes for key, nodes in regions.items() if key[1] in repeated}
     )
@@ -119,30 +121,44 @@ def _share_getitems(gm: fx.GraphModule) -> None:
             first[key] = node
 
 
-def _repeated_forwards(gm: fx.GraphModule, regions: dict[Region, list[fx.Node]]) -> set[str]:
-    """The blocks whose forward region has an equal (the same subgraph code and inputs)."""
-    by_signature: dict[str, list[str]] = {}
+def _forward_signatures(
+    gm: fx.GraphModule, regions: dict[Region, list[fx.Node]], known: dict[str, str]
+) -> dict[str, str]:
+    """{block: its forward region's signature (subgraph code and inputs)}, taken from
+    ``known`` where it has the block."""
+    signatures: dict[str, str] = {}
     for (kind, block), nodes in regions.items():
-        if kind == "fw":
+        if kind == "fw" and block in known:
+            signatures[block] = known[block]
+        elif kind == "fw":
             ex = _extract(gm, nodes)
-            by_signature.setdefault(_signature(ex.sub, ex.inputs), []).append(block)
-    return {block for blocks in by_signature.values() if len(blocks) > 1 for block in blocks}
+            signatures[block] = _signature(ex.sub, ex.inputs)
+    return signatures
 
 
-def find_blocks(gm: fx.GraphModule) -> list[str]:
+def _with_equal(signatures: dict[str, str]) -> set[str]:
+    """The blocks whose forward has an equal."""
+    count = Counter(signatures.values())
+    return {block for block, sig in signatures.items() if count[sig] > 1}
+
+
+def find_blocks(gm: fx.GraphModule) -> tuple[list[str], dict[str, str]]:
     """The blocks to outline (module paths): the outermost runs of numbered siblings whose
-    forwards have equals, else the outermost inside them (see the module docstring)."""
+    forwards have equals, else the outermost inside them (see the module docstring); with
+    their forwards' signatures."""
     candidates = _candidates([module_path(n) for n in gm.graph.nodes])
     level = _outermost(candidates)
     while len(level) > 1:
         # equal to another block, not only to itself in another micro-batch
         regions = {k: v for k, v in block_regions(gm, level).items() if "@" not in k[1]}
-        repeated = _repeated_forwards(gm, regions)
+        signatures = _forward_signatures(gm, regions, {})
+        repeated = _with_equal(signatures)
         if repeated:
-            return [b for b in level if b in repeated]
+            chosen = [b for b in level if b in repeated]
+            return chosen, {b: signatures[b] for b in chosen}
         inside = tuple(b + "." for b in level)
         level = _outermost([c for c in candidates if c.startswith(inside)])
-    return []
+    return [], {}
 
 
 def numbered(part: str) -> str | None:
@@ -155,17 +171,25 @@ def numbered(part: str) -> str | None:
     return stem
 
 
+def numbered_on(parts: list[str]) -> list[tuple[int, str]]:
+    """(position, shared name) of each module on a module path's ``parts`` that numbers a
+    block: numbered, not the root, and, if named, holding modules of its own (``ln_1`` at the
+    end of a path is a layer, not a block)."""
+    found = []
+    for i, part in enumerate(parts):
+        stem = numbered(part)
+        if stem is not None and i > 0 and (stem == "" or i < len(parts) - 1):
+            found.append((i, stem))
+    return found
+
+
 def _candidates(paths: list[str]) -> list[str]:
-    """Every module path that is one of two or more numbered siblings of one name (a named one
-    holding modules of its own), sorted."""
+    """Every module path that is one of two or more numbered siblings of one name, sorted."""
     runs: dict[tuple[str, str], set[str]] = {}
     for path in paths:
         parts = path.split(".")
-        for i, part in enumerate(parts):
-            stem = numbered(part)
-            if stem is not None and i > 0 and (stem == "" or i < len(parts) - 1):
-                parent = ".".join(parts[:i])
-                runs.setdefault((parent, stem), set()).add(".".join(parts[: i + 1]))
+        for i, stem in numbered_on(parts):
+            runs.setdefault((".".join(parts[:i]), stem), set()).add(".".join(parts[: i + 1]))
     return sorted(p for kids in runs.values() if len(kids) > 1 for p in kids)
 
 
