@@ -324,8 +324,7 @@ def _open_directory(top: str) -> bytes:
         os.makedirs(folder, mode=0o700, exist_ok=True)
     for folder in (os.path.dirname(top), top, os.path.join(top, "steps")):
         private_directory(folder)
-    _remove_stale_temporaries(os.path.join(top, "steps"))
-    _remove_unused(os.path.join(top, "steps"))
+    _remove_old_files(os.path.join(top, "steps"))
     path = os.path.join(top, "secret")
     if not os.path.lexists(path):
         _write_secret(top, path)
@@ -385,42 +384,34 @@ def _check_private(path: str, info: os.stat_result, what: str) -> None:
         raise PermissionError(f"the secret {path} is readable by other users or not a file")
 
 
-def _remove_stale_temporaries(folder: str) -> None:
-    now = time.time()
-    for name in os.listdir(folder):
-        if name.startswith(".tmp-") and name.endswith(".step"):
-            path = os.path.join(folder, name)
-            try:
-                if now - os.lstat(path).st_mtime > _STALE_TMP_S:
-                    os.unlink(path)
-            except OSError:
-                pass  # another process removed or renamed it
-
-
 def _mark_used(path: str) -> None:
-    """An entry or note just read: its modification time is now, so ``_remove_unused`` keeps
-    it."""
+    """An entry or note just read: its modification time is now, so ``_remove_old_files``
+    keeps it."""
     try:
         os.utime(path)
     except OSError:
         pass  # a read-only cache keeps its entries as they are
 
 
-def _remove_unused(folder: str) -> None:
-    """Remove the entries and notes in ``folder`` not read for ``GRAPHAMP_CACHE_DAYS`` days."""
-    days = _unused_days()
-    cutoff, removed, freed = time.time() - days * 86400, 0, 0
+def _remove_old_files(folder: str) -> None:
+    """Remove, in one listing of ``folder``, the temporary files a killed writer left (over an
+    hour old) and the entries and notes not read for ``GRAPHAMP_CACHE_DAYS`` days."""
+    days, now = _unused_days(), time.time()
+    removed, freed = 0, 0
     for name in os.listdir(folder):
-        if name.startswith("."):  # temporaries: _remove_stale_temporaries
+        temporary = name.startswith(".tmp-") and name.endswith(".step")
+        if name.startswith(".") and not temporary:
             continue
         path = os.path.join(folder, name)
         try:
             info = os.lstat(path)
-            if stat.S_ISREG(info.st_mode) and info.st_mtime < cutoff:
+            age_limit = _STALE_TMP_S if temporary else days * 86400
+            if stat.S_ISREG(info.st_mode) and now - info.st_mtime > age_limit:
                 os.unlink(path)
-                removed, freed = removed + 1, freed + info.st_size
+                if not temporary:
+                    removed, freed = removed + 1, freed + info.st_size
         except OSError:
-            pass  # another process removed it, or read it since
+            pass  # another process removed, renamed or read it since
     if removed:
         log.info(
             "step cache: removed %d entries and notes not used for %g days (%.1f MB) from %s",
