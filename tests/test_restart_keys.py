@@ -24,7 +24,7 @@ import torch.nn as nn
 from helpers import assert_bitwise, make_graph
 from torch._inductor.utils import fresh_cache
 
-from graphamp.backend import source_keys, step_cache
+from graphamp.backend import cache_directory, source_keys, step_cache
 
 REMEMBERED = "AOTAutograd's key remembered"
 
@@ -67,7 +67,7 @@ def _run(caplog, configure=None, threads: int | None = None):
 
 
 def _notes() -> list[str]:
-    return sorted(n for n in os.listdir(step_cache.directory()) if n.endswith(".aot"))
+    return sorted(n for n in os.listdir(cache_directory.directory()) if n.endswith(".aot"))
 
 
 @pytest.mark.inductor
@@ -144,7 +144,7 @@ def test_a_changed_context_or_a_damaged_note_hashes_the_step_again(caplog):
         assert_bitwise(options[3], again[3])
 
         (note,) = _notes()
-        path = os.path.join(step_cache.directory(), note)
+        path = os.path.join(cache_directory.directory(), note)
         with open(path, "rb") as f:
             data = f.read()
         planted = data.replace(b'"key": "', b'"key": "x')  # another key, the old HMAC
@@ -236,7 +236,7 @@ def test_another_graphamps_note_of_source_hashes_is_not_read_nor_warned_about(
     monkeypatch.setenv("GRAPHAMP_CACHE_DIR", str(tmp_path))
     note = {"fingerprint": "f" * 64, "values": {"torch": ["none", None]}}
     with monkeypatch.context() as other:
-        for module in (source_keys, step_cache):
+        for module in (source_keys, cache_directory):
             other.setattr(module, "graphamp_source", lambda: "another graphamp's source")
         assert step_cache.save_note("test", *source_keys._note(), note)
         assert source_keys._kept("test") == note  # that graphamp reads its own note

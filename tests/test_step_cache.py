@@ -26,13 +26,13 @@ from models import TinyGPT, lm_loss, seed_mlp
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphamp
-from graphamp.backend import step_cache, step_key
+from graphamp.backend import cache_directory, step_cache, step_key, step_values
 from graphamp.inspect.memory import step_memory
 from graphamp.records.frames import SOURCE_LINE_META
 
 
 def _entries() -> list[str]:
-    return sorted(glob.glob(os.path.join(step_cache.directory(), "*.step")))
+    return sorted(glob.glob(os.path.join(cache_directory.directory(), "*.step")))
 
 
 def _loaded(g) -> bool:
@@ -154,7 +154,7 @@ def test_the_loaded_step_runs_with_the_eager_backend_and_outlined_blocks():
 def test_the_step_cache_follows_inductors_cache_directory(monkeypatch, tmp_path):
     monkeypatch.delenv("GRAPHAMP_CACHE_DIR")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    assert step_cache.directory() == str(tmp_path / "inductor" / "graphamp" / "steps")
+    assert cache_directory.directory() == str(tmp_path / "inductor" / "graphamp" / "steps")
     _train(_mlp, _mlp_batches(1))
     assert len(glob.glob(str(tmp_path / "inductor" / "graphamp" / "steps" / "*.step"))) == 1
 
@@ -288,7 +288,9 @@ def test_a_changed_model_config_pin_optimizer_or_version_never_loads_a_stale_ste
     changed = _train(make, data, configure)
     assert not _loaded(changed[0]), change
     assert len(_entries()) == 2, change
-    monkeypatch.setenv("GRAPHAMP_CACHE_DIR", os.path.join(step_cache.directory(), "..", "fresh"))
+    monkeypatch.setenv(
+        "GRAPHAMP_CACHE_DIR", os.path.join(cache_directory.directory(), "..", "fresh")
+    )
     fresh = _train(make, data, configure)
     assert not _loaded(fresh[0])
     _assert_same(changed, fresh)
@@ -373,7 +375,7 @@ def test_concurrent_writers_of_one_entry_leave_one_whole_entry():
     for t in threads:
         t.join()
     assert results == [True] * 8
-    assert os.listdir(step_cache.directory()) == [os.path.basename(path)]
+    assert os.listdir(cache_directory.directory()) == [os.path.basename(path)]
     again = step_cache.load("G", key, FakeTensorMode())
     assert again is not None and again.step_gm.code == steps[0].step_gm.code
     assert sum("val" in n.meta for n in again.step_gm.graph.nodes) == values > 0
@@ -441,11 +443,11 @@ def test_even_an_authenticated_entry_builds_only_what_a_step_holds(caplog):
     first = _train(_mlp, data)
     (path,) = _entries()
     key = os.path.basename(path)[: -len(".step")]
-    with open(os.path.join(step_cache.root(), "secret"), "rb") as f:
+    with open(os.path.join(cache_directory.root(), "secret"), "rb") as f:
         secret = f.read()
     payload = pickle.dumps(_Planted())
     with open(path, "wb") as f:
-        f.write(b"graphamp-step-cache 2\n" + step_cache._mac(secret, key, payload) + payload)
+        f.write(b"graphamp-step-cache 2\n" + cache_directory._mac(secret, key, payload) + payload)
     with caplog.at_level(logging.WARNING, logger="graphamp"):
         second = _train(_mlp, data)
     assert not hasattr(builtins, "graphamp_planted_code_ran")
@@ -509,13 +511,13 @@ def test_a_directory_that_is_not_the_users_own_turns_the_cache_off(make_unsafe, 
 
 def test_stale_temporary_files_are_removed_and_fresh_ones_kept():
     _train(_mlp, _mlp_batches(1))
-    folder = step_cache.directory()
+    folder = cache_directory.directory()
     stale, fresh = os.path.join(folder, ".tmp-old.step"), os.path.join(folder, ".tmp-new.step")
     for path in (stale, fresh):
         with open(path, "wb") as f:
             f.write(b"half")
     os.utime(stale, (0, 0))
-    step_cache._opened.clear()  # as a new process opens the directory
+    cache_directory._opened.clear()  # as a new process opens the directory
     _train(_mlp, _mlp_batches(1))
     assert not os.path.exists(stale) and os.path.exists(fresh)
 
@@ -528,7 +530,7 @@ def _age(path: str, days: float) -> None:
 
 def test_entries_unused_for_30_days_are_removed_and_used_ones_kept(caplog):
     g, *_ = _train(_mlp, _mlp_batches(1))
-    folder = step_cache.directory()
+    folder = cache_directory.directory()
     (used,) = _entries()
     other = [os.path.join(folder, "0" * 64 + ".step"), os.path.join(folder, "0" * 64 + ".aot")]
     for path in other:  # another graphamp's or another model's: never read again
@@ -540,7 +542,7 @@ def test_entries_unused_for_30_days_are_removed_and_used_ones_kept(caplog):
     for path in [used, *other]:
         _age(path, 31)
     _age(young, 29)
-    step_cache._opened.clear()  # as a new process opens the directory
+    cache_directory._opened.clear()  # as a new process opens the directory
     with caplog.at_level(logging.INFO, logger="graphamp"):
         g2, *_ = _train(_mlp, _mlp_batches(1))
     # the old entry this build reads was removed first, so the step is assembled again
@@ -560,7 +562,7 @@ def test_reading_an_entry_marks_it_used(monkeypatch):
     # GRAPHAMP_CACHE_DAYS shortens the wait: 10 days unused is now too long
     _age(entry, 11)
     monkeypatch.setenv("GRAPHAMP_CACHE_DAYS", "10")
-    step_cache._opened.clear()
+    cache_directory._opened.clear()
     g, *_ = _train(_mlp, _mlp_batches(1))
     assert not _loaded(g)
 
@@ -569,7 +571,7 @@ def test_reading_an_entry_marks_it_used(monkeypatch):
 def test_a_bad_number_of_days_warns_and_keeps_the_default(monkeypatch, caplog, text):
     monkeypatch.setenv("GRAPHAMP_CACHE_DAYS", text)
     with caplog.at_level(logging.WARNING, logger="graphamp"):
-        assert step_cache._unused_days() == 30
+        assert cache_directory._unused_days() == 30
     assert "not a positive number of days" in caplog.text
 
 
@@ -669,8 +671,8 @@ def test_a_step_with_symbolic_sizes_is_cached_with_its_guards(monkeypatch):
     first = _train(_gpt, data)
     assert len(first[0].compiled_steps) == 2 and len(_entries()) == 2  # static, then dynamic
     assumed = []
-    assume = step_cache._assume
-    monkeypatch.setattr(step_cache, "_assume", lambda g, m: assumed.append(len(g)) or assume(g, m))
+    assume = step_values.assume
+    monkeypatch.setattr(step_values, "assume", lambda g, m: assumed.append(len(g)) or assume(g, m))
     second = _train(_gpt, data)
     assert assumed[-1] > 0  # the dynamic entry's guards were replayed into the build
     assert _loaded(second[0])
@@ -714,8 +716,8 @@ def test_an_entry_whose_size_guards_fail_for_this_batch_is_not_used():
     size = env.create_unspecified_symint_and_symbol(8, ConstantSource("n"), DimDynamic.DYNAMIC)
     mode = FakeTensorMode(shape_env=env)
     symbol = size.node.expr
-    assert step_cache._guards_hold([sympy.Ge(symbol, 4)], mode)
-    assert not step_cache._guards_hold([sympy.Ge(symbol, 4), sympy.Ge(symbol, 10)], mode)
+    assert step_values.guards_hold([sympy.Ge(symbol, 4)], mode)
+    assert not step_values.guards_hold([sympy.Ge(symbol, 4), sympy.Ge(symbol, 10)], mode)
     before = list(env.guards)
-    step_cache._assume([sympy.Ge(symbol, 4)], mode)
+    step_values.assume([sympy.Ge(symbol, 4)], mode)
     assert len(env.guards) == len(before) + 1

@@ -1,6 +1,6 @@
 """The step cache's unpickler: it builds only what a step entry holds.
 
-An entry is authenticated before it is unpickled (``step_cache.py``); this is the second wall,
+An entry is authenticated before it is unpickled (``cache_directory.py``); this is the second wall,
 for an entry that passes the first (the user's own, from a graphamp that pickled more than it
 should): unpickling can call only the classes and functions below, so even an authenticated
 entry can build nothing else (``torch.load(weights_only=True)``'s approach). The list is what
