@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from .inductor_cache import cache_directory
+from . import inductor_cache
 from .step_key import graphamp_source
 
 log = logging.getLogger("graphamp")
@@ -42,7 +42,9 @@ _UNUSED_DAYS = 30.0  # an entry or note not read for longer is removed (GRAPHAMP
 
 
 def root() -> str:
-    return os.environ.get("GRAPHAMP_CACHE_DIR") or os.path.join(cache_directory(), "graphamp")
+    return os.environ.get("GRAPHAMP_CACHE_DIR") or os.path.join(
+        inductor_cache.cache_directory(), "graphamp"
+    )
 
 
 def directory() -> str:

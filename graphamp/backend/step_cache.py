@@ -38,7 +38,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import GraphampError
 from ..torchkit.fxutil import graph_modules
 from . import cache_directory, step_unpickler, step_values
-from .cache_directory import read_authenticated, warn_ignored, write_authenticated
 
 log = logging.getLogger("graphamp")
 
@@ -65,7 +64,7 @@ def load(graph_name: str, key: str, fake_mode: FakeTensorMode) -> CachedStep | N
     """The step saved under ``key`` (its tensors' metadata as fakes of ``fake_mode``), or None
     when there is none; a damaged entry is None too, with a warning."""
     path = entry_path(key)
-    payload = read_authenticated(graph_name, key, path, _REBUILD)
+    payload = cache_directory.read_authenticated(graph_name, key, path, _REBUILD)
     if payload is None:
         return None
     return _unpickled(graph_name, path, payload, fake_mode)
@@ -79,7 +78,7 @@ def load_later(
     ``load``. The entry's bytes are kept meanwhile: what is unpickled later is what was
     authenticated, whatever happens to the file."""
     path = entry_path(key)
-    payload = read_authenticated(graph_name, key, path, _REBUILD)
+    payload = cache_directory.read_authenticated(graph_name, key, path, _REBUILD)
     if payload is None:
         return None
 
@@ -102,7 +101,9 @@ def _unpickled(
     try:
         step = step_unpickler.loads(payload, fake_mode)  # what a step holds, nothing else
     except Exception as e:  # a damaged or foreign pickle can raise anything
-        warn_ignored(graph_name, path, f"it does not load ({type(e).__name__}: {e})", _REBUILD)
+        cache_directory.warn_ignored(
+            graph_name, path, f"it does not load ({type(e).__name__}: {e})", _REBUILD
+        )
         return None
     return _restored(graph_name, path, step, fake_mode)
 
@@ -111,7 +112,9 @@ def _restored(graph_name: str, path: str, step: Any, fake_mode: FakeTensorMode) 
     """An unpickled entry made a step again: its values as fakes of ``fake_mode``, its size
     guards assumed; None, with a warning, when it does not hold a step."""
     if not isinstance(step, CachedStep) or not isinstance(step.step_gm, fx.GraphModule):
-        warn_ignored(graph_name, path, f"it holds a {type(step).__name__}, not a step", _REBUILD)
+        cache_directory.warn_ignored(
+            graph_name, path, f"it holds a {type(step).__name__}, not a step", _REBUILD
+        )
         return None
     if not step_values.guards_hold(step.shape_guards, fake_mode):
         log.info("%s: step cache: the entry's size guards do not hold for this batch", graph_name)
@@ -120,7 +123,7 @@ def _restored(graph_name: str, path: str, step: Any, fake_mode: FakeTensorMode) 
         step_values.put_values(step.step_gm, step.values, fake_mode)
         step_values.assume(step.shape_guards, fake_mode)
     except Exception as e:  # as above
-        warn_ignored(
+        cache_directory.warn_ignored(
             graph_name, path, f"its values do not load ({type(e).__name__}: {e})", _REBUILD
         )
         return None
@@ -154,7 +157,7 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
         return False
     finally:
         step_values.put_back(taken)
-    return write_authenticated(graph_name, key, entry_path(key), payload)
+    return cache_directory.write_authenticated(graph_name, key, entry_path(key), payload)
 
 
 def save_note(graph_name: str, key: str, kind: str, note: dict) -> bool:
@@ -162,14 +165,18 @@ def save_note(graph_name: str, key: str, kind: str, note: dict) -> bool:
     entries are (``aot_key.py``, ``source_keys.py``); False, logged, when it cannot be
     written."""
     payload = json.dumps(note, sort_keys=True).encode()
-    return write_authenticated(graph_name, _note_mac_key(key, kind), _note_path(key, kind), payload)
+    return cache_directory.write_authenticated(
+        graph_name, _note_mac_key(key, kind), _note_path(key, kind), payload
+    )
 
 
 def load_note(graph_name: str, key: str, kind: str) -> dict | None:
     """The note of ``kind`` about the step under ``key``; None when there is none, or (with a
     warning) when it is damaged or not authentic. Its fields are the caller's to check."""
     path = _note_path(key, kind)
-    payload = read_authenticated(graph_name, _note_mac_key(key, kind), path, "replacing it")
+    payload = cache_directory.read_authenticated(
+        graph_name, _note_mac_key(key, kind), path, "replacing it"
+    )
     if payload is None:
         return None
     try:

@@ -1,8 +1,8 @@
 """The step cache's unpickler: it builds only what a step entry holds.
 
-An entry is authenticated before it is unpickled (``cache_directory.py``); this is the second wall,
-for an entry that passes the first (the user's own, from a graphamp that pickled more than it
-should): unpickling can call only the classes and functions below, so even an authenticated
+An entry is authenticated before it is unpickled (``cache_directory.py``); this is the second
+wall, for an entry that passes the first (the user's own, from a graphamp that pickled more
+than it should): unpickling can call only the classes and functions below, so even an authenticated
 entry can build nothing else (``torch.load(weights_only=True)``'s approach). The list is what
 torch's ``GraphPickler`` writes for graphamp's steps (fx graph pieces, traced tensors' metadata,
 dtypes and sizes, a ShapeEnv's symbols) and graphamp's own records; an entry asking for
