@@ -259,7 +259,9 @@ class GraphConfig:
 
     def set_inductor_options(self, **options) -> None:
         """Options for the inductor backend (``torch._inductor.config`` names), e.g.
-        ``combo_kernels=True``. Unknown names raise at once."""
+        ``combo_kernels=True``. Unknown names raise at once. ``post_grad_custom_post_pass``
+        replaces graphamp's own pass of that name (``torchkit/update_region.py``, which hands
+        inductor the optimizer update as one node); ``None`` there turns it off."""
         import torch._inductor.config as inductor_config
 
         for name in options:

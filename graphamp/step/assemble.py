@@ -32,6 +32,7 @@ from ..records.sharding import block_of
 from ..records.spec import StepPlan
 from ..torchkit.fp8_numerics import rolled_history
 from ..torchkit.fxutil import NodeTagger, graph_modules, rename_placeholders, trace_functional
+from ..torchkit.update_region import UPDATE_TAG
 from .block_update import pass_gradients_uncast
 from .collectives import agree_on_amax, agree_on_overflow, agree_on_probes, average_over_ranks
 from .gradients import (
@@ -328,7 +329,7 @@ def _update_optimizers(
         if plan.zero_stage in (1, 2):
             with NodeTagger({"graphamp_subgraph": "zero"}):
                 mine = local_rows(mine, s.zero_rank, plan.process_group)
-        with NodeTagger({"graphamp_subgraph": "optimizer"}):
+        with NodeTagger({"graphamp_subgraph": "optimizer"}, custom={UPDATE_TAG: True}):
             names = (
                 [plan.captured.param_names[i] for i in u.opt.forward_positions]
                 if by_block

@@ -16,6 +16,8 @@ from torch._guards import TracingContext, detect_fake_mode, tracing
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from .update_region import GatherUpdate
+
 
 def call_backend(
     gm: fx.GraphModule,
@@ -50,7 +52,8 @@ def call_backend(
     fake_mode = _fake_mode_of(gm)
     fakes = _example_fakes(gm, example, fake_mode)
     no_pool = cached and backend == "inductor"
-    with _inductor_config(options), tracing(TracingContext(fake_mode)), _pool_warm_up(not no_pool):
+    config = _inductor_config(options) if backend == "inductor" else nullcontext()
+    with config, tracing(TracingContext(fake_mode)), _pool_warm_up(not no_pool):
         return compiler(gm, fakes)
 
 
@@ -60,11 +63,11 @@ def _pool_warm_up(wanted: bool):
 
 
 def _inductor_config(options: dict | None):
-    if not options:
-        return nullcontext()
+    """Inductor's config for one call: graphamp's pass gathering the optimizer update
+    (``update_region.py``) unless ``options`` name their own post-grad pass, and ``options``."""
     import torch._inductor.config as inductor_config
 
-    return inductor_config.patch(options)
+    return inductor_config.patch({"post_grad_custom_post_pass": GatherUpdate(), **(options or {})})
 
 
 def _fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:

@@ -176,11 +176,14 @@ class NodeTagger:
     """Writes ``meta[key] = value`` on every node a block of traced code appends.
 
     Used as ``with NodeTagger({"graphamp_subgraph": "grad_scaler"}):`` around part of a traced
-    function; nodes that already carry a key keep it (inner tags win).
+    function; nodes that already carry a key keep it (inner tags win). ``custom`` tags go into
+    ``meta["custom"]`` as well: the one field of a node's metadata that torch's own retracing
+    (AOTAutograd, make_fx) copies to the nodes it makes, so a pass inside inductor can read it.
     """
 
-    def __init__(self, meta: dict[str, Any]):
+    def __init__(self, meta: dict[str, Any], custom: dict[str, Any] | None = None):
         self.meta = meta
+        self.custom = custom or {}
         self.graph: fx.Graph | None = None
         self.marker: fx.Node | None = None
 
@@ -196,6 +199,8 @@ class NodeTagger:
         for node in nodes_after(self.graph, self.marker):
             for k, v in self.meta.items():
                 node.meta.setdefault(k, v)
+            if self.custom:
+                node.meta["custom"] = {**self.custom, **(node.meta.get("custom") or {})}
 
 
 def rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
