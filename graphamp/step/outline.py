@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..torchkit.fxutil import module_path
+from ..torchkit.fxutil import module_path, region_boundary
 from .block_saves import BACKWARD_OF, SavedBytes, recompute_cheap_saves
 from .gradients import MICRO_BATCH
 
@@ -281,8 +281,7 @@ def _extract(gm: fx.GraphModule, nodes: list[fx.Node]) -> _Extracted:
     chain's source once (or nothing, when the source is an input). Whatever still shares
     memory is returned as a copy."""
     inside = set(nodes)
-    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    inputs, outputs = region_boundary(nodes)
     views: dict[fx.Node, tuple[fx.Node, list[fx.Node]]] = {}
     results: list[fx.Node] = []
     for out in outputs:

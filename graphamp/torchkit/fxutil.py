@@ -203,6 +203,14 @@ class NodeTagger:
                 node.meta["custom"] = {**self.custom, **(node.meta.get("custom") or {})}
 
 
+def region_boundary(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(inputs, outputs) of a region of a graph: the outer values its nodes read, in order of
+    first use, and its nodes read outside it, in graph order."""
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    return inputs, [n for n in nodes if any(u not in inside for u in n.users)]
+
+
 def rename_placeholders(gm: fx.GraphModule, names: list[str]) -> None:
     """Give placeholders readable names (``p_model_0_weight``) so dumps read like code.
     The caller recompiles once it has finished editing the graph."""

@@ -35,6 +35,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from .fxutil import region_boundary
+
 log = logging.getLogger("graphamp")
 
 UPDATE_TAG = "graphamp_update"
@@ -77,8 +79,7 @@ def gather_update(graph: fx.Graph) -> int:
     after = _reached_from(graph, inside)
     if not _convex(graph, inside, after):
         return _left("a value outside the update both reads it and feeds it")
-    inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
-    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    inputs, outputs = region_boundary(region)
     last = _insert_call(owner, region, inputs, outputs, inside)
     position = {node: i for i, node in enumerate(graph.nodes)}
     for node in [n for n in graph.nodes if n in after and position[n] < position[last]]:
