@@ -126,3 +126,20 @@ def test_kernel_count_counts_the_launches_inside_an_outlined_steps_subgraphs():
     assert inlined["outlined_calls"] == 0 and outlined["outlined_calls"] == 4  # 2 forward, 2 back
     assert outlined["launches"]["extern"] == inlined["launches"]["extern"] > 0
     assert outlined["launches"]["triton"] >= inlined["launches"]["triton"] > 0
+
+
+@pytest.mark.slow
+def test_conv_layout_script_runs_on_the_cpu(tmp_path):
+    """conv_layout.py's smoke mode (a tiny convolution net, aot_eager): three programs, a row
+    with their ratios and losses, and its table."""
+    import conv_layout
+
+    (row,) = conv_layout.main(["--smoke", "--out", str(tmp_path)])
+    assert set(row["ms"]) == set(conv_layout.PROGRAMS) and all(v > 0 for v in row["ms"].values())
+    assert row["default/channels-last"] > 0 and row["default/compile"] > 0
+    # the same batch from the same weights: every program's first loss is finite and the same
+    # model's (aot_eager keeps the traced ops, so the two graphamp programs agree bitwise)
+    first = {p: v[0] for p, v in row["loss_first_last"].items()}
+    assert first["default"] == first["channels-last"], first
+    table = open(tmp_path / "conv_layout_smoke.md").read()
+    assert "| smoke |" in table and "Command: `python benchmarks/conv_layout.py" in table

@@ -65,19 +65,37 @@ def views_as_reshapes(gm: fx.GraphModule) -> None:
 def default_inductor_options(gm: fx.GraphModule, example: list[torch.Tensor]) -> dict:
     """Inductor settings for a whole training step (forward, backward and optimizer in one graph).
 
-    Channels-last layout for convolutions on CUDA: inductor decides it with heuristics tuned for
-    separate forward and backward graphs, one of which gives up when a graph has more than 300
-    nodes per convolution, which a whole step passes. Measured on an H100 with torch 2.11
-    (benchmarks/results/README.md): this option alone left ResNet-50 at 40.1 ms/step, cuDNN still
-    transposing NCHW<->NHWC around every convolution; together with channels-last copies of the
-    convolution weights (then persistent; now step/gradients.parameter_casts) the step took
-    23.2 ms. Whether this option is still
-    needed beside those copies was not measured separately. Grouped convolutions, where
-    channels-last can be slower, keep inductor's own decision.
+    Inductor's layout optimization (convolutions and what surrounds them in channels-last)
+    decides with heuristics tuned for separate forward and backward graphs, and a whole step
+    fools both of its rules:
+
+    - On CUDA one gives up when a graph has more than 300 nodes per convolution, which a whole
+      step passes. Measured on an H100 with torch 2.11 (benchmarks/results/README.md): forcing
+      it left ResNet-50 at 40.1 ms/step, cuDNN still transposing NCHW<->NHWC around every
+      convolution; together with channels-last copies of the convolution weights (then
+      persistent; now step/gradients.parameter_casts) the step took 23.2 ms. Whether this
+      option is still needed beside those copies was not measured separately. Grouped
+      convolutions, where channels-last can be slower, keep inductor's own decision.
+    - On the CPU it lays out every graph with a convolution channels-last (a rule for
+      inference). torch.compile's backward graph holds no ``convolution`` and keeps the
+      traced layout; a whole step holds both, so its backward went channels-last too: batch
+      norm's reductions, the copies in and out and oneDNN's convolution backward were slower
+      there on every convolution network measured (``benchmarks/conv_layout.py``, one thread,
+      bf16: the step 1.07-1.63x slower on ResNet-18 as the images get smaller, 1.09x on
+      ResNet-50, 1.02x on MobileNetV3-Small; fp32 ResNet-18 1.71x). A step holding a
+      convolution's backward keeps the layout it was traced in: the model's and the batch's
+      own, so a user who made them channels-last still gets channels-last.
     """
-    options = {}
-    on_cuda = any(t.is_cuda for t in example if isinstance(t, torch.Tensor))
+    options: dict = {}
+    devices = {t.device.type for t in example if isinstance(t, torch.Tensor)}
     convs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution.default]
-    if on_cuda and convs and all(n.args[-1] == 1 for n in convs):
+    if "cuda" in devices and convs and all(n.args[-1] == 1 for n in convs):
         options["force_layout_optimization"] = True
+    elif devices == {"cpu"} and _holds(gm, torch.ops.aten.convolution_backward.default):
+        options["layout_optimization"] = False
     return options
+
+
+def _holds(gm: fx.GraphModule, target) -> bool:
+    """Whether ``target`` is called in ``gm`` or in a graph module it holds (outlined blocks)."""
+    return any(m.graph.find_nodes(op="call_function", target=target) for m in graph_modules(gm))
