@@ -69,42 +69,22 @@ def make_workload(name: str, smoke: bool):
 
 
 def make_step(program: str, model, backend: str):
+    """outline_cost.py's programs (graphamp's step with its blocks outlined, as on the CPU by
+    default, and the peer), with SGD momentum; "channels-last" is graphamp's step with
+    inductor's own rule for CPU graphs."""
     import torch
     import torch.nn.functional as F
 
-    import graphamp
+    sys.path.insert(0, HERE)
+    from outline_cost import make_step as outline_cost_step
 
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if program == "compile":
-        net = torch.compile(model, backend=backend)
-
-        def step(x, y):
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            opt.step()
-            return loss.detach()
-
-        return step
-
-    class Step(graphamp.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(opt)
-            self.config.enable_amp(True, dtype=torch.bfloat16)
-            self.config.set_backend(backend)
-            self.config.set_step_cache(False)
-            if program == "channels-last":  # inductor's own rule for CPU graphs
-                self.config.set_inductor_options(layout_optimization=True)
-
-        def build(self, x, y):
-            loss = F.cross_entropy(self.model(x), y)
-            loss.backward()
-            return loss
-
-    return Step()
+    sgd = lambda m, fused=None: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)  # noqa: E731
+    step = outline_cost_step(
+        "compile" if program == "compile" else "outlined", model, F.cross_entropy, sgd, backend
+    )
+    if program == "channels-last":
+        step.config.set_inductor_options(layout_optimization=True)
+    return step
 
 
 def measure(workload: str, rounds: int, steps: int, smoke: bool) -> dict:
