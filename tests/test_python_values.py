@@ -1,8 +1,10 @@
 """Every Python value a step reads is checked, not only registered modules' attributes.
 
 Each case trains the same model eagerly and through graphamp while the training loop changes a
-Python value the step reads (a global, a closure variable, a class attribute, the contents of a
-dict, dataclass or namespace) between calls. The step must follow eager (the value is honoured:
+Python value the step reads (a global, of build()'s module or read through another module of
+the user's; a closure variable; a class attribute, read through an object or off the class; the
+contents of a dict, dataclass or namespace; an attribute of an options object of the user's own
+class) between calls. The step must follow eager (the value is honoured:
 captured again, logged with its name, old and new value), and a value changed back reuses the
 program it had.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 
 import pytest
@@ -544,3 +547,286 @@ def test_float_arguments_lifted_with_inductor_and_bf16():
     losses, _, g = _weighted_run(graph=True, steps=8, backend="inductor", amp=torch.bfloat16)
     assert len(g.compiled_steps) == 2
     torch.testing.assert_close(losses, eager[0], rtol=3e-2, atol=3e-3)
+
+
+# -- objects and classes of the user's that build() reads settings off ----------------------
+
+
+class Knobs:
+    """A plain class of settings, read off the class (``Knobs.scale``)."""
+
+    scale = 1.0
+
+
+class MoreKnobs(Knobs):
+    """Inherits ``scale``; may shadow it later."""
+
+
+class Options:
+    """A hand-written options object (no dataclass): its attributes are read off the object."""
+
+    weight = 1.0  # a class attribute the object reads through itself
+
+    def __init__(self):
+        self.shift = 0.0
+        self.calls = 0  # changed by the loop, never read by build()
+
+
+OPTIONS = Options()
+
+
+class WithOptions(nn.Module):
+    """A module holding an options object of the user's class."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.opts = Options()
+
+    def forward(self, x):
+        return (self.lin(x + self.opts.shift) * self.opts.weight).pow(2).mean()
+
+
+def _shadow_scale(value):
+    """``MoreKnobs.scale`` set to ``value``, or inherited again (None): each step sets it, so
+    the eager and the graphed run see the same."""
+    if value is not None:
+        MoreKnobs.scale = value
+    elif "scale" in vars(MoreKnobs):
+        del MoreKnobs.scale
+
+
+def _knobs():
+    return dict(scale=Knobs.scale, more=vars(MoreKnobs).get("scale"), weight=Options.weight)
+
+
+def _put_back_knobs(saved):
+    Knobs.scale, Options.weight = saved["scale"], saved["weight"]
+    if saved["more"] is None and "scale" in vars(MoreKnobs):
+        del MoreKnobs.scale
+    OPTIONS.shift = 0.0
+
+
+def _scaled_options():
+    """A build() reading a closure's options object, and the object."""
+    opts = Options()
+
+    def build(self, x, y):
+        loss = self.model(x) * (1 + opts.shift)
+        loss.backward()
+        return loss
+
+    return build, opts
+
+
+@pytest.mark.parametrize(
+    "what, read, change, words",
+    [
+        (
+            "a class attribute read off a global class",
+            lambda: Knobs.scale,
+            lambda s: setattr(Knobs, "scale", 2.0 if s > 2 else 1.0),
+            "Knobs.scale changed from 1.0 to 2.0",
+        ),
+        (
+            "an inherited one read off the subclass, changed on the base",
+            lambda: MoreKnobs.scale,
+            lambda s: setattr(Knobs, "scale", 3.0 if s > 1 else 1.0),
+            "Knobs.scale changed from 1.0 to 3.0",
+        ),
+        (
+            "an inherited one shadowed on the subclass",
+            lambda: MoreKnobs.scale,
+            lambda s: _shadow_scale(0.5 if s > 2 else None),
+            "MoreKnobs.scale was set on the subclass to 0.5",
+        ),
+        (
+            "an attribute of a global options object",
+            lambda: 1 + OPTIONS.shift,
+            lambda s: setattr(OPTIONS, "shift", 0.25 * (s > 2)),
+            "OPTIONS.shift changed from 0.0 to 0.25",
+        ),
+        (
+            "a class attribute read through a global options object",
+            lambda: OPTIONS.weight,
+            lambda s: setattr(Options, "weight", 2.0 if s > 3 else 1.0),
+            "Options.weight changed from 1.0 to 2.0",
+        ),
+    ],
+)
+def test_settings_on_the_users_classes_and_objects_are_honoured(what, read, change, words, caplog):
+    def build(self, x, y):
+        loss = self.model(x) * read()
+        loss.backward()
+        return loss
+
+    saved = _knobs()
+    try:
+        _assert_like_eager(lambda s, m: change(s), build=build, caplog=caplog, expect=[words])
+    finally:
+        _put_back_knobs(saved)
+
+
+def test_an_options_object_a_closure_holds_is_honoured(caplog):
+    build, opts = _scaled_options()
+
+    def change(step, model):
+        opts.shift = 0.5 if step > 1 else 0.0
+
+    _assert_like_eager(change, build=build, caplog=caplog, expect=["opts.shift changed"])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=INDUCTOR)])
+def test_an_options_object_a_module_holds_is_honoured(backend, caplog):
+    def change(step, model):
+        model.opts.shift = 0.1 * (step > 2)
+        if step > 3:
+            model.opts.weight = 2.0  # shadows the class attribute it read until now
+
+    _assert_like_eager(
+        change,
+        model_cls=WithOptions,
+        caplog=caplog,
+        backend=backend,
+        expect=[
+            "self.model.opts.shift changed from 0.0 to 0.1",
+            "self.model.opts.weight was set on the instance to 2.0",
+        ],
+    )
+
+
+def test_an_options_object_the_graph_holds_is_honoured():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opts = Options()
+    g = make_graph(
+        model,
+        None,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        build=lambda self, x, y: _backward(self.model(x).sum() * (1 + self.opts.shift)),
+        configure=lambda graph: setattr(graph, "opts", opts),
+    )
+    x = torch.ones(2, 8)
+    first = g(x, None)
+    opts.shift = 1.0
+    torch.testing.assert_close(g(x, None), 2 * first)
+
+
+def _backward(loss):
+    loss.backward()
+    return loss
+
+
+def test_what_build_does_not_read_and_librarys_objects_compile_nothing_new():
+    """Only the attributes build() reads are checked, and only on the user's own objects: the
+    loop's counter on an options object, and a logger (Python's class, whose level cache fills
+    as it is asked) change on every step without a new compile."""
+    import logging as logging_module
+
+    log = logging_module.getLogger("graphamp.tests.quiet")
+
+    def build(self, x, y):
+        if log.isEnabledFor(logging_module.DEBUG):  # fills the logger's cache
+            log.debug("step")
+        loss = self.model(x) * OPTIONS.weight
+        loss.backward()
+        return loss
+
+    def change(step, model):
+        OPTIONS.calls += 1
+        log.setLevel(logging_module.DEBUG if step % 2 else logging_module.INFO)  # clears it
+
+    _, _, g = _train(VAE, change, graph=True, build=build)
+    assert len(g.compiled_steps) == 1
+
+
+_settings = None  # a module of the user's, imported by the test (``import settings``)
+
+
+def test_a_global_of_another_module_of_the_users_read_through_it_is_honoured(
+    tmp_path, monkeypatch, caplog
+):
+    """``import settings`` then ``settings.kl_weight`` in build(): a global of that module."""
+    global _settings
+    (tmp_path / "graphamp_test_settings.py").write_text("kl_weight = 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import graphamp_test_settings
+
+    _settings = graphamp_test_settings
+
+    def build(self, x, y):
+        loss = self.model(x) * _settings.kl_weight
+        loss.backward()
+        return loss
+
+    def change(step, model):
+        _settings.kl_weight = 0.5 if step > 2 else 1.0
+
+    _assert_like_eager(
+        change, build=build, caplog=caplog, expect=["global kl_weight (graphamp_test_settings)"]
+    )
+
+
+HYPER = {"w": 1.0, "act": torch.tanh}  # numbers beside a function: a mixed container
+LOSS_FN = functools.partial(torch.mul, other=1.0)  # a loss made with functools.partial
+REGISTRY = {"tanh": torch.tanh}  # functions only: a registry, filled as the program runs
+
+
+@pytest.mark.parametrize(
+    "what, read, change, words",
+    [
+        (
+            "a number in a global dict that holds a function",
+            lambda out: HYPER["act"](out) * HYPER["w"],
+            lambda s: HYPER.update(w=2.0 if s > 2 else 1.0),
+            "'w': 2.0",
+        ),
+        (
+            "a function in it swapped",
+            lambda out: HYPER["act"](out),
+            lambda s: HYPER.update(act=torch.sigmoid if s > 2 else torch.tanh),
+            "global HYPER",
+        ),
+        (
+            "a global partial rebound",
+            lambda out: LOSS_FN(out),
+            lambda s: globals().update(LOSS_FN=functools.partial(torch.mul, other=1.0 + (s > 1))),
+            "global LOSS_FN",
+        ),
+    ],
+)
+def test_containers_holding_objects_and_partials_are_honoured(what, read, change, words, caplog):
+    def build(self, x, y):
+        loss = read(self.model(x))
+        loss.backward()
+        return loss
+
+    saved = dict(HYPER), LOSS_FN
+    try:
+        _assert_like_eager(lambda s, m: change(s), build=build, caplog=caplog, expect=[words])
+    finally:
+        _put_back_hyper(saved)
+
+
+def _put_back_hyper(saved):
+    global LOSS_FN
+    HYPER.clear()
+    HYPER.update(saved[0])
+    LOSS_FN = saved[1]
+
+
+def test_a_dict_of_functions_only_filled_as_the_program_runs_compiles_nothing_new():
+    def build(self, x, y):
+        loss = REGISTRY["tanh"](self.model(x))
+        loss.backward()
+        return loss
+
+    def change(step, model):
+        REGISTRY[f"entry{step}"] = torch.relu  # a cache a library fills: not a setting
+
+    try:
+        _, _, g = _train(VAE, change, graph=True, build=build)
+    finally:
+        for key in [k for k in REGISTRY if k != "tanh"]:
+            del REGISTRY[key]
+    assert len(g.compiled_steps) == 1

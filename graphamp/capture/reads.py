@@ -13,10 +13,18 @@ What is recorded, and how it is compared at every call (``guard_form``):
 - plain values (numbers, strings, None, enums, dtypes, devices, tuples of them) by equality;
 - small containers of plain values (a dict of hyperparameters, a list of dicts, a dataclass,
   an ``argparse.Namespace``, a ``SimpleNamespace``; at most ``CONTENT_LIMIT`` values) by a copy
-  of their contents: changed in place, the program no longer serves;
+  of their contents: changed in place, the program no longer serves; one that holds functions,
+  modules or tensors beside its plain values, by a snapshot keeping those by identity
+  (``contents.Contents``);
 - a class attribute read through an instance (``Block.scale``) on the class, and the instance
-  is checked not to shadow it later;
-- other objects by identity.
+  is checked not to shadow it later; read on a class of the user's (``Config.kl_weight``, seen
+  by ``scope_reads`` where the code reads it off a global or closure variable) on the class that
+  holds it, and its subclasses are checked not to shadow it;
+- other objects by identity; an object of a class of the user's (defined outside torch,
+  graphamp, installed packages and Python's own library: a hand-written options object) is
+  watched too, from the first read that reaches it, so the attributes build() reads on it are
+  recorded as a module's are (its class's ``__getattribute__`` records them until the capture
+  ends).
 
 Left out, each for a reason:
 - what ``nn.Module.__init__`` itself sets (parameters, buffers, children, hooks, ``training``):
@@ -33,12 +41,13 @@ Left out, each for a reason:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
 import enum
+import functools
 import sys
+import sysconfig
 import threading
 import types
 from typing import Any, Iterator
@@ -47,55 +56,44 @@ import torch
 import torch.nn as nn
 
 from ..records.guards import ABSENT, AttributeRead, ClassNamespace
+from ..torchkit.fxutil import is_library_file
+from .contents import Contents, is_plain, is_record, items_of, mixed_contents
 from .patching import SharedPatch
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring
-_PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)
 
 _local = threading.local()  # .watch: {id(obj): (label, names left out)}, .reads: {key: read}
 
-
-def _is_plain(value: Any) -> bool:
-    """Immutable values compared by equality (a tuple of them too)."""
-    if isinstance(value, _PLAIN):
-        return True
-    return isinstance(value, (tuple, frozenset)) and all(map(_is_plain, value))
-
-
 CONTENT_LIMIT = 256  # values in a container compared by content at every call, at most
-_RECORDS = (argparse.Namespace, types.SimpleNamespace)  # objects that are their fields
 
 
 def guard_form(value: Any) -> tuple[Any, bool]:
     """(what to keep of ``value``, whether to compare by equality): a plain value itself, a copy
-    of a small container of plain values (``Fields`` for a dataclass or namespace), else the
-    object, compared by identity."""
-    if _is_plain(value):
+    of a small container of plain values (``Fields`` for a dataclass or namespace), a snapshot
+    of one that holds objects beside its plain values (``contents.Contents``), else the object,
+    compared by identity."""
+    if is_plain(value):
         return value, True
-    budget = [CONTENT_LIMIT]
-    if _plain_contents(value, budget):
-        if dataclasses.is_dataclass(value) or isinstance(value, _RECORDS):
+    if _plain_contents(value, [CONTENT_LIMIT]):
+        if is_record(value):
             return Fields(type(value), copy.deepcopy(vars(value))), True
         return copy.deepcopy(value), True
+    if mixed_contents(value, CONTENT_LIMIT):
+        return Contents(value), True
     return value, False
 
 
 def _plain_contents(value: Any, budget: list[int]) -> bool:
     """Is ``value`` a container (dict, list, set, tuple, dataclass, namespace) whose leaves are
     all plain, with at most ``budget[0]`` of them?"""
-    if type(value) in (dict, list, set, tuple, frozenset):
-        items = list(value.items()) if type(value) is dict else [(None, v) for v in value]
-    elif (dataclasses.is_dataclass(value) and not isinstance(value, type)) or isinstance(
-        value, _RECORDS
-    ):
-        items = list(vars(value).items())
-    else:
+    items = items_of(value)
+    if items is None:
         return False
     for key, item in items:
         budget[0] -= 1
-        if budget[0] < 0 or not _is_plain(key):
+        if budget[0] < 0 or not is_plain(key):
             return False
-        if not _is_plain(item) and not _plain_contents(item, budget):
+        if not is_plain(item) and not _plain_contents(item, budget):
             return False
     return True
 
@@ -133,6 +131,8 @@ def _record(obj: Any, name: str, value: Any) -> None:
         _local.reads[(id(obj), name)] = AttributeRead(
             label=f"{label}.{name}", namespace=namespace, name=name, value=kept, by_value=by_value
         )
+        if not by_value:
+            watch_object(value, f"{label}.{name}")
     elif name not in namespace:
         _record_class_attribute(obj, namespace, name, value, label)
 
@@ -143,9 +143,33 @@ def _record_class_attribute(obj: Any, namespace: dict, name: str, value: Any, la
     owner = next((c for c in type(obj).__mro__ if name in vars(c)), None)
     if owner is None or vars(owner)[name] is not value or _is_torch_class(owner):
         return
+    # through the owner itself: a subclass between them that shadows it later is not checked
+    # (a library model's classes are many deep; each check costs every call)
+    if not _record_on_class(owner, owner, name, value):
+        return
+    _local.reads[(id(obj), name)] = AttributeRead(  # the instance keeps reading the class's
+        label=f"{label}.{name}", namespace=namespace, name=name, value=ABSENT, by_value=False
+    )
+
+
+def record_class_read(cls: type, name: str) -> None:
+    """build()'s code read ``cls.<name>`` off a class of the user's (``Config.kl_weight``, the
+    class a global or closure variable): kept on the class in ``cls``'s MRO that holds it."""
+    reads = getattr(_local, "reads", None)
+    if reads is None or name.startswith("__") or not is_user_class(cls):
+        return
+    owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+    if owner is not None and not _is_torch_class(owner):
+        _record_on_class(cls, owner, name, vars(owner)[name])
+
+
+def _record_on_class(cls: type, owner: type, name: str, value: Any) -> bool:
+    """Record ``owner.<name>`` (``value``) as read through ``cls``, and that none of the classes
+    between them shadows it; whether it is a setting (a function, property or other descriptor
+    is code, and a class is compared by identity where it is read)."""
+    if isinstance(value, type) or hasattr(type(value), "__get__"):
+        return False
     kept, by_value = guard_form(value)
-    if not by_value and isinstance(value, (type, types.FunctionType, types.MethodType)):
-        return  # code, not a setting
     _local.reads.setdefault(
         (id(owner), name),
         AttributeRead(
@@ -156,21 +180,89 @@ def _record_class_attribute(obj: Any, namespace: dict, name: str, value: Any, la
             by_value=by_value,
         ),
     )
-    _local.reads[(id(obj), name)] = AttributeRead(  # the instance keeps reading the class's
-        label=f"{label}.{name}", namespace=namespace, name=name, value=ABSENT, by_value=False
-    )
+    for between in cls.__mro__[: cls.__mro__.index(owner)]:
+        _local.reads.setdefault(
+            (id(between), name),
+            AttributeRead(
+                label=f"{between.__name__}.{name}",
+                namespace=ClassNamespace(between),
+                name=name,
+                value=ABSENT,
+                by_value=False,
+            ),
+        )
+    if not by_value:
+        watch_object(value, f"{owner.__name__}.{name}")
+    return True
 
 
 def _is_torch_class(cls: type) -> bool:
     return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
 
 
+_PATHS = sysconfig.get_paths()
+PYTHONS_OWN = tuple({_PATHS[k].rstrip("/") + "/" for k in ("stdlib", "platstdlib")})
+INSTALLED = tuple({_PATHS[k].rstrip("/") + "/" for k in ("purelib", "platlib")})
+
+
+def is_user_class(cls: type) -> bool:
+    """Is ``cls`` defined in the user's code (a script, a notebook, their own package), not in
+    torch, graphamp, an installed package or Python's own library? Only such classes' objects
+    are watched: a library's objects (a logger, a tokenizer) keep caches a step never reads."""
+    module = sys.modules.get(cls.__module__)
+    if module is None or isinstance(cls, enum.EnumMeta):
+        return False
+    return is_user_module(module)
+
+
+def is_user_module(module: types.ModuleType) -> bool:
+    """Is ``module`` the user's (as ``is_user_class``)?"""
+    filename = getattr(module, "__file__", None)
+    if filename is None:  # __main__ of a notebook or an interactive session; builtins
+        return module.__name__ == "__main__"
+    return _is_users_file(filename)
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_users_file(filename: str) -> bool:
+    return not (is_library_file(filename) or filename.startswith((*PYTHONS_OWN, *INSTALLED)))
+
+
+def is_user_object(value: Any) -> bool:
+    """An object of a class of the user's whose attributes live in its ``__dict__``."""
+    return (
+        not isinstance(value, (type, nn.Module, torch.Tensor))
+        and hasattr(value, "__dict__")
+        and is_user_class(type(value))
+    )
+
+
+def _intercepted(cls: type) -> bool:
+    """Reads on ``cls``'s objects are recorded from now on in this capture: its class is
+    patched as the registered modules' are, until the capture ends."""
+    done, stack = getattr(_local, "intercepted", None), getattr(_local, "stack", None)
+    if done is None or stack is None:
+        return False
+    if cls not in done:
+        try:
+            stack.enter_context(_recording_on(cls))
+        except (TypeError, AttributeError):  # a class whose attributes cannot be set
+            return False
+        done.add(cls)
+    return True
+
+
 def watch_object(obj: Any, label: str) -> None:
     """Record the attribute reads on ``obj`` from now on, for the capture in this thread (a
-    module that build()'s code reaches through a global or a closure variable)."""
+    module that build()'s code reaches through a global or a closure variable, an object of a
+    class of the user's that it reaches in any way)."""
     watch = getattr(_local, "watch", None)
-    if watch is not None and id(obj) not in watch and hasattr(obj, "__dict__"):
-        watch[id(obj)] = (label, _MODULE_OWN if isinstance(obj, nn.Module) else frozenset())
+    if watch is None or id(obj) in watch or not hasattr(obj, "__dict__"):
+        return
+    if isinstance(obj, nn.Module):
+        watch[id(obj)] = (label, _MODULE_OWN)
+    elif is_user_object(obj) and _intercepted(type(obj)):
+        watch[id(obj)] = (label, frozenset())
 
 
 def _recording(original: Any) -> Any:
@@ -263,9 +355,13 @@ def recording_attribute_reads(
     with contextlib.ExitStack() as stack:
         for cls in classes:
             stack.enter_context(_recording_on(cls))
+        # the user's classes whose objects the capture reaches are patched as it goes, on the
+        # same stack (``watch_object``)
         _local.watch, _local.reads = watch, {}
+        _local.stack, _local.intercepted = stack, set(classes)
         try:
             yield reads
         finally:
             reads.extend(_local.reads.values())
             _local.watch, _local.reads = {}, None
+            _local.stack, _local.intercepted = None, None

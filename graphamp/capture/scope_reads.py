@@ -10,13 +10,21 @@ read, with its value, as an ``AttributeRead`` of the module's globals or of the 
 the program runs only while they hold (``records/guards.py``).
 
 What is recorded, by the value's kind (``reads.guard_form`` for data):
-- numbers, strings, flags, dtypes and small containers of them: by value (contents copied);
-- tensors, functions and classes: by identity (a global rebound to another function or tensor
-  captures again; a tensor's values are read live by the step, ``cleanup.lift_constants``);
+- numbers, strings, flags, dtypes and small containers of them: by value (contents copied;
+  a container holding functions or tensors beside its numbers: those by identity,
+  ``contents.Contents``);
+- tensors, functions (``functools.partial`` objects too) and classes: by identity (a global
+  rebound to another function or tensor captures again; a tensor's values are read live by the
+  step, ``cleanup.lift_constants``);
 - ``nn.Module`` objects: by identity, and their attributes are recorded from then on as a
-  registered module's are (a loss module closed over but never registered).
-Left out: imported modules (``import torch as t`` is not a setting), builtins, and other objects
-(loggers, registries), whose contents cannot be compared cheaply. A closure variable of a
+  registered module's are (a loss module closed over but never registered);
+- objects of the user's own classes (a hand-written options object): the same;
+- an attribute read straight off a class of the user's (``Config.kl_weight``: the instruction
+  after the load reads it): on the class that holds it (``reads.record_class_read``); off a
+  module of the user's (``import config`` then ``config.kl_weight``): as a global of it.
+Left out: imported modules (``import torch as t`` is not a setting), builtins, and other
+objects (a library's logger, tokenizer or registry), whose contents cannot be compared cheaply
+and whose caches change as they are used. A closure variable of a
 function defined while build() runs is a local of the traced code, not a setting.
 
 Writes are the other half: a global that build() assigns (``STORE_GLOBAL``; a step counter) is
@@ -34,9 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import functools
 import gc
 import sys
-import sysconfig
 import threading
 import types
 import weakref
@@ -50,35 +58,45 @@ from ..records.frames import UserFrame
 from ..records.guards import AttributeRead, CellNamespace
 from ..records.replays import MISSING, Place
 from ..torchkit.fxutil import is_library_file
-from .reads import guard_form, watch_object
+from .reads import (
+    INSTALLED,
+    PYTHONS_OWN,
+    guard_form,
+    is_user_module,
+    is_user_object,
+    record_class_read,
+    watch_object,
+)
 from .state_writes import Change
 
-_PATHS = sysconfig.get_paths()
-_STDLIB = tuple({_PATHS[k].rstrip("/") + "/" for k in ("stdlib", "platstdlib")})
-_INSTALLED = tuple({_PATHS[k].rstrip("/") + "/" for k in ("purelib", "platlib")})
 _active = threading.local()  # .tracer: the trace function of this thread's capture
 _WATCHED_OPS = {"LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF", "STORE_GLOBAL", "STORE_DEREF"}
+_ATTRIBUTE_OPS = {"LOAD_ATTR", "LOAD_METHOD"}
+_Op = tuple[str, str, "str | None"]  # opname, the variable's name, the attribute read off it
 # per code object, what to watch in it; weak: a notebook cell run again makes new code objects
-_traced_code: weakref.WeakKeyDictionary[types.CodeType, dict[int, tuple[str, str]] | None] = (
+_traced_code: weakref.WeakKeyDictionary[types.CodeType, dict[int, _Op] | None] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _ops_of(code: types.CodeType) -> dict[int, tuple[str, str]] | None:
-    """{offset: (opname, name)} of the reads and writes to watch in ``code``; None for code
-    that is not the user's."""
+def _ops_of(code: types.CodeType) -> dict[int, _Op] | None:
+    """{offset: (opname, name, attribute)} of the reads and writes to watch in ``code``; None
+    for code that is not the user's. ``attribute``: the name the next instruction reads off the
+    variable's value (``Config.kl_weight``), where it does so on every path."""
     ops = _traced_code.get(code, _traced_code)
     if ops is not _traced_code:
         return ops  # type: ignore[return-value]
     filename = code.co_filename
     ops = None
-    standard = filename.startswith(_STDLIB) and not filename.startswith(_INSTALLED)
+    standard = filename.startswith(PYTHONS_OWN) and not filename.startswith(INSTALLED)
     if not is_library_file(filename) and not standard:
-        ops = {
-            i.offset: (i.opname, i.argval)
-            for i in dis.get_instructions(code)
-            if i.opname in _WATCHED_OPS
-        }
+        ops = {}
+        instructions = list(dis.get_instructions(code))
+        for i, after in zip(instructions, [*instructions[1:], instructions[-1]]):
+            if i.opname in _WATCHED_OPS:
+                read_off = after is not i and after.opname in _ATTRIBUTE_OPS
+                attribute = after.argval if read_off and not after.is_jump_target else None
+                ops[i.offset] = (i.opname, i.argval, attribute)
     _traced_code[code] = ops
     return ops
 
@@ -119,30 +137,43 @@ class ScopeReads:
 
         return local
 
-    def _on_op(self, frame: types.FrameType, opname: str, name: str) -> None:
+    def _on_op(self, frame: types.FrameType, opname: str, name: str, attribute: str | None) -> None:
         try:
             if opname == "LOAD_GLOBAL":
-                self._read_global(frame, name)
+                self._read_global(frame, name, attribute)
             elif opname == "STORE_GLOBAL":
                 self._write_global(frame, name)
             elif name in frame.f_code.co_freevars:
                 if opname == "STORE_DEREF":
                     self._refuse_nonlocal_write(frame, name)
                 else:
-                    self._read_free(frame, name)
+                    self._read_free(frame, name, attribute)
         except CaptureError as e:
             self.refused = self.refused or e
 
     # -- globals ---------------------------------------------------------------------------
-    def _read_global(self, frame: types.FrameType, name: str) -> None:
-        namespace = frame.f_globals
+    def _read_global(self, frame: types.FrameType, name: str, attribute: str | None) -> None:
+        value = self._read_in(frame.f_globals, name)
+        if attribute is None:
+            return
+        if isinstance(value, type):
+            record_class_read(value, attribute)  # Config.kl_weight: kept on the class
+        elif isinstance(value, types.ModuleType) and is_user_module(value):
+            self._read_in(vars(value), attribute)  # config.kl_weight: a global of config
+
+    def _read_in(self, namespace: dict, name: str) -> Any:
+        """Record the read of the global ``name`` of ``namespace``; its value (MISSING for a
+        builtin)."""
         key = (id(namespace), name)
-        if key in self.reads or key in self.written or name not in namespace or key in self.skip:
-            return  # builtins are not settings
-        label = f"global {name} ({namespace.get('__name__', '?')})"
-        read = _read(label, namespace, name, namespace[name])
-        if read is not None:
-            self.reads[key] = read
+        if key in self.written or name not in namespace or key in self.skip:
+            return MISSING  # builtins are not settings
+        value = namespace[name]
+        if key not in self.reads:
+            label = f"global {name} ({namespace.get('__name__', '?')})"
+            read = _read(label, namespace, name, value)
+            if read is not None:
+                self.reads[key] = read
+        return value
 
     def _write_global(self, frame: types.FrameType, name: str) -> None:
         namespace = frame.f_globals
@@ -160,11 +191,17 @@ class ScopeReads:
         self.reads.pop(key, None)  # what the trace reads of it afterwards is its own value
 
     # -- closures --------------------------------------------------------------------------
-    def _read_free(self, frame: types.FrameType, name: str) -> None:
+    def _read_free(self, frame: types.FrameType, name: str, attribute: str | None) -> None:
         if name == "__class__":  # the cell zero-argument super() reads
             return
         value = frame.f_locals.get(name, MISSING)
-        if value is MISSING or not _is_setting(value) or self._defined_in_traced_code(frame, name):
+        class_read = attribute is not None and isinstance(value, type)
+        if value is MISSING or not (class_read or _is_setting(value)):
+            return
+        if self._defined_in_traced_code(frame, name):
+            return
+        if attribute is not None and isinstance(value, type):  # Config.kl_weight: on the class
+            record_class_read(value, attribute)  # (the class itself is code, not a setting)
             return
         cell = _cell_of(frame, name, value)
         if cell is None:
@@ -261,7 +298,7 @@ def _is_setting(value: Any) -> bool:
     every object, at every wrapper."""
     if isinstance(value, (torch.Tensor, nn.Module)):
         return True
-    return guard_form(value)[1]
+    return guard_form(value)[1] or is_user_object(value)
 
 
 def _read(label: str, namespace: Any, name: str, value: Any) -> AttributeRead | None:
@@ -271,9 +308,14 @@ def _read(label: str, namespace: Any, name: str, value: Any) -> AttributeRead | 
     if isinstance(value, nn.Module):
         watch_object(value, label)
         return AttributeRead(label, namespace, name, value, by_value=False)
-    if isinstance(value, (torch.Tensor, type, types.FunctionType, types.BuiltinFunctionType)):
+    if isinstance(value, (torch.Tensor, type, types.FunctionType, types.BuiltinFunctionType)) or (
+        isinstance(value, functools.partial)  # a loss made with partial(F.cross_entropy, ...)
+    ):
         return AttributeRead(label, namespace, name, value, by_value=False)
     kept, by_value = guard_form(value)
+    if not by_value and is_user_object(value):  # an options object of the user's class
+        watch_object(value, name)
+        return AttributeRead(label, namespace, name, value, by_value=False)
     if not by_value:
         return None  # an object whose contents cannot be compared cheaply
     return AttributeRead(label, namespace, name, kept, by_value=True)
@@ -297,7 +339,7 @@ def _cell_of(frame: types.FrameType, name: str, value: Any) -> types.CellType | 
                 if cell is not None:
                     return cell
         outer = outer.f_back
-    if code.co_filename.startswith(_INSTALLED):
+    if code.co_filename.startswith(INSTALLED):
         return None
     for candidate in gc.get_referrers(code):
         if isinstance(candidate, types.FunctionType):

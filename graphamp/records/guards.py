@@ -64,8 +64,9 @@ class AttributeRead:
 
     def describe_change(self) -> str:
         now = self.current()
-        if self.value is ABSENT:  # a class attribute's read, now shadowed on the instance
-            return f"{self.label} was set on the instance to {now!r}"
+        if self.value is ABSENT:  # a class attribute's read, now shadowed
+            on = "subclass" if isinstance(self.namespace, ClassNamespace) else "instance"
+            return f"{self.label} was set on the {on} to {now!r}"
         shown = "deleted" if now is ABSENT else f"{now!r}"
         return f"{self.label} changed from {self.value!r} to {shown}"
 

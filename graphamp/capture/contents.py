@@ -1,0 +1,123 @@
+"""A container of settings that also holds objects, kept as a guard: ``{"w": 0.5, "act": F.gelu}``.
+
+``reads.guard_form`` keeps a container of plain values (numbers, strings, flags) as a copy and
+compares it by equality at every call. A dict of hyperparameters often holds a function, a
+module or a tensor beside its numbers; a copy cannot be made of those (a tensor would be copied,
+a module's equality is identity anyway), so such a container was compared by identity only, and
+a number changed in it in place was baked into the step. ``Contents`` keeps its structure with
+the plain values copied and the other objects by reference: it is equal to a container of the
+same shape whose plain values are equal and whose other values are the same objects.
+
+Only containers holding at least one plain value are kept this way: a container of objects alone
+is a registry or a cache (a library's table of kernels filled as it is used), not settings, and
+stays compared by identity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import types
+from typing import Any
+
+import torch
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)
+_RECORDS = (argparse.Namespace, types.SimpleNamespace)  # objects that are their fields
+
+
+def is_plain(value: Any) -> bool:
+    """Immutable values compared by equality (a tuple of them too)."""
+    if isinstance(value, _PLAIN):
+        return True
+    return isinstance(value, (tuple, frozenset)) and all(map(is_plain, value))
+
+
+def is_record(value: Any) -> bool:
+    """A dataclass object or a namespace: an object that is its fields."""
+    return (dataclasses.is_dataclass(value) and not isinstance(value, type)) or isinstance(
+        value, _RECORDS
+    )
+
+
+def items_of(value: Any) -> list[tuple[Any, Any]] | None:
+    """(key, value) of a container's entries (``None`` keys for a sequence or set); None for
+    anything that is not a dict, list, tuple, set, dataclass object or namespace."""
+    if type(value) is dict:
+        return list(value.items())
+    if type(value) in (list, set, tuple, frozenset):
+        return [(None, v) for v in value]
+    if is_record(value):
+        return list(vars(value).items())
+    return None
+
+
+def mixed_contents(value: Any, limit: int) -> bool:
+    """Is ``value`` a container of at most ``limit`` entries in all, whose keys are plain, that
+    holds at least one plain value and objects beside them?"""
+    budget, plain = [limit], [0]
+    return _walk(value, budget, plain) and plain[0] > 0
+
+
+def _walk(value: Any, budget: list[int], plain: list[int]) -> bool:
+    items = items_of(value)
+    if items is None:
+        return False
+    for key, item in items:
+        budget[0] -= 1
+        if budget[0] < 0 or not is_plain(key):
+            return False
+        if is_plain(item):
+            plain[0] += 1
+        elif items_of(item) is not None and not _walk(item, budget, plain):
+            return False
+    return True
+
+
+class Contents:
+    """A container's snapshot: plain values copied, other objects by reference (module
+    docstring); ``==`` to a container that still holds the same."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, value: Any) -> None:
+        self.kind = type(value)
+        items = items_of(value) or []
+        self.items = [(k, Contents(v) if items_of(v) is not None else v) for k, v in items]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Contents):
+            return other is self
+        if type(other) is not self.kind:
+            return False
+        now = items_of(other) or []
+        if len(now) != len(self.items):
+            return False
+        if self.kind in (set, frozenset):  # sets hold plain values only (hashable)
+            return set(other) == {v for _, v in self.items}  # type: ignore[call-overload]
+        return all(
+            k == k_now and _same(v, v_now) for (k, v), (k_now, v_now) in zip(self.items, now)
+        )
+
+    def __repr__(self) -> str:
+        if self.kind is dict:
+            return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in self.items) + "}"
+        if self.kind in (list, tuple):
+            inner = ", ".join(repr(v) for _, v in self.items)
+            return f"[{inner}]" if self.kind is list else f"({inner})"
+        if self.kind in (set, frozenset):
+            return "{" + ", ".join(repr(v) for _, v in self.items) + "}"
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.items)
+        return f"{self.kind.__name__}({fields})"
+
+
+def _same(kept: Any, now: Any) -> bool:
+    if isinstance(kept, Contents):
+        return kept == now
+    if is_plain(kept):
+        try:
+            return type(now) is type(kept) and bool(now == kept)
+        except Exception:  # a value that cannot say whether it is equal has changed
+            return False
+    return now is kept
