@@ -12,6 +12,7 @@ program it had.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import logging
@@ -770,6 +771,7 @@ def test_a_global_of_another_module_of_the_users_read_through_it_is_honoured(
 HYPER = {"w": 1.0, "act": torch.tanh}  # numbers beside a function: a mixed container
 LOSS_FN = functools.partial(torch.mul, other=1.0)  # a loss made with functools.partial
 REGISTRY = {"tanh": torch.tanh}  # functions only: a registry, filled as the program runs
+ORDERED = collections.OrderedDict(w=1.0)  # a dict subclass of hyperparameters
 
 
 @pytest.mark.parametrize(
@@ -788,6 +790,12 @@ REGISTRY = {"tanh": torch.tanh}  # functions only: a registry, filled as the pro
             "global HYPER",
         ),
         (
+            "a number in a global OrderedDict",
+            lambda out: out * ORDERED["w"],
+            lambda s: ORDERED.update(w=2.0 if s > 2 else 1.0),
+            "global ORDERED",
+        ),
+        (
             "a global partial rebound",
             lambda out: LOSS_FN(out),
             lambda s: globals().update(LOSS_FN=functools.partial(torch.mul, other=1.0 + (s > 1))),
@@ -802,6 +810,7 @@ def test_containers_holding_objects_and_partials_are_honoured(what, read, change
         return loss
 
     saved = dict(HYPER), LOSS_FN
+    ORDERED["w"] = 1.0
     try:
         _assert_like_eager(lambda s, m: change(s), build=build, caplog=caplog, expect=[words])
     finally:
@@ -829,4 +838,64 @@ def test_a_dict_of_functions_only_filled_as_the_program_runs_compiles_nothing_ne
     finally:
         for key in [k for k in REGISTRY if k != "tanh"]:
             del REGISTRY[key]
+    assert len(g.compiled_steps) == 1
+
+
+class WithGain(nn.Module):
+    """A module with a plain tensor attribute (not a buffer) the loop binds to a new tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gain = torch.ones(8)
+
+    def forward(self, x):
+        return (self.lin(x) * self.gain).pow(2).mean()
+
+
+def test_a_plain_tensor_attribute_bound_to_another_tensor_is_honoured(caplog):
+    """Its values are read live (an input of the step); bound to a new tensor, the step is
+    captured again, where it kept reading the old one."""
+
+    def change(step, model):
+        if step == 3:
+            model.gain = torch.full((8,), 2.0)
+
+    _assert_like_eager(change, model_cls=WithGain, caplog=caplog, expect=["self.model.gain"])
+
+
+def test_numpy_scalars_a_schedule_gives_are_honoured(caplog):
+    np = pytest.importorskip("numpy")
+    schedule = np.linspace(0.5, 2.0, 6, dtype=np.float32)  # np.float32 values
+    values = {"beta": schedule[0]}
+
+    def build(self, x, y):
+        loss = self.model(x) * values["beta"]
+        loss.backward()
+        return loss
+
+    def change(step, model):
+        values["beta"] = schedule[step // 3]
+
+    _assert_like_eager(
+        change, build=build, caplog=caplog, expect=["closure variable values", "np.float32(0.8)"]
+    )
+
+
+def test_a_mixed_dict_with_the_same_values_in_another_order_reuses_the_step():
+    saved = dict(HYPER), LOSS_FN
+
+    def build(self, x, y):
+        loss = HYPER["act"](self.model(x)) * HYPER["w"]
+        loss.backward()
+        return loss
+
+    def change(step, model):
+        last = "w" if step % 2 else "act"
+        HYPER[last] = HYPER.pop(last)  # the same values, the keys in another order
+
+    try:
+        _, _, g = _train(VAE, change, graph=True, build=build)
+    finally:
+        _put_back_hyper(saved)
     assert len(g.compiled_steps) == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import sys
 import types
 from typing import Any
 
@@ -28,10 +29,16 @@ _RECORDS = (argparse.Namespace, types.SimpleNamespace)  # objects that are their
 
 
 def is_plain(value: Any) -> bool:
-    """Immutable values compared by equality (a tuple of them too)."""
-    if isinstance(value, _PLAIN):
+    """Immutable values compared by equality (a tuple of them too; numpy's scalars, which a
+    schedule made with numpy gives: ``np.linspace(0, 1, n, dtype=np.float32)[step]``)."""
+    if isinstance(value, _PLAIN) or _is_numpy_scalar(value):
         return True
     return isinstance(value, (tuple, frozenset)) and all(map(is_plain, value))
+
+
+def _is_numpy_scalar(value: Any) -> bool:
+    numpy = sys.modules.get("numpy")  # never imported here: a value of it means it is
+    return numpy is not None and isinstance(value, numpy.generic)
 
 
 def is_record(value: Any) -> bool:
@@ -43,8 +50,9 @@ def is_record(value: Any) -> bool:
 
 def items_of(value: Any) -> list[tuple[Any, Any]] | None:
     """(key, value) of a container's entries (``None`` keys for a sequence or set); None for
-    anything that is not a dict, list, tuple, set, dataclass object or namespace."""
-    if type(value) is dict:
+    anything that is not a dict (or a subclass of dict), list, tuple, set, dataclass object or
+    namespace."""
+    if isinstance(value, dict):  # an OrderedDict, an attribute dict of hyperparameters too
         return list(value.items())
     if type(value) in (list, set, tuple, frozenset):
         return [(None, v) for v in value]
@@ -96,12 +104,15 @@ class Contents:
             return False
         if self.kind in (set, frozenset):  # sets hold plain values only (hashable)
             return set(other) == {v for _, v in self.items}  # type: ignore[call-overload]
+        if issubclass(self.kind, dict):  # as dicts compare: whatever the order of the keys
+            by_key = dict(now)
+            return all(k in by_key and _same(v, by_key[k]) for k, v in self.items)
         return all(
             k == k_now and _same(v, v_now) for (k, v), (k_now, v_now) in zip(self.items, now)
         )
 
     def __repr__(self) -> str:
-        if self.kind is dict:
+        if issubclass(self.kind, dict):
             return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in self.items) + "}"
         if self.kind in (list, tuple):
             inner = ", ".join(repr(v) for _, v in self.items)

@@ -29,8 +29,9 @@ What is recorded, and how it is compared at every call (``guard_form``):
 Left out, each for a reason:
 - what ``nn.Module.__init__`` itself sets (parameters, buffers, children, hooks, ``training``):
   the structure key already holds the module tree, the hook count and train/eval;
-- tensors: parameters and buffers are step inputs and plain tensor attributes are lifted as live
-  inputs (``cleanup.lift_constants``), so their values are never baked in;
+- parameters and buffers: they are step inputs. A plain tensor attribute is lifted as a live
+  input (``cleanup.lift_constants``), so its values are never baked in, and recorded by identity:
+  bound to another tensor, the step is captured again (it would still read the old one);
 - modules: the structure key holds the module tree by identity;
 - dunder names (``__dict__``, ``__class__``): Python's machinery, not settings;
 - what the Graph's own ``__init__`` set (its config, registry and runtime): the config is part
@@ -54,6 +55,8 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..records.guards import ABSENT, AttributeRead, ClassNamespace
 from ..torchkit.fxutil import is_library_file
@@ -77,7 +80,9 @@ def guard_form(value: Any) -> tuple[Any, bool]:
     if _plain_contents(value, [CONTENT_LIMIT]):
         if is_record(value):
             return Fields(type(value), copy.deepcopy(vars(value))), True
-        return copy.deepcopy(value), True
+        if type(value) in (dict, list, set, tuple, frozenset):
+            return copy.deepcopy(value), True
+        return Contents(value), True  # a dict subclass: its own copy may not compare alike
     if mixed_contents(value, CONTENT_LIMIT):
         return Contents(value), True
     return value, False
@@ -123,7 +128,7 @@ def _record(obj: Any, name: str, value: Any) -> None:
     if watch is None or name.startswith("__") or (id(obj), name) in _local.reads:
         return
     label, left_out = watch
-    if name in left_out or isinstance(value, (torch.Tensor, nn.Module)):
+    if name in left_out or isinstance(value, nn.Module) or _traced(value):
         return
     namespace = object.__getattribute__(obj, "__dict__")
     if namespace.get(name, _record) is value:
@@ -167,7 +172,7 @@ def _record_on_class(cls: type, owner: type, name: str, value: Any) -> bool:
     """Record ``owner.<name>`` (``value``) as read through ``cls``, and that none of the classes
     between them shadows it; whether it is a setting (a function, property or other descriptor
     is code, and a class is compared by identity where it is read)."""
-    if isinstance(value, type) or hasattr(type(value), "__get__"):
+    if isinstance(value, type) or hasattr(type(value), "__get__") or _traced(value):
         return False
     kept, by_value = guard_form(value)
     _local.reads.setdefault(
@@ -194,6 +199,12 @@ def _record_on_class(cls: type, owner: type, name: str, value: Any) -> bool:
     if not by_value:
         watch_object(value, f"{owner.__name__}.{name}")
     return True
+
+
+def _traced(value: Any) -> bool:
+    """A value of the trace itself (a float lifted as an input is one while build() runs): the
+    step's input, not a setting."""
+    return isinstance(value, (FakeTensor, FunctionalTensor))
 
 
 def _is_torch_class(cls: type) -> bool:
