@@ -899,3 +899,17 @@ def test_a_mixed_dict_with_the_same_values_in_another_order_reuses_the_step():
     finally:
         _put_back_hyper(saved)
     assert len(g.compiled_steps) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_a_kl_weight_from_a_numpy_schedule_compiles_twice_and_equals_eager(dtype, caplog):
+    """np.linspace's values, numpy floats, are lifted as inputs as Python floats are."""
+    np = pytest.importorskip("numpy")
+    schedule = np.linspace(0.0, 1.0, 6, dtype=dtype)
+
+    def anneal(step, model):
+        global KL_WEIGHT
+        KL_WEIGHT = schedule[step]
+
+    g = _assert_like_eager(anneal, caplog=caplog, expect=["takes it as an input"])
+    assert len(g.compiled_steps) == 2

@@ -243,9 +243,19 @@ def is_user_object(value: Any) -> bool:
     """An object of a class of the user's whose attributes live in its ``__dict__``."""
     return (
         not isinstance(value, (type, nn.Module, torch.Tensor))
-        and hasattr(value, "__dict__")
+        and _has_dict(value)
         and is_user_class(type(value))
     )
+
+
+def _has_dict(value: Any) -> bool:
+    """Does ``value`` keep its attributes in a ``__dict__`` (asked without the class's own
+    ``__getattr__``, which may raise anything)?"""
+    try:
+        object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return False
+    return True
 
 
 def _intercepted(cls: type) -> bool:
@@ -268,7 +278,7 @@ def watch_object(obj: Any, label: str) -> None:
     module that build()'s code reaches through a global or a closure variable, an object of a
     class of the user's that it reaches in any way)."""
     watch = getattr(_local, "watch", None)
-    if watch is None or id(obj) in watch or not hasattr(obj, "__dict__"):
+    if watch is None or id(obj) in watch or not _has_dict(obj):
         return
     if isinstance(obj, nn.Module):
         watch[id(obj)] = (label, _MODULE_OWN)

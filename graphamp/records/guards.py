@@ -24,6 +24,7 @@ wording every log line and error uses.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any, NamedTuple, Sequence
@@ -138,10 +139,10 @@ class LiftedValue:
     holder: torch.Tensor  # the step's input: the value, copied in before each call
 
     def holds(self) -> bool:
-        return type(self.read.current()) is float
+        return is_float_number(self.read.current())
 
     def feed(self) -> None:
-        self.holder.fill_(self.read.current())
+        self.holder.fill_(float(self.read.current()))
 
 
 def liftable(read: AttributeRead | None) -> bool:
@@ -149,9 +150,18 @@ def liftable(read: AttributeRead | None) -> bool:
     return (
         read is not None
         and read.by_value
-        and type(read.value) is float
-        and type(read.current()) is float
+        and is_float_number(read.value)
+        and is_float_number(read.current())
     )
+
+
+def is_float_number(value: Any) -> bool:
+    """A Python float, or numpy's (a schedule made with ``np.linspace``: ``np.float64``,
+    ``np.float32``), which torch's ops take as a Python number; not a bool or an int."""
+    if type(value) is float:
+        return True
+    numpy = sys.modules.get("numpy")  # never imported here: a value of it means it is
+    return numpy is not None and isinstance(value, numpy.floating)
 
 
 @dataclass(frozen=True, eq=False)

@@ -25,7 +25,7 @@ from ..errors import CaptureError
 from ..forensics.autofix import Autofix
 from ..inspect.report import log_program_summary
 from ..pipeline import build_program
-from ..records.guards import AttributeRead, BuildRequest, Change, liftable
+from ..records.guards import AttributeRead, BuildRequest, Change, is_float_number, liftable
 from ..records.inputs import (
     FlatInputs,
     changed_floats,
@@ -260,7 +260,7 @@ def _lifted(run: GraphRuntime, change: Change | None) -> tuple[AttributeRead, ..
             run.name,
             read.label,
         )
-    return tuple(r for r in run.lifted.values() if type(r.current()) is float)
+    return tuple(r for r in run.lifted.values() if is_float_number(r.current()))
 
 
 def _pipeline(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Program:
