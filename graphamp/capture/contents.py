@@ -61,26 +61,41 @@ def items_of(value: Any) -> list[tuple[Any, Any]] | None:
     return None
 
 
+def plain_contents(value: Any, limit: int) -> bool:
+    """Is ``value`` a container of at most ``limit`` entries in all whose keys and values are
+    all plain (a dict of hyperparameters)?"""
+    counts = _count(value, limit)
+    return counts is not None and counts[1] == 0
+
+
 def mixed_contents(value: Any, limit: int) -> bool:
     """Is ``value`` a container of at most ``limit`` entries in all, whose keys are plain, that
-    holds at least one plain value and objects beside them?"""
-    budget, plain = [limit], [0]
-    return _walk(value, budget, plain) and plain[0] > 0
+    holds plain values and other objects beside them?"""
+    counts = _count(value, limit)
+    return counts is not None and counts[0] > 0 and counts[1] > 0
 
 
-def _walk(value: Any, budget: list[int], plain: list[int]) -> bool:
+def _count(value: Any, limit: int) -> tuple[int, int] | None:
+    """(plain values, other objects) among a container's leaves, nested containers walked;
+    None for what is not a container, one with a key that is not plain, or past ``limit``."""
     items = items_of(value)
     if items is None:
-        return False
+        return None
+    plain = other = 0
     for key, item in items:
-        budget[0] -= 1
-        if budget[0] < 0 or not is_plain(key):
-            return False
+        limit -= 1
+        if limit < 0 or not is_plain(key):
+            return None
         if is_plain(item):
-            plain[0] += 1
-        elif items_of(item) is not None and not _walk(item, budget, plain):
-            return False
-    return True
+            plain += 1
+        elif items_of(item) is None:
+            other += 1
+        else:
+            inner = _count(item, limit)
+            if inner is None:
+                return None
+            plain, other, limit = plain + inner[0], other + inner[1], limit - sum(inner)
+    return plain, other
 
 
 class Contents:

@@ -60,7 +60,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..records.guards import ABSENT, AttributeRead, ClassNamespace
 from ..torchkit.fxutil import is_library_file
-from .contents import Contents, is_plain, is_record, items_of, mixed_contents
+from .contents import Contents, is_plain, is_record, mixed_contents, plain_contents
 from .patching import SharedPatch
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring
@@ -77,7 +77,7 @@ def guard_form(value: Any) -> tuple[Any, bool]:
     compared by identity."""
     if is_plain(value):
         return value, True
-    if _plain_contents(value, [CONTENT_LIMIT]):
+    if plain_contents(value, CONTENT_LIMIT):
         if is_record(value):
             return Fields(type(value), copy.deepcopy(vars(value))), True
         if type(value) in (dict, list, set, tuple, frozenset):
@@ -86,21 +86,6 @@ def guard_form(value: Any) -> tuple[Any, bool]:
     if mixed_contents(value, CONTENT_LIMIT):
         return Contents(value), True
     return value, False
-
-
-def _plain_contents(value: Any, budget: list[int]) -> bool:
-    """Is ``value`` a container (dict, list, set, tuple, dataclass, namespace) whose leaves are
-    all plain, with at most ``budget[0]`` of them?"""
-    items = items_of(value)
-    if items is None:
-        return False
-    for key, item in items:
-        budget[0] -= 1
-        if budget[0] < 0 or not is_plain(key):
-            return False
-        if not is_plain(item) and not _plain_contents(item, budget):
-            return False
-    return True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -175,25 +160,15 @@ def _record_on_class(cls: type, owner: type, name: str, value: Any) -> bool:
     if isinstance(value, type) or hasattr(type(value), "__get__") or _traced(value):
         return False
     kept, by_value = guard_form(value)
-    _local.reads.setdefault(
-        (id(owner), name),
-        AttributeRead(
-            label=f"{owner.__name__}.{name}",
-            namespace=ClassNamespace(owner),
-            name=name,
-            value=kept,
-            by_value=by_value,
-        ),
-    )
-    for between in cls.__mro__[: cls.__mro__.index(owner)]:
+    for c in cls.__mro__[: cls.__mro__.index(owner) + 1]:  # those between hold none: ABSENT
         _local.reads.setdefault(
-            (id(between), name),
+            (id(c), name),
             AttributeRead(
-                label=f"{between.__name__}.{name}",
-                namespace=ClassNamespace(between),
+                label=f"{c.__name__}.{name}",
+                namespace=ClassNamespace(c),
                 name=name,
-                value=ABSENT,
-                by_value=False,
+                value=kept if c is owner else ABSENT,
+                by_value=by_value and c is owner,
             ),
         )
     if not by_value:

@@ -195,13 +195,13 @@ class ScopeReads:
         if name == "__class__":  # the cell zero-argument super() reads
             return
         value = frame.f_locals.get(name, MISSING)
-        class_read = attribute is not None and isinstance(value, type)
-        if value is MISSING or not (class_read or _is_setting(value)):
+        read_off = attribute if isinstance(value, type) else None  # Config.kl_weight
+        if value is MISSING or not (read_off or _is_setting(value)):
             return
         if self._defined_in_traced_code(frame, name):
             return
-        if attribute is not None and isinstance(value, type):  # Config.kl_weight: on the class
-            record_class_read(value, attribute)  # (the class itself is code, not a setting)
+        if read_off is not None:  # kept on the class (the class itself is code, not a setting)
+            record_class_read(value, read_off)
             return
         cell = _cell_of(frame, name, value)
         if cell is None:
