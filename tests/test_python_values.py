@@ -913,3 +913,30 @@ def test_a_kl_weight_from_a_numpy_schedule_compiles_twice_and_equals_eager(dtype
 
     g = _assert_like_eager(anneal, caplog=caplog, expect=["takes it as an input"])
     assert len(g.compiled_steps) == 2
+
+
+@dataclasses.dataclass
+class Bench:
+    """A dataclass of the user's holding data and functions beside a name: watched, not copied."""
+
+    name: str
+    loss: object
+    batches: list
+
+
+def test_a_dataclass_of_data_and_functions_checks_only_the_fields_build_reads():
+    bench = Bench("run", torch.tanh, [torch.randn(4, 8) for _ in range(200)])
+
+    def build(self, x, y):
+        loss = bench.loss(self.model(x))
+        loss.backward()
+        return loss
+
+    def change(step, model):
+        bench.name = f"run {step}"  # never read by build(): compiles nothing
+        bench.batches.append(torch.zeros(1))
+        if step == 3:
+            bench.loss = torch.sigmoid  # read: captured again
+
+    _, _, g = _train(VAE, change, graph=True, build=build)
+    assert len(g.compiled_steps) == 2

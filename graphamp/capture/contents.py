@@ -76,8 +76,11 @@ def mixed_contents(value: Any, limit: int) -> bool:
 
 
 def _count(value: Any, limit: int) -> tuple[int, int] | None:
-    """(plain values, other objects) among a container's leaves, nested containers walked;
-    None for what is not a container, one with a key that is not plain, or past ``limit``."""
+    """(plain values, other objects) among a container's leaves; None for what is not a
+    container, one with a key that is not plain, or past ``limit``. A nested container that
+    holds plain values is walked; one that holds none (a list of batches, a table of
+    functions) is one object, kept by identity: comparing its every item at every call would
+    cost more than the step of a small model."""
     items = items_of(value)
     if items is None:
         return None
@@ -86,16 +89,23 @@ def _count(value: Any, limit: int) -> tuple[int, int] | None:
         limit -= 1
         if limit < 0 or not is_plain(key):
             return None
+        inner = _settings_in(item, limit)
         if is_plain(item):
             plain += 1
-        elif items_of(item) is None:
+        elif inner is None:
             other += 1
         else:
-            inner = _count(item, limit)
-            if inner is None:
-                return None
             plain, other, limit = plain + inner[0], other + inner[1], limit - sum(inner)
     return plain, other
+
+
+def _settings_in(value: Any, limit: int) -> tuple[int, int] | None:
+    """``_count`` of a nested container that holds plain values or nothing (a list the loop
+    may fill); None for anything else."""
+    if is_plain(value) or items_of(value) is None:
+        return None
+    counts = _count(value, limit)
+    return counts if counts is not None and (counts[0] > 0 or counts[1] == 0) else None
 
 
 class Contents:
@@ -104,10 +114,12 @@ class Contents:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, limit: int = 256) -> None:
         self.kind = type(value)
         items = items_of(value) or []
-        self.items = [(k, Contents(v) if items_of(v) is not None else v) for k, v in items]
+        self.items = [
+            (k, Contents(v, limit) if _settings_in(v, limit) is not None else v) for k, v in items
+        ]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Contents):

@@ -84,6 +84,8 @@ def guard_form(value: Any) -> tuple[Any, bool]:
             return copy.deepcopy(value), True
         return Contents(value), True  # a dict subclass: its own copy may not compare alike
     if mixed_contents(value, CONTENT_LIMIT):
+        if is_record(value) and is_user_object(value):  # watched: only the fields build() reads
+            return value, False
         return Contents(value), True
     return value, False
 
