@@ -89,10 +89,11 @@ def _count(value: Any, limit: int) -> tuple[int, int] | None:
         limit -= 1
         if limit < 0 or not is_plain(key):
             return None
-        inner = _settings_in(item, limit)
         if is_plain(item):
             plain += 1
-        elif inner is None:
+            continue
+        inner = _settings_in(item, limit)
+        if inner is None:
             other += 1
         else:
             plain, other, limit = plain + inner[0], other + inner[1], limit - sum(inner)

@@ -132,7 +132,7 @@ def _record(obj: Any, name: str, value: Any) -> None:
 def _record_class_attribute(obj: Any, namespace: dict, name: str, value: Any, label: str) -> None:
     """A data attribute of ``obj``'s class read through ``obj``: kept on the class, and the
     instance must not shadow it (a method, property or torch's own class constant is left out)."""
-    owner = next((c for c in type(obj).__mro__ if name in vars(c)), None)
+    owner = _owner_of(type(obj), name)
     if owner is None or vars(owner)[name] is not value or _is_torch_class(owner):
         return
     # through the owner itself: a subclass between them that shadows it later is not checked
@@ -150,9 +150,14 @@ def record_class_read(cls: type, name: str) -> None:
     reads = getattr(_local, "reads", None)
     if reads is None or name.startswith("__") or not is_user_class(cls):
         return
-    owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+    owner = _owner_of(cls, name)
     if owner is not None and not _is_torch_class(owner):
         _record_on_class(cls, owner, name, vars(owner)[name])
+
+
+def _owner_of(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s MRO whose own namespace holds ``name``."""
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
 
 
 def _record_on_class(cls: type, owner: type, name: str, value: Any) -> bool:
