@@ -1,16 +1,21 @@
-"""The steady step with repeated blocks outlined (the CPU's default) against inlined, one process.
+"""The steady step with repeated blocks outlined (the CPU's default) against inlined.
 
 Issue 40 §0: a fast first call must not cost the steady step. For each workload this builds
 graphamp's step twice (``config.set_outline_blocks(True)`` and ``False``) and the peer
-(``torch.compile(model)`` + ``torch.autocast`` + torch's AdamW/SGD), then times them in rounds,
-interleaved, alternating the order each round, so all three see the same machine load. bf16,
-inductor, one CPU thread unless ``--threads`` says otherwise; the step cache is off (every
-program is compiled in this process).
+(``torch.compile(model)`` + ``torch.autocast`` + torch's AdamW/SGD), each in a process of its
+own, as a user runs one, then times them in rounds, interleaved, alternating the order each
+round, so all three see the same machine load. bf16, inductor, one CPU thread unless
+``--threads`` says otherwise; the step cache is off (every program is compiled in its process).
 
     python benchmarks/outline_cost.py                        # every workload, 6 rounds
     python benchmarks/outline_cost.py --workload hf-gpt2 --rounds 4
     python benchmarks/outline_cost.py --smoke                # tiny models, aot_eager: runs?
     python benchmarks/outline_cost.py --workload gpt hf-gpt2 --fused
+
+Each program runs in a process of its own, as a user runs one: in one process the programs
+shared glibc's heap, and a program's page faults depended on what the others had freed.
+graphamp's programs keep freed memory (``config.set_keep_cpu_memory``, on by default);
+``--malloc-kept`` makes every process, torch.compile's too, start with glibc keeping it.
 
 ``--fused``: every AdamW is built with ``fused=True`` (torch's fused kernel: one op of graphamp's
 step, eager after the peer's compiled backward), and the second program is graphamp's outlined
@@ -142,37 +147,37 @@ def _block_class(model) -> type:
 
 
 def measure(
-    workload: str, rounds: int, steps: int, smoke: bool, kind: str = "plain", fused: bool = False
+    workload: str,
+    rounds: int,
+    steps: int,
+    smoke: bool,
+    kind: str = "plain",
+    fused: bool = False,
+    threads: int = 1,
+    env: dict | None = None,
 ) -> dict:
-    import copy
-
-    import torch
-
-    torch.manual_seed(0)
-    model, (x, y), loss_fn, make_opt = make_workload(workload, smoke)
-    backend = "aot_eager" if smoke else "inductor"
-    programs, first_call = {}, {}
+    """Each program in a process of its own, as a user runs it, driven in lockstep so that all
+    see the same machine load. One process for all three shared glibc's heap: a program's page
+    faults then depended on what the others had freed (ViT-Ti's block updates took 13,187 faults
+    a step beside the inlined step's 4; 3,623 and 3,400 in processes of their own)."""
     names = FUSED_PROGRAMS if fused else PROGRAMS
     other = names[1]
-    for program in names:
-        step = make_step(program, copy.deepcopy(model), loss_fn, make_opt, backend, kind, fused)
-        start = time.perf_counter()
-        step(x, y)
-        first_call[program] = time.perf_counter() - start
-        programs[program] = step
-    times: dict[str, list[float]] = {p: [] for p in names}
-    faults: dict[str, list[int]] = {p: [] for p in names}
-    for r in range(rounds):
-        for program in names if r % 2 == 0 else names[::-1]:
-            step = programs[program]
-            for _ in range(2):  # the other programs ran meanwhile: caches cold again
-                step(x, y)
-            for _ in range(steps):
-                before = _minor_faults()
-                start = time.perf_counter()
-                step(x, y)
-                times[program].append(time.perf_counter() - start)
-                faults[program].append(_minor_faults() - before)
+    spec = {"workload": workload, "smoke": smoke, "kind": kind, "fused": fused, "threads": threads}
+    programs, first_call = {}, {}
+    try:
+        for program in names:  # one at a time: their compiles would contend for the cores
+            programs[program] = _Worker({**spec, "program": program}, env)
+            first_call[program] = programs[program].reply()["first_call_s"]
+        times: dict[str, list[float]] = {p: [] for p in names}
+        faults: dict[str, list[int]] = {p: [] for p in names}
+        for r in range(rounds):
+            for program in names if r % 2 == 0 else names[::-1]:
+                got = programs[program].run(steps)
+                times[program] += got["times"]
+                faults[program] += got["faults"]
+    finally:
+        for worker in programs.values():
+            worker.stop()
     ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
     return {
         "workload": workload if kind == "plain" else f"{workload} ({kind})",
@@ -188,6 +193,66 @@ def measure(
     }
 
 
+class _Worker:
+    """One program in a child process (``--worker``): it builds the program and makes its first
+    call, then runs rounds of steps when asked. Replies are the stdout lines marked ``REPLY``."""
+
+    def __init__(self, spec: dict, env: dict | None):
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+        )  # fmt: skip
+
+    def reply(self) -> dict:
+        for line in self.proc.stdout:  # the child's other output (compile logs) is not a reply
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY) :])
+        raise RuntimeError(f"outline_cost worker exited with {self.proc.wait()}")
+
+    def run(self, steps: int) -> dict:
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        return self.reply()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait()
+
+
+REPLY = "@@outline_cost "
+
+
+def worker(spec: dict) -> None:
+    """The child's side of ``_Worker``: each stdin line is a number of timed steps, after two
+    untimed ones (the other programs ran meanwhile: caches are cold again)."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    model, (x, y), loss_fn, make_opt = make_workload(spec["workload"], spec["smoke"])
+    backend = "aot_eager" if spec["smoke"] else "inductor"
+    step = make_step(
+        spec["program"], model, loss_fn, make_opt, backend, spec["kind"], spec["fused"]
+    )
+    start = time.perf_counter()
+    step(x, y)
+    print(REPLY + json.dumps({"first_call_s": time.perf_counter() - start}), flush=True)
+    for line in sys.stdin:
+        for _ in range(2):
+            step(x, y)
+        times, faults = [], []
+        for _ in range(int(line)):
+            before = _minor_faults()
+            start = time.perf_counter()
+            step(x, y)
+            times.append(time.perf_counter() - start)
+            faults.append(_minor_faults() - before)
+        print(REPLY + json.dumps({"times": times, "faults": faults}), flush=True)
+
+
 def _minor_faults() -> int:
     import resource
 
@@ -198,7 +263,8 @@ def _minor_faults() -> int:
 # trim threshold) back to the OS, so the next step faults every page of it in again: thousands
 # of page faults a step on the CPU, and a different count for two programs that allocate in a
 # different order. These settings keep freed memory in the process (up to glibc's 32 MiB cap
-# on the mmap threshold), as a caching allocator does on the GPU.
+# on the mmap threshold), as a caching allocator does on the GPU, and as graphamp's CPU steps
+# now do by default (runner/host_memory.py, at run time): here, from the process's start.
 KEPT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
 
 
@@ -217,8 +283,10 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         f"{meta['machine']}, torch {meta['torch']}, {meta['threads']} thread(s), bf16, "
         f"inductor. Command: `{meta['command']}`",
         "",
-        "Median ms per step over every round's steps, all three programs in one process, "
-        "interleaved (the order alternates each round). "
+        "Median ms per step over every round's steps, each program in a process of its own, "
+        "driven in lockstep (the order alternates each round). graphamp's programs keep freed "
+        "memory in their process (config.set_keep_cpu_memory, the default); torch.compile's "
+        "runs with malloc as it is, unless the line above says otherwise. "
         + (
             "outlined: graphamp's default step with AdamW(fused=True); multi-tensor: the same "
             "with AdamW() (graphamp's own update); compile: torch.compile + autocast + eager "
@@ -247,7 +315,7 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> list[dict] | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--rounds", type=int, default=6)
@@ -265,8 +333,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--malloc-kept",
         action="store_true",
-        help="run with glibc's malloc keeping freed memory (KEPT_MALLOC: no page faults from "
-        "buffers given back to the OS each step); results in *_malloc_kept_cpu.*",
+        help="every program's process starts with glibc's malloc keeping freed memory "
+        "(KEPT_MALLOC), torch.compile's too; results in *_malloc_kept_cpu.*",
     )
     parser.add_argument(
         "--fused",
@@ -274,13 +342,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="AdamW(fused=True) everywhere; the second program is graphamp's multi-tensor update",
     )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a program's child process
     args = parser.parse_args(argv)
-    if args.malloc_kept and any(os.environ.get(k) != v for k, v in KEPT_MALLOC.items()):
-        # glibc reads these once, at process start: run this command again with them
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **KEPT_MALLOC})
+    if args.worker:
+        return worker(json.loads(args.worker))
     import torch
 
-    torch.set_num_threads(args.threads)
     if args.smoke:
         args.rounds, args.steps = 2, 2
     meta = {
@@ -306,7 +373,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             + ")"
         )
     for workload in args.workload:
-        row = measure(workload, args.rounds, args.steps, args.smoke, args.kind, args.fused)
+        env = KEPT_MALLOC if args.malloc_kept else None  # glibc reads them at process start
+        row = measure(
+            workload, args.rounds, args.steps, args.smoke, args.kind, args.fused, args.threads, env
+        )
         print(json.dumps(row), flush=True)
         rows.append(row)
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:  # as each one finishes

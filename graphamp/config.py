@@ -70,6 +70,7 @@ class GraphConfig:
         self.dynamic_shapes: bool | None = None  # automatic (set_dynamic_shapes)
         self.recompile_limit = 8
         self.progress = True  # not part of the snapshot: it changes no compiled step
+        self.keep_cpu_memory = True  # nor this: it changes malloc, not the step
 
     def snapshot(self) -> ConfigSnapshot:
         """The current settings, frozen (the same object until a setter changes something)."""
@@ -385,7 +386,7 @@ class GraphConfig:
         By default graphamp outlines only where the steady step measured as fast as inlined:
         CPU steps (benchmarks/outline_cost.py: within 2% plain, with activation checkpointing
         and with changing shapes). It inlines CUDA steps (GPT-2 124M on an H200: 1.03-1.04x
-        the inlined step) and steps with gradient accumulation (1.10x on the CPU). ``True``
+        the inlined step) and steps with gradient accumulation (1.02-1.03x on the CPU). ``True``
         outlines those too; ``False`` inlines every step. The outline stage's INFO line says
         what it did."""
         self._set(outline_blocks=check_bool("set_outline_blocks(mode)", mode))
@@ -420,6 +421,18 @@ class GraphConfig:
         (default on; only ever on a terminal). The per-stage INFO lines on the ``graphamp``
         logger are its level's business (``Graph.debug(0)`` hides them)."""
         self.progress = check_bool("set_progress(mode)", mode)
+
+    def set_keep_cpu_memory(self, mode: bool) -> None:
+        """Whether compiling a CPU step makes glibc's malloc keep freed memory in the process
+        (default on; ``runtime/host_memory.py``). A step frees and allocates the same buffers
+        every time; glibc gave the large ones back to the OS and faulted them in again next
+        step: thousands of page faults a step. With it, the outlined step ran 163.0 ms instead
+        of 175.5 on ViT-Ti and 48.2 instead of 60.4 on ResNet-18 (``benchmarks/outline_cost.py``,
+        ``benchmarks/results/outline_cost_cpu.md``). Process-wide and not undone once set: the
+        process keeps its peak memory instead of giving it back between steps. Off: malloc is
+        left as it is (a Graph that already set it in this process cannot unset it). Nothing
+        on the GPU, musl, macOS or Windows."""
+        self.keep_cpu_memory = check_bool("set_keep_cpu_memory(mode)", mode)
 
     def __repr__(self) -> str:
         amp = f"{self.amp_dtype} {self.amp_opt_level}" if self.amp_active else "off"

@@ -143,3 +143,17 @@ def test_conv_layout_script_runs_on_the_cpu(tmp_path):
     assert first["default"] == first["channels-last"], first
     table = open(tmp_path / "conv_layout_smoke.md").read()
     assert "| smoke |" in table and "Command: `python benchmarks/conv_layout.py" in table
+
+
+@pytest.mark.slow
+def test_outline_cost_runs_each_program_in_a_process_of_its_own(tmp_path):
+    """outline_cost.py's smoke mode: the three programs built and timed in child processes of
+    their own, driven in lockstep (every round's steps come back, with their page faults)."""
+    import outline_cost
+
+    (row,) = outline_cost.main(["--smoke", "--workload", "gpt", "--out", str(tmp_path)])
+    assert set(row["ms"]) == set(outline_cost.PROGRAMS) and all(v > 0 for v in row["ms"].values())
+    assert row["rounds"] == 2 and row["outlined/inlined"] > 0
+    assert set(row["minor_faults_per_step"]) == set(outline_cost.PROGRAMS)
+    table = open(tmp_path / "outline_cost_smoke.md").read()
+    assert "each program in a process of its own" in table

@@ -39,6 +39,7 @@ from ..records.inputs import FlatInputs
 from ..records.spec import CapturedForward, GraphSpec, PassRecord, StepFn, StepPlan
 from ..records.state import SharedState
 from ..runner import Runner
+from ..runner.host_memory import keep_freed_memory
 from ..runner.sharded_params import shard_group
 from ..step import (
     OutlineResult,
@@ -252,11 +253,11 @@ class Choices:
 def outlined_by_default(device: torch.device, grad_acc_steps: int) -> bool:
     """Whether a step is outlined when the user has not said: only where its steady step
     measured as fast outlined as inlined (the 2% rule, docs/usage.md). That is the CPU's plain
-    step (benchmarks/outline_cost.py: 0.985-1.009x on four workloads). Not a CUDA step: GPT-2
+    step (benchmarks/outline_cost.py: 0.998-1.017x on four workloads). Not a CUDA step: GPT-2
     124M bf16 on an H200 measured 1.039x and 1.032x the inlined step (GPU rounds 3 and 4,
     benchmarks/results/h200-round4; a profile counted 691 kernels a step against 617). Not
-    gradient accumulation: 1.10x on the CPU (1.04x with glibc's malloc keeping freed memory;
-    ``--kind accumulated``). Other devices are unmeasured, so inlined."""
+    gradient accumulation: 1.024x and 1.027x on the CPU's GPT workloads (``--kind
+    accumulated``). Other devices are unmeasured, so inlined."""
     return device.type == "cpu" and grad_acc_steps == 1
 
 
@@ -461,6 +462,8 @@ def compile(
         detail += ", " + (caches or "no cache")
         if keys and keys[-1]:
             detail += ", " + keys[-1]
+    if device.type == "cpu" and ctx.spec.keep_cpu_memory:
+        keep_freed_memory(ctx.spec.name)
     replay = device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False
     runner = Runner(
         plan,

@@ -95,6 +95,7 @@ class GraphSpec:
     history_capacity: int  # rows of the on-device history table
     debug_level: int  # 0..3, as set by Graph.debug
     progress: bool = True  # config.set_progress: a progress line on a terminal while compiling
+    keep_cpu_memory: bool = True  # config.set_keep_cpu_memory: glibc keeps freed memory
     # the object build() reads settings on as self.<name> (the Graph), watched by capture like
     # the modules, and its attributes that are graphamp's own (not settings)
     owner: Any = None

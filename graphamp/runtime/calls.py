@@ -92,6 +92,7 @@ def graph_spec(run: GraphRuntime) -> GraphSpec:
         history_capacity=run.state.history.capacity,
         debug_level=run.debug_level,
         progress=run.config.progress,
+        keep_cpu_memory=run.config.keep_cpu_memory,
         owner=run.owner,
         own_attributes=run.own_attributes,
     )
