@@ -576,6 +576,29 @@ class Options:
 OPTIONS = Options()
 
 
+class SlottedOptions:
+    """An options object with ``__slots__`` (no ``__dict__``): its values live in its slots."""
+
+    __slots__ = ("shift", "calls")
+    weight = 1.0  # a class attribute read through the object
+
+    def __init__(self):
+        self.shift = 0.0
+        self.calls = 0
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedHyper:
+    """A dataclass of plain values with ``slots=True``: compared by its fields."""
+
+    l2: float = 0.0
+    centred: bool = False
+
+
+SLOTTED = SlottedOptions()
+SLOTTED_HYPER = SlottedHyper()
+
+
 class WithOptions(nn.Module):
     """A module holding an options object of the user's class."""
 
@@ -605,7 +628,9 @@ def _put_back_knobs(saved):
     Knobs.scale, Options.weight = saved["scale"], saved["weight"]
     if saved["more"] is None and "scale" in vars(MoreKnobs):
         del MoreKnobs.scale
-    OPTIONS.shift = 0.0
+    OPTIONS.shift = SLOTTED.shift = 0.0
+    SlottedOptions.weight = 1.0
+    SLOTTED_HYPER.l2, SLOTTED_HYPER.centred = 0.0, False
 
 
 def _scaled_options():
@@ -653,6 +678,27 @@ def _scaled_options():
             lambda s: setattr(Options, "weight", 2.0 if s > 3 else 1.0),
             "Options.weight changed from 1.0 to 2.0",
         ),
+        (
+            "a slot of a global object with __slots__",
+            lambda: 1 + SLOTTED.shift,
+            lambda s: setattr(SLOTTED, "shift", 0.25 * (s > 2)),
+            "SLOTTED.shift changed from 0.0 to 0.25",
+        ),
+        (
+            "a class attribute read through an object with __slots__",
+            lambda: SLOTTED.weight,
+            lambda s: setattr(SlottedOptions, "weight", 2.0 if s > 3 else 1.0),
+            "SlottedOptions.weight changed from 1.0 to 2.0",
+        ),
+        (
+            "a field of a global dataclass(slots=True), changed in place",
+            lambda: 1 + SLOTTED_HYPER.l2 + (0.5 if SLOTTED_HYPER.centred else 0.0),
+            lambda s: (
+                setattr(SLOTTED_HYPER, "l2", 0.1 * (s > 1)),
+                setattr(SLOTTED_HYPER, "centred", s > 3),
+            ),
+            "changed from SlottedHyper(l2=0.0, centred=False) to SlottedHyper(l2=0.1, centred=False)",
+        ),
     ],
 )
 def test_settings_on_the_users_classes_and_objects_are_honoured(what, read, change, words, caplog):
@@ -694,6 +740,32 @@ def test_an_options_object_a_module_holds_is_honoured(backend, caplog):
             "self.model.opts.weight was set on the instance to 2.0",
         ],
     )
+
+
+class WithSlottedOptions(nn.Module):
+    """A module holding an options object with ``__slots__``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.opts = SlottedOptions()
+
+    def forward(self, x):
+        return (self.lin(x + self.opts.shift) * self.opts.weight).pow(2).mean()
+
+
+def test_an_options_object_with_slots_a_module_holds_is_honoured(caplog):
+    def change(step, model):
+        model.opts.shift = 0.1 * (step > 2)
+        model.opts.calls += 1  # a slot build() never reads: changes nothing
+
+    graph = _assert_like_eager(
+        change,
+        model_cls=WithSlottedOptions,
+        caplog=caplog,
+        expect=["self.model.opts.shift changed from 0.0 to 0.1"],
+    )
+    assert len(graph.compiled_steps) == 2
 
 
 def test_an_options_object_the_graph_holds_is_honoured():

@@ -57,8 +57,19 @@ def items_of(value: Any) -> list[tuple[Any, Any]] | None:
     if type(value) in (list, set, tuple, frozenset):
         return [(None, v) for v in value]
     if is_record(value):
-        return list(vars(value).items())
+        return list(fields_of(value).items())
     return None
+
+
+def fields_of(record: Any) -> dict:
+    """A dataclass object's or namespace's fields by name: its ``__dict__`` (the object's own
+    dict, not a copy), or, for a dataclass with ``slots=True``, its fields that are set."""
+    try:
+        return vars(record)
+    except TypeError:  # no __dict__: a slotted dataclass
+        unset = object()
+        values = {f.name: getattr(record, f.name, unset) for f in dataclasses.fields(record)}
+        return {name: v for name, v in values.items() if v is not unset}
 
 
 def plain_contents(value: Any, limit: int) -> bool:

@@ -58,9 +58,9 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from ..records.guards import ABSENT, AttributeRead, ClassNamespace
+from ..records.guards import ABSENT, AttributeRead, ClassNamespace, SlotNamespace
 from ..torchkit.fxutil import is_library_file
-from .contents import Contents, is_plain, is_record, mixed_contents, plain_contents
+from .contents import Contents, fields_of, is_plain, is_record, mixed_contents, plain_contents
 from .patching import SharedPatch
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring
@@ -79,7 +79,7 @@ def guard_form(value: Any) -> tuple[Any, bool]:
         return value, True
     if plain_contents(value, CONTENT_LIMIT):
         if is_record(value):
-            return Fields(type(value), copy.deepcopy(vars(value))), True
+            return Fields(type(value), copy.deepcopy(fields_of(value))), True
         if type(value) in (dict, list, set, tuple, frozenset):
             return copy.deepcopy(value), True
         return Contents(value), True  # a dict subclass: its own copy may not compare alike
@@ -101,7 +101,7 @@ class Fields:
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Fields):
             return self.cls is other.cls and self.values == other.values
-        return type(other) is self.cls and vars(other) == self.values
+        return type(other) is self.cls and fields_of(other) == self.values
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -117,27 +117,46 @@ def _record(obj: Any, name: str, value: Any) -> None:
     label, left_out = watch
     if name in left_out or isinstance(value, nn.Module) or _traced(value):
         return
-    namespace = object.__getattribute__(obj, "__dict__")
-    if namespace.get(name, _record) is value:
+    namespace = _namespace_of(obj, name)
+    if namespace is not None and namespace.get(name, _record) is value:
         kept, by_value = guard_form(value)
         _local.reads[(id(obj), name)] = AttributeRead(
             label=f"{label}.{name}", namespace=namespace, name=name, value=kept, by_value=by_value
         )
         if not by_value:
             watch_object(value, f"{label}.{name}")
-    elif name not in namespace:
+    elif namespace is None or (isinstance(namespace, dict) and name not in namespace):
         _record_class_attribute(obj, namespace, name, value, label)
 
 
-def _record_class_attribute(obj: Any, namespace: dict, name: str, value: Any, label: str) -> None:
+def _namespace_of(obj: Any, name: str) -> dict | SlotNamespace | None:
+    """Where ``obj`` keeps ``name``: its ``__dict__``, one of its slots, or None (neither: a
+    class attribute's read, on an object without a ``__dict__``)."""
+    try:
+        namespace = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        namespace = None
+    if namespace is not None and name in namespace:
+        return namespace
+    owner = _owner_of(type(obj), name)
+    slot = vars(owner)[name] if owner is not None else None
+    if isinstance(slot, types.MemberDescriptorType):
+        return SlotNamespace(obj, slot)
+    return namespace
+
+
+def _record_class_attribute(
+    obj: Any, namespace: dict | None, name: str, value: Any, label: str
+) -> None:
     """A data attribute of ``obj``'s class read through ``obj``: kept on the class, and the
-    instance must not shadow it (a method, property or torch's own class constant is left out)."""
+    instance must not shadow it (a method, property or torch's own class constant is left out;
+    ``namespace`` None: an object without a ``__dict__``, which cannot shadow it)."""
     owner = _owner_of(type(obj), name)
     if owner is None or vars(owner)[name] is not value or _is_torch_class(owner):
         return
     # through the owner itself: a subclass between them that shadows it later is not checked
     # (a library model's classes are many deep; each check costs every call)
-    if not _record_on_class(owner, owner, name, value):
+    if not _record_on_class(owner, owner, name, value) or namespace is None:
         return
     _local.reads[(id(obj), name)] = AttributeRead(  # the instance keeps reading the class's
         label=f"{label}.{name}", namespace=namespace, name=name, value=ABSENT, by_value=False
@@ -222,11 +241,18 @@ def _is_users_file(filename: str) -> bool:
 
 
 def is_user_object(value: Any) -> bool:
-    """An object of a class of the user's whose attributes live in its ``__dict__``."""
+    """An object of a class of the user's whose attributes live in its ``__dict__`` or its
+    slots."""
     return (
         not isinstance(value, (type, nn.Module, torch.Tensor))
-        and _has_dict(value)
         and is_user_class(type(value))
+        and (_has_dict(value) or _has_slots(type(value)))
+    )
+
+
+def _has_slots(cls: type) -> bool:
+    return any(
+        isinstance(v, types.MemberDescriptorType) for c in cls.__mro__ for v in vars(c).values()
     )
 
 
@@ -260,7 +286,7 @@ def watch_object(obj: Any, label: str) -> None:
     module that build()'s code reaches through a global or a closure variable, an object of a
     class of the user's that it reaches in any way)."""
     watch = getattr(_local, "watch", None)
-    if watch is None or id(obj) in watch or not _has_dict(obj):
+    if watch is None or id(obj) in watch:
         return
     if isinstance(obj, nn.Module):
         watch[id(obj)] = (label, _MODULE_OWN)

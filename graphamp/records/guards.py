@@ -102,6 +102,32 @@ class ClassNamespace:
         return value
 
 
+class SlotNamespace:
+    """An object's slot (a name in its class's ``__slots__``) as a namespace of one variable:
+    the value lives in the object, read and written through the class's descriptor."""
+
+    def __init__(self, owner: Any, slot: Any) -> None:
+        self.owner = owner
+        self.slot = slot  # the class's member descriptor
+
+    def get(self, _name: str, default: Any = None) -> Any:
+        try:
+            return self.slot.__get__(self.owner, type(self.owner))
+        except AttributeError:  # the slot is not set
+            return default
+
+    def __setitem__(self, _name: str, value: Any) -> None:
+        self.slot.__set__(self.owner, value)
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        value = self.get(name, default)
+        try:
+            self.slot.__delete__(self.owner)
+        except AttributeError:
+            pass
+        return value
+
+
 class CellNamespace:
     """A closure cell as a namespace of one variable."""
 
