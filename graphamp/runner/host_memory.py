@@ -12,8 +12,9 @@ So when graphamp compiles a CPU step it sets glibc's mmap threshold to its large
 (32 MiB on 64-bit systems: smaller buffers come from the heap and are reused) and turns off
 trimming of the heap, once per process; what the process has freed is reused instead of faulted
 in again, as a caching allocator reuses memory on the GPU. The process's peak memory is the
-same (a step reaches it every time it runs), but it is no longer given back between steps: a
-process that trains and then does something else with less memory keeps the peak.
+same (a step reaches it every time it runs; measured on ViT-Ti, transformers' GPT-2 and
+ResNet-18, docs/usage.md), but it is no longer given back between steps: a process that trains
+and then does something else with less memory keeps the peak.
 
 This is process-wide, and it is not undone: glibc cannot go back to its dynamic threshold.
 Buffers above 32 MiB are still mapped on their own (a large vocabulary's logits). Other C
