@@ -424,7 +424,7 @@ class GraphConfig:
 
     def set_keep_cpu_memory(self, mode: bool) -> None:
         """Whether compiling a CPU step makes glibc's malloc keep freed memory in the process
-        (default on; ``runtime/host_memory.py``). A step frees and allocates the same buffers
+        (default on; ``runner/host_memory.py``). A step frees and allocates the same buffers
         every time; glibc gave the large ones back to the OS and faulted them in again next
         step: thousands of page faults a step. With it, the outlined step ran 163.0 ms instead
         of 175.5 on ViT-Ti and 48.2 instead of 60.4 on ResNet-18 (``benchmarks/outline_cost.py``,

@@ -742,16 +742,12 @@ def test_an_options_object_a_module_holds_is_honoured(backend, caplog):
     )
 
 
-class WithSlottedOptions(nn.Module):
-    """A module holding an options object with ``__slots__``."""
+class WithSlottedOptions(WithOptions):
+    """The same module, its options object one with ``__slots__``."""
 
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(8, 8)
         self.opts = SlottedOptions()
-
-    def forward(self, x):
-        return (self.lin(x + self.opts.shift) * self.opts.weight).pow(2).mean()
 
 
 def test_an_options_object_with_slots_a_module_holds_is_honoured(caplog):
