@@ -392,17 +392,18 @@ class GraphConfig:
         self._set(outline_blocks=check_bool("set_outline_blocks(mode)", mode))
 
     def set_block_updates(self, mode: bool = True) -> None:
-        """Outline repeated blocks (unless ``set_outline_blocks(False)`` says otherwise, which
-        leaves this without effect and warns) and update each block's parameters by one call of
-        an optimizer kernel compiled once per distinct block (off by default), instead of one
-        multi-tensor update over every parameter, which inductor compiles as a loop per
-        parameter. The first call compiles much less: cold on the CPU, 1.14-1.25x
-        torch.compile's first call instead of 1.7-2.0x (6- and 12-layer GPT-2, transformers'
-        GPT-2, ViT-Ti; benchmarks/results/first_call_cpu.md, round 5). Each call costs the
-        steady step about 0.15 ms on the CPU: against the inlined step, 0.97-1.00x on the
-        project's GPT and ResNet-18, 1.01-1.03x on transformers' GPT-2 and 1.04x on ViT-Ti (24
-        calls a step; the default step is within 1% of the inlined one). The values are the
-        same as the default update's (bitwise in the CPU tests)."""
+        """Update each outlined repeated block's parameters by one call of an optimizer kernel
+        compiled once per distinct block, instead of one multi-tensor update over every
+        parameter, which inductor compiles as a loop per parameter. By default graphamp does
+        so where it outlines by default (CPU steps) for blocks repeated at least 3 times:
+        the first call compiles much less (cold on the CPU, 1.14-1.25x torch.compile's first
+        call instead of 1.7-2.0x: benchmarks/results/first_call_cpu.md, round 11), and each
+        call costs the steady step about 0.2 ms (1.007-1.011x the inlined step on the GPT
+        workloads and ViT-Ti: outline_cost_block_updates_cpu.md). ``True`` updates every
+        block that has an equal so, and outlines the step (unless ``set_outline_blocks(False)``
+        says otherwise, which leaves this without effect and warns); ``False`` keeps the whole
+        update one multi-tensor run. The values are the same either way (bitwise in the CPU
+        tests)."""
         self._set(block_updates=check_bool("set_block_updates(mode)", mode))
 
     def set_step_cache(self, mode: bool = True) -> None:

@@ -25,6 +25,7 @@ from helpers import assert_bitwise, make_graph
 from torch._inductor.utils import fresh_cache
 
 from graphamp.backend import cache_directory, source_keys, step_cache
+from graphamp.step import block_update
 
 REMEMBERED = "AOTAutograd's key remembered"
 
@@ -35,16 +36,22 @@ def _counters() -> dict[str, int]:
     return {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache_")}
 
 
-def _run(caplog, configure=None, threads: int | None = None):
-    """A fresh seed MLP, AdamW and bf16 Graph on inductor, trained 2 steps: (whether the step
-    was loaded, whether AOTAutograd's key was remembered, what AOTAutograd's cache did,
+def _run(caplog, configure=None, threads: int | None = None, gpt: bool = False):
+    """A fresh seed MLP (``gpt``: a 3-block TinyGPT, whose blocks' updates are one kernel
+    call each by default), AdamW and bf16 Graph on inductor, trained 2 steps: (whether the
+    step was loaded, whether AOTAutograd's key was remembered, what AOTAutograd's cache did,
     losses and state, the Graph)."""
     torch.manual_seed(0)
-    model = models.seed_mlp()
+    model = models.TinyGPT(layers=3) if gpt else models.seed_mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    batches = (
+        [(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))) for _ in range(2)]
+        if gpt
+        else models.batches(2, 16, 256, 10, seed=1)
+    )
     g = make_graph(
         model,
-        nn.CrossEntropyLoss(),
+        models.lm_loss if gpt else nn.CrossEntropyLoss(),
         opt,
         backend="inductor",
         amp=torch.bfloat16,
@@ -57,7 +64,7 @@ def _run(caplog, configure=None, threads: int | None = None):
         torch.set_num_threads(threads)
     try:
         with caplog.at_level(logging.INFO, logger="graphamp"):
-            losses = [g(x, y).detach().clone() for x, y in models.batches(2, 16, 256, 10, seed=1)]
+            losses = [g(x, y).detach().clone() for x, y in batches]
     finally:
         torch.set_num_threads(previous)
     after = _counters()
@@ -115,6 +122,23 @@ def test_a_restart_compiles_from_the_note_and_loads_the_graph_only_when_read(cap
         assert "the step's graph not loaded" in caplog.text
         assert again[2] == {"autograd_cache_hit": 1}, again[2]
         assert_bitwise(cold[3], again[3])
+
+
+@pytest.mark.inductor
+def test_a_restart_with_block_updates_makes_their_kernels_from_the_note(caplog, monkeypatch):
+    """The blocks' update kernels are made from the specs the note keeps, so a restart of a
+    step with block updates (the CPU's default for 3 equal blocks) compiles from the note too,
+    without loading the step's graph, and trains bitwise like the cold run."""
+    with fresh_cache():
+        cold = _run(caplog, gpt=True)
+        assert "1 block update kernel" in caplog.text and len(_notes()) == 1
+        monkeypatch.setattr(block_update, "_KERNELS", {})  # as a new process has them
+        warm = _run(caplog, gpt=True)
+        assert warm[:2] == (True, True), warm[:3]
+        assert "the step's graph not loaded" in caplog.text, caplog.text
+        assert "1 block update kernel" in caplog.text
+        assert not warm[4]._programs.last().step.in_memory
+        assert_bitwise(cold[3], warm[3])
 
 
 @pytest.mark.slow  # four inductor compiles (25 s); the default lane keeps the restart above

@@ -64,6 +64,7 @@ class _Compiling:
     graph_name: str
     memo: KeyMemo
     stand_in: _StandIn | None = None
+    extra: tuple[tuple[str, Any], ...] = ()  # written into the note beside what it reads
 
 
 class NotNoted(BaseException):
@@ -74,15 +75,19 @@ class NotNoted(BaseException):
 
 
 @contextmanager
-def remembered_key(gm: fx.GraphModule, step_key: str | None, graph_name: str) -> Iterator[KeyMemo]:
+def remembered_key(
+    gm: fx.GraphModule, step_key: str | None, graph_name: str, extra: dict | None = None
+) -> Iterator[KeyMemo]:
     """While inductor compiles ``gm`` (the step saved or loaded under ``step_key``), its
     AOTAutograd cache key comes from the note when the compile's context matches the note's.
     Other graphs compiled meanwhile (the blocks' update kernels, other threads' graphs) are
-    keyed as usual."""
+    keyed as usual. ``extra``: JSON values a new note keeps besides (what else a compile from
+    the note needs)."""
     if step_key is None:
         yield KeyMemo()
         return
-    with _registered(_Compiling(gm, step_key, graph_name, KeyMemo())) as compiling:
+    more = tuple((extra or {}).items())
+    with _registered(_Compiling(gm, step_key, graph_name, KeyMemo(), extra=more)) as compiling:
         yield compiling.memo
 
 
@@ -154,7 +159,10 @@ def _key_of(mod: Any, example_inputs: Any, *rest: Any) -> Any:
         return note["key"], []
     key, lines = compute(mod, example_inputs, *rest)
     step_cache.save_note(
-        found.graph_name, found.step_key, _NOTE, _note(graph, example_inputs, context, key)
+        found.graph_name,
+        found.step_key,
+        _NOTE,
+        {**_note(graph, example_inputs, context, key), **dict(found.extra)},
     )
     return key, lines
 

@@ -37,13 +37,17 @@ log = logging.getLogger("graphamp")
 
 
 def usable(note: dict | None) -> bool:
-    """Whether ``note`` holds what a compile from it needs (notes of typed inputs do not)."""
+    """Whether ``note`` holds what a compile from it needs (notes of typed inputs do not):
+    the step's input names and size, inductor's settings derived from its graph, and the
+    ``spec`` of each distinct update kernel its blocks call (``step/block_update.py``)."""
     return (
         note is not None
         and isinstance(note.get("inputs"), list)
         and all(isinstance(name, str) for name in note["inputs"])
         and isinstance(note.get("nodes"), int)
         and isinstance(note.get("defaults"), dict)
+        and isinstance(note.get("block_specs"), list)
+        and all(isinstance(spec, str) for spec in note["block_specs"])
     )
 
 

@@ -44,6 +44,7 @@ from ..runner.sharded_params import shard_group
 from ..step import (
     OutlineResult,
     assemble_step,
+    block_specs,
     build_plan,
     compile_block_kernels,
     example_inputs,
@@ -245,7 +246,9 @@ class Choices:
     """What this build does besides assembling and compiling, decided once, after planning."""
 
     outline: bool  # repeated blocks as shared subgraphs (config.set_outline_blocks)
-    block_updates: bool  # their updates by one kernel each (config.set_block_updates)
+    # blocks repeated at least this many times updated by one kernel each (0: the update
+    # inline; config.set_block_updates)
+    block_updates: int
     recompute: bool  # activation checkpointing copies its regions before their backward
     cache: bool  # the step cache is looked up (and written after a miss)
 
@@ -261,11 +264,19 @@ def outlined_by_default(device: torch.device, grad_acc_steps: int) -> bool:
     return device.type == "cpu" and grad_acc_steps == 1
 
 
+# Where the user has not said, blocks repeated at least this often have their updates by one
+# kernel call each (on the steps outlined by default). Two equal blocks (ResNet-18's first
+# stage) save one block's update at compile time and measured 1.021-1.026x the inlined step;
+# 6 and 12 repeats (the GPT workloads, ViT-Ti) 1.007-1.011x (outline_cost_block_updates_cpu.md).
+REPEATS_BY_DEFAULT = 3
+
+
 def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
     spec, config = ctx.spec, ctx.spec.config
+    by_default = outlined_by_default(captured.device, config.grad_acc_steps)
     wanted = config.outline_blocks
     if wanted is None:  # block updates are calls of outlined blocks: asking for them outlines
-        wanted = config.block_updates or outlined_by_default(captured.device, config.grad_acc_steps)
+        wanted = bool(config.block_updates) or by_default
     elif config.block_updates and not wanted:
         log.warning(
             "%s: set_block_updates(True) has no effect while set_outline_blocks(False) "
@@ -281,7 +292,11 @@ def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
         and not plan.fp8_state
     )
     recompute = bool(captured.regions) and spec.training
-    return Choices(outline, outline and config.block_updates, recompute, config.step_cache)
+    if config.block_updates is None:
+        repeats = REPEATS_BY_DEFAULT if by_default else 0  # measured only there
+    else:
+        repeats = 2 if config.block_updates else 0
+    return Choices(outline, repeats if outline else 0, recompute, config.step_cache)
 
 
 # -- the step graph: loaded, or assembled (recomputed, outlined) and saved --------------------------
@@ -353,9 +368,10 @@ def look_up(
 def _deferred(ctx: BuildContext, key: str, choices: Choices) -> StepGraph | None:
     """The step under ``key``, authenticated and not unpickled, where the compile may need
     only the note (``noted_step.py``): inductor, static sizes, and nothing that reads the
-    graph at every build (the blocks' update kernels, checkpointing's count in the report)."""
+    graph at every build (checkpointing's count in the report; the blocks' update kernels are
+    made from the note's specs)."""
     config = ctx.spec.config
-    if config.backend != "inductor" or ctx.request.dynamic or choices.block_updates:
+    if config.backend != "inductor" or ctx.request.dynamic:
         return None
     note = read_note(ctx.spec.name, key)
     if choices.recompute or note is None or not noted_step.usable(note):
@@ -427,8 +443,7 @@ def compile(
     detail = f"{step.graph.nodes} nodes, {config.backend}"
     label = f"{ctx.spec.name}: compiling the step ({detail})"
 
-    kernels: list[tuple[int, float]] = []  # the blocks' update kernels made, and their seconds
-    keys: list[str] = []  # per try: how AOTAutograd's key of the step was had ("": hashed)
+    tries = _Tries()
     saved_key = step.key if config.backend == "inductor" else None
 
     def compile_once() -> StepFn:
@@ -438,15 +453,16 @@ def compile(
                 ctx.spec.name, step.note, example, ctx.fake_mode, options
             )
             if noted is not None:
-                keys.append(f"{REMEMBERED}, {GRAPH_NOT_LOADED}")
+                tries.keys.append(f"{REMEMBERED}, {GRAPH_NOT_LOADED}")
+                tries.make_kernels(step.note["block_specs"], cached=True)
                 return noted
         set_kernel_backend(step.gm, config.backend)  # the blocks' update kernels: the same
-        with remembered_key(step.gm, saved_key, ctx.spec.name) as memo:
+        specs = block_specs(step.gm)
+        extra = {"block_specs": specs}  # what a restart compiling from the note makes besides
+        with remembered_key(step.gm, saved_key, ctx.spec.name, extra) as memo:
             compiled = compile_step(step.gm, example, config.backend, options, step.loaded)
-        keys.append(REMEMBERED if memo.remembered else "")
-        start = time.perf_counter()
-        made = compile_block_kernels(step.gm, step.loaded)
-        kernels.append((made, time.perf_counter() - start))
+        tries.keys.append(REMEMBERED if memo.remembered else "")
+        tries.make_kernels(specs, step.loaded)
         return compiled
 
     # the step cache on: torch's source hashes kept from the last run, if its files are the same
@@ -455,13 +471,8 @@ def compile(
         compiled, caches = compile_from_cache(ctx.spec.name, config.backend, compile_once)
     if caches:  # inductor's caches were looked up: the hashes were computed (or given)
         source_keys.keep(ctx.spec.name, sources)
-    if kernels and kernels[-1][0] and config.backend == "inductor":
-        made, seconds = kernels[-1]
-        detail += f", {made} block update kernel{'s' * (made > 1)} in {seconds:.2f} s"
-    if config.backend == "inductor":  # whether a restart was served from inductor's caches
-        detail += ", " + (caches or "no cache")
-        if keys and keys[-1]:
-            detail += ", " + keys[-1]
+    if config.backend == "inductor":
+        detail += tries.described(caches)
     if device.type == "cpu" and ctx.spec.keep_cpu_memory:
         keep_freed_memory(ctx.spec.name)
     replay = device.type == "cuda" and config.backend != "eager" and config.cuda_graph is not False
@@ -476,6 +487,31 @@ def compile(
         graph_name=ctx.spec.name,
     )
     return Compiled(runner, detail)
+
+
+@dataclass
+class _Tries:
+    """What each try of the step's compile did (``compile_from_cache`` may try twice)."""
+
+    kernels: list[tuple[int, float]] = field(default_factory=list)  # block kernels made, seconds
+    keys: list[str] = field(default_factory=list)  # how AOTAutograd's key was had ("": hashed)
+
+    def make_kernels(self, specs: list[str], cached: bool) -> None:
+        start = time.perf_counter()
+        made = compile_block_kernels(specs, cached)
+        self.kernels.append((made, time.perf_counter() - start))
+
+    def described(self, caches: str) -> str:
+        """The inductor compile line's end: the last try's kernels, whether a restart was
+        served from inductor's caches, and how the key was had."""
+        text = ""
+        if self.kernels and self.kernels[-1][0]:
+            made, seconds = self.kernels[-1]
+            text += f", {made} block update kernel{'s' * (made > 1)} in {seconds:.2f} s"
+        text += ", " + (caches or "no cache")
+        if self.keys and self.keys[-1]:
+            text += ", " + self.keys[-1]
+        return text
 
 
 REMEMBERED = "AOTAutograd's key remembered"  # the compile line's words (the tests read them)

@@ -67,8 +67,9 @@ class ConfigSnapshot:
     cuda_graph_sizes: int = 8  # CUDA graphs kept per dynamic step, one per batch shape (0: none)
     # repeated blocks as shared subgraphs (set_outline_blocks); None: where it costs nothing
     outline_blocks: bool | None = None
-    # each outlined block's optimizer update by one kernel compiled once (set_block_updates)
-    block_updates: bool = False
+    # each outlined block's optimizer update by one kernel compiled once (set_block_updates);
+    # None: where blocks are outlined by default and repeat at least 3 times
+    block_updates: bool | None = None
     step_cache: bool = True  # assembled steps saved on disk for restarts (set_step_cache)
     fp8_recipe: str | None = None  # fp8 matmuls (enable_fp8): "tensorwise", "rowwise" or off
     fp8_keep: tuple[str, ...] = ()  # module paths whose matmuls stay bf16

@@ -6,7 +6,12 @@ one module per subgraph (gradients, scaling, optimizer_update, history, collecti
 """
 
 from .assemble import assemble_step
-from .block_update import compile_block_kernels, count_block_updates, set_kernel_backend
+from .block_update import (
+    block_specs,
+    compile_block_kernels,
+    count_block_updates,
+    set_kernel_backend,
+)
 from .examples import example_inputs
 from .outline import OutlineResult, outline_blocks
 from .plan import build_plan
@@ -17,6 +22,7 @@ __all__ = [
     "OutlineResult",
     "RecomputeResult",
     "assemble_step",
+    "block_specs",
     "build_plan",
     "compile_block_kernels",
     "count_block_updates",

@@ -63,14 +63,14 @@ def assemble_step(
     fwd_gm: fx.GraphModule,
     example: list[torch.Tensor],
     record_origins: bool = False,
-    block_updates: bool = False,
+    block_updates: int = 0,
 ) -> fx.GraphModule:
     """Trace the step into one FX graph over fake copies of ``example`` (nothing runs).
 
     ``record_origins``: every backward node also carries the autograd ``seq_nr`` of the forward
     op it differentiates (what ``outline.py`` finds a block's backward by). ``block_updates``:
-    each repeated block's parameters are updated by one kernel compiled once per distinct
-    block (``block_update.py``)."""
+    where at least this many equal blocks repeat, each one's parameters are updated by one
+    kernel compiled once per distinct block (``block_update.py``); 0: the update inline."""
     step = make_step_function(plan, fwd_gm, record_origins, block_updates)
     # a failure here (a custom Function's backward, a bug) becomes a graphamp error, naming the
     # user's line, where the pipeline runs the stage (pipeline/build.py)
@@ -112,7 +112,7 @@ def make_step_function(
     plan: StepPlan,
     fwd_gm: fx.GraphModule,
     record_origins: bool = False,
-    block_updates: bool = False,
+    block_updates: int = 0,
 ):
     """The functional step over the flat inputs of ``plan.layout``, one subgraph per call."""
 
@@ -312,11 +312,11 @@ def _update_optimizers(
     s: StepInputs,
     updates: list[_OptimizerUpdate],
     rows: list[torch.Tensor] | None,
-    block_updates: bool,
+    block_updates: int,
 ):
     """Each optimizer's masked update (ZeRO-1/2: of this rank's rows, then all-gathered;
     ZeRO-3: of the step's inputs, which are the rows). ``block_updates``: whole parameters'
-    repeated blocks by one kernel each (shards have no blocks)."""
+    blocks repeated at least this many times by one kernel each (shards have no blocks)."""
     by_block = block_updates and rows is None and not plan.zero_stage
     states, hypers, fresh = iter(s.opt_state), iter(s.hyper), iter(s.momentum_fresh)
     params = s.params
@@ -335,7 +335,9 @@ def _update_optimizers(
                 if by_block
                 else None
             )
-            update_optimizer(u.opt, mine, u.grads, states, hypers, counter, skip, fresh, names)
+            update_optimizer(
+                u.opt, mine, u.grads, states, hypers, counter, skip, fresh, names, block_updates
+            )
         if plan.zero_stage in (1, 2):
             with NodeTagger({"graphamp_subgraph": "zero"}):
                 full = [params[i] for i in u.opt.forward_positions]

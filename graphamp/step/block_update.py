@@ -3,15 +3,16 @@
 Inline, the multi-tensor update over every parameter becomes one loop per parameter in
 inductor's generated code: on a 12-layer GPT-2 that is 2,300 more nodes for inductor to
 schedule and generate, most of the gap between graphamp's cold first call and torch.compile's
-(``benchmarks/results/first_call_cpu.md``). With ``config.set_block_updates`` (off by default),
-where the step's blocks repeat and are outlined, each block's parameters are updated instead by
-one call of ``graphamp::update_block_``. Its kernel is the same multi-tensor math
+(``benchmarks/results/first_call_cpu.md``). Where the step's blocks repeat and are outlined
+(by default on the CPU, for blocks repeated at least 3 times; ``config.set_block_updates``),
+each block's parameters are updated instead by one call of ``graphamp::update_block_``. Its kernel is the same multi-tensor math
 (``update_math.write_masked``), compiled with the step's backend as the step is compiled, once
 for each distinct block (the optimizer kind, its options, the tensors' sizes, dtypes and
 strides), and reused by every block equal to it. The step's own compile sees one opaque call per
-block. Each call costs the steady step about 0.15 ms on the CPU (dispatch, inductor's wrapper,
-a kernel's fixed costs), which is why it is not the default: 1.04x the inlined step on ViT-Ti,
-with 24 calls a step.
+block. Each call costs the steady step about 0.2 ms on the CPU (dispatch, inductor's wrapper,
+a kernel's fixed costs): 1.007-1.011x the inlined step on the GPT workloads and ViT-Ti, whose
+6 and 12 blocks are equal, but 1.021-1.026x on ResNet-18, whose only equal blocks are a pair
+(it saves one block's update at compile). Hence the default's 3 repeats.
 
 Why a custom op and not an outlined subgraph: the update writes its parameters and state. An op
 that declares its writes is auto-functionalized in the step, and inductor turns it back into
@@ -183,11 +184,13 @@ def update_repeated_blocks(
     fresh: list[Tensor] | None,
     skip: Tensor | None,
     names: list[str],
+    repeats: int = 2,
 ) -> list[int]:
     """One ``update_block_`` call per block of the group (``names``: its parameters') that has
-    an equal in the group (the same parameter names inside it, sizes and dtypes). The blocks
-    are the outermost numbered modules; where none has an equal, the next numbered ones inside
-    them, as outlining chooses. Returns the positions left to the inline update."""
+    at least ``repeats - 1`` equals in the group (the same parameter names inside it, sizes and
+    dtypes). The blocks are the outermost numbered modules; where none repeats so, the next
+    numbered ones inside them, as outlining chooses. Returns the positions left to the inline
+    update."""
     found = [numbered_blocks(name) for name in names]
     p, done = tensors.params, set()
     for depth in range(max(map(len, found), default=0)):
@@ -202,7 +205,7 @@ def update_repeated_blocks(
             )
             equal.setdefault(key, []).append(members)
         for instances in equal.values():
-            for members in instances if len(instances) > 1 else ():
+            for members in instances if len(instances) >= max(repeats, 2) else ():
                 _call(kind, flags, state_keys, hyper_names, tensors, fresh, skip, members)
                 done.update(members)
         if done:
@@ -275,13 +278,18 @@ def _is_exact_upcast(cast: fx.Node) -> bool:
     return torch.finfo(into.dtype).bits < torch.finfo(out.dtype).bits and into.shape == out.shape
 
 
-def compile_block_kernels(gm: fx.GraphModule, cached: bool = False) -> int:
-    """Make the kernels of the step's ``update_block_`` calls now, as the step is compiled,
-    rather than at its first run (for contiguous tensors of each call's sizes: a call whose
-    inputs are laid out otherwise gets a kernel of its own then). ``cached``: the step came from
-    the step cache (``compile_step``'s). Returns how many were made."""
+def block_specs(gm: fx.GraphModule) -> list[str]:
+    """The ``spec`` of each distinct kernel the step's ``update_block_`` calls run, in order."""
+    return list(dict.fromkeys(node.kwargs["spec"] for node in _calls(gm)))
+
+
+def compile_block_kernels(specs: list[str], cached: bool = False) -> int:
+    """Make the kernels of ``specs`` (``block_specs``) now, as the step is compiled, rather than
+    at its first run (for contiguous tensors of each call's sizes: a call whose inputs are laid
+    out otherwise gets a kernel of its own then). ``cached``: the step came from the step cache
+    (``compile_step``'s). Returns how many were made."""
     made = 0
-    for spec in dict.fromkeys(node.kwargs["spec"] for node in _calls(gm)):
+    for spec in specs:
         parsed = _Spec(spec)
         flat = [
             torch.empty(sizes, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)

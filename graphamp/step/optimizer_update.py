@@ -90,12 +90,13 @@ def update_optimizer(
     skip: torch.Tensor | None,
     fresh_flags: Iterator[torch.Tensor],
     names: list[str] | None = None,
+    repeats: int = 2,
 ) -> None:
     """Trace one optimizer's masked update in place. ``params`` and ``grads`` are this
     optimizer's, in ``opt.forward_positions`` order; its state, hyperparameter and
     momentum-start tensors are taken from the shared iterators (in the layout's order).
-    ``names``: the parameters' qualified names, where repeated blocks are updated by one kernel
-    each (``block_update.py``); None: the whole update inline."""
+    ``names``: the parameters' qualified names, where blocks repeated at least ``repeats``
+    times are updated by one kernel each (``block_update.py``); None: the whole update inline."""
     offset = 0
     for g, group in enumerate(opt.groups):
         idx = range(offset, offset + len(group.params))
@@ -119,7 +120,7 @@ def update_optimizer(
         flags = dict(group.flags)
         if names is not None:
             args = (opt.kind, flags, group.state_keys, opt.hyper_names, tensors, fresh, skip)
-            inline = update_repeated_blocks(*args, [names[i] for i in idx])
+            inline = update_repeated_blocks(*args, [names[i] for i in idx], repeats)
             tensors, fresh = _subset(tensors, inline), _pick(fresh, inline)
         if tensors.params:
             write_masked(opt.kind, flags, tensors, fresh, skip)

@@ -20,9 +20,9 @@ and backward once. The step stays one graph and one program.
   of having the forward's subgraph store them (``block_saves.py``): inside one inlined step the
   compiler makes that choice per kernel, across a subgraph's boundary it cannot.
 - The optimizer update is not part of a subgraph: a subgraph's writes into the state came back
-  outside it as a copy kernel per tensor (issue 40). With ``config.set_block_updates``, assembly
-  gives each repeated block's update its own op instead, whose kernel is compiled once per
-  distinct block (``block_update.py``).
+  outside it as a copy kernel per tensor (issue 40). Where blocks repeat at least 3 times (the
+  CPU's default; ``config.set_block_updates``), assembly gives each one's update its own op
+  instead, whose kernel is compiled once per distinct block (``block_update.py``).
 - Regions whose subgraph code and input metadata are equal share one subgraph; a region with no
   equal is left inline, and so is one that is not contiguous in the step's order.
 - No output of a subgraph shares memory with its inputs or its other outputs (invoke_subgraph's
