@@ -36,8 +36,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-# graphamp as configured by default (repeated blocks outlined on the CPU, inlined on CUDA), with
-# blocks outlined and their updates by one kernel each (config.set_block_updates), with blocks
+# graphamp as configured by default (on the CPU repeated blocks outlined, and the updates of
+# blocks repeated 3 times or more by one kernel each; on CUDA inlined), with blocks outlined and
+# every repeated block's update by one kernel (set_block_updates(True), CUDA too), with blocks
 # inlined, the peer
 VARIANTS = ("graphamp", "graphamp-blocks", "graphamp-inline", "compile")
 WORKLOADS = ("gpt2-6l", "gpt2-12l", "hf-gpt2-6l", "vit-tiny")
