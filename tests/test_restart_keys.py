@@ -125,20 +125,35 @@ def test_a_restart_compiles_from_the_note_and_loads_the_graph_only_when_read(cap
 
 
 @pytest.mark.inductor
-def test_a_restart_with_block_updates_makes_their_kernels_from_the_note(caplog, monkeypatch):
+def test_a_restart_with_block_updates_makes_their_kernels_from_the_note(
+    caplog, monkeypatch, tmp_path
+):
     """The blocks' update kernels are made from the specs the note keeps, so a restart of a
     step with block updates (the CPU's default for 3 equal blocks) compiles from the note too,
-    without loading the step's graph, and trains bitwise like the cold run."""
+    without loading the step's graph; each kernel has a note of its own, so the restart does
+    not trace the kernel's math either. It trains bitwise like the cold run."""
+    traced = []
+    trace = block_update.trace_functional
+    monkeypatch.setattr(
+        block_update, "trace_functional", lambda *a, **k: traced.append(1) or trace(*a, **k)
+    )
     with fresh_cache():
         cold = _run(caplog, gpt=True)
-        assert "1 block update kernel" in caplog.text and len(_notes()) == 1
+        assert "1 block update kernel" in caplog.text and traced == [1]
+        assert len(_notes()) == 2  # the step's and the kernel's
         monkeypatch.setattr(block_update, "_KERNELS", {})  # as a new process has them
         warm = _run(caplog, gpt=True)
         assert warm[:2] == (True, True), warm[:3]
         assert "the step's graph not loaded" in caplog.text, caplog.text
-        assert "1 block update kernel" in caplog.text
+        assert "1 block update kernel" in caplog.text and traced == [1]
+        assert warm[2] == {"autograd_cache_hit": 2}, warm[2]
         assert not warm[4]._programs.last().step.in_memory
         assert_bitwise(cold[3], warm[3])
+    monkeypatch.setattr(block_update, "_KERNELS", {})
+    with fresh_cache(dir=str(tmp_path)):  # inductor's caches gone; the notes stay
+        missed = _run(caplog, gpt=True)
+        assert traced == [1, 1] and missed[2].get("autograd_cache_saved") == 2, missed[2]
+        assert_bitwise(cold[3], missed[3])
 
 
 @pytest.mark.slow  # four inductor compiles (25 s); the default lane keeps the restart above

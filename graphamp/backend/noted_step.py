@@ -23,11 +23,12 @@ Either way the caller loads the step and compiles it as before (``stages.compile
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..records.spec import StepFn
 from ..torchkit.backends import call_backend
@@ -79,6 +80,31 @@ def compile_noted(
     if not memo.remembered:  # cannot complete without the note's key; checked all the same
         return None
     return compiled  # type: ignore[return-value]
+
+
+def compile_kernel(
+    graph_name: str,
+    key: str,
+    trace: Callable[[], fx.GraphModule],
+    example: list,
+    cached: bool,
+) -> StepFn:
+    """A block's update kernel (``step/block_update.py``) compiled as the step is: its first
+    compile notes AOTAutograd's key of it under ``key``; a restart (``cached``) compiles it from
+    the note without tracing the kernel's math again (``trace()``: 0.2 s for a GPT-2 block's
+    AdamW on the CPU, most of a restart's kernel). Inductor's defaults, no options of graphamp's:
+    as the kernel was compiled before notes."""
+    if cached:
+        note = aot_key.read_note(graph_name, key)
+        if usable(note):
+            mode = FakeTensorMode(shape_env=ShapeEnv())
+            compiled = compile_noted(graph_name, note, example, mode, {})  # type: ignore[arg-type]
+            if compiled is not None:
+                return compiled
+    gm = trace()
+    kept: dict[str, Any] = {"block_specs": [], "defaults": {}}  # inductor's defaults
+    with aot_key.remembered_key(gm, key, graph_name, kept):
+        return call_backend(gm, example, "inductor", cached=cached)  # type: ignore[return-value]
 
 
 def _fake(t: Any, mode: FakeTensorMode) -> Any:

@@ -443,8 +443,8 @@ def compile(
     detail = f"{step.graph.nodes} nodes, {config.backend}"
     label = f"{ctx.spec.name}: compiling the step ({detail})"
 
-    tries = _Tries()
     saved_key = step.key if config.backend == "inductor" else None
+    tries = _Tries(ctx.spec.name, noted=saved_key is not None)
 
     def compile_once() -> StepFn:
         options = dict(config.inductor_options)
@@ -493,13 +493,21 @@ def compile(
 class _Tries:
     """What each try of the step's compile did (``compile_from_cache`` may try twice)."""
 
+    graph_name: str
+    noted: bool  # the step cache is on: the blocks' kernels are noted as the step is
     kernels: list[tuple[int, float]] = field(default_factory=list)  # block kernels made, seconds
     keys: list[str] = field(default_factory=list)  # how AOTAutograd's key was had ("": hashed)
 
     def make_kernels(self, specs: list[str], cached: bool) -> None:
         start = time.perf_counter()
-        made = compile_block_kernels(specs, cached)
+        made = compile_block_kernels(specs, cached, self._noted_kernel if self.noted else None)
         self.kernels.append((made, time.perf_counter() - start))
+
+    def _noted_kernel(self, spec: str, trace, example: list, cached: bool):
+        """A block kernel compiled with AOTAutograd's key noted under a key of its own (its
+        spec, strides, torch's and graphamp's versions: ``step_key``)."""
+        key = step_key(("update_block_", spec, [t.stride() for t in example]))
+        return noted_step.compile_kernel(self.graph_name, key, trace, example, cached)
 
     def described(self, caches: str) -> str:
         """The inductor compile line's end: the last try's kernels, whether a restart was

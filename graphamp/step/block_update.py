@@ -90,6 +90,7 @@ class _Spec:
     """What a block's kernel computes, parsed from the op's ``spec`` string."""
 
     def __init__(self, text: str):
+        self.text = text
         d = json.loads(text)
         self.kind: str = d["kind"]
         self.flags: dict = d["flags"]
@@ -142,17 +143,31 @@ def spec_text(
 _KERNELS: dict[tuple[str, tuple], Callable[..., object]] = {}
 
 
-def _kernel(spec: _Spec, flat: list[Tensor], cached: bool = False) -> Callable[..., object]:
+# how the step's compile makes a kernel: (spec, trace, example, cached) -> kernel, where
+# ``trace()`` gives the kernel's graph (stages.py notes AOTAutograd's key of it for a restart)
+KernelCompiler = Callable[[str, Callable[[], fx.GraphModule], list, bool], Callable[..., object]]
+
+
+def _kernel(
+    spec: _Spec, flat: list[Tensor], cached: bool = False, compiler: KernelCompiler | None = None
+) -> Callable[..., object]:
     """The block's update for ``spec``: with inductor, compiled for tensors like ``flat`` (a
     restart finds it in inductor's caches; ``cached``: expected there, as ``compile_step``
-    takes it); with any other backend, the eager math."""
+    takes it) by ``compiler``, or directly; with any other backend, the eager math."""
     if spec.backend != "inductor":
         return spec.update
     example = [t.detach() for t in flat]
-    with torch.no_grad():
-        gm = trace_functional(spec.update, example, propagate_input_mutations=True)
+
+    def trace() -> fx.GraphModule:
+        with torch.no_grad():
+            gm = trace_functional(spec.update, example, propagate_input_mutations=True)
         gm._tracer_cls = gm.graph._tracer_cls = None  # as assembly does: AOTAutograd's key
-        return call_backend(gm, example, "inductor", cached=cached)
+        return gm
+
+    with torch.no_grad():
+        if compiler is not None:
+            return compiler(spec.text, trace, example, cached)
+        return call_backend(trace(), example, "inductor", cached=cached)
 
 
 # -- in the step ------------------------------------------------------------------------------
@@ -283,11 +298,13 @@ def block_specs(gm: fx.GraphModule) -> list[str]:
     return list(dict.fromkeys(node.kwargs["spec"] for node in _calls(gm)))
 
 
-def compile_block_kernels(specs: list[str], cached: bool = False) -> int:
+def compile_block_kernels(
+    specs: list[str], cached: bool = False, compiler: KernelCompiler | None = None
+) -> int:
     """Make the kernels of ``specs`` (``block_specs``) now, as the step is compiled, rather than
     at its first run (for contiguous tensors of each call's sizes: a call whose inputs are laid
     out otherwise gets a kernel of its own then). ``cached``: the step came from the step cache
-    (``compile_step``'s). Returns how many were made."""
+    (``compile_step``'s); ``compiler``: how (``_kernel``). Returns how many were made."""
     made = 0
     for spec in specs:
         parsed = _Spec(spec)
@@ -297,7 +314,7 @@ def compile_block_kernels(specs: list[str], cached: bool = False) -> int:
         ]
         key = (spec, tuple(t.stride() for t in flat))
         if key not in _KERNELS:
-            _KERNELS[key] = _kernel(parsed, flat, cached)
+            _KERNELS[key] = _kernel(parsed, flat, cached, compiler)
             made += 1
     return made
 
