@@ -396,14 +396,14 @@ class GraphConfig:
         compiled once per distinct block, instead of one multi-tensor update over every
         parameter, which inductor compiles as a loop per parameter. By default graphamp does
         so where it outlines by default (CPU steps) for blocks repeated at least 3 times:
-        the first call compiles much less (cold on the CPU, 1.14-1.25x torch.compile's first
+        the first call compiles much less (cold on the CPU, 1.12-1.30x torch.compile's first
         call instead of 1.7-2.0x: benchmarks/results/first_call_cpu.md, round 11), and each
         call costs the steady step about 0.2 ms (1.007-1.011x the inlined step on the GPT
-        workloads and ViT-Ti: outline_cost_block_updates_cpu.md). ``True`` updates every
-        block that has an equal so, and outlines the step (unless ``set_outline_blocks(False)``
-        says otherwise, which leaves this without effect and warns); ``False`` keeps the whole
-        update one multi-tensor run. The values are the same either way (bitwise in the CPU
-        tests)."""
+        workloads and ViT-Ti: outline_cost_block_updates_cpu.md). ``True`` takes blocks
+        repeated only twice too (ResNet-18's pair: 1.02x the inlined step), on any device, and
+        outlines the step (unless ``set_outline_blocks(False)`` says otherwise, which leaves
+        this without effect and warns); ``False`` keeps the whole update one multi-tensor run.
+        The values are the same either way (bitwise in the CPU tests)."""
         self._set(block_updates=check_bool("set_block_updates(mode)", mode))
 
     def set_step_cache(self, mode: bool = True) -> None:
