@@ -398,8 +398,8 @@ class GraphConfig:
         so where it outlines by default (CPU steps) for blocks repeated at least 3 times:
         the first call compiles much less (cold on the CPU, 1.12-1.30x torch.compile's first
         call instead of 1.7-2.0x: benchmarks/results/first_call_cpu.md, round 11), and each
-        call costs the steady step about 0.2 ms (1.007-1.011x the inlined step on the GPT
-        workloads and ViT-Ti: outline_cost_block_updates_cpu.md). ``True`` takes blocks
+        call costs the steady step about 0.2 ms (1.004-1.022x the inlined step on the GPT
+        workloads and ViT-Ti, 2-3 runs each: outline_cost_cpu.md). ``True`` takes blocks
         repeated only twice too (ResNet-18's pair: 1.02x the inlined step), on any device, and
         outlines the step (unless ``set_outline_blocks(False)`` says otherwise, which leaves
         this without effect and warns); ``False`` keeps the whole update one multi-tensor run.

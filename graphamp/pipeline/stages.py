@@ -256,7 +256,7 @@ class Choices:
 def outlined_by_default(device: torch.device, grad_acc_steps: int) -> bool:
     """Whether a step is outlined when the user has not said: only where its steady step
     measured as fast outlined as inlined (the 2% rule, docs/usage.md). That is the CPU's plain
-    step (benchmarks/outline_cost.py: 0.998-1.017x on four workloads). Not a CUDA step: GPT-2
+    step (benchmarks/outline_cost.py: 1.004-1.022x on four workloads). Not a CUDA step: GPT-2
     124M bf16 on an H200 measured 1.039x and 1.032x the inlined step (GPU rounds 3 and 4,
     benchmarks/results/h200-round4; a profile counted 691 kernels a step against 617). Not
     gradient accumulation: 1.024x and 1.027x on the CPU's GPT workloads (``--kind
@@ -267,7 +267,8 @@ def outlined_by_default(device: torch.device, grad_acc_steps: int) -> bool:
 # Where the user has not said, blocks repeated at least this often have their updates by one
 # kernel call each (on the steps outlined by default). Two equal blocks (ResNet-18's first
 # stage) save one block's update at compile time and measured 1.021-1.026x the inlined step;
-# 6 and 12 repeats (the GPT workloads, ViT-Ti) 1.007-1.011x (outline_cost_block_updates_cpu.md).
+# 6 and 12 repeats (the GPT workloads, ViT-Ti) 1.004-1.022x (outline_cost_block_updates_cpu.md,
+# outline_cost_cpu.md).
 REPEATS_BY_DEFAULT = 3
 
 

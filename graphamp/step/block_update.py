@@ -10,7 +10,7 @@ each block's parameters are updated instead by one call of ``graphamp::update_bl
 for each distinct block (the optimizer kind, its options, the tensors' sizes, dtypes and
 strides), and reused by every block equal to it. The step's own compile sees one opaque call per
 block. Each call costs the steady step about 0.2 ms on the CPU (dispatch, inductor's wrapper,
-a kernel's fixed costs): 1.007-1.011x the inlined step on the GPT workloads and ViT-Ti, whose
+a kernel's fixed costs): 1.004-1.022x the inlined step on the GPT workloads and ViT-Ti, whose
 6 and 12 blocks are equal, but 1.021-1.026x on ResNet-18, whose only equal blocks are a pair
 (it saves one block's update at compile). Hence the default's 3 repeats.
 
