@@ -5,8 +5,8 @@ inductor's generated code: on a 12-layer GPT-2 that is 2,300 more nodes for indu
 schedule and generate, most of the gap between graphamp's cold first call and torch.compile's
 (``benchmarks/results/first_call_cpu.md``). Where the step's blocks repeat and are outlined
 (by default on the CPU, for blocks repeated at least 3 times; ``config.set_block_updates``),
-each block's parameters are updated instead by one call of ``graphamp::update_block_``. Its kernel is the same multi-tensor math
-(``update_math.write_masked``), compiled with the step's backend as the step is compiled, once
+each block's parameters are updated instead by one call of ``graphamp::update_block_``. Its
+kernel is the same multi-tensor math (``update_math.write_masked``), compiled with the step's backend as the step is compiled, once
 for each distinct block (the optimizer kind, its options, the tensors' sizes, dtypes and
 strides), and reused by every block equal to it. The step's own compile sees one opaque call per
 block. Each call costs the steady step about 0.2 ms on the CPU (dispatch, inductor's wrapper,
