@@ -19,6 +19,9 @@ and each variant, all variants of a workload one after the other in one process 
                       default outlines on the CPU and inlines on CUDA; the two named together
                       give what outlining costs or saves in the steady step and the first
                       call, as ratios of one process: issue 40 §0)
+    graphamp_fp16_blocks, graphamp_bf16_blocks   outlined, and each repeated block's update by
+                      one kernel call (set_block_updates(True); the CPU's default for blocks
+                      repeated 3 times, off by default on CUDA; not run unless named)
     graphamp_fp16_fused, graphamp_bf16_fused     the optimizer built with fused=True (torch's
                       fused kernel as one op of the step, as the compile_* peers' optimizer;
                       not run unless named)
@@ -78,12 +81,14 @@ TRACED_VARIANTS = ("graphamp_fp16_traced", "graphamp_bf16_traced")  # only when 
 # config.set_outline_blocks(False) and (True), only when named
 INLINE_VARIANTS = ("graphamp_fp16_inline", "graphamp_bf16_inline")
 OUTLINE_VARIANTS = ("graphamp_fp16_outline", "graphamp_bf16_outline")
+# outlined with set_block_updates(True), only when named
+BLOCK_VARIANTS = ("graphamp_fp16_blocks", "graphamp_bf16_blocks")
 # the optimizer built with fused=True (torch's fused kernel, one op of the step): only when named
 FUSED_VARIANTS = ("graphamp_fp16_fused", "graphamp_bf16_fused")
 # enable_fp8, only when named: suffix -> recipe
 FP8_RECIPES = {"_fp8": "tensorwise", "_fp8rw": "rowwise", "_fp8dl": "delayed"}
 FP8_VARIANTS = tuple(f"graphamp_bf16{suffix}" for suffix in FP8_RECIPES)
-SUFFIXES = ("_traced", "_inline", "_outline", "_fused", *FP8_RECIPES)
+SUFFIXES = ("_traced", "_inline", "_outline", "_blocks", "_fused", *FP8_RECIPES)
 
 
 def _base_variant(variant: str) -> str:
@@ -128,6 +133,8 @@ def make_step(variant: str, workload, model, device, backend: str, inductor_opti
                     self.config.enable_overflow_tracing()
                 if variant.endswith(("_inline", "_outline")):
                     self.config.set_outline_blocks(variant.endswith("_outline"))
+                if variant.endswith("_blocks"):
+                    self.config.set_block_updates(True)  # outlines the step too
                 recipe = next((r for s, r in FP8_RECIPES.items() if variant.endswith(s)), None)
                 if recipe is not None:
                     self.config.enable_fp8(True, recipe=recipe)
@@ -483,6 +490,7 @@ def main(argv=None) -> list[dict]:
         + TRACED_VARIANTS
         + INLINE_VARIANTS
         + OUTLINE_VARIANTS
+        + BLOCK_VARIANTS
         + FUSED_VARIANTS
         + FP8_VARIANTS,
     )

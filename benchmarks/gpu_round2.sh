@@ -21,6 +21,10 @@
 #   resnet50    ResNet-50 B128, bf16 then fp16, against torch.compile + autocast (+ GradScaler)
 #   -- named only --
 #   gpt2_warm   the gpt2 command again on the cache gpt2 filled: warm first calls
+#   blocks      set_block_updates(True) on CUDA (off by default there): GPT-2 124M bf16 with
+#               block updates against the inlined step (steady step and first call, one
+#               process), then first_call.py's 6-layer GPT-2, graphamp's default against
+#               graphamp-blocks and torch.compile, fresh processes, cold and restart (~4 min)
 #   fused       GPT-2 124M bf16 with AdamW(fused=True) (torch's fused kernel in the step, the
 #               optimizer the compile_* peers use) against graphamp's own update and
 #               torch.compile, cold inductor cache: first call and steady step
@@ -90,6 +94,16 @@ part_outline() {
   bench --workload gpt2 --variant graphamp_bf16_outline graphamp_bf16_inline --steps 100 \
     --profile --tag outline \
     "${GRAPHAMP_INDUCTOR[@]}"
+}
+part_blocks() {
+  bench --workload gpt2 --variant graphamp_bf16_blocks graphamp_bf16_inline --steps 100 \
+    --tag blocks "${GRAPHAMP_INDUCTOR[@]}"
+  if [ ${#SMOKE[@]} -eq 0 ]; then
+    local env=()
+    [ ${#GRAPHAMP_INDUCTOR[@]} -gt 0 ] && env=(TORCHINDUCTOR_LOOP_ORDERING_AFTER_FUSION=0)
+    limited env "${env[@]}" "$PYTHON" benchmarks/first_call.py --device cuda --repeat 1 \
+      --workload gpt2-6l --variant graphamp graphamp-blocks compile --out "$OUT" --tag cuda_blocks
+  fi
 }
 part_resnet50() {
   bench --workload resnet50 --variant graphamp_bf16 compile_bf16 graphamp_fp16 compile_amp_fp16 \
