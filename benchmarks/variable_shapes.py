@@ -147,8 +147,11 @@ def child_total(variant: str, layers: int, steps: int, n_lengths: int) -> dict:
     import torch
 
     batches = make_batches(steps, n_lengths)
-    step, graph = make_step(variant, make_model(layers))
+    model = make_model(layers)
+    # timed from before the step is made: ``torch.compile(model)`` imports inductor as it is
+    # called, graphamp at its first compile (first_call.py's note)
     losses, start = [], time.perf_counter()
+    step, graph = make_step(variant, model)
     for batch in batches:
         losses.append(step(batch).item())
     total = time.perf_counter() - start
