@@ -6,14 +6,13 @@ at the end (regenerating a 100k-node module costs seconds).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
 from typing import Callable
 
 import torch.fx as fx
 
 from ..errors import GraphampError
+from ..torchkit.fxutil import gc_paused
 from .base import AmpContext
 from .colour import colour_by_lists
 from .fold_casts import fold_cast_chains
@@ -46,7 +45,7 @@ def run_amp_passes(
     """Run AMP_PIPELINE on ``gm`` in place; lint after each pass, check invariants at the end,
     then regenerate the module's code once."""
     timings = ctx.stats.setdefault("pass_seconds", {})
-    with _gc_paused():
+    with gc_paused():
         gm = _run(gm, ctx, after_pass, check, timings)
     if check:
         check_amp_invariants(gm, ctx)
@@ -55,19 +54,6 @@ def run_amp_passes(
     ctx.stats["casts"] = sum(1 for n in gm.graph.nodes if n.meta.get("amp_cast"))
     ctx.stats["casts_with_parameters"] = ctx.stats["casts"] + len(ctx.hoisted)
     return gm
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """The passes allocate many small objects; the cycle collector would rescan the whole node
-    graph again and again (a quarter of the time on a 100k-node graph)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class AmpPassError(GraphampError, RuntimeError):

@@ -3,6 +3,8 @@ frames, node tagging while tracing, and the metadata accessors every stage reads
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import operator
 import os
 import sys
@@ -110,13 +112,28 @@ def trace_functional(
     functional = dispatch_functionalize(
         fn, FunctionalTensorMode(), propagate_input_mutations=propagate_input_mutations
     )
-    with mode, effects_as_plain_ops():
+    with mode, effects_as_plain_ops(), gc_paused():
         return make_fx(
             functional,
             tracing_mode="real",
             decomposition_table=symbolic_decompositions() if symbolic else {},
             _allow_non_fake_inputs=allow_constants,
         )(*fakes)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """The cycle collector paused while a graph is traced or rewritten. Both allocate many small
+    objects, and each full collection rescans everything alive, so the collections grow with
+    the model: a quarter of the AMP passes' time on a 100k-node graph; in assembling a 12-layer
+    GPT-2's step, one full collection took 0.21 s of 2.4 (none on 6 layers, 0.9 s)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # Ops whose meta kernels read sizes as plain integers, which specialises a symbolic size to the
