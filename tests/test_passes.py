@@ -550,3 +550,35 @@ def test_verify_dtypes_checks_getitem_outputs():
         torch.float32
     )  # a dtype the op does not give: verify_dtypes reports it
     assert any(state.name in m for m in passes.verify_dtypes(gm))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_trace_pauses_the_cycle_collector_and_leaves_it_as_it_found_it(enabled, fails):
+    """Traces run with the cycle collector paused (its full collections grow with the model);
+    afterwards it is on or off as before, also when the traced function raises."""
+    import gc
+
+    from graphamp.torchkit.fxutil import trace_functional
+
+    seen = []
+
+    def fn(x):
+        seen.append(gc.isenabled())
+        if fails:
+            raise ValueError("the user's code failed")
+        return x * 2
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        if fails:
+            with pytest.raises(ValueError, match="user's code"):
+                trace_functional(fn, [torch.ones(3)], propagate_input_mutations=False)
+        else:
+            gm = trace_functional(fn, [torch.ones(3)], propagate_input_mutations=False)
+            assert torch.equal(gm(torch.ones(3)), torch.full((3,), 2.0))
+        assert seen == [False]
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
