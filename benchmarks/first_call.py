@@ -5,8 +5,9 @@ before the step is made: for graphamp, the Graph's construction, capture, AMP pa
 and inductor compiling the whole step; for the peer, ``torch.compile(model)`` (which imports
 inductor as it is called), then the step under ``torch.autocast``, backward, and an eager
 optimizer step (AdamW, torch's default implementation). Until round 12 of the results the timer
-started after both were made, which left the peer's import of inductor out of its figure. Both use bf16 autocast / AMP (``--dtype fp16``:
-fp16 with graphamp's GradScaler and torch.amp.GradScaler), on the CPU unless ``--device cuda``.
+started after both were made, which left the peer's import of inductor out of its figure. Both
+use bf16 autocast / AMP (``--dtype fp16``: fp16 with graphamp's GradScaler and
+torch.amp.GradScaler), on the CPU unless ``--device cuda``.
 ``--smoke``: tiny models and the aot_eager backend (checks the script runs; no figures).
 
 Every measurement runs in a fresh Python process:

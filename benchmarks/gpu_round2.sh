@@ -20,16 +20,16 @@
 #   mlp         seed MLP, 200 steps: ms/step vs eager and compiled AMP (target ≤ 0.06 ms, ≥ 20×)
 #   gpt2        GPT-2 124M fp16 + bf16 vs torch.compile + autocast (+ GradScaler), cold inductor
 #               cache: ms/step, TFLOP/s, MFU, peak memory, first call (cold), host syncs, profile
+#   blocks      set_block_updates(True) on CUDA (off by default there): first_call.py's 6-layer
+#               GPT-2, graphamp's default against graphamp-blocks and torch.compile, fresh
+#               processes, cold and restart; then GPT-2 124M bf16 with block updates against
+#               the inlined step (steady step and first call, one process) (~4 min)
 #   outline     GPT-2 124M bf16, outlined blocks against inlined (set_outline_blocks(True) and
 #               (False); CUDA's default inlines) in one process: the steady step's ratio and
 #               each program's kernels per step (issue 40 §0)
 #   resnet50    ResNet-50 B128, bf16 then fp16, against torch.compile + autocast (+ GradScaler)
 #   -- named only --
 #   gpt2_warm   the gpt2 command again on the cache gpt2 filled: warm first calls
-#   blocks      set_block_updates(True) on CUDA (off by default there): first_call.py's 6-layer
-#               GPT-2, graphamp's default against graphamp-blocks and torch.compile, fresh
-#               processes, cold and restart; then GPT-2 124M bf16 with block updates against
-#               the inlined step (steady step and first call, one process) (~4 min)
 #   fused       GPT-2 124M bf16 with AdamW(fused=True) (torch's fused kernel in the step, the
 #               optimizer the compile_* peers use) against graphamp's own update and
 #               torch.compile, cold inductor cache: first call and steady step

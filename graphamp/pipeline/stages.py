@@ -257,8 +257,9 @@ def outlined_by_default(device: torch.device, grad_acc_steps: int) -> bool:
     """Whether a step is outlined when the user has not said: only where its steady step
     measured as fast outlined as inlined (the 2% rule, docs/usage.md). That is the CPU's plain
     step (benchmarks/outline_cost.py: 1.004-1.022x on four workloads). Not a CUDA step: GPT-2
-    124M bf16 on an H200 measured 1.039x and 1.032x the inlined step (GPU rounds 3 and 4,
-    benchmarks/results/h200-round4; a profile counted 691 kernels a step against 617). Not
+    124M bf16 on an H200 measured 1.039x, 1.032x and 1.019x the inlined step (GPU rounds 3-5,
+    benchmarks/results/h200-round5; 668 kernels a step against 618), too close to 2% to spend
+    the step on. Not
     gradient accumulation: 1.024x and 1.027x on the CPU's GPT workloads (``--kind
     accumulated``). Other devices are unmeasured, so inlined."""
     return device.type == "cpu" and grad_acc_steps == 1

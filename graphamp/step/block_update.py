@@ -3,16 +3,16 @@
 Inline, the multi-tensor update over every parameter becomes one loop per parameter in
 inductor's generated code: on a 12-layer GPT-2 that is 2,300 more nodes for inductor to
 schedule and generate, most of the gap between graphamp's cold first call and torch.compile's
-(``benchmarks/results/first_call_cpu.md``). Where the step's blocks repeat and are outlined
-(by default on the CPU, for blocks repeated at least 3 times; ``config.set_block_updates``),
-each block's parameters are updated instead by one call of ``graphamp::update_block_``. Its
-kernel is the same multi-tensor math (``update_math.write_masked``), compiled with the step's backend as the step is compiled, once
-for each distinct block (the optimizer kind, its options, the tensors' sizes, dtypes and
-strides), and reused by every block equal to it. The step's own compile sees one opaque call per
-block. Each call costs the steady step about 0.2 ms on the CPU (dispatch, inductor's wrapper,
-a kernel's fixed costs): 1.004-1.022x the inlined step on the GPT workloads and ViT-Ti, whose
-6 and 12 blocks are equal, but 1.021-1.026x on ResNet-18, whose only equal blocks are a pair
-(it saves one block's update at compile). Hence the default's 3 repeats.
+(``benchmarks/results/first_call_cpu.md``). Where the step's blocks repeat and are outlined (by
+default on the CPU, for blocks repeated at least 3 times; ``config.set_block_updates``), each
+block's parameters are updated instead by one call of ``graphamp::update_block_``. Its kernel is
+the same multi-tensor math (``update_math.write_masked``), compiled with the step's backend as the
+step is compiled, once for each distinct block (the optimizer kind, its options, the tensors'
+sizes, dtypes and strides), and reused by every block equal to it. The step's own compile sees one
+opaque call per block. Each call costs the steady step about 0.2 ms on the CPU (dispatch,
+inductor's wrapper, a kernel's fixed costs): 1.004-1.022x the inlined step on the GPT workloads
+and ViT-Ti, whose 6 and 12 blocks are equal, but 1.021-1.026x on ResNet-18, whose only equal
+blocks are a pair (it saves one block's update at compile). Hence the default's 3 repeats.
 
 Why a custom op and not an outlined subgraph: the update writes its parameters and state. An op
 that declares its writes is auto-functionalized in the step, and inductor turns it back into
