@@ -131,7 +131,10 @@ def test_a_restart_with_block_updates_makes_their_kernels_from_the_note(
     """The blocks' update kernels are made from the specs the note keeps, so a restart of a
     step with block updates (the CPU's default for 3 equal blocks) compiles from the note too,
     without loading the step's graph; each kernel has a note of its own, so the restart does
-    not trace the kernel's math either. It trains bitwise like the cold run."""
+    not trace the kernel's math either. It trains bitwise like the cold run. A cold compile
+    with the kernels compiled beside the step (``pipeline/side_compile.py``, on by default)
+    makes them from the child's notes, and trains bitwise like the cold run too."""
+    monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "0")  # the traces counted here are this process's
     traced = []
     trace = block_update.trace_functional
     monkeypatch.setattr(
@@ -154,6 +157,16 @@ def test_a_restart_with_block_updates_makes_their_kernels_from_the_note(
         missed = _run(caplog, gpt=True)
         assert traced == [1, 1] and missed[2].get("autograd_cache_saved") == 2, missed[2]
         assert_bitwise(cold[3], missed[3])
+    monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "1")
+    monkeypatch.setenv("GRAPHAMP_CACHE_DIR", str(tmp_path / "another"))
+    monkeypatch.setattr(block_update, "_KERNELS", {})
+    with fresh_cache():  # cold: the child compiles the kernel and notes it, this process reads
+        beside = _run(caplog, gpt=True)
+        assert "1 block update kernel" in caplog.text and traced == [1, 1]
+        assert "(compiled beside the step)" in caplog.text, caplog.text
+        assert beside[2].get("autograd_cache_hit") == 1, beside[2]  # the kernel, from the note
+        assert len(_notes()) == 2
+        assert_bitwise(cold[3], beside[3])
 
 
 @pytest.mark.slow  # four inductor compiles (25 s); the default lane keeps the restart above

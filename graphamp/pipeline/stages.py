@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ from ..step import (
 )
 from ..torchkit.fxutil import copy_graph_module
 from ..torchkit.pin_match import PinMatch, resolve_pins
+from .side_compile import SideCompile, compile_noted_kernel
 
 log = logging.getLogger("graphamp")
 
@@ -458,14 +460,7 @@ def compile(
                 tries.keys.append(f"{REMEMBERED}, {GRAPH_NOT_LOADED}")
                 tries.make_kernels(step.note["block_specs"], cached=True)
                 return noted
-        set_kernel_backend(step.gm, config.backend)  # the blocks' update kernels: the same
-        specs = block_specs(step.gm)
-        extra = {"block_specs": specs}  # what a restart compiling from the note makes besides
-        with remembered_key(step.gm, saved_key, ctx.spec.name, extra) as memo:
-            compiled = compile_step(step.gm, example, config.backend, options, step.loaded)
-        tries.keys.append(REMEMBERED if memo.remembered else "")
-        tries.make_kernels(specs, step.loaded)
-        return compiled
+        return _compile_graph(ctx, step, example, options, tries)
 
     # the step cache on: torch's source hashes kept from the last run, if its files are the same
     sources = source_keys.preset(ctx.spec.name) if saved_key is not None else None
@@ -491,6 +486,35 @@ def compile(
     return Compiled(runner, detail)
 
 
+def _compile_graph(
+    ctx: BuildContext, step: StepGraph, example: list, options: dict, tries: _Tries
+) -> StepFn:
+    """The step's graph compiled, and its blocks' update kernels made: beside it, in a child
+    process, where ``side_compile`` applies."""
+    backend = ctx.spec.config.backend
+    set_kernel_backend(step.gm, backend)  # the blocks' update kernels: the same
+    specs = block_specs(step.gm)
+    extra = {"block_specs": specs}  # what a restart compiling from the note makes besides
+    beside = None
+    if tries.noted and not step.loaded:  # noted: the step cache on, and inductor
+        beside = SideCompile.start(ctx.spec.name, specs)
+    try:
+        with remembered_key(
+            step.gm, step.key if tries.noted else None, ctx.spec.name, extra
+        ) as memo:
+            compiled = compile_step(step.gm, example, backend, options, step.loaded)
+    except BaseException:
+        if beside is not None:
+            beside.stop()
+        raise
+    tries.keys.append(REMEMBERED if memo.remembered else "")
+    tries.beside = beside is not None and beside.finished(ctx.spec.name)
+    # a noted kernel is made from its note where it has one (the child's, or an earlier step's
+    # with equal blocks), as a restart makes it
+    tries.make_kernels(specs, step.loaded or tries.noted)
+    return compiled
+
+
 @dataclass
 class _Tries:
     """What each try of the step's compile did (``compile_from_cache`` may try twice)."""
@@ -499,17 +523,13 @@ class _Tries:
     noted: bool  # the step cache is on: the blocks' kernels are noted as the step is
     kernels: list[tuple[int, float]] = field(default_factory=list)  # block kernels made, seconds
     keys: list[str] = field(default_factory=list)  # how AOTAutograd's key was had ("": hashed)
+    beside: bool = False  # the last try's kernels were compiled beside the step (side_compile)
 
     def make_kernels(self, specs: list[str], cached: bool) -> None:
         start = time.perf_counter()
-        made = compile_block_kernels(specs, cached, self._noted_kernel if self.noted else None)
+        noted = partial(compile_noted_kernel, self.graph_name) if self.noted else None
+        made = compile_block_kernels(specs, cached, noted)
         self.kernels.append((made, time.perf_counter() - start))
-
-    def _noted_kernel(self, spec: str, trace, example: list, cached: bool):
-        """A block kernel compiled with AOTAutograd's key noted under a key of its own (its
-        spec, strides, torch's and graphamp's versions: ``step_key``)."""
-        key = step_key(("update_block_", spec, [t.stride() for t in example]))
-        return noted_step.compile_kernel(self.graph_name, key, trace, example, cached)
 
     def described(self, caches: str) -> str:
         """The inductor compile line's end: the last try's kernels, whether a restart was
@@ -518,6 +538,7 @@ class _Tries:
         if self.kernels and self.kernels[-1][0]:
             made, seconds = self.kernels[-1]
             text += f", {made} block update kernel{'s' * (made > 1)} in {seconds:.2f} s"
+            text += " (compiled beside the step)" if self.beside else ""
         text += ", " + (caches or "no cache")
         if self.keys and self.keys[-1]:
             text += ", " + self.keys[-1]

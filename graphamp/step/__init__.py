@@ -7,10 +7,12 @@ one module per subgraph (gradients, scaling, optimizer_update, history, collecti
 
 from .assemble import assemble_step
 from .block_update import (
+    block_example,
     block_specs,
     compile_block_kernels,
     count_block_updates,
     set_kernel_backend,
+    unmade_specs,
 )
 from .examples import example_inputs
 from .outline import OutlineResult, outline_blocks
@@ -22,9 +24,11 @@ __all__ = [
     "OutlineResult",
     "RecomputeResult",
     "assemble_step",
+    "block_example",
     "block_specs",
     "build_plan",
     "compile_block_kernels",
+    "unmade_specs",
     "count_block_updates",
     "example_inputs",
     "outline_blocks",

@@ -298,6 +298,32 @@ def block_specs(gm: fx.GraphModule) -> list[str]:
     return list(dict.fromkeys(node.kwargs["spec"] for node in _calls(gm)))
 
 
+def _example(parsed: _Spec, on_meta: bool = False) -> list[Tensor]:
+    """Contiguous tensors of the sizes, dtypes and devices ``parsed`` names (or on "meta")."""
+    return [
+        torch.empty(
+            sizes,
+            dtype=getattr(torch, dtype.removeprefix("torch.")),
+            device="meta" if on_meta else device,
+        )
+        for dtype, sizes, device in parsed.inputs
+    ]
+
+
+def block_example(spec: str) -> list[Tensor]:
+    """Meta tensors laid out as the kernel of ``spec`` made at compile time takes them."""
+    return _example(_Spec(spec), on_meta=True)
+
+
+def unmade_specs(specs: list[str]) -> list[str]:
+    """Those of ``specs`` whose kernel for contiguous tensors this process has not made."""
+    return [
+        spec
+        for spec in specs
+        if (spec, tuple(t.stride() for t in block_example(spec))) not in _KERNELS
+    ]
+
+
 def compile_block_kernels(
     specs: list[str], cached: bool = False, compiler: KernelCompiler | None = None
 ) -> int:
@@ -308,10 +334,7 @@ def compile_block_kernels(
     made = 0
     for spec in specs:
         parsed = _Spec(spec)
-        flat = [
-            torch.empty(sizes, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
-            for dtype, sizes, device in parsed.inputs
-        ]
+        flat = _example(parsed)
         key = (spec, tuple(t.stride() for t in flat))
         if key not in _KERNELS:
             _KERNELS[key] = _kernel(parsed, flat, cached, compiler)

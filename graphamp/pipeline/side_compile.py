@@ -1,0 +1,187 @@
+"""The blocks' update kernels compiled in a process beside the step's compile (issue 40).
+
+A cold compile of a step with block updates (``step/block_update.py``, the CPU's default for
+blocks repeated 3 times) makes two programs that do not depend on each other: the step, which
+calls ``graphamp::update_block_`` as an opaque op, and each distinct block's update kernel. In
+one process they ran one after the other, and the kernel took 3.4 s of the 6-layer GPT-2's
+25.7 s first call (2-core CPU), nearly all of it Python (AOTAutograd's trace, inductor's
+lowering and code generation) on one core while the other waited.
+
+So, where the kernels are noted (the step cache is on) and not made yet, a child Python process
+compiles them with inductor while this one compiles the step. The child writes what a restart
+would read: inductor's and AOTAutograd's cache entries, and each kernel's note
+(``noted_step.compile_kernel``) in the same directories. After the step's compile, this process
+waits for the child and makes the kernels as a restart does, from the notes. Nothing else
+crosses between the two: what the child made is used only where it is what this process would
+have made, which the note's check decides as on any restart (the compile's context, keyed by
+AOTAutograd: inductor's settings, the thread count, torch). Where the child failed, was
+stopped, or made something for another context, this process compiles the kernel itself, as
+before. The child costs about 4 s of CPU to import torch, which the second core had spare.
+
+Only kernels of CPU tensors are compiled beside (a child would otherwise start its own CUDA
+context), only with two or more cores for this process, and never when
+``GRAPHAMP_SIDE_COMPILE=0``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+
+from ..backend import cache_directory, inductor_cache, noted_step
+from ..backend.aot_key import read_note
+from ..backend.step_key import step_key
+from ..step import block_example, compile_block_kernels, unmade_specs
+
+log = logging.getLogger("graphamp")
+
+WAIT_S = 600.0  # the longest this process waits for the child before compiling itself
+
+
+def compile_noted_kernel(graph_name: str, spec: str, trace, example: list, cached: bool):
+    """A block kernel compiled with AOTAutograd's key noted under a key of its own;
+    ``cached``: made from its note where there is one (``noted_step.compile_kernel``)."""
+    key = _kernel_key(spec, [t.stride() for t in example])
+    return noted_step.compile_kernel(graph_name, key, trace, example, cached)
+
+
+def _kernel_key(spec: str, strides: list) -> str:
+    """The kernel's own key: its spec, its inputs' strides, torch's and graphamp's versions."""
+    return step_key(("update_block_", spec, strides))
+
+
+def _noted(graph_name: str, spec: str) -> bool:
+    """Whether the kernel of ``spec`` (for contiguous tensors) has a note to be made from."""
+    strides = [t.stride() for t in block_example(spec)]
+    return noted_step.usable(read_note(graph_name, _kernel_key(spec, strides)))
+
+
+class SideCompile:
+    """A child process compiling block kernels; ``finished()`` says whether it made them."""
+
+    def __init__(self, proc: subprocess.Popen, errors, started: float) -> None:
+        self._proc = proc
+        self._errors = errors  # the child's stderr, kept for the debug log of a failure
+        self._started = started
+
+    @classmethod
+    def start(cls, graph_name: str, specs: list[str]) -> SideCompile | None:
+        """The child compiling the kernels of ``specs`` not made yet in this process, or None
+        where there are none or the side compile does not apply."""
+        if not _applies():
+            return None
+        todo = [s for s in unmade_specs(specs) if _on_cpu(s) and not _noted(graph_name, s)]
+        if not todo:
+            return None
+        request = json.dumps({"graph": graph_name, "specs": todo, "threads": _threads()})
+        errors = tempfile.TemporaryFile()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _CHILD],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=errors,
+                env=_child_env(),
+            )
+        except OSError as e:  # no interpreter to start, no processes left: compiled here
+            errors.close()
+            log.debug("%s: the block kernels are compiled in this process: %s", graph_name, e)
+            return None
+        beside = cls(proc, errors, time.perf_counter())
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(request.encode())
+            proc.stdin.close()
+        except OSError as e:  # the child is gone already: compiled here
+            beside.stop()
+            log.debug("%s: the side compile could not start: %s", graph_name, e)
+            return None
+        log.debug("%s: compiling %d block kernel(s) beside the step", graph_name, len(todo))
+        return beside
+
+    def finished(self, graph_name: str) -> bool:
+        """Wait for the child (at most ``WAIT_S``); whether it compiled every kernel."""
+        try:
+            code = self._proc.wait(timeout=max(0.0, WAIT_S - self.seconds()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            log.debug("%s: the side compile took over %.0f s; stopped", graph_name, WAIT_S)
+            return False
+        except BaseException:  # interrupted while waiting: the child goes too
+            self.stop()
+            raise
+        if code != 0:
+            self._errors.seek(0)
+            tail = self._errors.read()[-2000:].decode(errors="replace")
+            log.debug("%s: the side compile failed (exit code %s):\n%s", graph_name, code, tail)
+        self._errors.close()
+        return code == 0
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self._started
+
+    def stop(self) -> None:
+        """Stop the child (this process's compile failed, or it waited long enough)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._errors.close()
+
+
+def _applies() -> bool:
+    if os.environ.get("GRAPHAMP_SIDE_COMPILE", "1") == "0":
+        return False
+    if getattr(sys, "frozen", False) or not sys.executable:  # no Python to start
+        return False
+    return _cores() >= 2  # on one core the child would only take turns with the step's compile
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _on_cpu(spec: str) -> bool:
+    return all(device == "cpu" for _, _, device in json.loads(spec)["inputs"])
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()  # part of the compile's context: the child's must match
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment, with the cache directories as this process resolves them,
+    this process's import path (the same graphamp and torch), and one compile thread: the
+    child compiles one kernel and needs no pool of compile processes."""
+    env = dict(os.environ)
+    env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache.cache_directory()
+    env["GRAPHAMP_CACHE_DIR"] = cache_directory.root()
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    env["TORCH_WARM_POOL"] = "0"
+    return env
+
+
+_CHILD = f"import sys; from {__name__} import child_main; sys.exit(child_main())"
+
+
+def child_main() -> int:
+    """The child: compile the kernels of the request on stdin, noting each."""
+    request = json.loads(sys.stdin.read())
+    import torch
+
+    torch.set_num_threads(request["threads"])
+    compiler = partial(compile_noted_kernel, request["graph"])
+    compile_block_kernels(request["specs"], False, compiler)
+    return 0

@@ -1,0 +1,86 @@
+"""The block kernels compiled in a child process beside the step (``pipeline/side_compile.py``).
+
+The whole path (a cold compile whose kernel the child makes, trained bitwise like one made in
+this process) is in ``test_restart_keys.py``; here, what happens when the child cannot help:
+it fails, it takes too long, or it does not apply. None of these compiles anything.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from graphamp.pipeline import side_compile
+from graphamp.step import block_update
+
+
+def _spec(device: str = "cpu") -> str:
+    """The spec of an SGD update of a block of two small parameters."""
+    flat = [torch.empty(4, device="meta"), torch.empty(3, device="meta")] * 2
+    spec = block_update.spec_text("sgd", {}, [], [], 2, False, flat)
+    return spec.replace('"meta"', f'"{device}"')
+
+
+@pytest.fixture
+def on(monkeypatch):
+    monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "1")
+    monkeypatch.setattr(side_compile, "_cores", lambda: 2)
+
+
+def test_a_failed_child_is_reported_and_leaves_the_kernels_to_this_process(on, monkeypatch, caplog):
+    monkeypatch.setattr(
+        side_compile, "_CHILD", "import sys; sys.stderr.write('no kernel here'); sys.exit(3)"
+    )
+    beside = side_compile.SideCompile.start("G", [_spec()])
+    assert beside is not None
+    with caplog.at_level(logging.DEBUG, logger="graphamp"):
+        assert not beside.finished("G")
+    assert "the side compile failed (exit code 3)" in caplog.text
+    assert "no kernel here" in caplog.text
+
+
+def test_a_child_that_takes_too_long_is_stopped(on, monkeypatch, caplog):
+    monkeypatch.setattr(side_compile, "_CHILD", "import time; time.sleep(60)")
+    monkeypatch.setattr(side_compile, "WAIT_S", 0.5)
+    beside = side_compile.SideCompile.start("G", [_spec()])
+    assert beside is not None
+    with caplog.at_level(logging.DEBUG, logger="graphamp"):
+        assert not beside.finished("G")
+    assert beside.seconds() < 30  # stopped, not waited for
+    assert "stopped" in caplog.text
+
+
+def test_the_child_gets_the_request_and_this_processs_cache_directories(on, monkeypatch, tmp_path):
+    """The child reads the kernels' specs and the thread count from its stdin, and compiles
+    into the directories this process resolved (its own environment may say otherwise)."""
+    out = tmp_path / "seen.txt"
+    monkeypatch.setattr(
+        side_compile,
+        "_CHILD",
+        f"import os, sys; open({str(out)!r}, 'w').write(sys.stdin.read() + '\\n' + "
+        "os.environ['TORCHINDUCTOR_CACHE_DIR'] + '\\n' + os.environ['GRAPHAMP_CACHE_DIR'])",
+    )
+    monkeypatch.setenv("GRAPHAMP_CACHE_DIR", str(tmp_path / "steps"))
+    beside = side_compile.SideCompile.start("G", [_spec()])
+    assert beside is not None and beside.finished("G")
+    request, inductor_dir, graphamp_dir = out.read_text().splitlines()
+    assert '"graph": "G"' in request and f'"threads": {torch.get_num_threads()}' in request
+    assert inductor_dir == side_compile.inductor_cache.cache_directory()
+    assert graphamp_dir == str(tmp_path / "steps")
+
+
+def test_nothing_is_started_where_the_side_compile_does_not_apply(on, monkeypatch):
+    start = side_compile.SideCompile.start
+    assert start("G", []) is None  # no kernels
+    assert start("G", [_spec(device="cuda")]) is None  # a CUDA block's kernel
+    made = _spec()
+    key = (made, tuple(t.stride() for t in block_update.block_example(made)))
+    monkeypatch.setitem(block_update._KERNELS, key, lambda *a: None)
+    assert start("G", [made]) is None  # made in this process already
+    monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "0")
+    assert start("G", [_spec().replace("sgd", "adam")]) is None  # turned off
+    monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "1")
+    monkeypatch.setattr(side_compile, "_cores", lambda: 1)
+    assert start("G", [_spec().replace("sgd", "adam")]) is None  # one core: it would take turns
