@@ -8,6 +8,7 @@ it fails, it takes too long, or it does not apply. None of these compiles anythi
 from __future__ import annotations
 
 import logging
+import pickle
 
 import pytest
 import torch
@@ -53,20 +54,21 @@ def test_a_child_that_takes_too_long_is_stopped(on, monkeypatch, caplog):
 
 
 def test_the_child_gets_the_request_and_this_processs_cache_directories(on, monkeypatch, tmp_path):
-    """The child reads the kernels' specs and the thread count from its stdin, and compiles
-    into the directories this process resolved (its own environment may say otherwise)."""
+    """The child reads the kernels' specs from its stdin, and compiles into the directories
+    this process resolved (its own environment may say otherwise)."""
     out = tmp_path / "seen.txt"
     monkeypatch.setattr(
         side_compile,
         "_CHILD",
-        f"import os, sys; open({str(out)!r}, 'w').write(sys.stdin.read() + '\\n' + "
-        "os.environ['TORCHINDUCTOR_CACHE_DIR'] + '\\n' + os.environ['GRAPHAMP_CACHE_DIR'])",
+        "import os, pickle, sys; r = pickle.loads(sys.stdin.buffer.read()); "
+        f"open({str(out)!r}, 'w').write('\\n'.join([r['graph'], r['specs'][0], "
+        "os.environ['TORCHINDUCTOR_CACHE_DIR'], os.environ['GRAPHAMP_CACHE_DIR']]))",
     )
     monkeypatch.setenv("GRAPHAMP_CACHE_DIR", str(tmp_path / "steps"))
     beside = side_compile.SideCompile.start("G", [_spec()])
     assert beside is not None and beside.finished("G")
-    request, inductor_dir, graphamp_dir = out.read_text().splitlines()
-    assert '"graph": "G"' in request and f'"threads": {torch.get_num_threads()}' in request
+    graph, spec, inductor_dir, graphamp_dir = out.read_text().splitlines()
+    assert (graph, spec) == ("G", _spec())
     assert inductor_dir == side_compile.inductor_cache.cache_directory()
     assert graphamp_dir == str(tmp_path / "steps")
 
@@ -84,3 +86,38 @@ def test_nothing_is_started_where_the_side_compile_does_not_apply(on, monkeypatc
     monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "1")
     monkeypatch.setattr(side_compile, "_cores", lambda: 1)
     assert start("G", [_spec().replace("sgd", "adam")]) is None  # one core: it would take turns
+
+
+def test_the_child_compiles_in_this_processs_context(on, monkeypatch, tmp_path):
+    """The settings AOTAutograd's and inductor's keys read (inductor's and functorch's config,
+    the thread count, the default dtype, matmul precision, deterministic algorithms) go to the
+    child as this process has them, changed in the process or not: a kernel compiled in
+    another context would not be used."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "max_fusion_size", 17)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        parent = side_compile.context_state()
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    out = tmp_path / "state.pickle"
+    monkeypatch.setattr(
+        side_compile,
+        "_CHILD",
+        "import pickle, sys; from graphamp.pipeline import side_compile as s; "
+        "s._take_context(pickle.loads(sys.stdin.buffer.read())['context']); "
+        f"open({str(out)!r}, 'wb').write(pickle.dumps(s.context_state()))",
+    )
+    monkeypatch.setattr(side_compile, "context_state", lambda: parent)
+    beside = side_compile.SideCompile.start("G", [_spec()])
+    assert beside is not None and beside.finished("G")
+    child = pickle.loads(out.read_bytes())
+    inductor = {k: v for k, v in pickle.loads(child.pop("inductor")).items()}
+    assert inductor.pop("compile_threads") == 1  # the child's one exception
+    expected = pickle.loads(parent.pop("inductor"))
+    expected.pop("compile_threads")
+    assert inductor == expected and inductor["max_fusion_size"] == 17
+    assert child == parent and child["float32_matmul_precision"] == "medium"

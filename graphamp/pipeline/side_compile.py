@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -79,7 +80,7 @@ class SideCompile:
         todo = [s for s in unmade_specs(specs) if _on_cpu(s) and not _noted(graph_name, s)]
         if not todo:
             return None
-        request = json.dumps({"graph": graph_name, "specs": todo, "threads": _threads()})
+        request = pickle.dumps({"graph": graph_name, "specs": todo, "context": context_state()})
         errors = tempfile.TemporaryFile()
         try:
             proc = subprocess.Popen(
@@ -96,7 +97,7 @@ class SideCompile:
         beside = cls(proc, errors, time.perf_counter())
         try:
             assert proc.stdin is not None
-            proc.stdin.write(request.encode())
+            proc.stdin.write(request)
             proc.stdin.close()
         except OSError as e:  # the child is gone already: compiled here
             beside.stop()
@@ -154,10 +155,54 @@ def _on_cpu(spec: str) -> bool:
     return all(device == "cpu" for _, _, device in json.loads(spec)["inputs"])
 
 
-def _threads() -> int:
+def context_state() -> dict:
+    """This process's settings that AOTAutograd's and inductor's keys read (the compile's
+    context), for the child to take: a kernel compiled in another context is not used."""
     import torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
 
-    return torch.get_num_threads()  # part of the compile's context: the child's must match
+    matmul = torch.backends.cuda.matmul
+    state: dict = {
+        "threads": torch.get_num_threads(),
+        "default_dtype": torch.get_default_dtype(),
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul": (
+            matmul.allow_fp16_reduced_precision_reduction,
+            matmul.allow_bf16_reduced_precision_reduction,
+        ),
+    }
+    for name, config in (("inductor", inductor_config), ("functorch", functorch_config)):
+        try:
+            state[name] = config.save_config()
+        except Exception:  # a setting that does not pickle (a user's pass): the child's own
+            pass
+    return state
+
+
+def _take_context(state: dict) -> None:
+    """The child: this process's settings made the parent's (``context_state``)."""
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch.set_num_threads(state["threads"])
+    torch.set_default_dtype(state["default_dtype"])
+    enabled, warn_only = state["deterministic"]
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    torch.set_float32_matmul_precision(state["float32_matmul_precision"])
+    matmul = torch.backends.cuda.matmul
+    fp16, bf16 = state["cuda_matmul"]
+    matmul.allow_fp16_reduced_precision_reduction = fp16
+    matmul.allow_bf16_reduced_precision_reduction = bf16
+    for name, config in (("inductor", inductor_config), ("functorch", functorch_config)):
+        if name in state:
+            config.load_config(state[name])
+    inductor_config.compile_threads = 1  # one kernel: no pool (not part of any key)
 
 
 def _child_env() -> dict[str, str]:
@@ -178,10 +223,8 @@ _CHILD = f"import sys; from {__name__} import child_main; sys.exit(child_main())
 
 def child_main() -> int:
     """The child: compile the kernels of the request on stdin, noting each."""
-    request = json.loads(sys.stdin.read())
-    import torch
-
-    torch.set_num_threads(request["threads"])
+    request = pickle.loads(sys.stdin.buffer.read())  # from the parent process, over a pipe
+    _take_context(request["context"])
     compiler = partial(compile_noted_kernel, request["graph"])
     compile_block_kernels(request["specs"], False, compiler)
     return 0
