@@ -8,19 +8,19 @@ one process they ran one after the other, and the kernel took 3.4 s of the 6-lay
 lowering and code generation) on one core while the other waited.
 
 So, where the kernels are noted (the step cache is on) and not made yet, a child Python process
-compiles them with inductor while this one compiles the step. The child writes what a restart
-would read: inductor's and AOTAutograd's cache entries, and each kernel's note
+compiles them with inductor while this one compiles the step. It is given the kernels' specs and
+this process's compile settings (``context_state``), and writes what a restart would read:
+inductor's and AOTAutograd's cache entries, and each kernel's note
 (``noted_step.compile_kernel``) in the same directories. After the step's compile, this process
-waits for the child and makes the kernels as a restart does, from the notes. Nothing else
-crosses between the two: what the child made is used only where it is what this process would
-have made, which the note's check decides as on any restart (the compile's context, keyed by
-AOTAutograd: inductor's settings, the thread count, torch). Where the child failed, was
-stopped, or made something for another context, this process compiles the kernel itself, as
-before. The child costs about 4 s of CPU to import torch, which the second core had spare.
+waits for the child and makes the kernels as a restart does, from the notes. What the child
+made is used only where it is what this process would have made, which the note's check decides
+as on any restart (the compile's context, keyed by AOTAutograd). Where the child failed, was
+stopped, or compiled in another context, this process compiles the kernel itself, as before.
+The child costs about 4 s of CPU to import torch, which the second core had spare.
 
 Only kernels of CPU tensors are compiled beside (a child would otherwise start its own CUDA
-context), only with two or more cores for this process, and never when
-``GRAPHAMP_SIDE_COMPILE=0``.
+context), only with two or more cores for this process and no process group (ranks share the
+machine's cores already), and never when ``GRAPHAMP_SIDE_COMPILE=0``.
 """
 
 from __future__ import annotations

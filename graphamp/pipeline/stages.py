@@ -496,7 +496,8 @@ def _compile_graph(
     specs = block_specs(step.gm)
     extra = {"block_specs": specs}  # what a restart compiling from the note makes besides
     beside = None
-    if tries.noted and not step.loaded:  # noted: the step cache on, and inductor
+    # noted: the step cache on, and inductor; not with ranks, which share the machine's cores
+    if tries.noted and not step.loaded and ctx.process_group is None:
         beside = SideCompile.start(ctx.spec.name, specs)
     try:
         with remembered_key(
