@@ -24,6 +24,14 @@ def _spec(device: str = "cpu") -> str:
     return spec.replace('"meta"', f'"{device}"')
 
 
+def _started(specs: list[str]):
+    """A child spawned and asked for ``specs``; None where it was not, or told to stop."""
+    beside = side_compile.SideCompile.spawn("G")
+    if beside is None or not beside.request("G", specs):
+        return None
+    return beside
+
+
 @pytest.fixture
 def on(monkeypatch):
     monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "1")
@@ -34,7 +42,7 @@ def test_a_failed_child_is_reported_and_leaves_the_kernels_to_this_process(on, m
     monkeypatch.setattr(
         side_compile, "_CHILD", "import sys; sys.stderr.write('no kernel here'); sys.exit(3)"
     )
-    beside = side_compile.SideCompile.start("G", [_spec()])
+    beside = _started([_spec()])
     assert beside is not None
     with caplog.at_level(logging.DEBUG, logger="graphamp"):
         assert not beside.finished("G")
@@ -45,7 +53,7 @@ def test_a_failed_child_is_reported_and_leaves_the_kernels_to_this_process(on, m
 def test_a_child_that_takes_too_long_is_stopped(on, monkeypatch, caplog):
     monkeypatch.setattr(side_compile, "_CHILD", "import time; time.sleep(60)")
     monkeypatch.setattr(side_compile, "WAIT_S", 0.5)
-    beside = side_compile.SideCompile.start("G", [_spec()])
+    beside = _started([_spec()])
     assert beside is not None
     with caplog.at_level(logging.DEBUG, logger="graphamp"):
         assert not beside.finished("G")
@@ -65,7 +73,7 @@ def test_the_child_gets_the_request_and_this_processs_cache_directories(on, monk
         "os.environ['TORCHINDUCTOR_CACHE_DIR'], os.environ['GRAPHAMP_CACHE_DIR']]))",
     )
     monkeypatch.setenv("GRAPHAMP_CACHE_DIR", str(tmp_path / "steps"))
-    beside = side_compile.SideCompile.start("G", [_spec()])
+    beside = _started([_spec()])
     assert beside is not None and beside.finished("G")
     graph, spec, inductor_dir, graphamp_dir = out.read_text().splitlines()
     assert (graph, spec) == ("G", _spec())
@@ -73,19 +81,22 @@ def test_the_child_gets_the_request_and_this_processs_cache_directories(on, monk
     assert graphamp_dir == str(tmp_path / "steps")
 
 
-def test_nothing_is_started_where_the_side_compile_does_not_apply(on, monkeypatch):
-    start = side_compile.SideCompile.start
-    assert start("G", []) is None  # no kernels
-    assert start("G", [_spec(device="cuda")]) is None  # a CUDA block's kernel
+def test_nothing_is_compiled_beside_where_the_side_compile_does_not_apply(on, monkeypatch):
+    """No child where it is turned off or this process has one core; a child is told to stop
+    where there is nothing for it: no kernels, a CUDA block's, or one made here already."""
+    assert _started([]) is None  # no kernels
+    assert _started([_spec(device="cuda")]) is None  # a CUDA block's kernel
     made = _spec()
     key = (made, tuple(t.stride() for t in block_update.block_example(made)))
     monkeypatch.setitem(block_update._KERNELS, key, lambda *a: None)
-    assert start("G", [made]) is None  # made in this process already
+    beside = side_compile.SideCompile.spawn("G")
+    assert beside is not None and not beside.request("G", [made])  # made here already
+    assert beside._proc.poll() is not None  # stopped
     monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "0")
-    assert start("G", [_spec().replace("sgd", "adam")]) is None  # turned off
+    assert side_compile.SideCompile.spawn("G") is None  # turned off
     monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "1")
     monkeypatch.setattr(side_compile, "_cores", lambda: 1)
-    assert start("G", [_spec().replace("sgd", "adam")]) is None  # one core: it would take turns
+    assert side_compile.SideCompile.spawn("G") is None  # one core: it would take turns
 
 
 def test_the_child_compiles_in_this_processs_context(on, monkeypatch, tmp_path):
@@ -112,7 +123,7 @@ def test_the_child_compiles_in_this_processs_context(on, monkeypatch, tmp_path):
         f"open({str(out)!r}, 'wb').write(pickle.dumps(s.context_state()))",
     )
     monkeypatch.setattr(side_compile, "context_state", lambda: parent)
-    beside = side_compile.SideCompile.start("G", [_spec()])
+    beside = _started([_spec()])
     assert beside is not None and beside.finished("G")
     child = pickle.loads(out.read_bytes())
     inductor = {k: v for k, v in pickle.loads(child.pop("inductor")).items()}

@@ -106,16 +106,20 @@ def _build_after_capture(ctx: BuildContext, run: _Stages, captured: Captured) ->
     plan = run("plan", stages.plan, ctx, captured, passed)
     example = run("examples", stages.examples, ctx, plan, captured.device)
     step = _step_graph(ctx, run, captured, passed, plan, example)
-    compiled = run(
-        "compile",
-        stages.compile,
-        ctx,
-        plan,
-        step,
-        example,
-        captured.device,
-        describe=lambda c: c.detail,
-    )
+    try:
+        compiled = run(
+            "compile",
+            stages.compile,
+            ctx,
+            plan,
+            step,
+            example,
+            captured.device,
+            describe=lambda c: c.detail,
+        )
+    finally:
+        if step.side is not None:  # done with, or left by a failed compile
+            step.side.stop()
     return Program(
         spec=ctx.spec,
         signature=ctx.inputs.signature,
@@ -151,6 +155,31 @@ def _step_graph(
         if found.step is not None:
             return found.step
         key = found.key
+    # the blocks' kernels compiled beside the step: the child imports torch while this assembles
+    side = stages.side_compile(ctx, choices, captured.device) if key is not None else None
+    try:
+        step = _assembled_step(ctx, run, captured, passed, plan, example, choices)
+        if key is not None:
+            run("save_step", stages.save_step, ctx, key, step, describe=str)
+            # saved or not: compile notes its key under it
+            step = dataclasses.replace(step, key=key, side=side)
+    except BaseException:
+        if side is not None:
+            side.stop()
+        raise
+    return step
+
+
+def _assembled_step(
+    ctx: BuildContext,
+    run: _Stages,
+    captured: Captured,
+    passed: Passed,
+    plan: StepPlan,
+    example: list,
+    choices: stages.Choices,
+) -> StepGraph:
+    """Assembled, recomputed, outlined, as the backend takes it."""
     step = run("assemble", stages.assemble, plan, passed, example, choices, describe=_assembled)
     if choices.recompute:
         step = run("recompute", stages.recompute, ctx, step, captured.regions, describe=_size)
@@ -161,9 +190,6 @@ def _step_graph(
     # as the backend takes it (eager: as traced), so that a step loaded later needs no change
     if ctx.spec.config.backend != "eager":
         views_as_reshapes(step.gm)
-    if key is not None:
-        run("save_step", stages.save_step, ctx, key, step, describe=str)
-        step = dataclasses.replace(step, key=key)  # saved or not: compile notes its key under it
     return step
 
 

@@ -64,23 +64,21 @@ def _noted(graph_name: str, spec: str) -> bool:
 
 
 class SideCompile:
-    """A child process compiling block kernels; ``finished()`` says whether it made them."""
+    """A child process for the blocks' kernels, started before assembly so that its import of
+    torch runs while this process assembles the step (one core busy); the kernels are asked
+    for at compile time (``request``), and ``finished()`` says whether it made them."""
 
-    def __init__(self, proc: subprocess.Popen, errors, started: float) -> None:
+    def __init__(self, proc: subprocess.Popen, errors) -> None:
         self._proc = proc
         self._errors = errors  # the child's stderr, kept for the debug log of a failure
-        self._started = started
+        self._started = time.perf_counter()
 
     @classmethod
-    def start(cls, graph_name: str, specs: list[str]) -> SideCompile | None:
-        """The child compiling the kernels of ``specs`` not made yet in this process, or None
-        where there are none or the side compile does not apply."""
+    def spawn(cls, graph_name: str) -> SideCompile | None:
+        """The child, importing what a compile needs and then waiting for its request; None
+        where the side compile does not apply."""
         if not _applies():
             return None
-        todo = [s for s in unmade_specs(specs) if _on_cpu(s) and not _noted(graph_name, s)]
-        if not todo:
-            return None
-        request = pickle.dumps({"graph": graph_name, "specs": todo, "context": context_state()})
         errors = tempfile.TemporaryFile()
         try:
             proc = subprocess.Popen(
@@ -94,20 +92,30 @@ class SideCompile:
             errors.close()
             log.debug("%s: the block kernels are compiled in this process: %s", graph_name, e)
             return None
-        beside = cls(proc, errors, time.perf_counter())
+        return cls(proc, errors)
+
+    def request(self, graph_name: str, specs: list[str]) -> bool:
+        """Ask the child for the kernels of ``specs`` this process has neither made nor noted;
+        False (the child told to stop) where there are none, or it is gone."""
+        todo = [s for s in unmade_specs(specs) if _on_cpu(s) and not _noted(graph_name, s)]
+        if not todo:
+            self.stop()
+            return False
+        request = pickle.dumps({"graph": graph_name, "specs": todo, "context": context_state()})
         try:
-            assert proc.stdin is not None
-            proc.stdin.write(request)
-            proc.stdin.close()
-        except OSError as e:  # the child is gone already: compiled here
-            beside.stop()
+            assert self._proc.stdin is not None
+            self._proc.stdin.write(request)
+            self._proc.stdin.close()
+        except OSError as e:  # the child is gone: compiled here
+            self.stop()
             log.debug("%s: the side compile could not start: %s", graph_name, e)
-            return None
+            return False
         log.debug("%s: compiling %d block kernel(s) beside the step", graph_name, len(todo))
-        return beside
+        return True
 
     def finished(self, graph_name: str) -> bool:
-        """Wait for the child (at most ``WAIT_S``); whether it compiled every kernel."""
+        """Wait for the child (at most ``WAIT_S`` from its start); whether it compiled every
+        kernel it was asked for."""
         try:
             code = self._proc.wait(timeout=max(0.0, WAIT_S - self.seconds()))
         except subprocess.TimeoutExpired:
@@ -128,7 +136,13 @@ class SideCompile:
         return time.perf_counter() - self._started
 
     def stop(self) -> None:
-        """Stop the child (this process's compile failed, or it waited long enough)."""
+        """Stop the child (nothing to compile, this process's build failed, or it waited long
+        enough): its input closed, and the process killed if it still runs."""
+        if self._proc.stdin is not None and not self._proc.stdin.closed:
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass
         if self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
@@ -222,8 +236,14 @@ _CHILD = f"import sys; from {__name__} import child_main; sys.exit(child_main())
 
 
 def child_main() -> int:
-    """The child: compile the kernels of the request on stdin, noting each."""
-    request = pickle.loads(sys.stdin.buffer.read())  # from the parent process, over a pipe
+    """The child: import what a compile needs, then compile the kernels of the request on
+    stdin, noting each (no request: nothing to do)."""
+    import torch._inductor.compile_fx  # noqa: F401 - imported while the parent assembles
+
+    data = sys.stdin.buffer.read()
+    if not data:
+        return 0
+    request = pickle.loads(data)  # from the parent process, over a pipe
     _take_context(request["context"])
     compiler = partial(compile_noted_kernel, request["graph"])
     compile_block_kernels(request["specs"], False, compiler)

@@ -255,6 +255,17 @@ class Choices:
     cache: bool  # the step cache is looked up (and written after a miss)
 
 
+def side_compile(ctx: BuildContext, choices: Choices, device: torch.device) -> SideCompile | None:
+    """A child process for the blocks' update kernels of a cold build that will have them
+    (``side_compile.py``): outlined, with block updates, kernels noted (the step cache on,
+    inductor), CPU, no process group (ranks share the machine's cores)."""
+    if not (choices.outline and choices.block_updates and choices.cache):
+        return None
+    if ctx.spec.config.backend != "inductor" or device.type != "cpu" or ctx.process_group:
+        return None
+    return SideCompile.spawn(ctx.spec.name)
+
+
 def outlined_by_default(device: torch.device, grad_acc_steps: int) -> bool:
     """Whether a step is outlined when the user has not said: only where its steady step
     measured as fast outlined as inlined (the 2% rule, docs/usage.md). That is the CPU's plain
@@ -315,6 +326,7 @@ class StepGraph:
     outline: OutlineResult | None = None  # None: not outlined
     key: str | None = None  # the step cache's key it was loaded or saved under
     note: dict | None = None  # loaded and not unpickled: the note it may compile from
+    side: SideCompile | None = None  # a child process for the blocks' kernels (side_compile.py)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, recomputes: bool = False, **kw: Any) -> StepGraph:
@@ -495,10 +507,10 @@ def _compile_graph(
     set_kernel_backend(step.gm, backend)  # the blocks' update kernels: the same
     specs = block_specs(step.gm)
     extra = {"block_specs": specs}  # what a restart compiling from the note makes besides
-    beside = None
-    # noted: the step cache on, and inductor; not with ranks, which share the machine's cores
-    if tries.noted and not step.loaded and ctx.process_group is None:
-        beside = SideCompile.start(ctx.spec.name, specs)
+    beside = step.side if step.side is not None and not tries.side_asked else None
+    tries.side_asked = step.side is not None  # a second try compiles its kernels here
+    if beside is not None and not beside.request(ctx.spec.name, specs):
+        beside = None
     try:
         with remembered_key(
             step.gm, step.key if tries.noted else None, ctx.spec.name, extra
@@ -525,6 +537,7 @@ class _Tries:
     kernels: list[tuple[int, float]] = field(default_factory=list)  # block kernels made, seconds
     keys: list[str] = field(default_factory=list)  # how AOTAutograd's key was had ("": hashed)
     beside: bool = False  # the last try's kernels were compiled beside the step (side_compile)
+    side_asked: bool = False  # the child was asked (once, by the first try)
 
     def make_kernels(self, specs: list[str], cached: bool) -> None:
         start = time.perf_counter()
