@@ -186,6 +186,7 @@ def context_state() -> dict:
         ),
         "float32_matmul_precision": torch.get_float32_matmul_precision(),
         "cuda_matmul": (
+            getattr(matmul, "fp32_precision", None),  # torch 2.9+; read by inductor's key
             matmul.allow_fp16_reduced_precision_reduction,
             matmul.allow_bf16_reduced_precision_reduction,
         ),
@@ -208,9 +209,14 @@ def _take_context(state: dict) -> None:
     torch.set_default_dtype(state["default_dtype"])
     enabled, warn_only = state["deterministic"]
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
-    torch.set_float32_matmul_precision(state["float32_matmul_precision"])
+    # setting the precision sets cuda's fp32_precision too ("highest": "ieee", where an
+    # untouched process has "none"), so only where it differs, and that one after it
+    if torch.get_float32_matmul_precision() != state["float32_matmul_precision"]:
+        torch.set_float32_matmul_precision(state["float32_matmul_precision"])
     matmul = torch.backends.cuda.matmul
-    fp16, bf16 = state["cuda_matmul"]
+    fp32, fp16, bf16 = state["cuda_matmul"]
+    if fp32 is not None and matmul.fp32_precision != fp32:
+        matmul.fp32_precision = fp32
     matmul.allow_fp16_reduced_precision_reduction = fp16
     matmul.allow_bf16_reduced_precision_reduction = bf16
     for name, config in (("inductor", inductor_config), ("functorch", functorch_config)):
