@@ -99,21 +99,8 @@ def test_nothing_is_compiled_beside_where_the_side_compile_does_not_apply(on, mo
     assert side_compile.SideCompile.spawn("G") is None  # one core: it would take turns
 
 
-def test_the_child_compiles_in_this_processs_context(on, monkeypatch, tmp_path):
-    """The settings AOTAutograd's and inductor's keys read (inductor's and functorch's config,
-    the thread count, the default dtype, matmul precision, deterministic algorithms) go to the
-    child as this process has them, changed in the process or not: a kernel compiled in
-    another context would not be used."""
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "max_fusion_size", 17)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("medium")
-    try:
-        parent = side_compile.context_state()
-    finally:
-        torch.set_float32_matmul_precision(previous)
+def _childs_context(monkeypatch, tmp_path, parent: dict) -> dict:
+    """The compile context of a child given ``parent``'s."""
     out = tmp_path / "state.pickle"
     monkeypatch.setattr(
         side_compile,
@@ -126,9 +113,37 @@ def test_the_child_compiles_in_this_processs_context(on, monkeypatch, tmp_path):
     beside = _started([_spec()])
     assert beside is not None and beside.finished("G")
     child = pickle.loads(out.read_bytes())
-    inductor = {k: v for k, v in pickle.loads(child.pop("inductor")).items()}
+    inductor = pickle.loads(child.pop("inductor"))
     assert inductor.pop("compile_threads") == 1  # the child's one exception
-    expected = pickle.loads(parent.pop("inductor"))
+    expected = pickle.loads(parent["inductor"])
     expected.pop("compile_threads")
-    assert inductor == expected and inductor["max_fusion_size"] == 17
-    assert child == parent and child["float32_matmul_precision"] == "medium"
+    assert inductor == expected
+    return {**child, "inductor": inductor}
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_the_child_compiles_in_this_processs_context(on, monkeypatch, tmp_path, changed):
+    """The settings AOTAutograd's and inductor's keys read (inductor's and functorch's config,
+    the thread count, the default dtype, matmul precision, deterministic algorithms) go to the
+    child as this process has them, changed in the process or untouched (an untouched cuda
+    fp32 precision is "none", which setting the float32 matmul precision would make "ieee"):
+    a kernel compiled in another context would not be used."""
+    import torch._inductor.config as inductor_config
+
+    matmul = torch.backends.cuda.matmul
+    before = (torch.get_float32_matmul_precision(), matmul.fp32_precision)
+    if changed:
+        monkeypatch.setattr(inductor_config, "max_fusion_size", 17)
+        monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction", False)
+        torch.set_float32_matmul_precision("medium")
+    try:
+        parent = side_compile.context_state()
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        matmul.fp32_precision = before[1]
+    child = _childs_context(monkeypatch, tmp_path, parent)
+    assert {k: v for k, v in child.items() if k != "inductor"} == {
+        k: v for k, v in parent.items() if k != "inductor"
+    }
+    assert (child["inductor"]["max_fusion_size"] == 17) == changed
+    assert (child["float32_matmul_precision"] == "medium") == changed
