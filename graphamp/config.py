@@ -396,8 +396,9 @@ class GraphConfig:
         compiled once per distinct block, instead of one multi-tensor update over every
         parameter, which inductor compiles as a loop per parameter. By default graphamp does
         so where it outlines by default (CPU steps) for blocks repeated at least 3 times:
-        the first call compiles much less (cold on the CPU, 1.16-1.27x torch.compile's first
-        call instead of 1.7-2.0x: benchmarks/results/first_call_cpu.md, round 12), and each
+        the first call compiles much less (cold on the CPU, 0.85-1.00x torch.compile's first
+        call instead of 1.7-2.0x, the kernels compiled in a second process while the step
+        compiles: benchmarks/results/first_call_cpu.md, round 13), and each
         call costs the steady step about 0.2 ms (1.004-1.022x the inlined step on the GPT
         workloads and ViT-Ti, 2-3 runs each: outline_cost_cpu.md). ``True`` takes blocks
         repeated only twice too (ResNet-18's pair: 1.02x the inlined step), on any device, and
