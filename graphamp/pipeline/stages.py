@@ -261,7 +261,9 @@ def side_compile(ctx: BuildContext, choices: Choices, device: torch.device) -> S
     inductor), CPU, no process group (ranks share the machine's cores)."""
     if not (choices.outline and choices.block_updates and choices.cache):
         return None
-    if ctx.spec.config.backend != "inductor" or device.type != "cpu" or ctx.process_group:
+    if ctx.spec.config.backend != "inductor" or device.type != "cpu":
+        return None
+    if ctx.process_group is not None:
         return None
     return SideCompile.spawn(ctx.spec.name)
 

@@ -28,11 +28,11 @@ __all__ = [
     "block_specs",
     "build_plan",
     "compile_block_kernels",
-    "unmade_specs",
     "count_block_updates",
     "example_inputs",
     "outline_blocks",
     "place_shard_collectives",
     "recompute_checkpointed",
     "set_kernel_backend",
+    "unmade_specs",
 ]
