@@ -130,20 +130,26 @@ def test_the_child_compiles_in_this_processs_context(on, monkeypatch, tmp_path, 
     a kernel compiled in another context would not be used."""
     import torch._inductor.config as inductor_config
 
-    matmul = torch.backends.cuda.matmul
-    before = (torch.get_float32_matmul_precision(), matmul.fp32_precision)
-    if changed:
-        monkeypatch.setattr(inductor_config, "max_fusion_size", 17)
-        monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction", False)
-        torch.set_float32_matmul_precision("medium")
+    matmul = torch.backends.cuda.matmul  # its settings are put back by hand (not attributes)
+    before = (
+        torch.get_float32_matmul_precision(),
+        matmul.fp32_precision,
+        matmul.allow_bf16_reduced_precision_reduction,
+    )
     try:
+        if changed:
+            monkeypatch.setattr(inductor_config, "max_fusion_size", 17)
+            matmul.allow_bf16_reduced_precision_reduction = False
+            torch.set_float32_matmul_precision("medium")
         parent = side_compile.context_state()
     finally:
         torch.set_float32_matmul_precision(before[0])
         matmul.fp32_precision = before[1]
+        matmul.allow_bf16_reduced_precision_reduction = before[2]
     child = _childs_context(monkeypatch, tmp_path, parent)
     assert {k: v for k, v in child.items() if k != "inductor"} == {
         k: v for k, v in parent.items() if k != "inductor"
     }
     assert (child["inductor"]["max_fusion_size"] == 17) == changed
     assert (child["float32_matmul_precision"] == "medium") == changed
+    assert (child["cuda_matmul"][2] is False) == changed
