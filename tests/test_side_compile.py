@@ -130,18 +130,22 @@ def test_the_child_compiles_in_this_processs_context(on, monkeypatch, tmp_path, 
     a kernel compiled in another context would not be used."""
     import torch._inductor.config as inductor_config
 
-    matmul = torch.backends.cuda.matmul  # its settings are put back by hand (not attributes)
+    matmul = torch.backends.cuda.matmul  # its settings are put back by hand, for the same reason
     before = (
         torch.get_float32_matmul_precision(),
         matmul.fp32_precision,
         matmul.allow_bf16_reduced_precision_reduction,
     )
     try:
-        if changed:
-            monkeypatch.setattr(inductor_config, "max_fusion_size", 17)
-            matmul.allow_bf16_reduced_precision_reduction = False
-            torch.set_float32_matmul_precision("medium")
-        parent = side_compile.context_state()
+        # inductor's own patch: pytest 9.2's monkeypatch undoes a config module's setting by
+        # deleting it (it does not see the value as an attribute of its own)
+        with inductor_config.patch(
+            max_fusion_size=17 if changed else inductor_config.max_fusion_size
+        ):
+            if changed:
+                matmul.allow_bf16_reduced_precision_reduction = False
+                torch.set_float32_matmul_precision("medium")
+            parent = side_compile.context_state()
     finally:
         torch.set_float32_matmul_precision(before[0])
         matmul.fp32_precision = before[1]
