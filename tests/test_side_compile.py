@@ -75,6 +75,7 @@ def test_the_child_gets_the_request_and_this_processs_cache_directories(on, monk
     monkeypatch.setenv("GRAPHAMP_CACHE_DIR", str(tmp_path / "steps"))
     beside = _started([_spec()])
     assert beside is not None and beside.finished("G")
+    assert not beside.request("G", [_spec()])  # asked once: a second try compiles here
     graph, spec, inductor_dir, graphamp_dir = out.read_text().splitlines()
     assert (graph, spec) == ("G", _spec())
     assert inductor_dir == side_compile.inductor_cache.cache_directory()

@@ -25,7 +25,6 @@ machine's cores already), and never when ``GRAPHAMP_SIDE_COMPILE=0``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -38,7 +37,7 @@ from functools import partial
 from ..backend import cache_directory, inductor_cache, noted_step
 from ..backend.aot_key import read_note
 from ..backend.step_key import step_key
-from ..step import block_example, compile_block_kernels, unmade_specs
+from ..step import block_devices, block_example, compile_block_kernels, unmade_specs
 
 log = logging.getLogger("graphamp")
 
@@ -48,11 +47,11 @@ WAIT_S = 600.0  # the longest this process waits for the child before compiling 
 def compile_noted_kernel(graph_name: str, spec: str, trace, example: list, cached: bool):
     """A block kernel compiled with AOTAutograd's key noted under a key of its own;
     ``cached``: made from its note where there is one (``noted_step.compile_kernel``)."""
-    key = _kernel_key(spec, [t.stride() for t in example])
+    key = _note_key(spec, [t.stride() for t in example])
     return noted_step.compile_kernel(graph_name, key, trace, example, cached)
 
 
-def _kernel_key(spec: str, strides: list) -> str:
+def _note_key(spec: str, strides: list) -> str:
     """The kernel's own key: its spec, its inputs' strides, torch's and graphamp's versions."""
     return step_key(("update_block_", spec, strides))
 
@@ -60,7 +59,7 @@ def _kernel_key(spec: str, strides: list) -> str:
 def _noted(graph_name: str, spec: str) -> bool:
     """Whether the kernel of ``spec`` (for contiguous tensors) has a note to be made from."""
     strides = [t.stride() for t in block_example(spec)]
-    return noted_step.usable(read_note(graph_name, _kernel_key(spec, strides)))
+    return noted_step.usable(read_note(graph_name, _note_key(spec, strides)))
 
 
 class SideCompile:
@@ -96,16 +95,24 @@ class SideCompile:
 
     def request(self, graph_name: str, specs: list[str]) -> bool:
         """Ask the child for the kernels of ``specs`` this process has neither made nor noted;
-        False (the child told to stop) where there are none, or it is gone."""
-        todo = [s for s in unmade_specs(specs) if _on_cpu(s) and not _noted(graph_name, s)]
+        False (the child told to stop) where there are none, or it was asked or stopped
+        already (a second try of the step's compile makes its kernels here), or it is gone."""
+        stdin = self._proc.stdin
+        if stdin is None or stdin.closed:
+            self.stop()
+            return False
+        todo = [
+            s
+            for s in unmade_specs(specs)
+            if block_devices(s) == {"cpu"} and not _noted(graph_name, s)
+        ]
         if not todo:
             self.stop()
             return False
         request = pickle.dumps({"graph": graph_name, "specs": todo, "context": context_state()})
         try:
-            assert self._proc.stdin is not None
-            self._proc.stdin.write(request)
-            self._proc.stdin.close()
+            stdin.write(request)
+            stdin.close()
         except OSError as e:  # the child is gone: compiled here
             self.stop()
             log.debug("%s: the side compile could not start: %s", graph_name, e)
@@ -163,10 +170,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def _on_cpu(spec: str) -> bool:
-    return all(device == "cpu" for _, _, device in json.loads(spec)["inputs"])
 
 
 def context_state() -> dict:

@@ -509,10 +509,9 @@ def _compile_graph(
     set_kernel_backend(step.gm, backend)  # the blocks' update kernels: the same
     specs = block_specs(step.gm)
     extra = {"block_specs": specs}  # what a restart compiling from the note makes besides
-    beside = step.side if step.side is not None and not tries.side_asked else None
-    tries.side_asked = step.side is not None  # a second try compiles its kernels here
+    beside = step.side
     if beside is not None and not beside.request(ctx.spec.name, specs):
-        beside = None
+        beside = None  # nothing for it, or asked by a first try already
     try:
         with remembered_key(
             step.gm, step.key if tries.noted else None, ctx.spec.name, extra
@@ -539,7 +538,6 @@ class _Tries:
     kernels: list[tuple[int, float]] = field(default_factory=list)  # block kernels made, seconds
     keys: list[str] = field(default_factory=list)  # how AOTAutograd's key was had ("": hashed)
     beside: bool = False  # the last try's kernels were compiled beside the step (side_compile)
-    side_asked: bool = False  # the child was asked (once, by the first try)
 
     def make_kernels(self, specs: list[str], cached: bool) -> None:
         start = time.perf_counter()

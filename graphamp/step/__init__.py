@@ -7,6 +7,7 @@ one module per subgraph (gradients, scaling, optimizer_update, history, collecti
 
 from .assemble import assemble_step
 from .block_update import (
+    block_devices,
     block_example,
     block_specs,
     compile_block_kernels,
@@ -24,6 +25,7 @@ __all__ = [
     "OutlineResult",
     "RecomputeResult",
     "assemble_step",
+    "block_devices",
     "block_example",
     "block_specs",
     "build_plan",

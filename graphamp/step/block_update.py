@@ -70,7 +70,7 @@ def _update_block(
     flat = [*params, *grads, *states, *fresh, *hypers]
     if skip is not None:
         flat.append(skip)
-    key = (spec, tuple(t.stride() for t in flat))
+    key = _kernel_key(spec, flat)
     kernel = _KERNELS.get(key)
     if kernel is None:
         kernel = _KERNELS[key] = _kernel(_Spec(spec), flat)
@@ -141,6 +141,11 @@ def spec_text(
 
 # (spec, strides) -> the kernel, made at the first call (the specs name sizes and dtypes)
 _KERNELS: dict[tuple[str, tuple], Callable[..., object]] = {}
+
+
+def _kernel_key(spec: str, flat: list[Tensor]) -> tuple[str, tuple]:
+    """``_KERNELS``' key of the kernel of ``spec`` for tensors laid out as ``flat``."""
+    return (spec, tuple(t.stride() for t in flat))
 
 
 # how the step's compile makes a kernel: (spec, trace, example, cached) -> kernel, where
@@ -315,13 +320,14 @@ def block_example(spec: str) -> list[Tensor]:
     return _example(_Spec(spec), on_meta=True)
 
 
+def block_devices(spec: str) -> set[str]:
+    """The devices of the tensors the kernel of ``spec`` takes."""
+    return {device for _, _, device in _Spec(spec).inputs}
+
+
 def unmade_specs(specs: list[str]) -> list[str]:
     """Those of ``specs`` whose kernel for contiguous tensors this process has not made."""
-    return [
-        spec
-        for spec in specs
-        if (spec, tuple(t.stride() for t in block_example(spec))) not in _KERNELS
-    ]
+    return [spec for spec in specs if _kernel_key(spec, block_example(spec)) not in _KERNELS]
 
 
 def compile_block_kernels(
@@ -335,7 +341,7 @@ def compile_block_kernels(
     for spec in specs:
         parsed = _Spec(spec)
         flat = _example(parsed)
-        key = (spec, tuple(t.stride() for t in flat))
+        key = _kernel_key(spec, flat)
         if key not in _KERNELS:
             _KERNELS[key] = _kernel(parsed, flat, cached, compiler)
             made += 1
