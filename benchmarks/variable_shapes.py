@@ -213,9 +213,11 @@ def run_child(args: list[str], restart: bool = False) -> dict:
             "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), ROOT]),
         }
         row = _child(args, env)
-        if restart:
-            cold = row["total_s"]
-            row = {**_child(args, env), "cold_total_s": cold, "cache": "restart"}
+        if restart:  # the cold run's total and, for graphamp, its builds' stage seconds
+            cold = {"cold_total_s": row["total_s"]}
+            if "builds" in row:
+                cold["cold_builds"] = row["builds"]
+            row = {**_child(args, env), **cold, "cache": "restart"}
     return row
 
 
@@ -233,6 +235,25 @@ def _child(args: list[str], env: dict) -> dict:
     return json.loads(lines[-1])
 
 
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per cell and variant: the first run's, with the medians of the repeated runs'
+    totals (``runs``: how many; ``loads``: the load average before each)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        key = (row["variant"], row["layers"], row.get("steps"), row.get("lengths"))
+        groups.setdefault(key, []).append(row)
+    merged = []
+    for runs in groups.values():
+        row = dict(runs[0])
+        for name in ("total_s", "cold_total_s"):
+            if name in row:
+                row[name] = round(statistics.median(r[name] for r in runs), 2)
+        row["runs"] = len(runs)
+        row["loads"] = [r.get("load") for r in runs]
+        merged.append(row)
+    return merged
+
+
 def write_table(path: str, rows: list[dict], meta: dict) -> None:
     out = [
         "# Changing shapes on the CPU (`benchmarks/variable_shapes.py`)",
@@ -248,7 +269,7 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     cells: dict[tuple, dict] = {}
-    for row in rows:
+    for row in medians(rows):
         if row["variant"] != "steady":
             cells.setdefault((row["layers"], row["steps"], row["lengths"]), {})[row["variant"]] = (
                 row
@@ -265,7 +286,7 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
             f"| {c.get('total_s')} ({c.get('compiles')}) | {e.get('total_s')} | {ratio:.2f} "
             f"| {blocks:.2f} |"
         )
-    restarts = [r for r in rows if r.get("cache") == "restart"]
+    restarts = [r for r in medians(rows) if r.get("cache") == "restart"]
     if restarts:
         out += [
             "",
@@ -273,12 +294,16 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
             "cold run filled.",
             "",
         ]
-        out += ["| layers | steps | lengths | variant | cold s | restart s (compiles) |"]
-        out.append("|---|---|---|---|---|---|")
+        out += [
+            "| layers | steps | lengths | variant | cold s | restart s (compiles) | runs "
+            "| load before each |"
+        ]
+        out.append("|---|---|---|---|---|---|---|---|")
         for r in restarts:
             out.append(
                 f"| {r['layers']} | {r['steps']} | {r['lengths']} | {r['variant']} "
-                f"| {r['cold_total_s']} | {r['total_s']} ({r['compiles']}) |"
+                f"| {r['cold_total_s']} | {r['total_s']} ({r['compiles']}) | {r['runs']} "
+                f"| {', '.join(str(x) for x in r['loads'])} |"
             )
     steady = [r for r in rows if r["variant"] == "steady"]
     if steady:
@@ -304,6 +329,9 @@ def main(argv=None) -> list[dict]:
         "--restart", action="store_true", help="each cell again on the cache its cold run filled"
     )
     parser.add_argument("--fused", action="store_true", help="AdamW(fused=True) in every variant")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of each cell (the table: medians)"
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     if args.fused:
@@ -318,9 +346,12 @@ def main(argv=None) -> list[dict]:
     for layers in args.layers:
         for cell in args.cells:
             steps, lengths = cell.split("x")
-            for variant in args.variants:
-                rows.append(run_child([variant, str(layers), steps, lengths], args.restart))
-                print(json.dumps(rows[-1]), flush=True)
+            for rep in range(args.repeat):  # variants alternate, so a drift in load hits all
+                for variant in args.variants:
+                    load = os.getloadavg()[0]  # before the child starts: other work's load
+                    row = run_child([variant, str(layers), steps, lengths], args.restart)
+                    rows.append({**row, "repeat": rep, "load": round(load, 2)})
+                    print(json.dumps(rows[-1]), flush=True)
         if args.steady:
             rows.append(run_child(["steady", str(layers)]))
             print(json.dumps(rows[-1]), flush=True)
