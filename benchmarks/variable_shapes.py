@@ -15,6 +15,8 @@ interleaved).
     python benchmarks/variable_shapes.py                       # 2 and 6 layers, both cells
     python benchmarks/variable_shapes.py --layers 2 --cells 12x4 --steady
     python benchmarks/variable_shapes.py --layers 6 --cells 12x4 --variants graphamp compile --restart
+    python benchmarks/variable_shapes.py --layers 6 --cells 12x4 --variants graphamp compile \
+        --restart --repeat 3       # three runs of each, alternating; the tables give medians
 
 Results: benchmarks/results/variable_shapes_cpu.{jsonl,md} (``--out`` to change the folder).
 """
