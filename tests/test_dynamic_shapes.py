@@ -74,6 +74,7 @@ def test_a_variable_length_run_equals_eager_and_compiles_twice(backend, caplog):
     assert len(said) == 1
     assert "input 'x' dimension 1 changed size (12 to 7)" in said[0]
     assert "'x' dimension 1, 'y' dimension 1 are dynamic" in said[0]
+    assert "marking it before the first call (torch._dynamo.mark_dynamic" in said[0]
 
 
 @pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
@@ -83,10 +84,14 @@ def test_static_shapes_compile_a_step_per_shape_and_equal_eager():
     assert all(step.dynamic == () for step in g.compiled_steps)
 
 
-def test_dimensions_marked_dynamic_compile_once():
-    g = _train_lm(LENGTHS, marks=(1,))
+def test_dimensions_marked_dynamic_compile_once(caplog):
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        g = _train_lm(LENGTHS, marks=(1,))
     (only,) = g.compiled_steps
     assert only.dynamic == ((0, 1), (1, 1)) and only.calls == len(LENGTHS)
+    said = [r.getMessage() for r in caplog.records if "dynamic (symbolic)" in r.getMessage()]
+    assert len(said) == 1 and "marked with torch._dynamo.mark_dynamic" in said[0]
+    assert "marking it before the first call" not in said[0]  # it was: no hint
 
 
 @pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)

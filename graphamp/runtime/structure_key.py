@@ -161,13 +161,22 @@ def log_rebuild(
     new = sorted(dynamic - before)
     if new:
         dims = ", ".join(f"{names[i] if i < len(names) else i!r} dimension {d}" for i, d in new)
+        # found by a second size, the step for the first was built for nothing: say how a run
+        # builds once (round 9 of variable_shapes_cpu.md: 36 s marked against 58 s found)
+        hint = (
+            ""
+            if change is None
+            else "; marking it before the first call "
+            "(torch._dynamo.mark_dynamic(tensor, dim)) builds only this step"
+        )
         log.info(
             "%s: %s: capturing and compiling a step where %s %s dynamic (symbolic); later "
-            "sizes reuse it",
+            "sizes reuse it%s",
             graph_name,
             change or "marked with torch._dynamo.mark_dynamic",
             dims,
             "is" if len(new) == 1 else "are",
+            hint,
         )
     elif change is not None:
         log.info("%s: %s: capturing and compiling again", graph_name, change)
