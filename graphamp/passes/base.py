@@ -10,7 +10,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ..records.amp import AmpContext
 from ..torchkit.fxutil import captured_dtype, dtype_after_amp, float_dtype, is_compute_node
-from .lists import FIXED_DTYPE, PROMOTE
+from .op_dtypes import FIXED_DTYPE, PROMOTE
 
 __all__ = [
     "AmpContext",

@@ -37,7 +37,7 @@ from .base import (
     is_compute_node,
     packet_of,
 )
-from .lists import MIXED_ARGS
+from .op_dtypes import MIXED_ARGS
 
 
 class DataFlow:

@@ -24,7 +24,7 @@ import torch.fx as fx
 from ..records.validate import dtype_name
 from .base import AmpContext, PassResult, captured_dtype, packet_of
 from .insert_casts import wanted_dtype
-from .lists import MIXED_ARGS
+from .op_dtypes import MIXED_ARGS
 
 
 def hoist_parameter_casts(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:

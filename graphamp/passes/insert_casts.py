@@ -49,7 +49,7 @@ from .base import (
     output_values,
     packet_of,
 )
-from .lists import (
+from .op_dtypes import (
     ALL_OUTPUTS_FOLLOW,
     EQUAL_DTYPES,
     FACTORIES,

@@ -12,7 +12,7 @@ from ..errors import GraphampError
 from ..records.validate import LOW_PRECISION_DTYPES
 from .base import AmpContext, captured_dtype, dtype_after_amp, output_values
 from .fold_casts import cast_target_dtype
-from .lists import MIXED_ARGS
+from .op_dtypes import MIXED_ARGS
 
 
 class AmpInvariantError(GraphampError, RuntimeError):

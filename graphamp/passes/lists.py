@@ -14,10 +14,11 @@ Four disjoint sets of aten op packets (overloads do not matter):
   neighbours' colour in both directions.
 
 Everything else is *unknown*: kept in its captured dtype (fp32 in an fp32 model) and listed in
-the precision report. ``PROMOTE`` ops (autocast's promote list) run in the widest floating dtype
-among their inputs as they arrive. Composite ops that capture splits into pieces (an RNN cell,
-``l1_loss``, ``linalg_vecdot``) are classified as the whole op: ``graphamp.ops`` tags each piece
-with ``meta["part_of"]``.
+the precision report. ``op_dtypes.PROMOTE`` ops (autocast's promote list) run in the widest
+floating dtype among their inputs as they arrive; ``op_dtypes.py`` holds the other facts of how
+ops treat dtypes that the cast passes work from. Composite ops that capture splits into pieces
+(an RNN cell, ``l1_loss``, ``linalg_vecdot``) are classified as the whole op: ``graphamp.ops``
+tags each piece with ``meta["part_of"]``.
 
 Deliberate differences from torch.autocast (tested against the autocast oracle in
 tests/test_amp.py):
@@ -71,22 +72,12 @@ import torch
 
 from ..torchkit import ops as _graphamp_ops  # noqa: F401 - registers torch.ops.graphamp.*
 from ..torchkit.ops import resolve_op  # noqa: F401 - re-exported: graphamp.passes.resolve_op
+from .op_dtypes import packets
 
 aten = torch.ops.aten
 
 
-def _packets(*names: str) -> frozenset:
-    """aten op packets by name; names missing from this torch build are skipped."""
-    out = []
-    for name in names:
-        ns, _, op = name.rpartition(".")
-        namespace = getattr(torch.ops, ns or "aten")
-        if hasattr(namespace, op):
-            out.append(getattr(namespace, op))
-    return frozenset(out)
-
-
-ALLOW = _packets(
+ALLOW = packets(
     # matrix products
     "mm",
     "addmm",
@@ -143,7 +134,7 @@ ALLOW = _packets(
     "graphamp.low_precision",
 )
 
-DENY = _packets(
+DENY = packets(
     # transcendental and reciprocal functions (autocast fp32)
     "exp",
     "expm1",
@@ -254,7 +245,7 @@ DENY = _packets(
     "_amp_foreach_non_finite_check_and_unscale",
 )
 
-INFER = _packets(
+INFER = packets(
     # arithmetic
     "add",
     "sub",
@@ -316,7 +307,8 @@ INFER = _packets(
     "adaptive_avg_pool2d",
     "mean",
     "nanmean",
-    # BatchNorm: low-precision activations, fp32 parameters and statistics (see MIXED_ARGS)
+    # BatchNorm: low-precision activations, fp32 parameters and statistics
+    # (see op_dtypes.MIXED_ARGS)
     "_native_batch_norm_legit_functional",
     "_native_batch_norm_legit",
     "_native_batch_norm_legit_no_training",
@@ -328,7 +320,7 @@ INFER = _packets(
     "_embedding_bag",
 )
 
-CLEAR = _packets(
+CLEAR = packets(
     # views and layout
     "view",
     "_unsafe_view",
@@ -447,84 +439,6 @@ CLEAR = _packets(
     "randn",
 )
 
-# Ops whose output dtype is fixed by an argument or by a destination: never coloured, never
-# given input casts (they convert internally). The AMP passes treat them as boundaries.
-FIXED_DTYPE = _packets("_to_copy", "to", "copy", "prims.convert_element_type", "type_as")
-
-# Mixed-precision kernels: these argument positions stay fp32 even when the op runs low.
-MIXED_ARGS: dict[Any, tuple[int, ...]] = {
-    op: (1, 2, 3, 4)
-    for op in _packets(
-        "_native_batch_norm_legit_functional",
-        "_native_batch_norm_legit",
-        "_native_batch_norm_legit_no_training",
-        "native_batch_norm",
-        "batch_norm",
-        "cudnn_batch_norm",
-    )
-}
-
-# autocast's promote list (and the aten ops it reaches): run in the widest floating dtype among
-# the inputs as they arrive (fp64 aside); mixed inputs are cast to it. Not coloured: they follow
-# whatever their producers give. A user override that lists one of them wins.
-PROMOTE = _packets(
-    "dot",
-    "vdot",
-    "tensordot",
-    "bilinear",
-    "_trilinear",
-    "cross",
-    "linalg_cross",
-    "grid_sampler",
-    "grid_sampler_2d",
-    "grid_sampler_3d",
-    "_grid_sampler_2d_cpu_fallback",
-    "cudnn_grid_sampler",
-    "scatter_add",
-)
-
-# Ops whose kernels need their floating inputs in one dtype: when the AMP passes would leave
-# them mixed, all are cast to the widest. (cat, stack and where promote in their kernels.)
-EQUAL_DTYPES = _packets(
-    "index_put",
-    "_unsafe_index_put",
-    "index_add",
-    "index_copy",
-    "masked_scatter",
-    "scatter",
-    "lerp",
-)
-
-# Elementwise ops that promote mixed float inputs themselves: when they run in fp32 a
-# low-precision input needs no cast node (the kernel reads it and widens, as eager does).
-PROMOTING = _packets(
-    "add",
-    "sub",
-    "rsub",
-    "mul",
-    "div",
-    "where",
-    "maximum",
-    "minimum",
-    "atan2",
-    "addcmul",
-    "addcdiv",
-    "hypot",
-    "remainder",
-    "fmod",
-)
-
-FACTORIES = _packets(
-    "zeros",
-    "ones",
-    "full",
-    "empty",
-    "empty_strided",
-    "scalar_tensor",
-    "rand",
-    "randn",
-)
-
 
 @dataclass(frozen=True)
 class PrecisionLists:
@@ -576,39 +490,3 @@ DEFAULT_LISTS = PrecisionLists()
 
 def describe(ops: Iterable[Any]) -> list[str]:
     return sorted(str(op) for op in ops)
-
-
-# Factories that take their shape from a tensor: under allow their dtype is set, no input cast.
-LIKE_FACTORIES = _packets(
-    "zeros_like",
-    "ones_like",
-    "full_like",
-    "empty_like",
-    "rand_like",
-    "randn_like",
-    "new_zeros",
-    "new_ones",
-    "new_full",
-    "new_empty",
-)
-
-# Tuple-returning ops whose every float output is data in the op's compute dtype. For all other
-# tuple-returning ops only output 0 follows the compute dtype; the rest are statistics kept in
-# fp32 by the kernels (BatchNorm's mean and rstd, attention's logsumexp).
-ALL_OUTPUTS_FOLLOW = _packets(
-    "split",
-    "split_with_sizes",
-    "unbind",
-    "chunk",
-    "tensor_split",
-    "unsafe_split",
-    "unsafe_split_with_sizes",
-    # recurrent states are data: an LSTM's cell state, the cells'
-    # gate workspaces, graphamp.rnn's h_n and c_n
-    "_thnn_fused_lstm_cell",
-    "_thnn_fused_gru_cell",
-    "lstm_cell",
-    "graphamp.rnn",
-    "_cudnn_rnn",
-    "mkldnn_rnn_layer",
-)
