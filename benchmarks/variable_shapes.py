@@ -270,8 +270,9 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         "| graphamp / torch.compile | block updates / torch.compile |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    merged = medians(rows)
     cells: dict[tuple, dict] = {}
-    for row in medians(rows):
+    for row in merged:
         if row["variant"] != "steady":
             cells.setdefault((row["layers"], row["steps"], row["lengths"]), {})[row["variant"]] = (
                 row
@@ -288,7 +289,7 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
             f"| {c.get('total_s')} ({c.get('compiles')}) | {e.get('total_s')} | {ratio:.2f} "
             f"| {blocks:.2f} |"
         )
-    restarts = [r for r in medians(rows) if r.get("cache") == "restart"]
+    restarts = [r for r in merged if r.get("cache") == "restart"]
     if restarts:
         out += [
             "",

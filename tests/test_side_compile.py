@@ -131,15 +131,16 @@ def test_the_child_compiles_in_this_processs_context(on, monkeypatch, tmp_path, 
     a kernel compiled in another context would not be used."""
     import torch._inductor.config as inductor_config
 
-    matmul = torch.backends.cuda.matmul  # its settings are put back by hand, for the same reason
+    # pytest 9.2's monkeypatch undoes a setting of a config module, or of torch's cuBLAS module,
+    # by deleting it (it does not see the value as an attribute of its own): inductor's config
+    # is patched with its own patch, and the matmul settings are put back by hand
+    matmul = torch.backends.cuda.matmul
     before = (
         torch.get_float32_matmul_precision(),
         matmul.fp32_precision,
         matmul.allow_bf16_reduced_precision_reduction,
     )
     try:
-        # inductor's own patch: pytest 9.2's monkeypatch undoes a config module's setting by
-        # deleting it (it does not see the value as an attribute of its own)
         with inductor_config.patch(
             max_fusion_size=17 if changed else inductor_config.max_fusion_size
         ):
