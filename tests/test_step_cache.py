@@ -26,7 +26,7 @@ from models import TinyGPT, lm_loss, seed_mlp
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import graphamp
-from graphamp.backend import cache_directory, step_cache, step_key, step_values
+from graphamp.backend import cache_directory, step_cache, step_key, step_unpickler, step_values
 from graphamp.inspect.memory import step_memory
 from graphamp.records.frames import SOURCE_LINE_META
 
@@ -114,6 +114,26 @@ def test_a_second_build_loads_the_step_and_trains_bitwise_as_the_assembled_one(m
     assert [n.meta.get("graphamp_subgraph") for n in a.step_graph.graph.nodes] == [
         n.meta.get("graphamp_subgraph") for n in b.step_graph.graph.nodes
     ]
+
+
+def test_the_step_loads_where_datasets_and_dill_are_imported():
+    """``datasets`` brings ``dill``, and torch's GraphPickler then pickles with dill's pickler,
+    whose constructors the unpickler's allow-list refuses: no entry ever loaded there. Entries
+    are written by the standard pickler whatever is installed (the test extra installs
+    ``datasets``, so this runs where users are)."""
+    import datasets  # noqa: F401 - imported as a user's script would
+    import dill  # noqa: F401
+    import torch.fx._graph_pickler as graph_pickler
+
+    assert graph_pickler.dill is not None  # torch's pickler is dill's here
+    data = _mlp_batches()
+    first = _train(_mlp, data)
+    (path,) = _entries()
+    with open(path, "rb") as f:
+        assert b"dill" not in f.read()
+    second = _train(_mlp, data)
+    assert _loaded(second[0])
+    _assert_same(first, second)
 
 
 @pytest.mark.parametrize(
@@ -412,8 +432,6 @@ def test_a_forged_entry_runs_no_code_and_is_not_used(how, caplog):
     if how == "planted pickle":
         payload = pickle.dumps(_Planted())
     else:
-        from torch.fx._graph_pickler import GraphPickler, Options
-
         step = step_cache.load("G", key, FakeTensorMode())
         edited = 0
         for node in step.step_gm.graph.nodes:  # every float constant of the step times ten
@@ -422,7 +440,7 @@ def test_a_forged_entry_runs_no_code_and_is_not_used(how, caplog):
                 edited += 1
         assert edited > 0
         step.step_gm.recompile()
-        payload = GraphPickler.dumps(step, Options(ops_filter=None))
+        payload = step_unpickler.dumps(step)
     with open(path, "wb") as f:
         f.write(_old_style_entry(payload))
     with caplog.at_level(logging.WARNING, logger="graphamp"):

@@ -147,11 +147,9 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
         log.info("%s: step cache: not saved (symbolic sizes and data-dependent ones)", graph_name)
         return False
     try:
-        from torch.fx._graph_pickler import GraphPickler, Options
-
         values = [(path, name, step_values.encode(meta["val"])) for path, name, _, meta in taken]
         entry = replace(step, values=values, shape_guards=guards)
-        payload = GraphPickler.dumps(entry, Options(ops_filter=None))
+        payload = step_unpickler.dumps(entry)
     except Exception as e:  # a graph the pickler does not support is not cached
         log.info("%s: step cache: not saved (%s: %s)", graph_name, type(e).__name__, e)
         return False

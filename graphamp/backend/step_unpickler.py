@@ -7,6 +7,13 @@ entry can build nothing else (``torch.load(weights_only=True)``'s approach). The
 torch's ``GraphPickler`` writes for graphamp's steps (fx graph pieces, traced tensors' metadata,
 dtypes and sizes, a ShapeEnv's symbols) and graphamp's own records; an entry asking for
 anything else fails to load and is rebuilt.
+
+Entries are written by the standard library's pickler whatever is installed: torch's
+``GraphPickler`` derives from ``dill``'s pickler where ``dill`` is importable (the ``datasets``
+package brings it), which writes dill's own constructors (``dill._dill._create_namedtuple``,
+``_load_type``) that the list above rightly refuses, so no entry ever loaded there. ``dumps``
+runs GraphPickler's own reduction (``reducer_override``, ``persistent_id``) on a plain
+``pickle.Pickler``: one entry format, the same bytes with or without dill.
 """
 
 from __future__ import annotations
@@ -51,6 +58,36 @@ _FUNCTIONS = {
 }
 
 
+def dumps(obj: Any) -> bytes:
+    """``GraphPickler.dumps`` (every op allowed: the key holds what the step is made of), on
+    the standard library's pickler (module docstring)."""
+    patch = getattr(graph_pickler, "patch_pytree_map_over_slice", contextlib.nullcontext)
+    with patch(), io.BytesIO() as stream:
+        _PlainGraphPickler(stream, graph_pickler.Options(ops_filter=None)).dump(obj)
+        return stream.getvalue()
+
+
+class _PlainGraphPickler(pickle.Pickler):
+    """torch's GraphPickler with the standard library's pickler as its base, whatever that of
+    GraphPickler is (``dill``'s where dill is importable)."""
+
+    _PASSTHROUGH_TYPES = graph_pickler.GraphPickler._PASSTHROUGH_TYPES
+    reducer_override = graph_pickler.GraphPickler.reducer_override
+    persistent_id = graph_pickler.GraphPickler.persistent_id
+
+    def __init__(self, file: io.BytesIO, options: Any) -> None:
+        super().__init__(file)
+        # GraphPickler's own fields (its options, the unpickling state's token, the tensor
+        # describer), taken from one made for the purpose: what it sets beyond its base
+        # pickler's fields, whichever torch release this is
+        own = graph_pickler.GraphPickler(io.BytesIO(), options)
+        base = type(own).__mro__[1]
+        inherited = set(getattr(base(io.BytesIO()), "__dict__", ()))
+        for name, value in vars(own).items():
+            if name not in inherited:
+                setattr(self, name, value)
+
+
 def loads(payload: bytes, fake_mode: FakeTensorMode) -> Any:
     """``GraphPickler.loads`` with the allow-listed unpickler."""
     # torch 2.13 onwards patches pytree while unpickling; torch 2.11 had no such patch
@@ -61,7 +98,18 @@ def loads(payload: bytes, fake_mode: FakeTensorMode) -> Any:
             return _StepUnpickler(stream, state).load()
 
 
-class _StepUnpickler(graph_pickler._GraphUnpickler):  # GraphPickler's own
+class _StepUnpickler(pickle.Unpickler):
+    """GraphPickler's unpickler on the standard library's (not dill's), allow-listed."""
+
+    def __init__(self, stream: io.BytesIO, unpickle_state: Any) -> None:
+        super().__init__(stream)
+        self._unpickle_state = unpickle_state
+
+    def persistent_load(self, pid: Any) -> Any:
+        if pid == "unpickle_state":  # the one persistent id GraphPickler writes
+            return self._unpickle_state
+        raise pickle.UnpicklingError("a step entry may not name other persistent objects")
+
     def find_class(self, module: str, name: str) -> Any:
         if module == "builtins" and name == "getattr":
             return _pickle_data_getattr
