@@ -170,13 +170,27 @@ class Graph:
         max_norm, norm_type = check_optimizer_slot(
             optimizer, lr_sch, clip_grad_max_norm, clip_grad_norm_type, added
         )
-        if optimizer_kind(optimizer) == TRACED:  # its state must be tensors: said here, not at
-            pipeline.check_traceable_state(optimizer)  # the first call
-        self._optimizer_slots.append(OptimizerSlot(optimizer, lr_sch, max_norm, norm_type))
-        schedulers.silence_order_warning(optimizer)
+        index = len(added)
+        eager = pipeline.trial_step(optimizer) if optimizer_kind(optimizer) == TRACED else None
+        if eager is not None:
+            log.info(
+                "%s: optimizer %d (%s) runs its own step() in Python after each compiled step: "
+                "%s. The step computes, unscales and clips its gradients; a step that "
+                "overflowed skips it (one host read per step, as GradScaler.step)",
+                type(self).__name__,
+                index,
+                type(optimizer).__name__,
+                eager,
+            )
         hook = getattr(optimizer, "register_load_state_dict_post_hook", None)
         if hook is not None:
-            hook(lambda _: self._optimizer_state_loaded())
+            try:
+                hook(lambda _: self._optimizer_state_loaded())
+            except AttributeError:  # a wrapper that never ran Optimizer.__init__ (Lookahead)
+                pass
+        # checked and prepared: from here on nothing raises, so a refusal changes nothing
+        self._optimizer_slots.append(OptimizerSlot(optimizer, lr_sch, max_norm, norm_type, eager))
+        schedulers.silence_order_warning(optimizer)
 
     def set_grad_scaler(self, scaler: Any) -> None:
         """Scale the loss inside the step: a graphamp.GradScaler / StaticGradScaler, or a

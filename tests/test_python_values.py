@@ -537,7 +537,7 @@ def test_int_and_bool_arguments_are_not_lifted():
     x = torch.randn(2, 4)
     for k, flip in [(1, False), (2, False), (2, True), (3, True)]:
         g(x, k, flip)
-    assert len(g.compiled_steps) == 4 and not g._run.lifted_args
+    assert len(g.compiled_steps) == 4 and not g._run.arg_lifting.lifted
 
 
 @pytest.mark.inductor
@@ -838,7 +838,7 @@ def test_a_global_of_another_module_of_the_users_read_through_it_is_honoured(
 
 HYPER = {"w": 1.0, "act": torch.tanh}  # numbers beside a function: a mixed container
 LOSS_FN = functools.partial(torch.mul, other=1.0)  # a loss made with functools.partial
-REGISTRY = {"tanh": torch.tanh}  # functions only: a registry, filled as the program runs
+REGISTRY = {"tanh": torch.tanh}  # functions only: a registry the loop changes
 ORDERED = collections.OrderedDict(w=1.0)  # a dict subclass of hyperparameters
 
 
@@ -892,21 +892,35 @@ def _put_back_hyper(saved):
     LOSS_FN = saved[1]
 
 
-def test_a_dict_of_functions_only_filled_as_the_program_runs_compiles_nothing_new():
+def test_a_dict_of_functions_changed_in_place_is_honoured(caplog):
+    """A container of objects only is kept by its contents too (each object by identity): an
+    entry replaced in place, or one added (build() may iterate over it), captures again."""
+
     def build(self, x, y):
-        loss = REGISTRY["tanh"](self.model(x))
+        loss = sum(f(self.model(x)) for f in REGISTRY.values())
         loss.backward()
         return loss
 
     def change(step, model):
-        REGISTRY[f"entry{step}"] = torch.relu  # a cache a library fills: not a setting
+        if step == 2:
+            REGISTRY["tanh"] = torch.sigmoid
+        if step == 4:
+            REGISTRY["relu"] = torch.relu
 
     try:
-        _, _, g = _train(VAE, change, graph=True, build=build)
+        with caplog.at_level(logging.INFO, logger="graphamp"):
+            losses, params, g = _train(VAE, change, graph=True, build=build)
     finally:
-        for key in [k for k in REGISTRY if k != "tanh"]:
-            del REGISTRY[key]
-    assert len(g.compiled_steps) == 1
+        REGISTRY.clear()
+        REGISTRY["tanh"] = torch.tanh
+    try:
+        eager = _train(VAE, change, graph=False, build=build)
+    finally:
+        REGISTRY.clear()
+        REGISTRY["tanh"] = torch.tanh
+    torch.testing.assert_close((losses, params), eager[:2], rtol=1e-5, atol=1e-6)
+    assert len(g.compiled_steps) == 3
+    assert "global REGISTRY (test_python_values) changed" in caplog.text
 
 
 class WithGain(nn.Module):

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from ..records.frames import SOURCE_LINE_META, UserFrame
 from ..records.layouts import StepLayout
-from ..records.optimizers import SUPPORTED
+from ..records.optimizers import EAGER, SUPPORTED, OptimizerPlan
 from ..torchkit.ops import FunctionCall
 
 FORMAT = "graphamp-step-1"
@@ -166,16 +166,10 @@ class _Digest:
         elif _is_grad_scaler(obj):
             self._text("scaler")
             self.feed(obj.settings())
-        elif isinstance(obj, torch.optim.Optimizer):
-            # its options that change the traced update are the plan's GroupPlan.flags; the
-            # hyperparameters are inputs of the step. An optimizer outside torch.optim whose
-            # own step() is traced runs code the key cannot see
-            if type(obj) not in SUPPORTED and not type(obj).__module__.startswith("torch.optim"):
-                raise Uncacheable(
-                    f"the step traces {_qualname(type(obj))}.step(), whose Python code the key "
-                    "cannot see"
-                )
-            self._text(f"optimizer:{_qualname(type(obj))}")
+        elif isinstance(obj, torch.optim.Optimizer) or (
+            isinstance(obj, OptimizerPlan) and obj.kind == EAGER
+        ):
+            self._optimizer(obj)
         elif isinstance(obj, StepLayout):
             self._text("layout")
             self.feed(obj.names)
@@ -189,6 +183,24 @@ class _Digest:
         else:
             return False
         return True
+
+    def _optimizer(self, obj: torch.optim.Optimizer | OptimizerPlan) -> None:
+        if isinstance(obj, OptimizerPlan):
+            # its step() runs in Python after the step: no code of it is in the step, which
+            # only hands it its parameters' gradients (in the plan's order, fed below)
+            self._text(f"eager-optimizer:{_qualname(type(obj.optimizer))}")
+            self.feed([g.params for g in obj.groups])
+            self.feed((obj.index, obj.clip_max_norm, obj.clip_norm_type))
+            return
+        # its options that change the traced update are the plan's GroupPlan.flags; the
+        # hyperparameters are inputs of the step. An optimizer outside torch.optim whose
+        # own step() is traced runs code the key cannot see
+        if type(obj) not in SUPPORTED and not type(obj).__module__.startswith("torch.optim"):
+            raise Uncacheable(
+                f"the step traces {_qualname(type(obj))}.step(), whose Python code the key "
+                "cannot see"
+            )
+        self._text(f"optimizer:{_qualname(type(obj))}")
 
     def _tensor(self, t: torch.Tensor) -> None:
         self._text(

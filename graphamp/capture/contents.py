@@ -1,21 +1,24 @@
-"""A container of settings that also holds objects, kept as a guard: ``{"w": 0.5, "act": F.gelu}``.
+"""A container build() read, kept as a guard by its contents: ``{"w": 0.5, "act": F.gelu}``.
 
 ``reads.guard_form`` keeps a container of plain values (numbers, strings, flags) as a copy and
-compares it by equality at every call. A dict of hyperparameters often holds a function, a
-module or a tensor beside its numbers; a copy cannot be made of those (a tensor would be copied,
-a module's equality is identity anyway), so such a container was compared by identity only, and
-a number changed in it in place was baked into the step. ``Contents`` keeps its structure with
-the plain values copied and the other objects by reference: it is equal to a container of the
-same shape whose plain values are equal and whose other values are the same objects.
+compares it by equality at every call. A container that also holds functions, modules or
+tensors (a dict of hyperparameters with an activation; a list of layers; a table of
+functions) cannot be copied (a tensor would be copied, a module's equality is identity
+anyway): ``Contents`` keeps its structure with the plain values copied and the other objects by
+reference, and is equal to a container of the same shape whose plain values are equal and
+whose other values are the same objects. So an entry changed in place, of any kind, is seen.
+Mappings that are not dicts (``os.environ``) are kept the same way.
 
-Only containers holding at least one plain value are kept this way: a container of objects alone
-is a registry or a cache (a library's table of kernels filled as it is used), not settings, and
-stays compared by identity.
+Every container is kept so, whatever its size, up to ``SIZE_LIMIT`` entries (a container
+larger than that is compared by identity, and ``reads`` says so in a warning): a compare of
+100,000 plain values costs about a millisecond per call, which the INFO line of a build that
+guards one that large states (``reads.log_large_guards``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections.abc
 import dataclasses
 import enum
 import sys
@@ -48,12 +51,20 @@ def is_record(value: Any) -> bool:
     )
 
 
+SIZE_LIMIT = 1 << 20  # entries in all, nested ones included, kept by contents at most
+
+
 def items_of(value: Any) -> list[tuple[Any, Any]] | None:
     """(key, value) of a container's entries (``None`` keys for a sequence or set); None for
-    anything that is not a dict (or a subclass of dict), list, tuple, set, dataclass object or
-    namespace."""
+    anything that is not a mapping (a dict, a subclass of dict, ``os.environ``), list, tuple,
+    set, dataclass object or namespace."""
     if isinstance(value, dict):  # an OrderedDict, an attribute dict of hyperparameters too
         return list(value.items())
+    if isinstance(value, collections.abc.Mapping) and not _is_torch_object(value):
+        try:
+            return list(value.items())
+        except Exception:  # a mapping whose items cannot be listed: not kept by contents
+            return None
     if type(value) in (list, set, tuple, frozenset):
         return [(None, v) for v in value]
     if is_record(value):
@@ -72,52 +83,40 @@ def fields_of(record: Any) -> dict:
         return {name: v for name, v in values.items() if v is not unset}
 
 
-def plain_contents(value: Any, limit: int) -> bool:
-    """Is ``value`` a container of at most ``limit`` entries in all whose keys and values are
-    all plain (a dict of hyperparameters)?"""
-    counts = _count(value, limit)
-    return counts is not None and counts[1] == 0
+def _is_torch_object(value: Any) -> bool:
+    """torch's own mappings (a module's ``_parameters``, a ParameterDict) are state the
+    structure key and the step's inputs track, not settings."""
+    module = type(value).__module__
+    return module == "torch" or module.startswith("torch.")
 
 
-def mixed_contents(value: Any, limit: int) -> bool:
-    """Is ``value`` a container of at most ``limit`` entries in all, whose keys are plain, that
-    holds plain values and other objects beside them?"""
-    counts = _count(value, limit)
-    return counts is not None and counts[0] > 0 and counts[1] > 0
+def count_entries(value: Any) -> tuple[int, int] | None:
+    """(plain values, other objects) among a container's leaves, nested containers walked;
+    None for what is not a container, one with a key that is not plain, or one past
+    ``SIZE_LIMIT`` entries."""
+    return _count(value, SIZE_LIMIT)
 
 
 def _count(value: Any, limit: int) -> tuple[int, int] | None:
-    """(plain values, other objects) among a container's leaves; None for what is not a
-    container, one with a key that is not plain, or past ``limit``. A nested container that
-    holds plain values is walked; one that holds none (a list of batches, a table of
-    functions) is one object, kept by identity: comparing its every item at every call would
-    cost more than the step of a small model."""
     items = items_of(value)
-    if items is None:
+    if items is None or len(items) > limit:
         return None
     plain = other = 0
     for key, item in items:
         limit -= 1
-        if limit < 0 or not is_plain(key):
+        if not is_plain(key):
             return None
         if is_plain(item):
             plain += 1
             continue
-        inner = _settings_in(item, limit)
+        inner = _count(item, limit) if items_of(item) is not None else None
         if inner is None:
             other += 1
-        else:
-            plain, other, limit = plain + inner[0], other + inner[1], limit - sum(inner)
+            continue
+        plain, other, limit = plain + inner[0], other + inner[1], limit - sum(inner)
+        if limit < 0:
+            return None
     return plain, other
-
-
-def _settings_in(value: Any, limit: int) -> tuple[int, int] | None:
-    """``_count`` of a nested container that holds plain values or nothing (a list the loop
-    may fill); None for anything else."""
-    if is_plain(value) or items_of(value) is None:
-        return None
-    counts = _count(value, limit)
-    return counts if counts is not None and (counts[0] > 0 or counts[1] == 0) else None
 
 
 class Contents:
@@ -126,11 +125,11 @@ class Contents:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def __init__(self, value: Any, limit: int = 256) -> None:
+    def __init__(self, value: Any) -> None:
         self.kind = type(value)
         items = items_of(value) or []
         self.items = [
-            (k, Contents(v, limit) if _settings_in(v, limit) is not None else v) for k, v in items
+            (k, Contents(v) if items_of(v) is not None and not is_plain(v) else v) for k, v in items
         ]
 
     def __eq__(self, other: object) -> bool:
@@ -143,7 +142,7 @@ class Contents:
             return False
         if self.kind in (set, frozenset):  # sets hold plain values only (hashable)
             return set(other) == {v for _, v in self.items}  # type: ignore[call-overload]
-        if issubclass(self.kind, dict):  # as dicts compare: whatever the order of the keys
+        if issubclass(self.kind, collections.abc.Mapping):  # whatever the order of the keys
             by_key = dict(now)
             return all(k in by_key and _same(v, by_key[k]) for k, v in self.items)
         return all(
@@ -151,7 +150,7 @@ class Contents:
         )
 
     def __repr__(self) -> str:
-        if issubclass(self.kind, dict):
+        if issubclass(self.kind, collections.abc.Mapping):
             return "{" + ", ".join(f"{k!r}: {v!r}" for k, v in self.items) + "}"
         if self.kind in (list, tuple):
             inner = ", ".join(repr(v) for _, v in self.items)

@@ -11,15 +11,18 @@ only on the objects it watches.
 
 What is recorded, and how it is compared at every call (``guard_form``):
 - plain values (numbers, strings, None, enums, dtypes, devices, tuples of them) by equality;
-- small containers of plain values (a dict of hyperparameters, a list of dicts, a dataclass,
-  an ``argparse.Namespace``, a ``SimpleNamespace``; at most ``CONTENT_LIMIT`` values) by a copy
-  of their contents: changed in place, the program no longer serves; one that holds functions,
-  modules or tensors beside its plain values, by a snapshot keeping those by identity
-  (``contents.Contents``);
+- containers (a dict of hyperparameters, a list of dicts, a dataclass, an
+  ``argparse.Namespace``, a ``SimpleNamespace``, ``os.environ``; of any size up to
+  ``contents.SIZE_LIMIT`` entries) by their contents: a copy where they hold plain values
+  only, else a snapshot keeping the functions, modules and tensors they hold by identity
+  (``contents.Contents``); changed in place, the program no longer serves;
 - a class attribute read through an instance (``Block.scale``) on the class, and the instance
-  is checked not to shadow it later; read on a class of the user's (``Config.kl_weight``, seen
+  and every class between its own and the one that holds it are checked not to shadow it
+  later; read on a class of the user's (``Config.kl_weight``, seen
   by ``scope_reads`` where the code reads it off a global or closure variable) on the class that
   holds it, and its subclasses are checked not to shadow it;
+- a function, a ``functools.partial`` or a bound method: with the settings it carries
+  (``code_settings``: default arguments, a partial's keywords);
 - other objects by identity; an object of a class of the user's (defined outside torch,
   graphamp, installed packages and Python's own library: a hand-written options object) is
   watched too, from the first read that reaches it, so the attributes build() reads on it are
@@ -58,16 +61,14 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from ..records.guards import ABSENT, AttributeRead, ClassNamespace, SlotNamespace
+from ..records.guards import ABSENT, AttributeRead, ClassNamespace, ObjectAttributes, SlotNamespace
 from ..torchkit.fxutil import is_library_file
-from .contents import Contents, fields_of, is_plain, is_record, mixed_contents, plain_contents
+from .contents import Contents, count_entries, fields_of, is_plain, is_record
 from .patching import SharedPatch
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring
 
 _local = threading.local()  # .watch: {id(obj): (label, names left out)}, .reads: {key: read}
-
-CONTENT_LIMIT = 256  # values in a container compared by content at every call, at most
 
 
 def guard_form(value: Any) -> tuple[Any, bool]:
@@ -77,17 +78,18 @@ def guard_form(value: Any) -> tuple[Any, bool]:
     compared by identity."""
     if is_plain(value):
         return value, True
-    if plain_contents(value, CONTENT_LIMIT):
+    counts = count_entries(value)
+    if counts is None:  # not a container (or one past contents.SIZE_LIMIT entries)
+        return value, False
+    if counts[1] == 0:  # plain values only: a copy, compared by ==
         if is_record(value):
             return Fields(type(value), copy.deepcopy(fields_of(value))), True
         if type(value) in (dict, list, set, tuple, frozenset):
             return copy.deepcopy(value), True
         return Contents(value), True  # a dict subclass: its own copy may not compare alike
-    if mixed_contents(value, CONTENT_LIMIT):
-        if is_record(value) and is_user_object(value):  # watched: only the fields build() reads
-            return value, False
-        return Contents(value), True
-    return value, False
+    if is_record(value) and is_user_object(value):  # watched: only the fields build() reads
+        return value, False
+    return Contents(value), True
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -127,6 +129,40 @@ def _record(obj: Any, name: str, value: Any) -> None:
             watch_object(value, f"{label}.{name}")
     elif namespace is None or (isinstance(namespace, dict) and name not in namespace):
         _record_class_attribute(obj, namespace, name, value, label)
+    for read in code_settings(value, f"{label}.{name}"):
+        _local.reads.setdefault((id(read.namespace.owner), read.name), read)
+
+
+def code_settings(value: Any, label: str) -> list[AttributeRead]:
+    """The settings a callable carries with it, each a read by value: a function's default
+    arguments (``__defaults__``, ``__kwdefaults__``: what a call that leaves the argument out
+    uses; for functions of the user's code), a ``functools.partial``'s keywords and
+    arguments and then its function's, a bound method's function's. Changed in place
+    (``fn.__defaults__ = (2.5,)``, ``loss.keywords["label_smoothing"] = 0.1``), the program no
+    longer serves."""
+    reads: list[AttributeRead] = []
+    for _ in range(8):  # partials of partials, at most this deep
+        if isinstance(value, types.MethodType):
+            value = value.__func__
+        if isinstance(value, functools.partial):
+            reads += _settings_of(value, ("keywords", "args"), f"{label}.")
+            value = value.func
+            continue
+        if isinstance(value, types.FunctionType) and _is_users_file(value.__code__.co_filename):
+            reads += _settings_of(value, ("__defaults__", "__kwdefaults__"), f"{label}.")
+        break
+    return reads
+
+
+def _settings_of(owner: Any, names: tuple[str, ...], prefix: str) -> list[AttributeRead]:
+    reads = []
+    for name in names:
+        value = getattr(owner, name, None)
+        kept, by_value = guard_form(value)
+        reads.append(
+            AttributeRead(f"{prefix}{name}", ObjectAttributes(owner), name, kept, by_value)
+        )
+    return reads
 
 
 def _namespace_of(obj: Any, name: str) -> dict | SlotNamespace | None:
@@ -154,9 +190,9 @@ def _record_class_attribute(
     owner = _owner_of(type(obj), name)
     if owner is None or vars(owner)[name] is not value or _is_torch_class(owner):
         return
-    # through the owner itself: a subclass between them that shadows it later is not checked
-    # (a library model's classes are many deep; each check costs every call)
-    if not _record_on_class(owner, owner, name, value) or namespace is None:
+    # through the object's own class: a class between it and the owner that shadows the
+    # attribute later (``Sub.SCALE = 3.0`` where ``Base`` holds it) changes what it reads
+    if not _record_on_class(type(obj), owner, name, value) or namespace is None:
         return
     _local.reads[(id(obj), name)] = AttributeRead(  # the instance keeps reading the class's
         label=f"{label}.{name}", namespace=namespace, name=name, value=ABSENT, by_value=False

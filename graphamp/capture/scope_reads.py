@@ -44,6 +44,7 @@ import contextlib
 import dis
 import functools
 import gc
+import os
 import sys
 import threading
 import types
@@ -61,6 +62,7 @@ from ..torchkit.fxutil import is_library_file
 from .reads import (
     INSTALLED,
     PYTHONS_OWN,
+    code_settings,
     guard_form,
     is_user_module,
     is_user_object,
@@ -160,6 +162,25 @@ class ScopeReads:
             record_class_read(value, attribute)  # Config.kl_weight: kept on the class
         elif isinstance(value, types.ModuleType) and is_user_module(value):
             self._read_in(vars(value), attribute)  # config.kl_weight: a global of config
+        elif isinstance(value, types.ModuleType):  # os.environ, math.pi: a library's data
+            self._read_library_data(value, attribute)
+
+    def _read_library_data(self, module: types.ModuleType, name: str) -> None:
+        """``module.name`` read off a library module: recorded where it is data (a number, a
+        container: ``os.environ``), not code (its functions and classes, whose reads are
+        countless and which a training loop does not change). ``os.getenv`` reads
+        ``os.environ``: recorded as that."""
+        namespace = vars(module)
+        value = namespace.get(name, MISSING)
+        if value is os.getenv:
+            namespace, name, value = vars(os), "environ", os.environ
+        if value is MISSING or not guard_form(value)[1]:
+            return
+        key = (id(namespace), name)
+        if key not in self.reads and key not in self.written:
+            kept, _ = guard_form(value)
+            label = f"{namespace.get('__name__', '?')}.{name}"
+            self.reads[key] = AttributeRead(label, namespace, name, kept, by_value=True)
 
     def _read_in(self, namespace: dict, name: str) -> Any:
         """Record the read of the global ``name`` of ``namespace``; its value (MISSING for a
@@ -173,7 +194,15 @@ class ScopeReads:
             read = _read(label, namespace, name, value)
             if read is not None:
                 self.reads[key] = read
+            if value is os.getenv:  # from os import getenv
+                self._read_library_data(os, "getenv")
+            self._record_code_settings(value, name)
         return value
+
+    def _record_code_settings(self, value: Any, label: str) -> None:
+        """A function's defaults, a partial's keywords (``reads.code_settings``)."""
+        for read in code_settings(value, label):
+            self.reads.setdefault((id(read.namespace.owner), read.name), read)
 
     def _write_global(self, frame: types.FrameType, name: str) -> None:
         namespace = frame.f_globals
@@ -195,6 +224,8 @@ class ScopeReads:
         if name == "__class__":  # the cell zero-argument super() reads
             return
         value = frame.f_locals.get(name, MISSING)
+        if not self._defined_in_traced_code(frame, name):
+            self._record_code_settings(value, name)  # a helper a closure holds: its defaults
         read_off = attribute if isinstance(value, type) else None  # Config.kl_weight
         if value is MISSING or not (read_off or _is_setting(value)):
             return

@@ -112,7 +112,7 @@ def _optimizer_lines(spec: GraphSpec) -> list[str]:
             f"{k}={group[k]}" for k in ("lr", "momentum", "betas", "weight_decay") if k in group
         )
         clip = f", clip_grad_max_norm={slot.clip_max_norm}" if slot.clip_max_norm else ""
-        path = update_path(opt)
+        path = update_path(opt, slot.eager)
         lines.append(
             f"{INDENT}(OPTIMIZER:{i}:{type(opt).__name__}({hyper}, "
             f"param_groups={len(opt.param_groups)}{clip}): {path})"

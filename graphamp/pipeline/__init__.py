@@ -8,7 +8,7 @@ inputs, the graph's SharedState and a BuildRequest; it returns a Program, whole.
 the picture and the import rules.
 """
 
-from ..step.traced_optimizer import check_traceable_state
+from ..step.trial_step import trial_step
 from .build import build_program, trace_autocast
 
-__all__ = ["build_program", "check_traceable_state", "trace_autocast"]
+__all__ = ["build_program", "trace_autocast", "trial_step"]

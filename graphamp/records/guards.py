@@ -128,6 +128,28 @@ class SlotNamespace:
         return value
 
 
+class ObjectAttributes:
+    """An object's attributes as a namespace, read and written as attributes: a function's
+    ``__defaults__`` and ``__kwdefaults__``, a ``functools.partial``'s ``keywords``."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self.owner, name, default)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self.owner, name, value)
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        value = self.get(name, default)
+        try:
+            delattr(self.owner, name)
+        except (AttributeError, TypeError):  # read-only (a partial's keywords)
+            pass
+        return value
+
+
 class CellNamespace:
     """A closure cell as a namespace of one variable."""
 
@@ -263,6 +285,11 @@ class Change:
     def __str__(self) -> str:
         return self.words
 
+    @property
+    def subject(self) -> str:
+        """What changed, without its values: the recompile limit counts changes by it."""
+        return self.read.label if self.read is not None else self.words
+
 
 @dataclass(frozen=True)
 class BuildRequest:
@@ -288,16 +315,21 @@ class Guards:
     def values_hold(self) -> bool:
         """The attribute values and state sizes (the part a structure and signature match
         cannot tell); cheap: one dict lookup and comparison each."""
+        return self._first_broken() is None
+
+    def _first_broken(self) -> AttributeRead | LiftedValue | StateSize | None:
+        """The first value guard that does not hold, in the one order every check and every
+        message walks them: attributes, lifted values, state sizes."""
         for read in self.attributes:
             if not read.holds():
-                return False
-        for size in self.state_sizes:
-            if not size.holds():
-                return False
+                return read
         for value in self.lifted:
             if not value.holds():
-                return False
-        return True
+                return value
+        for size in self.state_sizes:
+            if not size.holds():
+                return size
+        return None
 
     def serves(self, structure: Structure, signature: InputSignature, tensors: Sequence) -> bool:
         """Does the program serve this call? (``first_change`` says why not, in words.)"""
@@ -315,21 +347,19 @@ class Guards:
             return Change("structure", structure_words(self.structure, structure))
         if not self.shapes.admits(self.signature, signature, tensors):
             return Change("inputs", describe_signatures(self.signature, signature, input_names))
-        for read in self.attributes:
-            if not read.holds():
-                return Change("attribute", read.describe_change(), read)
-        for value in self.lifted:
-            if not value.holds():
-                now = value.read.current()
-                shown = "deleted" if now is ABSENT else f"{now!r}"
-                return Change("attribute", f"{value.read.label}, a step input, is now {shown}")
-        for size in self.state_sizes:
-            if not size.holds():
-                now = size.namespace.get(size.name)
-                shown = str(tuple(now.shape)) if now is not None else "missing"
-                return Change(
-                    "state size", f"{size.label} changed shape from {tuple(size.shape)} to {shown}"
-                )
+        broken = self._first_broken()
+        if isinstance(broken, AttributeRead):
+            return Change("attribute", broken.describe_change(), broken)
+        if isinstance(broken, LiftedValue):
+            now = broken.read.current()
+            shown = "deleted" if now is ABSENT else f"{now!r}"
+            return Change("attribute", f"{broken.read.label}, a step input, is now {shown}")
+        if isinstance(broken, StateSize):
+            now = broken.namespace.get(broken.name)
+            shown = str(tuple(now.shape)) if now is not None else "missing"
+            return Change(
+                "state size", f"{broken.label} changed shape from {tuple(broken.shape)} to {shown}"
+            )
         return None
 
 
@@ -379,7 +409,7 @@ class Structure(NamedTuple):
     config: Any  # the ConfigSnapshot
     grad_scaler: tuple | None  # (identity, settings) of the scaler in use
     torch_modes: tuple  # ambient.mode_key(): default dtype, deterministic algorithms
-    hooks: int  # module hooks registered anywhere (each is refused or traced at capture)
+    hooks: tuple  # ids of the module hooks registered anywhere (each refused or traced at capture)
 
 
 _STRUCTURE_CHANGES = {

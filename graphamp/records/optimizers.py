@@ -19,8 +19,12 @@ from ..errors import ConfigError, UnsupportedOptimizerError
 from .validate import check_number
 
 SUPPORTED = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
-# Every other optimizer's own step() is traced into the step (step/traced_optimizer.py)
+# Every other optimizer's own step() is traced into the step (step/traced_optimizer.py)...
 TRACED = "traced"
+# ... unless a trial step shows the trace could not be exact (step/trial_step.py): then its
+# step() runs in Python after the compiled step, on the gradients the step computed, skipped
+# on overflow (one host read), as eager's GradScaler.step runs it
+EAGER = "eager"
 # The float hyperparameters each kind reads per param group: graph inputs (0-dim fp32 tensors),
 # so a scheduler changing them never recompiles. A traced optimizer's other options are baked
 # into its step and part of the key (group_flags).
@@ -28,17 +32,19 @@ HYPER = {
     "sgd": ("lr", "momentum", "dampening", "weight_decay"),
     "adam": ("lr", "beta1", "beta2", "eps", "weight_decay"),
     TRACED: ("lr",),
+    EAGER: (),  # its step() reads its param groups itself
 }
 
 
-def optimizer_kind(optimizer: Any) -> str:
-    """ "sgd" or "adam" (graphamp's multi-tensor updates), "traced" for any other optimizer;
-    raises for optimizers and options that cannot be one update inside the step."""
+def optimizer_kind(optimizer: Any, eager: str | None = None) -> str:
+    """ "sgd" or "adam" (graphamp's multi-tensor updates), "traced" for any other optimizer,
+    "eager" where ``eager`` says why its step() cannot be traced exactly; raises for
+    optimizers and options that cannot be one update inside the step."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedOptimizerError(
             f"{type(optimizer).__qualname__} is not a torch.optim.Optimizer"
         )
-    kind = kind_of(optimizer)
+    kind = kind_of(optimizer, eager)
     if kind == TRACED:
         refuse_untraceable(optimizer)
     for group in optimizer.param_groups:
@@ -55,9 +61,11 @@ def optimizer_kind(optimizer: Any) -> str:
     return kind
 
 
-def update_path(optimizer: torch.optim.Optimizer) -> str:
+def update_path(optimizer: torch.optim.Optimizer, eager: str | None = None) -> str:
     """How the step updates with this optimizer, in words (``print(g)``)."""
-    kind = kind_of(optimizer)
+    kind = kind_of(optimizer, eager)
+    if kind == EAGER:
+        return f"its own step() in Python after the compiled step ({eager})"
     if kind == TRACED:
         return "its step() traced"
     if kind == "adam" and any(g.get("fused") for g in optimizer.param_groups):
@@ -104,6 +112,8 @@ def group_flags(
     key), ``tensor_version`` in the per-call structure, which must not read a device tensor on
     the host."""
     tensor = tensor or _tensor_values
+    if kind == EAGER:  # nothing of it is in the step: its step() reads its groups as they are
+        return ()
     if kind == TRACED:  # every option but the lr (an input) is baked into the traced step
         return tuple(
             (k, _frozen(v, tensor)) for k, v in sorted(group.items()) if k not in ("params", "lr")
@@ -131,8 +141,10 @@ def group_flags(
     )
 
 
-def kind_of(optimizer: torch.optim.Optimizer) -> str:
+def kind_of(optimizer: torch.optim.Optimizer, eager: str | None = None) -> str:
     """``optimizer_kind`` of an optimizer it has accepted already, without its checks."""
+    if eager is not None:
+        return EAGER
     return SUPPORTED.get(type(optimizer), TRACED)
 
 
@@ -158,7 +170,7 @@ def tensor_version(t: torch.Tensor) -> tuple:
 def state_keys(kind: str, flags: dict) -> tuple[str, ...]:
     """The per-parameter state torch keeps for a group with these flags (a traced optimizer's
     are found per parameter: ``GroupPlan.param_keys``)."""
-    if kind == TRACED:
+    if kind in (TRACED, EAGER):
         return ()
     if kind == "sgd":
         return ("momentum_buffer",) if flags["momentum"] else ()
@@ -273,6 +285,8 @@ class OptimizerPlan:
         return [torch.zeros((), dtype=dtype, device=device) for _ in self.hyper_names]
 
     def hyper_values(self, group: dict) -> tuple[Any, ...]:
+        if self.kind == EAGER:
+            return ()
         if self.kind == TRACED:
             return (float(group["lr"]),)
         if self.kind == "sgd":

@@ -23,7 +23,7 @@ from .frames import UserFrame
 from .guards import AttributeRead, Guards, LiftedValue
 from .inputs import FlatInputs, InputSignature
 from .layouts import ForwardLayout, StepLayout
-from .optimizers import OptimizerPlan, group_flags, kind_of, tensor_version
+from .optimizers import EAGER, OptimizerPlan, group_flags, kind_of, tensor_version
 from .probes import ProbeTable
 from .replays import StateReplay
 from .settings import ConfigSnapshot
@@ -64,14 +64,20 @@ class OptimizerSlot:
     lr_sch: Any  # None, or a scheduler whose .optimizer is ``optimizer``
     clip_max_norm: float | None  # None (no clipping) or a positive finite number
     clip_norm_type: float  # positive, or inf
+    # why its step() runs in Python after the compiled step (step/trial_step.py), or None:
+    # the step updates with it (records.optimizers.EAGER)
+    eager: str | None = None
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.optimizer, self.eager)
 
     def structure(self) -> tuple:
         """What the traced update depends on besides its input values, read at every call:
         each group's parameters and the options the build baked into the step
         (``group_flags``: SGD's momentum on or off, Adam's amsgrad, every option of a traced
         optimizer but its lr), so changing one builds again instead of being ignored."""
-        opt = self.optimizer
-        kind = kind_of(opt)
+        opt, kind = self.optimizer, self.kind
         groups = tuple(
             (
                 tuple((id(p), p.requires_grad) for p in g["params"]),
@@ -287,6 +293,14 @@ class StepPlan:
             raise ValueError("a ZeRO StepPlan needs the process group it shards over")
 
     @property
+    def eager_outputs(self) -> int:
+        """How many of the step's outputs, after build()'s, are for the optimizers whose own
+        step() runs after it (``records.optimizers.EAGER``): their gradients, then whether the
+        step overflowed (with a scaler)."""
+        grads = sum(len(o.params) for o in self.optimizers if o.kind == EAGER)
+        return grads + (1 if grads and self.scaler is not None else 0)
+
+    @property
     def forward_layout(self) -> ForwardLayout:
         """The order of the inputs of the forward the step runs (after the AMP passes)."""
         layout = self.captured.layout.with_param_copies(len(self.param_casts))
@@ -323,6 +337,10 @@ class StepRunner(Protocol):
 
     def execute(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run the compiled program on ``gather``'s inputs (it writes the state in place)."""
+        ...
+
+    def step_eagerly(self, outputs: list[torch.Tensor]) -> None:
+        """The optimizers whose own step() runs after the program, on its outputs."""
         ...
 
     def invalidate_optimizer_state(self) -> None: ...

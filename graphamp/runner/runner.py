@@ -19,7 +19,7 @@ from torch.autograd.graph import increment_version
 
 from ..errors import CaptureError
 from ..forensics.device_record import ForensicsState
-from ..records.optimizers import TRACED, OptimizerPlan
+from ..records.optimizers import EAGER, TRACED, OptimizerPlan
 from ..records.replays import apply_replays
 from ..records.sharding import row_of
 from ..records.spec import StepFn, StepPlan
@@ -228,6 +228,30 @@ class Runner:
             end = cap.num_user_outputs
             apply_replays(cap.replays, outputs[end - cap.num_written : end])
         return outputs
+
+    def step_eagerly(self, outputs: list[torch.Tensor]) -> None:
+        """The optimizers whose own step() runs after the compiled one (``EAGER``), on the
+        step's outputs that follow build()'s: each parameter's ``.grad`` is the gradient the
+        step computed (unscaled, clipped, after build()'s gradient code), step() runs as eager
+        runs it, and ``.grad`` is cleared again, as the compiled updates leave it. A step that
+        overflowed skips them: one host read, as ``GradScaler.step``'s."""
+        n = self.plan.eager_outputs
+        if not n:
+            return
+        tail = list(outputs[len(outputs) - n :])
+        if self.plan.scaler is not None and bool(tail.pop()):
+            return
+        grads = iter(tail)
+        for opt in self.plan.optimizers:
+            if opt.kind != EAGER:
+                continue
+            for p in opt.params:
+                p.grad = next(grads)
+            try:
+                opt.optimizer.step()
+            finally:
+                for p in opt.params:
+                    p.grad = None
 
     def record_step(self) -> Callable[[], None]:
         """The bookkeeping of a step, done before it runs so that the step itself is the last

@@ -37,6 +37,7 @@ from ..records.inputs import (
 from ..records.spec import GraphSpec, OptimizerSlot, Program
 from ..records.state import SharedState
 from . import ambient, interrupts, schedulers
+from .lifting import Lifting
 from .overflows import read_overflows, watch_overflows
 from .programs import Key, ProgramCache, marked_dynamic, precision_differences
 from .structure_key import StructureKey, log_rebuild, numbers_baked_in, warn_about_numbers
@@ -66,14 +67,10 @@ class GraphRuntime:
     scaler: GradScaler | None = None  # set_grad_scaler's (disabled ones included)
     debug_level: int = 0
     warned_numbers: bool = False  # the baked-in numbers warning is given once
-    # Python floats that changed between calls, traced as step inputs from then on (by place),
-    # and the places whose values could not be (build() needs them as Python numbers)
-    lifted: dict[tuple, AttributeRead] = field(default_factory=dict)
-    unliftable: set[tuple] = field(default_factory=set)
-    # the same for g(...)'s float arguments, by leaf position (``_build_lifting``)
-    lifted_args: frozenset[int] = frozenset()
-    unliftable_args: frozenset[int] = frozenset()
-    lifted_args_built: bool = False  # a step was built with them: a later failure is not theirs
+    # Python floats that changed between calls, traced as step inputs from then on
+    # (lifting.py): those build() reads, by place, and g(...)'s float arguments, by position
+    read_lifting: Lifting = field(default_factory=Lifting)
+    arg_lifting: Lifting = field(default_factory=Lifting)
     # (position, device) -> the 0-dim float32 tensor a lifted argument is filled into at each
     # call: a fill on the device, where a new tensor would copy from the host (a sync on a GPU)
     arg_holders: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict)
@@ -130,7 +127,7 @@ def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
 def _lifted_inputs(run: GraphRuntime, args: tuple, kwargs: dict) -> FlatInputs:
     """The call's inputs, its float arguments at lifted positions as 0-dim tensors."""
     inputs = flatten_inputs(args, kwargs)
-    if not run.lifted_args:
+    if not run.arg_lifting.lifted:
         return inputs
     device = _value_device(run, inputs)
 
@@ -141,33 +138,32 @@ def _lifted_inputs(run: GraphRuntime, args: tuple, kwargs: dict) -> FlatInputs:
             run.arg_holders[(position, device)] = held
         return held.fill_(value)
 
-    args, kwargs = lift_numbers(args, kwargs, run.lifted_args, holder)
+    args, kwargs = lift_numbers(args, kwargs, frozenset(run.arg_lifting.lifted), holder)
     return flatten_inputs(args, kwargs)
 
 
 def _build_lifting(
     run: GraphRuntime, args: tuple, kwargs: dict, inputs: FlatInputs, key: tuple
 ) -> tuple[Program, FlatInputs]:
-    """``_build``, after lifting the float arguments whose change caused it (a KL weight or a
-    temperature passed to g(...) each call is likely to change again): from then on each is
-    a step input, a 0-dim float32 tensor, as a changed float that build() reads is. If build()
-    needs one as a Python number (a branch, a size, an op's number argument), capture fails
-    and they are baked in again, for good. Returns the program and the inputs it runs on."""
-    proven = run.lifted_args if run.lifted_args_built else frozenset()
+    """``_build``, after lifting the float arguments whose change caused it (``lifting.py``):
+    from then on each is a step input, a 0-dim float32 tensor, as a changed float that
+    build() reads is. If build() needs one as a Python number, capture fails and the ones
+    lifted since the last step that built are baked in again, for good. Returns the program
+    and the inputs it runs on."""
+    lifting = run.arg_lifting
     changed: set[int] = set()
     for program in run.programs.values():
         if program.guards is not None:
             changed |= changed_floats(program.guards.signature, inputs.signature)
-    new = frozenset(changed) - run.unliftable_args - run.lifted_args
+    new = [i for i in sorted(changed) if lifting.lift(i)]
     if new:
         names = inputs.leaf_names(run.build)
         log.info(
             "%s: the float argument(s) %s of g(...) changed between calls: from now on the step "
             "takes them as inputs (0-dim float32 tensors), so a new value compiles nothing",
             run.name,
-            ", ".join(names[i][0] for i in sorted(new)),
+            ", ".join(names[i][0] for i in new),
         )
-        run.lifted_args, run.lifted_args_built = run.lifted_args | new, False
         inputs = _lifted_inputs(run, args, kwargs)
         key = _key(run, inputs)
         found = run.programs.find(key, inputs)
@@ -176,9 +172,9 @@ def _build_lifting(
     try:
         program = _build(run, inputs, key)
     except CaptureError as e:
-        blamed = run.lifted_args - proven  # the ones lifted since the last step built with them
-        if not blamed:
+        if not new:
             raise
+        blamed = lifting.blame()
         log.info(
             "%s: capturing with float argument(s) %s as step inputs failed (%s): build() needs "
             "them as Python numbers, so each new value compiles a step of its own",
@@ -186,12 +182,10 @@ def _build_lifting(
             ", ".join(sorted(inputs.leaf_names(run.build)[i][0] for i in blamed)),
             str(e).splitlines()[0][:200],
         )
-        run.unliftable_args |= blamed
-        run.lifted_args, run.lifted_args_built = proven, bool(proven)
         inputs = _lifted_inputs(run, args, kwargs)
         key = _key(run, inputs)
         return run.programs.find(key, inputs) or _build(run, inputs, key), inputs
-    run.lifted_args_built = bool(run.lifted_args)
+    lifting.built()
     return program, inputs
 
 
@@ -219,9 +213,11 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple) -> Program:
     if baked is not None and not run.warned_numbers:
         run.warned_numbers = True
         warn_about_numbers(run.name, *baked)
-    run.programs.count_build(run.name, key[1], str(change or "first call"), config.recompile_limit)
+    why = (change.subject, change.words) if change is not None else ("first call", "first call")
+    run.programs.count_build(run.name, key[1], why, config.recompile_limit)
     sibling = run.programs.family_member(key)
-    lifted_inputs = lifted_tensor_indices(inputs.args, inputs.kwargs, run.lifted_args)
+    lifted_args = frozenset(run.arg_lifting.lifted)
+    lifted_inputs = lifted_tensor_indices(inputs.args, inputs.kwargs, lifted_args)
     request = BuildRequest(key[1], dynamic, _lifted(run, change), lifted_inputs)
     program = _compile(run, inputs, request)
     # the build may have changed the user's objects (capture settled build()'s first-call
@@ -250,18 +246,16 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple) -> Program:
 
 def _lifted(run: GraphRuntime, change: Change | None) -> tuple[AttributeRead, ...]:
     """The Python floats to trace as inputs: the ones lifted before, and the one whose change
-    caused this build (a value that changes between calls is likely to change again: a KL
-    weight, a temperature annealed by the loop)."""
+    caused this build (``lifting.py``)."""
     read = change.read if change is not None else None
-    if read is not None and liftable(read) and read.place() not in run.unliftable:
-        run.lifted[read.place()] = read
+    if read is not None and liftable(read) and run.read_lifting.lift(read.place(), read):
         log.info(
             "%s: %s changed between calls: from now on the step takes it as an input (a 0-dim "
             "float32 tensor), so a new value compiles nothing",
             run.name,
             read.label,
         )
-    return tuple(r for r in run.lifted.values() if is_float_number(r.current()))
+    return tuple(r for r in run.read_lifting.lifted.values() if is_float_number(r.current()))
 
 
 def _pipeline(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Program:
@@ -278,28 +272,27 @@ def _pipeline(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> P
 
 def _compile(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Program:
     """The pipeline; a capture that fails with values lifted (build() uses one as a Python
-    number: a branch, a size, an argument that must be a float) is tried again with those
-    values baked in, as before, and they stay baked in."""
+    number: a branch, a size, an argument that must be a float) is tried again with the ones
+    no earlier build took as inputs baked in (``lifting.py``), and they stay baked in."""
+    lifting = run.read_lifting
     try:
-        return _pipeline(run, inputs, request)
+        program = _pipeline(run, inputs, request)
     except CaptureError as e:
         if not request.lifted:
             raise
-        names = ", ".join(r.label for r in request.lifted)
+        reads = dict(lifting.lifted)
+        blamed = {place: reads[place] for place in lifting.blame()}
         log.info(
             "%s: capturing with %s as a step input failed (%s): build() needs it as a Python "
             "number, so each new value compiles a step of its own",
             run.name,
-            names,
+            ", ".join(read.label for read in blamed.values()),
             str(e).splitlines()[0][:200],
         )
-        run.unliftable.update(run.lifted)
-        run.lifted.clear()
-        return _pipeline(
-            run,
-            inputs,
-            BuildRequest(request.structure, request.dynamic, (), request.lifted_inputs),
-        )
+        kept = tuple(r for r in request.lifted if r.place() not in blamed)
+        return _compile(run, inputs, dataclasses.replace(request, lifted=kept))
+    lifting.built()
+    return program
 
 
 def _key(run: GraphRuntime, inputs: FlatInputs) -> Key:
@@ -337,12 +330,16 @@ def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[to
     runner = program.runner
     flat = runner.gather(inputs.tensors)
     stepping = [s.lr_sch for s in run.optimizers if s.lr_sch is not None]
-    saved = [schedulers.snapshot(sch) for sch in stepping]
+    # an optimizer whose own step() runs after the compiled step reads its lr then: the
+    # schedulers step after it, as in eager's loop; otherwise before the step, so that the
+    # compiled step is the last thing that happens (this step's lr is already gathered)
+    early = stepping if not program.plan.eager_outputs else []
+    saved = [schedulers.snapshot(sch) for sch in early]
     undo = None
     held = interrupts.hold_interrupts()
     try:
         try:
-            for sch in stepping:
+            for sch in early:
                 sch.step()  # sets the next step's lr; this step's is already gathered
             undo = runner.record_step()
             run.state.step_count += 1
@@ -354,7 +351,12 @@ def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[to
             for snapshot in saved:
                 schedulers.restore(snapshot)
             raise
-        # committed: from here on nothing undoes the step
+        # committed: from here on nothing undoes the step. An optimizer's own step() that
+        # raises leaves its parameters as it left them, as in eager
+        runner.step_eagerly(outputs)
+        if not early:
+            for sch in stepping:
+                sch.step()
         if runner.forensics is not None:
             watch_overflows(run, program)
     finally:

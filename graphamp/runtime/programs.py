@@ -40,7 +40,7 @@ class ProgramCache(Mapping[int, Program]):
         self._memo: dict[Key, Program] = {}
         self._serial = 0
         self._last = 0  # the serial of the most recently used program
-        self.builds: dict[Structure, list[str]] = {}  # per structure: why each build was made
+        self.builds: dict[Structure, list[tuple[str, str]]] = {}  # per structure: each build's why
 
     # -- Mapping ---------------------------------------------------------------------------
     def __getitem__(self, serial: int) -> Program:
@@ -133,9 +133,11 @@ class ProgramCache(Mapping[int, Program]):
             if p.guards is not None and _in_family(p.guards, key)
         ]
 
-    def count_build(self, graph_name: str, structure: Structure, why: str, limit: int) -> None:
-        """Count a build for ``structure``; RecompileLimitError beyond ``limit`` builds, naming
-        what kept changing."""
+    def count_build(
+        self, graph_name: str, structure: Structure, why: tuple[str, str], limit: int
+    ) -> None:
+        """Count a build for ``structure`` (``why``: what changed, and in words);
+        RecompileLimitError beyond ``limit`` builds, naming what kept changing."""
         reasons = self.builds.setdefault(structure, [])
         if len(reasons) >= limit:
             raise RecompileLimitError(_limit_message(graph_name, limit, reasons[1:] + [why]))
@@ -198,12 +200,14 @@ def marked_dynamic(tensors: list) -> frozenset[tuple[int, int]]:
     return frozenset(dims)
 
 
-def _limit_message(graph_name: str, limit: int, reasons: list[str]) -> str:
+def _limit_message(graph_name: str, limit: int, reasons: list[tuple[str, str]]) -> str:
     counts: dict[str, int] = {}
-    for why in reasons:
-        counts[why] = counts.get(why, 0) + 1
+    last: dict[str, str] = {}
+    for subject, words in reasons:  # by what changed, whatever its values
+        counts[subject] = counts.get(subject, 0) + 1
+        last[subject] = words
     common = sorted(counts.items(), key=lambda kv: -kv[1])[:3]
-    listed = "; ".join(f"{why} ({n}x)" for why, n in common)
+    listed = "; ".join(f"{last[subject]} ({n}x)" for subject, n in common)
     return (
         f"{graph_name}: {limit} steps were compiled for the same model and config "
         f"(config.set_recompile_limit({limit})); calls keep changing what a compiled step "

@@ -96,8 +96,8 @@ class StructureKey:
         )
         # a hook registered after the first call would never run in the compiled step: its
         # arrival captures again, and capture refuses it by name (capture/side_effects.py).
-        # Programs exist only for models whose hooks are all traceable (side_effects.py), so
-        # the number of hooks is all the key needs.
+        # Hooks are kept by their handles' ids (unique per registration), not counted: one
+        # removed and another added is another set of hooks.
         declared = tuple(declared_patterns(m) for m in self._declaring)
         # tuple.__new__: the NamedTuple without its Python-level constructor (every call)
         return _new_tuple(
@@ -109,7 +109,7 @@ class StructureKey:
                 config,  # config
                 (id(scaler), scaler.settings()) if scaler is not None else None,  # grad_scaler
                 modes,  # torch_modes
-                sum(map(len, self._hook_dicts)),  # hooks
+                tuple(itertools.chain.from_iterable(self._hook_dicts)),  # hooks
             ),
         )
 

@@ -9,7 +9,7 @@
 The whole step becomes one FX graph (make_fx over Python functionalization, fake tensors). Its
 inputs are the state tensors and the batch (``plan.layout``); it writes every state tensor in
 place (``copy_`` into its inputs, which the compiler keeps in place) and returns build()'s
-tensors. Nodes carry ``meta["graphamp_subgraph"]``: parameter_casts, forward, backward,
+tensors (then, for an optimizer whose own step() runs after it, its gradients: ``_eager_outputs``). Nodes carry ``meta["graphamp_subgraph"]``: parameter_casts, forward, backward,
 grad_scaler, clip_grad, data_parallel, zero, optimizer, forensics (overflow tracing only), fp8
 (the delayed recipe's histories), history (and recompute, added after tracing by
 ``recompute.py``).
@@ -27,7 +27,7 @@ import torch.fx.traceback as fx_traceback
 
 from ..records.frames import SOURCE_LINE_META
 from ..records.layouts import StepInputs
-from ..records.optimizers import TRACED, OptimizerPlan
+from ..records.optimizers import EAGER, TRACED, OptimizerPlan
 from ..records.sharding import block_of
 from ..records.spec import StepPlan
 from ..torchkit.fp8_numerics import rolled_history
@@ -164,9 +164,19 @@ def make_step_function(
                 write_scale_update(plan.scaler, s.scaler, found_total, any_skip)
         for i, value in zip(plan.captured.mutated_buffers, fwd.new_buffers):
             s.buffers[i].copy_(masked(any_skip, s.buffers[i], value))
-        return tuple(fwd.user)
+        return (*fwd.user, *_eager_outputs(updates, any_skip))
 
     return step
+
+
+def _eager_outputs(updates: list[_OptimizerUpdate], any_skip) -> list[torch.Tensor]:
+    """What the optimizers whose own step() runs after the step take from it (after build()'s
+    tensors, ``StepPlan.eager_outputs`` of them): their final gradients, and whether the step
+    overflowed (with a scaler)."""
+    grads = [g for u in updates if u.opt.kind == EAGER for g in u.grads]
+    if not grads:
+        return []
+    return grads if any_skip is None else [*grads, any_skip]
 
 
 def _write_changed_params(plan: StepPlan, s: StepInputs, fwd: ForwardResult) -> dict:
@@ -322,6 +332,10 @@ def _update_optimizers(
     params = s.params
     for u, counter in zip(updates, s.counters):
         skip = u.found > 0 if u.found is not None else None
+        if u.opt.kind == EAGER:  # its own step() runs after this one, on u.grads
+            with NodeTagger({"graphamp_subgraph": "optimizer"}):
+                counter.copy_(masked(skip, counter, counter + 1))
+            continue
         if rows is not None:
             mine = [rows[i] for i in u.opt.forward_positions]
         else:

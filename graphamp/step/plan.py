@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from ..errors import CaptureError, ConfigError, UnsupportedOptimizerError
 from ..records.optimizers import (
+    EAGER,
     TRACED,
     GroupPlan,
     OptimizerPlan,
@@ -168,11 +169,13 @@ def _optimizer_plans(
     plans = []
     for k, slot in enumerate(spec.optimizers):
         opt = slot.optimizer
-        kind = optimizer_kind(opt)
-        if kind == TRACED and spec.config.zero_stage:
+        kind = optimizer_kind(opt, slot.eager)
+        if kind in (TRACED, EAGER) and spec.config.zero_stage:
+            how = "is traced whole" if kind == TRACED else "runs in Python on whole gradients"
             raise UnsupportedOptimizerError(
                 f"{spec.name}: ZeRO shards the state of graphamp's own SGD, Adam and AdamW "
-                f"updates; {type(opt).__name__}'s own step() is traced whole, not yet by rows"
+                f"updates; {type(opt).__name__}'s own step() {how}, not by rows. Use one of "
+                "those three, or leave ZeRO off (data parallel without it keeps any optimizer)"
             )
         groups, updated = [], []
         for g, group in enumerate(opt.param_groups):

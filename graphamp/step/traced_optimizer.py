@@ -35,7 +35,7 @@ from ..records.optimizers import InitialState
 from ..torchkit.fxutil import drop_profiler_markers
 
 # group options set for the traced step: the capturable single-tensor form, no fused kernels
-_TRACE_OPTIONS = {"capturable": True, "foreach": False, "fused": False, "differentiable": False}
+TRACE_OPTIONS = {"capturable": True, "foreach": False, "fused": False, "differentiable": False}
 _PROBE_OPTIONS = {"capturable": False, "foreach": False, "fused": False, "differentiable": False}
 
 
@@ -52,19 +52,12 @@ def probe_initial_state(
             continue
         work = p.detach().clone()
         work.grad = torch.full_like(work, float("nan"))
-        state: collections.defaultdict = collections.defaultdict(_FirstValues)
+        state: collections.defaultdict = collections.defaultdict(FirstValues)
         shadow = _shadow(optimizer, {**group, **_options(group, _PROBE_OPTIONS)}, [work], state)
         with torch.no_grad():
             type(optimizer).step(shadow)  # not an instance attribute (a scheduler wraps one)
         out.append(_initial(optimizer, state[work].first))
     return out
-
-
-def check_traceable_state(optimizer: torch.optim.Optimizer) -> None:
-    """Raises (UnsupportedOptimizerError) where the optimizer's first state could not be a
-    traced step's state: the probe of ``probe_initial_state``, on its trainable parameters."""
-    for g, group in enumerate(optimizer.param_groups):
-        probe_initial_state(optimizer, g, [p for p in group["params"] if p.requires_grad])
 
 
 def traced_update(
@@ -77,7 +70,7 @@ def traced_update(
 ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """The optimizer's step on traced values: (new parameters, new state), nothing written."""
     group = optimizer.param_groups[group_index]
-    group = {**group, **_options(group, _TRACE_OPTIONS), "lr": lr}
+    group = {**group, **_options(group, TRACE_OPTIONS), "lr": lr}
     work = [p.clone() for p in params]
     for w, g in zip(work, grads):
         w.grad = g.clone()
@@ -85,7 +78,7 @@ def traced_update(
         dict, {w: {k: v.clone() for k, v in s.items()} for w, s in zip(work, states)}
     )
     shadow = _shadow(optimizer, group, work, state)
-    with _compiling(), torch.no_grad():
+    with compiling(), torch.no_grad():
         type(optimizer).step(shadow)
     return work, [dict(state[w]) for w in work]
 
@@ -160,7 +153,7 @@ def _options(group: dict, options: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _compiling() -> Iterator[None]:
+def compiling() -> Iterator[None]:
     """torch's optimizers take their traced path (tensors for step counts, no host reads, no
     device checks meant for eager capturable steps) when ``torch.compiler.is_compiling()``."""
     saved = torch.compiler._is_compiling_flag  # what torch.compile sets
@@ -171,11 +164,12 @@ def _compiling() -> Iterator[None]:
         torch.compiler._is_compiling_flag = saved
 
 
-class _FirstValues(dict):
-    """A parameter's state dict that remembers what each key was first set to."""
+class FirstValues(dict):
+    """A parameter's state dict that remembers what each key it did not hold was first set
+    to."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, existing: dict | None = None) -> None:
+        super().__init__(existing or {})
         self.first: dict[str, Any] = {}
 
     def __setitem__(self, key: str, value: Any) -> None:
