@@ -1,0 +1,94 @@
+"""graphamp against eager on generated programs that read and write Python state
+(``state_fuzz.py``): 200 cases in the default lane, 2,000 more in the slow lane. Each case
+is reproduced by its seed (the failure shows the generated module and the schedule).
+
+The fuzzer is itself tested: with one of graphamp's mechanisms switched off (a function's
+defaults not guarded, an optimizer's Python step count traced, lifting that blames every
+lifted value), it must fail on the cases that need that mechanism.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import state_fuzz
+
+import graphamp.capture.reads as reads
+import graphamp.capture.scope_reads as scope_reads
+import graphamp.pipeline as pipeline
+from graphamp.runtime.lifting import Lifting
+
+_BLOCK = 50
+
+
+def _run_seeds(seeds, directory) -> list[str]:
+    failures = []
+    for seed in seeds:
+        try:
+            state_fuzz.run_case(seed, str(directory))
+        except AssertionError as e:
+            failures.append(f"--- seed {seed} ---\n{e}")
+    return failures
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_generated_programs_train_as_eager(block, tmp_path):
+    failures = _run_seeds(range(block * _BLOCK, (block + 1) * _BLOCK), tmp_path)
+    assert not failures, f"{len(failures)} of {_BLOCK} cases differ:\n" + "\n".join(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", range(4, 44))
+def test_more_generated_programs_train_as_eager(block, tmp_path):
+    failures = _run_seeds(range(block * _BLOCK, (block + 1) * _BLOCK), tmp_path)
+    assert not failures, f"{len(failures)} of {_BLOCK} cases differ:\n" + "\n".join(failures)
+
+
+def test_every_source_and_optimizer_is_generated_in_the_default_lane():
+    """The default lane's 200 cases cover every kind of source, every optimizer, changes
+    before the first call and after it."""
+    cases = [state_fuzz.make_case(seed) for seed in range(4 * _BLOCK)]
+    kinds = {s.kind.split(" (")[0].split(" of ")[0] for c in cases for s in c.sources}
+    made = {make(0, random.Random(0)).kind for make in state_fuzz.SOURCES}
+    assert {k.split(" (")[0].split(" of ")[0] for k in made} <= kinds
+    assert {c.optimizer for c in cases} == set(state_fuzz.OPTIMIZERS)
+    assert any(c.schedule[0] for c in cases) and any(any(c.schedule[1:]) for c in cases)
+
+
+def _seeds_with(kinds: set[str], optimizer: str | None = None, count: int = 4) -> list[int]:
+    """The first seeds whose cases hold every source kind in ``kinds`` (and ``optimizer``)."""
+    found = []
+    for seed in range(5000):
+        case = state_fuzz.make_case(seed)
+        held = {s.kind for s in case.sources}
+        changed = any(case.schedule[1:])
+        if kinds <= held and changed and optimizer in (None, case.optimizer):
+            found.append(seed)
+            if len(found) == count:
+                break
+    return found
+
+
+def test_the_fuzzer_finds_a_function_default_left_unguarded(monkeypatch, tmp_path):
+    monkeypatch.setattr(reads, "code_settings", lambda value, label: [])
+    monkeypatch.setattr(scope_reads, "code_settings", lambda value, label: [])
+    assert _run_seeds(_seeds_with({"function default"}), tmp_path)
+
+
+def test_the_fuzzer_finds_an_optimizers_python_step_count_traced(monkeypatch, tmp_path):
+    monkeypatch.setattr(pipeline, "trial_step", lambda optimizer: None)
+    seeds = _seeds_with(set(), optimizer="Python counts in groups")
+    assert _run_seeds(seeds, tmp_path)
+
+
+def test_the_fuzzer_finds_an_annealed_float_demoted_by_an_unrelated_change(monkeypatch, tmp_path):
+    def blame_all(self):
+        blamed = list(self.lifted)
+        self.unliftable.update(blamed)
+        self.lifted.clear()
+        return blamed
+
+    monkeypatch.setattr(Lifting, "blame", blame_all)
+    kinds = {"float annealed before every call", "float an op needs as a Python number"}
+    assert _run_seeds(_seeds_with(kinds, count=6), tmp_path)
