@@ -1,9 +1,10 @@
 """fold_cast_chains: remove casts that do nothing and collapse chains of casts.
 
 - ``cast(x, d)`` where x already has dtype d disappears;
-- ``cast(cast(x, a), b)`` becomes ``cast(x, b)``, or x itself when x has dtype b. Under AMP,
-  graphamp owns precision decisions: a round trip such as ``x.half().float()`` on an fp32 value
-  is removed, so x is used at full precision;
+- ``cast(cast(x, a), b)`` of a floating x becomes ``cast(x, b)``, or x itself when x has dtype
+  b. Under AMP, graphamp owns precision decisions: a round trip such as ``x.half().float()`` on
+  an fp32 value is removed, so x is used at full precision. A bool or an integer x keeps its
+  first cast (the user's conversion to a number: ``(h > 0).to(x.dtype)`` in MoE routing);
 - afterwards each value has at most one cast per dtype (duplicates merged).
 
 User casts count as casts here (``aten._to_copy`` / ``prims.convert_element_type`` that change
@@ -65,6 +66,11 @@ def _fold(graph: fx.Graph, node: fx.Node) -> int:
     if cast_target_dtype(src) is None:
         return 0
     origin = cast(fx.Node, src.args[0])  # the value the inner cast casts
+    if dtype_after_amp(origin) is None:
+        # a bool or an integer cast to a float, then to another float: the first cast is the
+        # user's conversion to a number and stays (an int cast straight to float16 would round
+        # once where eager rounds twice; an AMP cast only ever takes a float)
+        return 0
     if dtype_after_amp(origin) == target:
         _replace(node, origin)
     else:

@@ -36,6 +36,13 @@ def check_amp_invariants(gm: fx.GraphModule, ctx: AmpContext | None = None) -> N
         raise AmpInvariantError("AMP invariants broken:\n  " + "\n  ".join(problems))
 
 
+def _casts_a_float(cast_node: fx.Node) -> bool:
+    """Does this cast take a floating value (a chain of it folds; the conversion of a bool or
+    an integer to a number stays, ``fold_casts``)?"""
+    origin = cast_node.args[0]
+    return isinstance(origin, fx.Node) and dtype_after_amp(origin) is not None
+
+
 def _cast_problems(node: fx.Node, per_value: Counter) -> list[str]:
     """An inserted cast: of a floating value, to another dtype, not of a cast; counted per
     (value, dtype) in ``per_value``."""
@@ -49,7 +56,7 @@ def _cast_problems(node: fx.Node, per_value: Counter) -> list[str]:
         problems.append(f"{node.name} casts non-float value {src.name}")
     if dtype_after_amp(src) == target:
         problems.append(f"{node.name} casts {src.name} to the dtype it already has")
-    if cast_target_dtype(src) is not None:
+    if cast_target_dtype(src) is not None and _casts_a_float(src):
         problems.append(f"{node.name} casts the cast {src.name} (chain not folded)")
     return problems
 
