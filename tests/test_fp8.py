@@ -145,6 +145,18 @@ def test_keep_and_sizes_decide_too():
     assert "kept out of fp8" in why["model.4"] and "multiples of 16" in why["model.6"]
 
 
+@pytest.mark.parametrize(
+    "keep, hint",
+    [("4", "'model.4'"), ("model.44", "'model.4'"), ("nowhere", "")],
+    ids=["relative-to-the-model", "misspelled", "nothing-near"],
+)
+def test_a_keep_path_that_names_no_module_is_an_error_naming_the_nearest(keep, hint):
+    g = _fp8_graph(_mlp(out=10), keep=[keep])
+    with pytest.raises(ConfigError, match=r"enable_fp8\(keep=\.\.\.\)") as raised:
+        g(*_batch()[0:1], torch.randint(0, 10, (64,)))
+    assert (f"did you mean {hint}" in str(raised.value)) == bool(hint), raised.value
+
+
 def _delayed_reference(x: torch.Tensor, dtype: torch.dtype, history: list[float]) -> torch.Tensor:
     """x through ``dtype`` with Transformer Engine's delayed scale: the format's largest value
     over the largest amax of the history (1 while it holds none), dequantised."""

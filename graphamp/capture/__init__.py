@@ -12,6 +12,7 @@ from .root import (
     check_not_fsdp,
     checkpointed_paths,
     fake_copy,
+    fp8_kept_paths,
     pinned_paths,
 )
 from .trace import capture_forward
@@ -22,6 +23,7 @@ __all__ = [
     "capture_forward",
     "check_devices",
     "fake_copy",
+    "fp8_kept_paths",
     "pinned_paths",
     "checkpointed_paths",
     "check_fully_shard_policy",

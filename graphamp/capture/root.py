@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -148,19 +149,33 @@ def checkpointed_paths(
     return frozenset(p for p in marked if not any(p.startswith(q + ".") for q in marked if q != p))
 
 
+def fp8_kept_paths(root: BuildRoot, names: tuple[str, ...]) -> None:
+    """``config.enable_fp8(keep=...)``: each path names a registered module (an error naming
+    the nearest path where one does not, rather than a layer left in fp8 without a word)."""
+    _named_modules_checked(root, names, "enable_fp8(keep=...)")
+
+
 def _named_modules_checked(
     root: BuildRoot, names: tuple[str, ...], setter: str
 ) -> dict[str, nn.Module]:
     modules = dict(root.named_modules())
     for wanted in names:
         if wanted not in modules:
-            close = [n for n in modules if n and n.split(".")[-1] == wanted.split(".")[-1]]
+            close = _nearest_paths(wanted, [n for n in modules if n])
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
                 f"{setter}({wanted!r}): no registered module has that path{hint} (paths "
                 "start at the Graph's attributes, e.g. 'model.head')"
             )
     return modules
+
+
+def _nearest_paths(wanted: str, paths: list[str]) -> list[str]:
+    """Paths that end with ``wanted`` (a path written from the model instead of the Graph),
+    then those that share its last name, then the closest spellings."""
+    relative = [p for p in paths if p.endswith("." + wanted)]
+    same_name = [p for p in paths if p.split(".")[-1] == wanted.split(".")[-1]]
+    return relative or same_name or difflib.get_close_matches(wanted, paths, n=1, cutoff=0.6)
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from ..capture import (
     check_fully_shard_policy,
     check_not_fsdp,
     checkpointed_paths,
+    fp8_kept_paths,
     pinned_paths,
 )
 from ..errors import ConfigError
@@ -120,6 +121,8 @@ def capture(ctx: BuildContext) -> Captured:
         pins = pinned_paths(
             ctx.root, config.fp32_module_types, config.fp32_module_names, config.amp_dtype
         )
+    if config.fp8_recipe is not None:
+        fp8_kept_paths(ctx.root, config.fp8_keep)
     regions = checkpointed_paths(
         ctx.root, config.checkpoint_module_types, config.checkpoint_module_names
     )
