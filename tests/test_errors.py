@@ -103,3 +103,57 @@ def test_ctrl_c_during_the_build_is_not_wrapped():
     g = make_graph(model, None, opt, build=build)
     with pytest.raises(KeyboardInterrupt):
         g(torch.randn(6, 8), torch.randint(0, 4, (6,)))
+
+
+def test_packed_sequences_are_refused_naming_them_and_the_fix():
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.rnn = nn.Embedding(20, 8), nn.LSTM(8, 16, batch_first=True)
+            self.out = nn.Linear(16, 20)
+
+        def forward(self, x, lengths):
+            packed = pack_padded_sequence(self.emb(x), lengths, batch_first=True)
+            h, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=5)
+            return self.out(h)
+
+    def build(self, x, y):
+        logits = self.model(x, torch.tensor([5, 3, 2]))
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        return loss
+
+    model = LM()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1), build=build)
+    x, y = torch.randint(0, 20, (3, 5)), torch.randint(0, 20, (3, 5))
+    with pytest.raises(CaptureError, match="pack_padded_sequence.*mask") as raised:
+        g(x, y)
+    assert "docs/refusals.md#capture" in str(raised.value)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_every_refusal_family_has_its_section_in_the_refusals_page():
+    import os
+
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "refusals.md")).read()
+    families = {c.family for c in _subclasses(graphamp.GraphampError) if c.family}
+    assert families == {
+        "capture",
+        "optimizers",
+        "settings",
+        "inputs",
+        "recompiles",
+        "compile",
+        "graph-definition",
+    }
+    for family in families:
+        assert f"\n## {family.replace('-', ' ')}\n" in page, family
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)

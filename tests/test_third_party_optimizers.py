@@ -276,3 +276,34 @@ def test_a_trial_step_leaves_the_users_optimizer_and_model_untouched():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
     assert all(p.grad is None for p in model.parameters())
+
+
+class _Boosted(torch.optim.Optimizer):
+    """Tensor arithmetic only (traced), reading a setting of its own besides its groups."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+        self.boost = 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"] * self.boost)
+
+
+def test_a_traced_step_that_reads_an_attribute_of_its_optimizer_sees_it_change():
+    model, twin = _mlp(), _mlp()
+    opt, eager_opt = _Boosted(model.parameters()), _Boosted(twin.parameters())
+    assert trial_step(opt) is None  # traced
+    g = make_graph(model, F.mse_loss, opt, backend="eager")
+    for step, (x, y) in enumerate(_batches(4)):
+        if step == 2:
+            opt.boost = eager_opt.boost = 3.0
+        g(x, y)
+        eager_opt.zero_grad()
+        F.mse_loss(twin(x), y).backward()
+        eager_opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert len(g.compiled_steps) == 2

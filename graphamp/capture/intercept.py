@@ -255,6 +255,15 @@ class CaptureMode(TorchFunctionMode):
                 "this too. Cast them to one dtype (e.g. x.to(layer.weight.dtype)); leave mixed "
                 "precision to graphamp's AMP"
             )
+        if func is torch._pack_padded_sequence:
+            raise CaptureError(
+                f"build() packs a padded sequence (pack_padded_sequence)"
+                f"{where_in_user_code(current_user_frame())}: a PackedSequence's batch sizes are "
+                "host data, computed from the lengths' values, and they shape every step of the "
+                "RNN, which a compiled step cannot follow from batch to batch. Fix: run the RNN on "
+                "the padded batch and mask the padded positions (the loss's ignore_index, or "
+                "multiply by a mask), as graphamp's step then serves every length"
+            )
         if func is torch.Tensor.register_hook:
             raise CaptureError(
                 f"build() registers a gradient hook (Tensor.register_hook)"

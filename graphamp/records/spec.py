@@ -23,7 +23,7 @@ from .frames import UserFrame
 from .guards import AttributeRead, Guards, LiftedValue
 from .inputs import FlatInputs, InputSignature
 from .layouts import ForwardLayout, StepLayout
-from .optimizers import EAGER, OptimizerPlan, group_flags, kind_of, tensor_version
+from .optimizers import EAGER, TRACED, OptimizerPlan, group_flags, kind_of, tensor_version
 from .probes import ProbeTable
 from .replays import StateReplay
 from .settings import ConfigSnapshot
@@ -85,7 +85,29 @@ class OptimizerSlot:
             )
             for g in opt.param_groups
         )
-        return (type(opt), groups, self.clip_max_norm, self.clip_norm_type)
+        # a traced step() may read its optimizer's own settings too (self.defaults, a flag):
+        # baked in like its group options
+        settings = _optimizer_settings(opt) if kind == TRACED else ()
+        return (type(opt), groups, self.clip_max_norm, self.clip_norm_type, settings)
+
+
+def _optimizer_settings(opt: torch.optim.Optimizer) -> tuple:
+    """An optimizer's public attributes that hold plain values, and its ``defaults``."""
+    out = []
+    for name, value in vars(opt).items():
+        if name.startswith("_") or name in ("state", "param_groups"):
+            continue
+        if isinstance(value, dict):
+            value = tuple(sorted((str(k), v) for k, v in value.items() if _plain(v)))
+        if _plain(value):
+            out.append((name, value))
+    return tuple(out)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (bool, int, float, str, type(None), torch.dtype)):
+        return True
+    return isinstance(value, tuple) and all(_plain(v) for v in value)
 
 
 @dataclass(frozen=True)
