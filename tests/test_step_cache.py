@@ -739,3 +739,29 @@ def test_an_entry_whose_size_guards_fail_for_this_batch_is_not_used():
     before = list(env.guards)
     step_values.assume([sympy.Ge(symbol, 4)], mode)
     assert len(env.guards) == len(before) + 1
+
+
+def test_a_step_with_overflow_tracing_loads_too():
+    """Its probes were once selected with an index list, a tensor constant of the step that the
+    unpickler refuses: every restart assembled again."""
+    data = _gpt_batches()
+
+    def trace(g):
+        g.config.enable_overflow_tracing()
+
+    first = _train(_gpt_fp16_scaler, data, trace)
+    second = _train(_gpt_fp16_scaler, data, trace)
+    assert not _loaded(first[0]) and _loaded(second[0])
+    _assert_same(first, second)
+
+
+def test_an_entry_never_holds_a_real_tensor():
+    """A real tensor's pickle rebuilds its storage through torch.load, which the unpickler
+    refuses: an entry holding one would never load, so the pickler refuses it and the step is
+    not saved (``save`` logs why). Capture lifts build()'s constants into step inputs; the
+    step's own code must make none (the overflow probes once did, above)."""
+    import pickle
+
+    with pytest.raises(pickle.PicklingError, match="holds a tensor constant"):
+        step_unpickler.dumps({"index": torch.tensor([0, 2])})
+    assert step_unpickler.dumps({"n": 3})  # what is no tensor pickles as before

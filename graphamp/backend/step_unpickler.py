@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.fx._graph_pickler as graph_pickler
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
 # modules whose classes an entry may build (and, for GraphPickler, its data classes' methods)
 _CLASS_MODULES = frozenset(
@@ -72,8 +72,16 @@ class _PlainGraphPickler(pickle.Pickler):
     GraphPickler is (``dill``'s where dill is importable)."""
 
     _PASSTHROUGH_TYPES = graph_pickler.GraphPickler._PASSTHROUGH_TYPES
-    reducer_override = graph_pickler.GraphPickler.reducer_override
     persistent_id = graph_pickler.GraphPickler.persistent_id
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and not is_fake(obj):
+            # its pickle rebuilds storage through torch.load, which the unpickler refuses: an
+            # entry holding one would never load, so the step is not saved (said in the log)
+            raise pickle.PicklingError(
+                f"the step holds a tensor constant ({tuple(obj.shape)} {obj.dtype})"
+            )
+        return graph_pickler.GraphPickler.reducer_override(self, obj)
 
     def __init__(self, file: io.BytesIO, options: Any) -> None:
         super().__init__(file)

@@ -17,7 +17,7 @@ Every matmul gets ``meta["fp8"]``: ``"fp8"`` or the reason it stayed bf16.
 
 from __future__ import annotations
 
-from typing import Callable, cast
+from typing import Any, Callable, cast
 
 import torch
 import torch.fx as fx
@@ -74,8 +74,18 @@ def _sizes(node: fx.Node) -> list:
 
 
 def _not_multiples_of_16(node: fx.Node, _ctx: AmpContext, _ends: set) -> bool:
-    sizes = _sizes(node)
-    return any(type(s) is not int or s % 16 for s in sizes)
+    return not all(_multiple_of_16(s) for s in _sizes(node))
+
+
+def _multiple_of_16(size: Any) -> bool:
+    """A symbolic size (a batch of changing length) is asked as a guard: the program then
+    serves only sizes that answer alike, so no size it serves decides another precision
+    (a batch of 40 after 32 and 48 builds a step of its own, logged)."""
+    if isinstance(size, int):
+        return size % 16 == 0
+    if isinstance(size, torch.SymInt):
+        return bool(size % 16 == 0)
+    return False
 
 
 def _first_and_last_layers(matmuls: list[fx.Node]) -> set[str]:

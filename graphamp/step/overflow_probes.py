@@ -257,6 +257,9 @@ def _largest_magnitude(t: torch.Tensor) -> torch.Tensor:
 def _largest_magnitudes(ts: list[torch.Tensor]) -> list[torch.Tensor]:
     """``_largest_magnitude`` of many tensors of one dtype in one multi-tensor op (CUDA: one
     kernel launch for all the parameters, no temporaries)."""
+    if any(isinstance(size, torch.SymInt) for t in ts for size in t.shape):
+        # a batch of changing size: torch's multi-tensor kernels need static sizes
+        return [_largest_magnitude(t) for t in ts]
     if ts[0].is_cuda:
         out = torch._foreach_norm(ts, float("inf"))
     else:
@@ -349,7 +352,9 @@ def record_overflow(
         slots = (*table.losses, *(table.param_slot(k) for k in range(len(table.params))))
         sinks = [s for s in slots if recorder.values[s] is not None]
         overflowed = (
-            ~torch.isfinite(vector[sinks]).all()
+            # selected one by one: an index list would be a tensor constant of the step, which
+            # the step cache cannot keep
+            ~torch.isfinite(torch.stack([vector[s] for s in sinks])).all()
             if sinks
             else torch.zeros((), dtype=torch.bool, device=count.device)
         )
