@@ -81,7 +81,9 @@ class _PlainGraphPickler(pickle.Pickler):
             raise pickle.PicklingError(
                 f"the step holds a tensor constant ({tuple(obj.shape)} {obj.dtype})"
             )
-        return graph_pickler.GraphPickler.reducer_override(self, obj)
+        # GraphPickler's own reduction, run on this pickler (it reads only the fields
+        # __init__ copied from one)
+        return graph_pickler.GraphPickler.reducer_override(self, obj)  # type: ignore[arg-type]
 
     def __init__(self, file: io.BytesIO, options: Any) -> None:
         super().__init__(file)
