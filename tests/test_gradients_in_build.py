@@ -357,3 +357,59 @@ def test_a_sam_optimizer_class_trains_like_eager():
     opt, ref_opt = _optimizer(model), _optimizer(ref)
     sam_opt, ref_sam = SAMOptimizer(model.parameters()), SAMOptimizer(ref.parameters())
     _trains_like_eager(step, model, ref, opt, ref_opt, sam_opt, ref_sam)
+
+
+def _functional_step(model, _, x, y):
+    """Gradients without backward(): torch.autograd.grad, then clipped per element and
+    assigned to .grad (a port of functional or meta-learning code)."""
+    loss = F.cross_entropy(model(x), y)
+    params = list(model.parameters())
+    for p, g in zip(params, torch.autograd.grad(loss, params)):
+        p.grad = g.clamp(-0.05, 0.05)
+    return loss
+
+
+def test_gradients_assigned_from_autograd_grad_without_backward_train_like_eager():
+    model = _model(batch_norm=True)
+    ref = copy.deepcopy(model)
+    _trains_like_eager(_functional_step, model, ref, _optimizer(model), _optimizer(ref))
+
+
+def test_gradients_assigned_from_autograd_grad_are_unscaled_and_checked_as_backward_s():
+    """fp16 with a scaler: torch.autograd.grad in build() runs on the scaled loss and returns the
+    true gradients, as after backward(); an inf batch skips the whole step."""
+    model = _model(batch_norm=True)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _optimizer(model), _optimizer(ref)
+    g = make_graph(
+        model,
+        None,
+        opt,
+        build=lambda self, x, y: _functional_step(self.model, None, x, y),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=2.0**10),
+    )
+    for x, y in _batches(3):
+        loss = g(x, y)
+        ref_opt.zero_grad()
+        ref_loss = _functional_step(ref, None, x, y)
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=5e-3, atol=5e-3)
+    assert_state_close(model, ref, rtol=2e-2, atol=2e-3)
+    before = snapshot(model, opt)
+    x, y = _batches(1, seed=5)[0]
+    x[0, 0] = float("inf")
+    g(x, y)
+    assert_unchanged(before, model, opt)
+    assert g.grad_scaler.get_scale() == 2.0**9
+
+
+def test_a_build_that_neither_calls_backward_nor_sets_grad_is_refused_by_name():
+    model = _model(batch_norm=False)
+
+    def build(self, x, y):
+        return F.cross_entropy(self.model(x), y)
+
+    g = make_graph(model, None, _optimizer(model), build=build)
+    with pytest.raises(CaptureError, match=r"never calls backward\(\) nor sets"):
+        g(*_batches(1)[0])

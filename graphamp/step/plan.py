@@ -149,10 +149,14 @@ def _check_gradient_code(spec: GraphSpec, captured: CapturedForward, process_gro
 
 
 def _check_losses(spec: GraphSpec, captured: CapturedForward) -> None:
-    if spec.training and captured.num_losses == 0:
+    # gradients build() assigned to .grad itself (from torch.autograd.grad) are stepped as
+    # backward()'s are: such a build() needs no backward()
+    assigned = bool(captured.gradient_code.grad_params)
+    if spec.training and captured.num_losses == 0 and not assigned:
         raise CaptureError(
-            f"{spec.name}.build() never calls backward(), but an optimizer is added: call "
-            "loss.backward() in build() (or remove add_optimizer for an eval graph)"
+            f"{spec.name}.build() never calls backward() nor sets any parameter's .grad, but an "
+            "optimizer is added: call loss.backward() in build(), or assign the gradients "
+            "torch.autograd.grad computed to .grad (or remove add_optimizer for an eval graph)"
         )
     if not spec.training and captured.num_losses:
         where = captured.loss_frames[0]
