@@ -37,7 +37,7 @@ from .runtime import schedulers
 from .runtime.calls import GraphRuntime, building_graph, call, graph_spec
 from .runtime.fsdp_adopt import fully_shard_wrap, take_over
 from .runtime.graph_state import graph_state_dict, load_graph_state
-from .runtime.overflows import overflow_report
+from .runtime.overflows import overflow_report, range_report
 from .runtime.torch_scaler import as_graphamp_scaler
 from .scaler import GradScaler
 
@@ -287,7 +287,7 @@ class Graph:
                 f"{type(self).__name__}: ranges are measured with overflow tracing; call "
                 "g.config.enable_overflow_tracing() (the next call rebuilds the step with it)"
             )
-        return RangeReport(type(self).__name__, forensics.range_rows())
+        return range_report(self._run, forensics)
 
     def fp8_report(self) -> Fp8Report:
         """Where the delayed fp8 recipe saturated, per operand of each fp8 matmul."""

@@ -796,3 +796,28 @@ def test_autofix_pins_the_op_first_then_its_module_and_respects_max_pins(caplog)
     )
     config.clear_amp_pins()
     assert config.amp_pins == ()
+
+
+def test_the_range_report_marks_the_value_that_overflowed():
+    """The ranges keep finite magnitudes only: the cast that overflowed would show its
+    pre-overflow magnitude and room to spare. It is marked, with no headroom, and comes first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    g = make_graph(
+        model,
+        F.mse_loss,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        amp=torch.float16,
+        scaler=graphamp.GradScaler(init_scale=2.0**10),
+        configure=lambda g: g.config.enable_overflow_tracing(),
+    )
+    for i in range(4):
+        x = torch.randn(8, 8) * (1e5 if i == 2 else 1.0)
+        g(x, torch.randn(8, 4))
+    (event,) = g.overflow_report().events
+    report = g.range_report()
+    first = report.tightest(1)[0]
+    assert first.node == event.node and first.overflows == 1 and first.headroom == 0.0
+    assert "overflowed" in str(report).splitlines()[2]
+    kept = {row["node"]: row["overflows"] for row in g.state_dict()["ranges"]}
+    assert kept[event.node] == 1  # kept in the state dict too

@@ -313,20 +313,21 @@ def test_bad_fp8_settings_fail_where_they_are_written():
 def test_the_fp8_report_says_where_a_delayed_scale_saturated():
     """After steps on the same batch, one ten times larger exceeds the range the input's
     delayed scale was computed for: the report flags that operand of the first fp8 layer, by
-    about 10x. (Weights that grow a little between steps clip their largest value by that
-    little, a real and reported saturation of the delayed recipe.)"""
+    about 10x. Weights that grow a little between steps clip their largest value by less than
+    e4m3 rounds it: not flagged (their factor still shows it)."""
     model = _mlp()
     g = _fp8_graph(model, recipe="delayed", keep_first_last=False)
     x, y = _batch()
     for _ in range(3):
         g(x, y)
-    assert all(r.factor < 1.1 for r in g.fp8_report().saturated)
+    assert not g.fp8_report().saturated
+    assert all(r.factor < 1.0625 for r in g.fp8_report().rows)
     g(x * 10, y)
     report = g.fp8_report()
     first = [r for r in report.rows if r.module == "model.0"]
     by_operand = {r.operand: r for r in first}
     assert by_operand["input"].saturated and 9 < by_operand["input"].factor < 11
-    assert by_operand["weight"].factor < 1.1
+    assert by_operand["weight"].factor < 1.1 and not by_operand["weight"].saturated
     assert "yes, 10.0x" in str(report)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -68,5 +68,5 @@ class ForensicsState:
         self.analysed = count
         return events, new - kept
 
-    def range_rows(self) -> list[RangeRow]:
-        return range_rows(self.table, self.ranges.detach().cpu().tolist())
+    def range_rows(self, events: Sequence[OverflowEvent] = ()) -> list[RangeRow]:
+        return range_rows(self.table, self.ranges.detach().cpu().tolist(), events)

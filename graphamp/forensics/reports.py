@@ -60,10 +60,16 @@ class RangeRow:
     activation_amax: float
     gradient_amax: float  # of the scaled gradient, as it is stored (0: no gradient)
     dtype_max: float  # 65504 for float16
+    # overflowing steps on which this value (or its gradient) was the first non-finite one:
+    # the magnitudes above are the finite ones, so they alone would show it with room to spare
+    overflows: int = 0
 
     @property
     def headroom(self) -> float:
-        """dtype max / largest magnitude, value or gradient (inf when both stayed 0)."""
+        """dtype max / largest magnitude, value or gradient (inf when both stayed 0); 0 for a
+        value that overflowed."""
+        if self.overflows:
+            return 0.0
         top = max(self.activation_amax, self.gradient_amax)
         return self.dtype_max / top if top > 0 else math.inf
 
@@ -86,15 +92,18 @@ class RangeReport:
             return f"{self.graph}: no low-precision value measured yet"
         lines = [
             f"{self.graph}: headroom of {len(self.rows)} low-precision values (tightest "
-            "first; headroom = dtype max / largest magnitude so far)",
+            "first; headroom = dtype max / largest finite magnitude so far; 'overflowed' where "
+            "the value was the first to go non-finite on an overflowing step)",
             f"{'node':<28} {'op':<24} {'dtype':<9} {'value amax':>11} {'grad amax':>11} "
             f"{'headroom':>9}  module",
         ]
         for r in self.tightest(20):
+            room = f"{'overflowed':>9}" if r.overflows else f"{r.headroom:>9.3g}"
+            times = f" ({r.overflows}x)" if r.overflows else ""
             lines.append(
                 f"{r.node[:28]:<28} {r.op[:24]:<24} {r.dtype:<9} "
                 f"{r.activation_amax:>11.4g} {r.gradient_amax:>11.4g} "
-                f"{r.headroom:>9.3g}  {r.module}"
+                f"{room}  {r.module}{times}"
             )
         return "\n".join(lines)
 
@@ -102,8 +111,15 @@ class RangeReport:
 _RANGED = ("op", "cast", "parameter copy")  # the kinds range rows are made for
 
 
-def range_rows(table: ProbeTable, ranges: Sequence[float]) -> list[RangeRow]:
-    """One row per low-precision forward value (casts and parameter copies included)."""
+def range_rows(
+    table: ProbeTable, ranges: Sequence[float], events: Sequence[OverflowEvent] = ()
+) -> list[RangeRow]:
+    """One row per low-precision forward value (casts and parameter copies included);
+    ``events``: the overflowing steps analysed so far, which mark the values that overflowed."""
+    first: dict[str, int] = {}
+    for event in events:
+        for node in (event.node, *event.consumers) if event.kind == "gradient" else (event.node,):
+            first[node] = first.get(node, 0) + 1
     rows = []
     for i, probe in enumerate(table.forward):
         if probe.dtype is not None and probe.low_precision and probe.kind in _RANGED:
@@ -116,6 +132,7 @@ def range_rows(table: ProbeTable, ranges: Sequence[float]) -> list[RangeRow]:
                     float(ranges[i]),
                     float(ranges[table.backward_slot(i)]),
                     float(torch.finfo(probe.dtype).max),
+                    first.get(probe.label, 0),
                 )
             )
     return rows

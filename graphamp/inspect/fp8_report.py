@@ -5,6 +5,11 @@ A delayed scale comes from the largest amax of the history before the step; a st
 exceeds that (times ``2**margin``) clipped its largest values at the format's largest number.
 After a step, a history's column 1 holds that step's amax and the columns after it the amaxes
 its scale was computed from, so each operand's saturation can be told from the history alone.
+
+A weight that grows a little every step always exceeds its history a little: its largest value
+is clipped by less than the format rounds it anyway (half the spacing of the top binade: 1/16 of
+the value in e4m3, 1/8 in e5m2). Such a step is not reported as saturated; ``factor`` still
+says by how much the amax went past.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from ..torchkit.fp8_numerics import FP8_MM_DELAYED
 from ..torchkit.fxutil import module_path
 
 OPERANDS = ("input", "weight", "gradient")
+# half the relative spacing of the format's top binade (its mantissa bits: e4m3 3, e5m2 2): a
+# value clipped by less is changed less than rounding to the format changes it
+_ROUNDING = {"input": 2.0**-4, "weight": 2.0**-4, "gradient": 2.0**-3}
 
 
 @dataclass
@@ -28,7 +36,8 @@ class Fp8Row:
     operand: str  # input, weight or gradient
     amax: float  # the last step's largest magnitude
     scaled_for: float  # the largest amax its scale was computed from (0: none yet)
-    saturated: bool  # the last step clipped values at the format's largest number
+    saturated: bool  # the last step clipped values at the format's largest number by more
+    # than rounding to the format would change them
     factor: float  # amax / scaled_for (how far beyond the scale's range; 0 if none yet)
 
 
@@ -75,7 +84,7 @@ def fp8_report(program: Program, histories: dict[str, torch.Tensor], margin: int
             amax = float(values[row, 0])
             before = float(values[row, 1:].max()) if values.shape[1] > 1 else 0.0
             limit = before * 2.0**margin
-            saturated = before > 0 and amax > limit
+            saturated = before > 0 and amax > limit * (1.0 + _ROUNDING[operand])
             factor = amax / before if before > 0 else 0.0
             rows.append(Fp8Row(module_path(node), operand, amax, before, saturated, factor))
     return Fp8Report(rows)

@@ -33,7 +33,7 @@ def graph_state_dict(run: GraphRuntime) -> dict[str, Any]:
         read_overflows(run, program)  # the history then holds every overflow event
     last = run.programs.last()
     forensics = last.runner.forensics if last is not None else None
-    ranges = forensics.range_rows() if forensics is not None else []
+    ranges = forensics.range_rows(run.state.history.overflows) if forensics is not None else []
     state = run.state
     return {
         "step": state.step_count,

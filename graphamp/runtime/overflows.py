@@ -4,9 +4,9 @@ the graph's history, and hand what it finds to autofix."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..forensics.reports import OverflowReport
+from ..forensics.reports import OverflowReport, RangeReport
 from ..records.probes import OverflowEvent
 from ..records.spec import Program
 
@@ -44,6 +44,13 @@ def read_overflows(run: GraphRuntime, program: Program) -> list[OverflowEvent]:
     for event in events:
         log.info("%s: overflow at %s", run.name, event.describe())
     return events
+
+
+def range_report(run: GraphRuntime, forensics: Any) -> RangeReport:
+    """The last step's ranges, every overflow read first (its values are marked)."""
+    for program in run.programs.values():
+        read_overflows(run, program)
+    return RangeReport(run.name, forensics.range_rows(run.state.history.overflows))
 
 
 def overflow_report(run: GraphRuntime) -> OverflowReport:
