@@ -50,3 +50,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def outline_small_blocks(monkeypatch):
+    """The CPU's default outlines repeated blocks only where the step does enough work per
+    block for outlining to cost it under 2% (step/block_work.py); the tests' models are tiny.
+    Tests of the outlined default's machinery take it as a model with large blocks does."""
+    import graphamp.step.block_work as block_work
+
+    monkeypatch.setattr(block_work, "OUTLINE_MIN_FLOPS_PER_BLOCK", 0.0)

@@ -23,6 +23,9 @@ from graphamp.step import block_update
 from graphamp.step.block_update import block_of, numbered_blocks, spec_text
 from graphamp.step.update_math import GroupTensors
 
+# the models here are tiny: outlined as a model whose blocks do enough work is by default
+pytestmark = pytest.mark.usefixtures("outline_small_blocks")
+
 UPDATE_BLOCK = torch.ops.graphamp.update_block_.default
 
 

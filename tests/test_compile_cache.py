@@ -28,6 +28,9 @@ from graphamp.backend.compile import compile_step
 from graphamp.backend.inductor_cache import rebuild_if_cache_unreadable
 from graphamp.torchkit.fxutil import copy_graph_module, trace_functional
 
+# the models here are tiny: outlined as a model whose blocks do enough work is by default
+pytestmark = pytest.mark.usefixtures("outline_small_blocks")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 

@@ -22,6 +22,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import graphamp
 from graphamp.step.outline import _candidates, numbered
 
+# the models here are tiny: outlined as a model whose blocks do enough work is by default
+pytestmark = pytest.mark.usefixtures("outline_small_blocks")
+
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 

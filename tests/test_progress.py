@@ -24,6 +24,9 @@ from models import seed_mlp
 from graphamp.backend import progress
 from graphamp.backend.progress import CompileProgress
 
+# the models here are tiny: outlined as a model whose blocks do enough work is by default
+pytestmark = pytest.mark.usefixtures("outline_small_blocks")
+
 
 class FakeTerminal(io.StringIO):
     def isatty(self) -> bool:

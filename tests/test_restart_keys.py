@@ -27,6 +27,9 @@ from torch._inductor.utils import fresh_cache
 from graphamp.backend import cache_directory, source_keys, step_cache
 from graphamp.step import block_update
 
+# the models here are tiny: outlined as a model whose blocks do enough work is by default
+pytestmark = pytest.mark.usefixtures("outline_small_blocks")
+
 REMEMBERED = "AOTAutograd's key remembered"
 
 

@@ -16,6 +16,9 @@ import torch
 from graphamp.pipeline import side_compile
 from graphamp.step import block_update
 
+# the models here are tiny: outlined as a model whose blocks do enough work is by default
+pytestmark = pytest.mark.usefixtures("outline_small_blocks")
+
 
 def _spec(device: str = "cpu") -> str:
     """The spec of an SGD update of a block of two small parameters."""

@@ -30,6 +30,9 @@ from graphamp.backend import cache_directory, step_cache, step_key, step_unpickl
 from graphamp.inspect.memory import step_memory
 from graphamp.records.frames import SOURCE_LINE_META
 
+# the models here are tiny: outlined as a model whose blocks do enough work is by default
+pytestmark = pytest.mark.usefixtures("outline_small_blocks")
+
 
 def _entries() -> list[str]:
     return sorted(glob.glob(os.path.join(cache_directory.directory(), "*.step")))

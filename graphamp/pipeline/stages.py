@@ -51,6 +51,8 @@ from ..step import (
     compile_block_kernels,
     example_inputs,
     outline_blocks,
+    outlining_cost_words,
+    outlining_pays,
     place_shard_collectives,
     recompute_checkpointed,
     set_kernel_backend,
@@ -294,6 +296,14 @@ REPEATS_BY_DEFAULT = 3
 def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
     spec, config = ctx.spec, ctx.spec.config
     by_default = outlined_by_default(captured.device, config.grad_acc_steps)
+    if by_default and config.outline_blocks is None and not outlining_pays(captured.forward.gm):
+        by_default = False
+        log.info(
+            "%s: repeated blocks inlined: %s (config.set_outline_blocks(True) outlines them, "
+            "for a faster first call)",
+            spec.name,
+            outlining_cost_words(captured.forward.gm),
+        )
     wanted = config.outline_blocks
     if wanted is None:  # block updates are calls of outlined blocks: asking for them outlines
         wanted = bool(config.block_updates) or by_default

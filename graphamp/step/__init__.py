@@ -15,6 +15,7 @@ from .block_update import (
     set_kernel_backend,
     unmade_specs,
 )
+from .block_work import outlining_cost_words, outlining_pays
 from .examples import example_inputs
 from .outline import OutlineResult, outline_blocks
 from .plan import build_plan
@@ -33,6 +34,8 @@ __all__ = [
     "count_block_updates",
     "example_inputs",
     "outline_blocks",
+    "outlining_cost_words",
+    "outlining_pays",
     "place_shard_collectives",
     "recompute_checkpointed",
     "set_kernel_backend",
