@@ -7,7 +7,14 @@ and each variant, all variants of a workload one after the other in one process 
     eager_amp_fp16    eager torch.autocast(fp16) + torch.amp.GradScaler
     eager_bf16        eager torch.autocast(bf16)
     compile_amp_fp16  torch.compile(model) + autocast fp16 + GradScaler, fused optimizer
-    compile_bf16      torch.compile(model) + autocast bf16, fused optimizer
+    compile_bf16      torch.compile(model) + autocast bf16, fused optimizer (on the CPU too,
+                      since round 10: torch's CPU fused AdamW, as the Trainer's default
+                      adamw_torch_fused; the workloads whose fused kernel torch lacks stay
+                      unfused)
+    compile_amp_fp16_optstep, compile_bf16_optstep  the same with the optimizer's step compiled
+                      too (torch.compile(opt.step), foreach, as torch's tutorial compiles it)
+    compile_bf16_ro   mode="reduce-overhead" (CUDA graphs; CUDA only, not run unless named)
+    compile_bf16_ma   mode="max-autotune-no-cudagraphs" (not run unless named)
     graphamp_fp16     graphamp.Graph, AMP fp16 + graphamp.GradScaler (CUDA graph on CUDA)
     graphamp_bf16     graphamp.Graph, AMP bf16
     graphamp_fp16_traced, graphamp_bf16_traced   the same with config.enable_overflow_tracing()
@@ -74,9 +81,14 @@ VARIANTS = (
     "eager_bf16",
     "compile_amp_fp16",
     "compile_bf16",
+    "compile_amp_fp16_optstep",
+    "compile_bf16_optstep",
     "graphamp_fp16",
     "graphamp_bf16",
 )
+# the peer with torch.compile's other modes, only when named
+MODE_VARIANTS = ("compile_bf16_ro", "compile_bf16_ma")
+_MODES = {"_ro": "reduce-overhead", "_ma": "max-autotune-no-cudagraphs"}
 TRACED_VARIANTS = ("graphamp_fp16_traced", "graphamp_bf16_traced")  # only when named
 # config.set_outline_blocks(False) and (True), only when named
 INLINE_VARIANTS = ("graphamp_fp16_inline", "graphamp_bf16_inline")
@@ -114,7 +126,6 @@ def _dtype_name(variant: str) -> str:
 def make_step(variant: str, workload, model, device, backend: str, inductor_options=None):
     """A function (x, y) -> loss tensor that runs one training step of ``variant``."""
     dtype = BF16 if _dtype_name(variant) == "bf16" else FP16
-    cuda = device.type == "cuda"
     if variant.startswith("graphamp"):
         opt = workload.make_optimizer(model, variant.endswith("_fused"))
 
@@ -146,9 +157,14 @@ def make_step(variant: str, workload, model, device, backend: str, inductor_opti
 
         return TrainGraph()
 
-    fused = variant.startswith("compile") and cuda
-    opt = workload.make_optimizer(model, fused)
-    net = torch.compile(model, backend=backend) if variant.startswith("compile") else model
+    # the strongest configuration a user would pick: the fused kernel where there is one, or
+    # the optimizer's step compiled too (_optstep)
+    compiled = variant.startswith("compile")
+    opt = workload.make_optimizer(model, compiled and not variant.endswith("_optstep"))
+    mode = next((m for suffix, m in _MODES.items() if variant.endswith(suffix)), None)
+    net = torch.compile(model, backend=backend, mode=mode) if compiled else model
+    if variant.endswith("_optstep"):
+        opt.step = torch.compile(opt.step, backend=backend)  # type: ignore[method-assign]
     if variant == "eager_fp32":
 
         def step(x, y):
@@ -376,7 +392,7 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
         lines += [
             f"## {workload}",
             "",
-            "| variant | ms/step | TFLOP/s | MFU | tokens/s | peak GiB (reserved) | first call s | host sync | loss first → last (finite) | ratio |",
+            "| variant | ms/step | TFLOP/s | MFU | tokens/s | peak GiB (reserved) | first call s | host sync | loss first → last (finite) | ratio to the best peer |",
             "|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
         ]
         for r in rs:
@@ -392,6 +408,7 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
                 else "-"
             )
             ratio = r.get("ratio_vs_best_peer")
+            shown = f"{ratio:.2f} of {r['best_peer']}" if ratio else ""
             name = r["variant"] + (
                 " " + ",".join(f"{k}={v}" for k, v in r["inductor_options"].items())
                 if r.get("inductor_options")
@@ -401,7 +418,7 @@ def write_table(path_md: str, rows: list[dict], meta: dict) -> None:
                 f"| {name} | {r['ms_per_step']:.3f} | {tf} | {mfu} | {tokens} | {mem} | "
                 f"{r['first_call_s']:.1f} | {r['host_sync'].split(':')[0]} | "
                 f"{r['loss_first']:.3f} → {r['loss_last']:.3f} ({'yes' if r['loss_finite'] else 'NO'}) | "
-                f"{f'{ratio:.2f}' if ratio else ''} |"
+                f"{shown} |"
             )
         lines.append("")
         for r in rs:
@@ -493,7 +510,8 @@ def main(argv=None) -> list[dict]:
         + OUTLINE_VARIANTS
         + BLOCK_VARIANTS
         + FUSED_VARIANTS
-        + FP8_VARIANTS,
+        + FP8_VARIANTS
+        + MODE_VARIANTS,
     )
     parser.add_argument("--steps", type=int, default=50, help="measured steps (default 50)")
     parser.add_argument("--warmup", type=int, default=10)
