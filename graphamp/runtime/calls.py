@@ -172,7 +172,7 @@ def _build_lifting(
     try:
         program = _build(run, inputs, key)
     except CaptureError as e:
-        if not new:
+        if not lifting.unproven():
             raise
         blamed = lifting.blame()
         log.info(
@@ -282,6 +282,9 @@ def _compile(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Pr
             raise
         reads = dict(lifting.lifted)
         blamed = {place: reads[place] for place in lifting.blame()}
+        kept = tuple(r for r in request.lifted if r.place() not in blamed)
+        if len(kept) == len(request.lifted):  # none of this build's was blamed: not theirs
+            raise
         log.info(
             "%s: capturing with %s as a step input failed (%s): build() needs it as a Python "
             "number, so each new value compiles a step of its own",
@@ -289,7 +292,6 @@ def _compile(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Pr
             ", ".join(read.label for read in blamed.values()),
             str(e).splitlines()[0][:200],
         )
-        kept = tuple(r for r in request.lifted if r.place() not in blamed)
         return _compile(run, inputs, dataclasses.replace(request, lifted=kept))
     lifting.built()
     return program

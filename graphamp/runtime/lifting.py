@@ -35,6 +35,10 @@ class Lifting:
         self.lifted[key] = what
         return True
 
+    def unproven(self) -> set[Any]:
+        """The lifted values no build has taken as inputs yet."""
+        return set(self.lifted) - self.proven
+
     def built(self) -> None:
         """A build took the lifted values as inputs: none of them is blamed later."""
         self.proven = set(self.lifted)
@@ -43,7 +47,8 @@ class Lifting:
         """A capture failed with values lifted: the ones no build has taken yet (all of them,
         where each had built before) are needed as Python numbers and stay baked in from now
         on. Returns them."""
-        blamed = [k for k in self.lifted if k not in self.proven] or list(self.lifted)
+        unproven = self.unproven()
+        blamed = [k for k in self.lifted if k in unproven] or list(self.lifted)
         for key in blamed:
             self.unliftable.add(key)
             del self.lifted[key]
