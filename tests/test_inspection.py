@@ -232,7 +232,21 @@ EXAMPLES = [
     pytest.param("apex_opt_levels", marks=pytest.mark.slow),
     pytest.param("bf16_no_scaler", marks=pytest.mark.slow),
     pytest.param("overflow_forensics", marks=pytest.mark.slow),
+    pytest.param("zero_data_parallel", marks=pytest.mark.slow),  # one process without torchrun
 ]
+# run by tests/test_training_shapes.py (it checks the figures too)
+_EXAMPLES_ELSEWHERE = {"accuracy"}
+
+
+def test_every_example_is_run_by_a_test():
+    """Every examples/*.py runs in its tiny mode after the README's install commands."""
+    names = {p.values[0] if hasattr(p, "values") else p for p in EXAMPLES}
+    found = {
+        f[: -len(".py")]
+        for f in os.listdir(os.path.join(ROOT, "examples"))
+        if f.endswith(".py") and not f.startswith("_")
+    }
+    assert found == names | _EXAMPLES_ELSEWHERE
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
