@@ -77,7 +77,14 @@ def _train(feature: str, dynamic: bool | None) -> tuple[list[torch.Tensor], list
     return losses, [p.detach().clone() for p in model.parameters()], len(g.compiled_steps)
 
 
-@pytest.mark.parametrize("feature", list(FEATURES))
+# the two that failed or differed before (overflow tracing, fp8) in the default lane
+_DEFAULT_LANE = ("overflow tracing", "fp8")
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [f if f in _DEFAULT_LANE else pytest.param(f, marks=pytest.mark.slow) for f in FEATURES],
+)
 def test_the_feature_serves_changing_batch_sizes_as_steps_compiled_per_size(feature):
     losses, params, programs = _train(feature, None)  # the default: dynamic after a change
     static_losses, static_params, static_programs = _train(feature, False)
