@@ -593,3 +593,30 @@ def test_a_transformers_config_written_on_the_first_call_settles_without_another
     assert len(g.compiled_steps) == 1
     assert model.config.problem_type == twin.config.problem_type == "single_label_classification"
     assert_state_close(model, twin)
+
+
+LOGGED: list = []
+
+
+def test_a_tensor_put_into_a_global_list_is_refused_and_the_list_left_as_it_was():
+    """LOGGED.append(out) in build(): the compiled step would never put its tensors there (the
+    list kept a placeholder of the capture, silently). Refused by name, the list as before."""
+    import torch.nn.functional as F
+    from helpers import make_graph
+
+    import graphamp
+
+    model = torch.nn.Linear(4, 2)
+    LOGGED[:] = ["kept"]
+
+    def build(self, x, y):
+        out = self.model(x)
+        LOGGED.append(out.detach())
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1), build=build)
+    with pytest.raises(graphamp.CaptureError, match=r"global LOGGED .*assign it to an attribute"):
+        g(torch.randn(3, 4), torch.randn(3, 2))
+    assert LOGGED == ["kept"]

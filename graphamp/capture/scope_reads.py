@@ -53,6 +53,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..errors import CaptureError
 from ..records.frames import UserFrame
@@ -276,9 +278,12 @@ class ScopeReads:
         return changes
 
     def recorded(self) -> list[AttributeRead]:
-        """The globals and closure variables read (raises the refusal of a write, if any)."""
+        """The globals and closure variables read (raises the refusal of a write, if any, and
+        of a traced tensor left in a container they hold)."""
         if self.refused is not None:
             raise self.refused
+        for read in self.reads.values():
+            _refuse_traced_contents(self.graph_name, read)
         return list(self.reads.values())
 
     @contextlib.contextmanager
@@ -321,6 +326,44 @@ def untraced() -> Iterator[None]:
         yield
     finally:
         sys.settrace(tracer)
+
+
+def _refuse_traced_contents(graph_name: str, read: AttributeRead) -> None:
+    """A list, dict or set that a global or closure variable holds, now holding a tensor of
+    the trace (``LOG.append(out)`` in build()): the compiled step would never put its real
+    values there, and eager's would, every call. Such tensors are taken out again (the
+    container is as before, where build() only added them) and the capture is refused."""
+    value = read.current()
+    if not isinstance(value, (list, dict, set)):
+        return
+    traced = [k for k, v in _entries(value) if _traced(v)]
+    if not traced:
+        return
+    if isinstance(value, list):
+        value[:] = [v for v in value if not _traced(v)]
+    elif isinstance(value, dict):
+        for key in traced:
+            del value[key]
+    else:
+        value.difference_update([v for v in value if _traced(v)])
+    raise CaptureError(
+        f"{graph_name}.build() puts a tensor it computes into {read.label} (a "
+        f"{type(value).__name__} outside the Graph and its modules): the compiled step runs "
+        "without Python, so that container would keep a placeholder of the capture and never "
+        "this step's values. Return the tensor from build(), or assign it to an attribute of "
+        "the Graph or a registered module (self.last = out, or self.last = [a, b], is put "
+        "back after every call with that call's tensors)"
+    )
+
+
+def _entries(value: Any) -> list[tuple[Any, Any]]:
+    if isinstance(value, dict):
+        return list(value.items())
+    return [(None, v) for v in value]
+
+
+def _traced(value: Any) -> bool:
+    return isinstance(value, (FakeTensor, FunctionalTensor))
 
 
 def _is_setting(value: Any) -> bool:
