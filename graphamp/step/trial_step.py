@@ -55,9 +55,8 @@ def trial_step(optimizer: torch.optim.Optimizer) -> str | None:
     inner = next((k for k, v in vars(optimizer).items() if _is_optimizer(v)), None)
     if inner is not None:
         return f"it wraps another optimizer (.{inner}), whose step() it calls"
-    try:  # not copy.deepcopy: Optimizer.__getstate__ keeps only defaults, state and groups
-        twin = object.__new__(type(optimizer))
-        twin.__dict__.update(copy.deepcopy(vars(optimizer)))
+    try:
+        twin = _small_copy(optimizer)
     except Exception as e:  # an optimizer holding something that does not copy
         return f"it cannot be copied for a trial step ({type(e).__name__}: {_first_line(e)})"
     # what each state key is first set to: a NaN there came from the (NaN) gradient
@@ -68,8 +67,8 @@ def trial_step(optimizer: torch.optim.Optimizer) -> str | None:
         group.update({k: v for k, v in TRACE_OPTIONS.items() if k in group})
         for p in group["params"]:
             p.grad = torch.full_like(p, math.nan) if p.requires_grad else None
-    groups_before = [_plain_items(g, skip={"params"}) for g in twin.param_groups]
-    attributes_before = _plain_items(vars(twin), skip={"param_groups", "state", *_HOOKS})
+    groups_before = [_snapshot(g, skip={"params"}) for g in twin.param_groups]
+    attributes_before = _snapshot(vars(twin), skip={"param_groups", "state", *_HOOKS})
     reads = _HostReads()
     try:
         with compiling(), torch.no_grad(), reads:
@@ -88,25 +87,46 @@ def trial_step(optimizer: torch.optim.Optimizer) -> str | None:
     )
 
 
+def _small_copy(optimizer: torch.optim.Optimizer) -> Any:
+    """A deep copy of the optimizer over one trainable parameter of each group (and its state):
+    what its step() does outside its tensors does not depend on how many it updates, and the
+    trial then costs one parameter per group, not a copy of the model. Not copy.deepcopy:
+    Optimizer.__getstate__ keeps only defaults, state and groups."""
+    groups = []
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.requires_grad][:1]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    state = {p: optimizer.state[p] for g in groups for p in g["params"] if p in optimizer.state}
+    twin = object.__new__(type(optimizer))
+    twin.__dict__.update(copy.deepcopy({**vars(optimizer), "param_groups": groups, "state": state}))
+    return twin
+
+
 def _written_groups(twin: Any, before: list[dict]) -> str | None:
     for i, (group, old) in enumerate(zip(twin.param_groups, before)):
-        new = _plain_items(group, skip={"params"})
-        for key in sorted(set(new) | set(old), key=str):
-            if key not in old or not _same(old[key], new.get(key, _GONE)):
-                return (
-                    f"its step() writes param_groups[{i}][{key!r}] (now "
-                    f"{_shown(new.get(key, _GONE))}), a Python value a traced step would "
-                    "write once"
-                )
+        new = _snapshot(group, skip={"params"})
+        key = _first_written(old, new)
+        if key is not _GONE:
+            return (
+                f"its step() writes param_groups[{i}][{key!r}] (now "
+                f"{_shown(new.get(key, _GONE))}), a Python value a traced step would write once"
+            )
     return None
 
 
 def _written_attributes(twin: Any, before: dict) -> str | None:
-    after = _plain_items(vars(twin), skip={"param_groups", "state", *_HOOKS})
+    key = _first_written(before, _snapshot(vars(twin), skip={"param_groups", "state", *_HOOKS}))
+    if key is _GONE:
+        return None
+    return f"its step() writes its attribute .{key}, which a traced step would write once"
+
+
+def _first_written(before: dict, after: dict) -> Any:
+    """The first key added, removed or changed between two snapshots (``_GONE``: none)."""
     for key in sorted(set(after) | set(before), key=str):
         if key not in before or not _same(before[key], after.get(key, _GONE)):
-            return f"its step() writes its attribute .{key}, which a traced step would write once"
-    return None
+            return key
+    return _GONE
 
 
 def _untraceable_state(twin: Any) -> str | None:
@@ -129,7 +149,7 @@ def _has_nan(value: torch.Tensor) -> bool:
 _GONE = object()
 
 
-def _plain_items(namespace: dict, skip: set[str]) -> dict:
+def _snapshot(namespace: dict, skip: set[str]) -> dict:
     """The namespace's entries but ``skip``, copied; a tensor as which one it is and how often
     it was written (``group["step"].add_(1)``: timm's Lamb keeps its count so)."""
     out = {}
