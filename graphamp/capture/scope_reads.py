@@ -44,6 +44,7 @@ import contextlib
 import dis
 import functools
 import gc
+import logging
 import os
 import sys
 import threading
@@ -73,6 +74,7 @@ from .reads import (
 )
 from .state_writes import Change
 
+log = logging.getLogger("graphamp")
 _active = threading.local()  # .tracer: the trace function of this thread's capture
 _WATCHED_OPS = {"LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF", "STORE_GLOBAL", "STORE_DEREF"}
 _ATTRIBUTE_OPS = {"LOAD_ATTR", "LOAD_METHOD"}
@@ -329,25 +331,24 @@ def untraced() -> Iterator[None]:
 
 
 def _refuse_traced_contents(graph_name: str, read: AttributeRead) -> None:
-    """A list, dict or set that a global or closure variable holds, now holding a tensor of
-    the trace (``LOG.append(out)`` in build()): the compiled step would never put its real
-    values there, and eager's would, every call. Such tensors are taken out again (the
-    container is as before, where build() only added them) and the capture is refused."""
+    """A list or set that a global or closure variable holds, now holding a tensor of the
+    trace (``LOG.append(out)`` in build(), a hook collecting activations): the compiled step
+    would never add its real values there, and eager's adds them every call. Such tensors are
+    taken out again (the container is as before) and the capture is refused. A dict entry build()
+    sets to such a tensor (a scratch dict a helper fills and build() reads back) is put back as
+    it was: build()'s own reads of it are traced, the compiled step does not write it."""
     value = read.current()
-    if not isinstance(value, (list, dict, set)):
+    if isinstance(value, dict):
+        _put_back_entries(graph_name, read, value)
         return
-    traced = [k for k, v in _entries(value) if _traced(v)]
-    if not traced:
+    if not isinstance(value, (list, set)) or not any(map(_traced, value)):
         return
     if isinstance(value, list):
         value[:] = [v for v in value if not _traced(v)]
-    elif isinstance(value, dict):
-        for key in traced:
-            del value[key]
     else:
         value.difference_update([v for v in value if _traced(v)])
     raise CaptureError(
-        f"{graph_name}.build() puts a tensor it computes into {read.label} (a "
+        f"{graph_name}.build() adds a tensor it computes to {read.label} (a "
         f"{type(value).__name__} outside the Graph and its modules): the compiled step runs "
         "without Python, so that container would keep a placeholder of the capture and never "
         "this step's values. Return the tensor from build(), or assign it to an attribute of "
@@ -356,10 +357,20 @@ def _refuse_traced_contents(graph_name: str, read: AttributeRead) -> None:
     )
 
 
-def _entries(value: Any) -> list[tuple[Any, Any]]:
-    if isinstance(value, dict):
-        return list(value.items())
-    return [(None, v) for v in value]
+def _put_back_entries(graph_name: str, read: AttributeRead, value: dict) -> None:
+    before = read.value if isinstance(read.value, dict) else None
+    for key in [k for k, v in value.items() if _traced(v)]:
+        if before is not None and key in before and not _traced(before[key]):
+            value[key] = before[key]
+        else:
+            del value[key]
+        log.info(
+            "%s: %s[%r] is set in build() to a tensor of the step; the compiled step does not "
+            "write it (return the tensor from build() to have it)",
+            graph_name,
+            read.label,
+            key,
+        )
 
 
 def _traced(value: Any) -> bool:
