@@ -16,6 +16,7 @@ from .errors import (
     GraphampError,
     GraphDefinitionError,
     InputError,
+    RankFailedError,
     RecompileLimitError,
     UnsupportedOptimizerError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "AmpPin",
     "CaptureError",
     "CompileError",
+    "RankFailedError",
     "RecompileLimitError",
     "ConfigError",
     "GradScaler",

@@ -57,3 +57,10 @@ class RecompileLimitError(GraphampError, RuntimeError):
     ``config.set_recompile_limit`` allows for one model and config."""
 
     family = "recompiles"
+
+
+class RankFailedError(GraphampError, RuntimeError):
+    """Data parallel: another rank's call failed, and this rank's step stopped in the
+    collectives that rank never joined. Names the rank and its error."""
+
+    family = "data-parallel"

@@ -7,7 +7,10 @@ mismatch (rank 1 builds a different model: every rank must raise, none may hang)
 fp8_delayed (bf16 with the delayed fp8 recipe and a scaler: the amax histories must agree),
 sam (SAM written in build(): the gradients it reads are averaged over the ranks first),
 interrupt (rank 1 is interrupted before a step and stays alive: rank 0 must get an error within
-the process group's timeout, with its state from before that step), autofix (fp16 with AMP
+the process group's timeout, with its state from before that step), failing_rank[_alive][_zero3]
+(rank 1's batch has the wrong width at one step: each rank must raise in Python, rank 0 naming
+rank 1; ``alive``: rank 1 catches its error and stays alive), rebuilding_rank_zero3 (rank 1's
+batch has one row fewer at one step: it alone builds a new step), autofix (fp16 with AMP
 autofix; only rank 1's shard overflows the first layer's matmul: every rank must pin it at the
 same step and go on together).
 """
@@ -80,6 +83,8 @@ def make_dp_graph(mode, registered, opt):
             self.config.set_backend("aot_eager")
             if mode != "ddp":
                 self.config.enable_data_parallel()
+            if mode.endswith("zero3"):
+                self.config.enable_zero(True, stage=3)
             if mode == "bf16":
                 self.config.enable_amp(True, dtype=torch.bfloat16)
             else:
@@ -150,6 +155,8 @@ def main():
     result = {}
     if mode == "interrupt":
         return interrupted_rank(g, model, rank, shard, out_dir)
+    if mode.startswith(("failing_rank", "rebuilding_rank")):
+        return failing_rank(g, mode, rank, shard, out_dir)
     try:
         # without a scaler (bf16) nothing would skip the poisoned step
         batches = autofix_batches() if mode == "autofix" else global_batches(poison=mode != "bf16")
@@ -204,6 +211,32 @@ def interrupted_rank(g, model, rank, shard, out_dir):
             result["step_count"] = g.step_count
             break
         g(x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard])
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    os._exit(0)  # the process group is broken: do not wait in its teardown
+
+
+def failing_rank(g, mode, rank, shard, out_dir):
+    """Rank 1 passes a batch of the wrong width at INTERRUPTED_STEP (a data bug on one rank):
+    its call raises its own error in Python, and rank 0's, which ran the step it had, a graphamp
+    error naming rank 1 within the process group's timeout. No rank may die in a collective."""
+    result = {}
+    for step, (x, y) in enumerate(global_batches(poison=False)):
+        xs, ys = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
+        if step == INTERRUPTED_STEP and rank == 1:
+            if "rebuilding" in mode:  # a valid batch of 7 rows: rank 1 alone builds a step
+                xs, ys = xs[:-1], ys[:-1]
+            else:
+                xs = xs[:, :-1]  # 31 features where the model takes 32
+        start = time.perf_counter()
+        try:
+            g(xs, ys)
+        except Exception as e:  # recorded for the test
+            result["error"] = f"{type(e).__name__}: {e}"[:2000]
+            result["waited_s"] = time.perf_counter() - start
+            result["step"] = step
+            if "alive" in mode and rank == 1:
+                time.sleep(3 * TIMEOUT_S)  # caught, and alive: its peer waits for its timeout
+            break
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     os._exit(0)  # the process group is broken: do not wait in its teardown
 

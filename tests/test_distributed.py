@@ -133,6 +133,43 @@ def test_an_interrupted_rank_makes_the_others_raise_within_the_timeout(tmp_path)
     assert rank0["unchanged"] and rank0["step_count"] == INTERRUPTED_STEP, rank0
 
 
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "failing_rank_zero3",
+        pytest.param("failing_rank", marks=pytest.mark.slow),
+        pytest.param("failing_rank_alive_zero3", marks=pytest.mark.slow),
+    ],
+)
+def test_a_rank_whose_batch_is_wrong_raises_in_python_and_its_peer_names_it(mode, tmp_path):
+    """Rank 1's batch has 31 features at one step, so rank 1 rebuilds while rank 0 runs the
+    step it has. Rank 1 raises its own error; rank 0's step stops in the collectives rank 1
+    never joins, and raises an error naming rank 1 and its cause (rank 1 exited, or, ``alive``,
+    once the group's timeout passed). Both exit normally: under ZeRO-3 the rebuild's host-side
+    agreement met rank 0's all-gather and gloo killed rank 1 (SIGABRT) before this was fixed.
+    ``torchrun`` fails the test on a non-zero exit or a signal."""
+    rank0, rank1 = run_ranks(mode, tmp_path)
+    assert rank1["step"] == rank0["step"] == INTERRUPTED_STEP, (rank0, rank1)
+    assert rank1["error"].startswith("CaptureError"), rank1["error"]
+    assert "same reduction dim" in rank1["error"], rank1["error"]
+    assert rank0["error"].startswith("RankFailedError: DP: rank 1 failed at its call 5"), rank0
+    assert "same reduction dim" in rank0["error"], rank0["error"]
+    assert rank0["waited_s"] < TIMEOUT_S + 20, rank0
+
+
+@pytest.mark.slow
+def test_a_rank_that_alone_builds_a_new_step_raises_and_its_peer_names_it(tmp_path):
+    """Rank 1's batch has one row fewer at one step: a valid batch, so rank 1 builds a step
+    while rank 0 runs the one it has. Rank 1 waits for its peers' build statuses until the
+    group's timeout and raises; rank 0's step stops in its collectives and names rank 1 as the
+    rank that built at this call. Neither is killed."""
+    rank0, rank1 = run_ranks("rebuilding_rank_zero3", tmp_path)
+    assert rank1["step"] == rank0["step"] == INTERRUPTED_STEP, (rank0, rank1)
+    assert "its peers did not build at this call" in rank1["error"], rank1["error"]
+    assert rank0["error"].startswith("RankFailedError: DP: rank 1 built a new step"), rank0
+    assert rank0["waited_s"] < TIMEOUT_S + 20 and rank1["waited_s"] < 2 * TIMEOUT_S + 20
+
+
 def test_data_parallel_without_a_process_group_is_a_clear_error():
     g = make_graph(make_model(0), nn.CrossEntropyLoss(), None)
     with pytest.raises(graphamp.ConfigError, match="init_process_group"):

@@ -148,6 +148,7 @@ def test_every_refusal_family_has_its_section_in_the_refusals_page():
         "recompiles",
         "compile",
         "graph-definition",
+        "data-parallel",
     }
     for family in families:
         assert f"\n## {family.replace('-', ' ')}\n" in page, family

@@ -3,9 +3,10 @@
 Inside the step (step/collectives.py), gradients are averaged with one coalesced functional
 all-reduce and the overflow flags with an all-reduce max. Here, once per build: rank 0's
 parameters and buffers are broadcast (as DDP does at construction), every rank builds its
-program, and the ranks compare a fingerprint of the captured step. A rank that failed to build,
-or built a different graph, makes every rank raise: no rank is left waiting in a collective the
-others never reach.
+program, and the ranks compare a fingerprint of the captured step through the group's store
+(``torchkit/rank_store.py``: never a collective, which could meet a peer's cached step). A rank that
+failed to build, or built a different graph, makes every building rank raise; a peer running
+the step it had raises once its collectives fail, naming the rank and its cause.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn as nn
 
 from ..errors import CaptureError, ConfigError
 from ..records.settings import ConfigSnapshot
+from ..torchkit.rank_store import RankLink
 
 log = logging.getLogger("graphamp")
 T = TypeVar("T")
@@ -36,12 +38,20 @@ def process_group(graph_name: str, config: ConfigSnapshot):
     return config.process_group or dist.group.WORLD
 
 
-def _agree(graph_name: str, group, status: tuple, what: str) -> list:
-    """All-gather each rank's (ok|error, detail); every rank raises if any failed."""
-    statuses: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(statuses, status, group=group)
+def _agree(graph_name: str, link: RankLink, status: tuple, what: str) -> list:
+    """Each rank's (ok|error, detail) through the store; every building rank raises if any
+    failed (a failed rank raises its own error without waiting)."""
+    try:
+        statuses = link.exchange(status)
+    except dist.DistStoreError as e:
+        raise CaptureError(
+            f"{graph_name}: rank {link.rank} built its step, but its peers did not build at this "
+            f"call within the process group's timeout (they ran the step they had, or stopped): "
+            "every rank must build at the same calls, with inputs of the same shapes and the "
+            f"same settings ({e})"
+        ) from None
     failed = [(r, s[1]) for r, s in enumerate(statuses) if s[0] == "error"]
-    if failed:
+    if failed and status[0] != "error":
         r, message = failed[0]
         raise CaptureError(
             f"{graph_name}: rank {r} failed {what}, so every rank stops "
@@ -50,13 +60,13 @@ def _agree(graph_name: str, group, status: tuple, what: str) -> list:
     return statuses
 
 
-def broadcast_state(graph_name: str, root: nn.Module, group) -> None:
+def broadcast_state(graph_name: str, root: nn.Module, group, link: RankLink) -> None:
     """Rank 0's parameters and buffers on every rank (once, like DDP's constructor), after
     checking that every rank holds the same tensors (a mismatched broadcast would abort)."""
     tensors = [*root.named_parameters(), *root.named_buffers()]
     layout = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
-    statuses = _agree(graph_name, group, ("ok", layout), "to describe its model")
-    if any(s[1] != layout for s in statuses):
+    statuses = _agree(graph_name, link, ("ok", layout), "to describe its model")
+    if any(s[1] != statuses[0][1] for s in statuses):
         differ = [r for r, s in enumerate(statuses) if s[1] != statuses[0][1]]
         first = (
             next((a, b) for a, b in zip(statuses[0][1], statuses[differ[0]][1]) if a != b)
@@ -85,23 +95,20 @@ def fingerprint(step_gm: fx.GraphModule, names: list[str]) -> str:
 
 
 def build_on_every_rank(
-    graph_name: str, group, build: Callable[[], T], fingerprint_of: Callable[[T], str]
+    graph_name: str, link: RankLink, build: Callable[[], T], fingerprint_of: Callable[[T], str]
 ) -> T:
     """``build()`` on this rank; every rank raises if any rank failed or built another step."""
-    rank = dist.get_rank(group)
+    rank = link.rank
     result, error, status = None, None, None
     try:
         result = build()
         status = ("ok", fingerprint_of(result))
-    except Exception as e:  # reported to every rank below, then re-raised
+    except Exception as e:  # reported to every building rank below, then re-raised
         error = e
         status = ("error", f"{type(e).__name__}: {e}")
-    try:
-        statuses = _agree(graph_name, group, status, "to build its step")
-    except CaptureError:
-        if error is not None:
-            raise error from None
-        raise
+    statuses = _agree(graph_name, link, status, "to build its step")
+    if error is not None:
+        raise error
     prints = {s[1] for s in statuses}
     if len(prints) > 1:
         by_print: dict[str, list[int]] = {}

@@ -28,6 +28,7 @@ from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
 from ..records.state import SharedState
 from ..runner.sharded_params import shard_parameters
 from ..step import count_block_updates
+from ..torchkit.rank_store import RankLink
 from ..torchkit.shapes import fake_batch, new_fake_mode, shape_guard
 from . import stages
 from .stage_errors import PASS_THROUGH, stage_error
@@ -70,8 +71,11 @@ def _build_on_every_rank(ctx: BuildContext) -> Program:
     all agree that they built the same step (``backend/distributed.py``)."""
     spec, stages_ = ctx.spec, _Stages(ctx.spec)
     group = stages_.worded("capture", distributed.process_group, spec.name, spec.config)
+    if ctx.state.rank_link is None:
+        ctx.state.rank_link = RankLink.open(spec.name, group)
+    link = ctx.state.rank_link
     if not ctx.state.broadcast_done:
-        stages_.worded("capture", distributed.broadcast_state, spec.name, ctx.root, group)
+        stages_.worded("capture", distributed.broadcast_state, spec.name, ctx.root, group, link)
         ctx.state.broadcast_done = True
     # kept as shards from here on; a fully_shard model's FSDP2 shards become graphamp's, in
     # an eval Graph too (nothing else could gather them)
@@ -81,7 +85,7 @@ def _build_on_every_rank(ctx: BuildContext) -> Program:
     ctx = dataclasses.replace(ctx, process_group=group)
     return distributed.build_on_every_rank(
         spec.name,
-        group,
+        link,
         lambda: _build(ctx),
         lambda p: distributed.fingerprint(p.step_gm, p.plan.layout.names),
     )

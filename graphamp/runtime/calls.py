@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn as nn
 
-from ..errors import CaptureError
+from ..errors import CaptureError, RankFailedError
 from ..forensics.autofix import Autofix
 from ..inspect.report import log_program_summary
 from ..pipeline import build_program
@@ -36,6 +36,7 @@ from ..records.inputs import (
 )
 from ..records.spec import GraphSpec, OptimizerSlot, Program
 from ..records.state import SharedState
+from ..torchkit.rank_store import raise_if_a_peer_failed
 from . import ambient, interrupts, schedulers
 from .lifting import Lifting
 from .overflows import read_overflows, watch_overflows
@@ -109,10 +110,21 @@ def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
     """``g(*args, **kwargs)``: the compiled step for these inputs (built through the pipeline
     on a miss), run as one step; build()'s return value with this step's tensors."""
     neutral = ambient.neutral_modes()  # an ambient autocast or inference mode
-    if neutral is None:
-        return _call(run, args, kwargs)
-    with neutral:
-        return _call(run, args, kwargs)
+    try:
+        if neutral is None:
+            out = _call(run, args, kwargs)
+        else:
+            with neutral:
+                out = _call(run, args, kwargs)
+    except BaseException as e:
+        link = run.state.rank_link
+        if link is not None and not isinstance(e, RankFailedError):
+            # data parallel: peers left in this step's collectives can say why
+            link.publish_failure(run.state.step_count + 1, e)
+        raise
+    if run.state.rank_link is not None:
+        run.state.rank_link.clear_failure()
+    return out
 
 
 def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
@@ -346,12 +358,14 @@ def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[to
             undo = runner.record_step()
             run.state.step_count += 1
             outputs = runner.execute(flat)
-        except BaseException:
+        except BaseException as e:
             if undo is not None:
                 undo()
                 run.state.step_count -= 1
             for snapshot in saved:
                 schedulers.restore(snapshot)
+            if run.state.rank_link is not None and isinstance(e, Exception):
+                raise_if_a_peer_failed(run.name, run.state.rank_link, e)
             raise
         # committed: from here on nothing undoes the step. An optimizer's own step() that
         # raises leaves its parameters as it left them, as in eager

@@ -1,7 +1,8 @@
 """graphamp's code over torch's own machinery, shared by every stage: FX helpers and node
 metadata (``fxutil``), graphamp's torch ops (``ops``, ``fp8_numerics``, ``op_repairs``), fake
-tensors and symbolic sizes (``shapes``), ops torch marks effectful (``effects``) and every branch on
-the torch release (``compat``).
+tensors and symbolic sizes (``shapes``), ops torch marks effectful (``effects``), what the ranks
+of a process group tell each other through its store (``rank_store``) and every branch on the
+torch release (``compat``).
 
 Importing ``graphamp.torchkit.ops`` registers the ``graphamp::`` torch library: the package's one
 import-time registration (``graphamp/__init__.py`` imports it first, so every process that

@@ -96,3 +96,14 @@ def backed_sizes(shape_env: Any) -> dict:
     renamed ``var_to_val`` to ``backed_var_to_val`` (the old name warns there)."""
     values = getattr(shape_env, "backed_var_to_val", None)
     return values if values is not None else shape_env.var_to_val
+
+
+def process_group_store(group: Any) -> Any:
+    """The key-value store a process group was made with (``init_process_group``'s, prefixed
+    for a subgroup): torch keeps it only in its private group map (torch 2.13-2.15)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    getter = getattr(c10d, "_get_process_group_store", None)
+    if getter is not None:
+        return getter(group)
+    return c10d._get_default_store()
