@@ -6,6 +6,7 @@ the same bits in fp32 and under AMP; the saved memory is counted on the step gra
 
 import copy
 import csv
+import logging
 import os
 
 import pytest
@@ -141,6 +142,26 @@ def test_unknown_module_name_is_a_config_error_naming_the_fix():
         g(idx, idx)
     with pytest.raises(graphamp.errors.ConfigError, match="nn.Module classes"):
         g.config.enable_activation_checkpointing(3)
+
+
+@pytest.mark.parametrize(
+    "configure",
+    [
+        lambda g: g.config.enable_activation_checkpointing(torch.nn.Conv2d),
+        lambda g: g.config.pin_fp32(torch.nn.Conv2d),
+    ],
+    ids=["checkpointing", "pin_fp32"],
+)
+def test_a_module_type_the_model_does_not_have_is_a_warning_naming_it(configure, caplog):
+    """A type matches no module of a model without it: a config shared by several models may
+    name it, so it is a warning, not an error, but never silence."""
+    model = _gpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = make_graph(model, lm_loss, opt, amp=torch.bfloat16, configure=configure)
+    idx = torch.randint(0, 64, (2, 32))
+    with caplog.at_level(logging.WARNING, logger="graphamp"):
+        g(idx, idx)
+    assert "no registered module is a Conv2d, so it changes nothing here" in caplog.text
 
 
 class _ReentrantOnInputs(torch.nn.Module):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import logging
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -16,6 +17,8 @@ from ..records.inputs import FlatInputs
 from ..records.model_pins import model_fp32_pins
 from ..records.settings import ConfigSnapshot
 from ..records.sharding import is_shard
+
+log = logging.getLogger("graphamp")
 
 
 class BuildRoot(nn.Module):
@@ -124,6 +127,7 @@ def pinned_paths(
     below the names given to config.pin_fp32 (a name that matches no module is an error), and
     the parts the model itself declares fp32 (model_pins.py). The user's reason wins."""
     modules = _named_modules_checked(root, names, "pin_fp32")
+    _warn_unmatched_types(modules, types, "pin_fp32")
     paths = model_fp32_pins(root, dtype)
     for path, module in modules.items():
         if not path:
@@ -145,6 +149,7 @@ def checkpointed_paths(
     if not types and not names:
         return frozenset()
     modules = _named_modules_checked(root, names, "enable_activation_checkpointing")
+    _warn_unmatched_types(modules, types, "enable_activation_checkpointing")
     marked = [p for p, m in modules.items() if p and (isinstance(m, types) or p in names)]
     return frozenset(p for p in marked if not any(p.startswith(q + ".") for q in marked if q != p))
 
@@ -168,6 +173,21 @@ def _named_modules_checked(
                 "start at the Graph's attributes, e.g. 'model.head')"
             )
     return modules
+
+
+def _warn_unmatched_types(
+    modules: dict[str, nn.Module], types: tuple[type, ...], setter: str
+) -> None:
+    """A module type that no registered module has: a warning, not an error (one config may
+    serve several models), but never silence."""
+    for t in types:
+        if not any(isinstance(m, t) for m in modules.values()):
+            log.warning(
+                "%s(%s): no registered module is a %s, so it changes nothing here",
+                setter,
+                t.__name__,
+                t.__name__,
+            )
 
 
 def _nearest_paths(wanted: str, paths: list[str]) -> list[str]:
