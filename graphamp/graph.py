@@ -35,7 +35,7 @@ from .records.state import SharedState
 from .records.validate import check_choice
 from .runtime import schedulers
 from .runtime.calls import GraphRuntime, building_graph, call, graph_spec
-from .runtime.fsdp_adopt import fully_shard_wrap, take_over
+from .runtime.fsdp_adopt import fully_shard_wrap
 from .runtime.graph_state import graph_state_dict, load_graph_state
 from .runtime.overflows import overflow_report, range_report
 from .runtime.torch_scaler import as_graphamp_scaler
@@ -108,12 +108,12 @@ class Graph:
             self.__dict__["config"].enable_data_parallel(process_group=value.process_group)
             value = value.module
         if isinstance(value, nn.Module):
-            # FSDP2's wrap becomes ZeRO-3 in the step: checked, accepted by the settings, and
-            # only then removed from the model (a refusal leaves the model as it was)
+            # FSDP2's wrap becomes ZeRO-3 in the step: checked and accepted by the settings
+            # here, removed from the model at the first call once the settings are final (a
+            # refusal, here or there, leaves the model wrapped as it was)
             wrap = fully_shard_wrap(type(self).__name__, name, value)
             if wrap is not None:
                 self.__dict__["config"]._adopt_fully_shard(wrap)
-                take_over(type(self).__name__, name, value)
         value = _unwrapped(type(self).__name__, name, value)
         if isinstance(value, nn.Module):
             modules[name] = value

@@ -66,6 +66,7 @@ def main():
     bf16 = torch.bfloat16
     refused = wrapped(mp_policy=MixedPrecisionPolicy(output_dtype=bf16))
     kept = wrapped()
+    amp_off = wrapped(mp_policy=MixedPrecisionPolicy(param_dtype=bf16))
     result = {
         "output_dtype": error_of(lambda: Train(refused)),
         "reduce_dtype": error_of(
@@ -73,12 +74,14 @@ def main():
         ),
         "enable_zero": error_of(lambda: Train(kept, zero=True)),
         # param_dtype=bf16 and the Graph's AMP left off: refused at the first call
-        "amp_off": error_of(
-            lambda: Train(wrapped(mp_policy=MixedPrecisionPolicy(param_dtype=bf16)))
-        ),
+        "amp_off": error_of(lambda: Train(amp_off)),
     }
-    # a refused model is left as the user wrapped it
-    result["still_wrapped"] = [isinstance(m, FSDPModule) for m in (refused, kept)]
+    # a refused model is left as the user wrapped it, at registration or at the first call,
+    # and FSDP2 itself still trains it
+    result["still_wrapped"] = [isinstance(m, FSDPModule) for m in (refused, kept, amp_off)]
+    loss = nn.functional.cross_entropy(amp_off(torch.randn(8, 32)), torch.randint(0, 4, (8,)))
+    loss.backward()
+    result["fsdp_grads"] = all(p.grad is not None for p in amp_off.parameters())
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         result["eager_logits"] = make_model(seed=0)(x)

@@ -26,73 +26,35 @@ from graphamp.records.layouts import STEP_INPUT_GROUPS, ForwardLayout, StepLayou
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "graphamp"
 
-# What each part of graphamp may import besides itself (docs/architecture.md, "Layers"). A part
-# is a subpackage or a module at the top of graphamp/. Imports under TYPE_CHECKING are types
-# only and are left out.
-ALLOWED = {
-    # graphamp inside other loops: a Graph made from a function, the transformers Trainer,
-    # Lightning. They build Graphs, so they sit above graph.py; only __init__ imports them.
-    "graphamp.integrations": {
-        "graphamp.graph",
-        "graphamp.config",
-        "graphamp.scaler",
-        "graphamp.runner",  # gathered_parameters: ZeRO-3's shards for the loops' eager forwards
-        "graphamp.records",
-        "graphamp.errors",
-    },
-    # the facade: registrations and public entry points; a call goes down into runtime/
-    "graphamp.graph": {
-        "graphamp.runtime",
-        "graphamp.pipeline",  # the precision report's autocast oracle, add_optimizer's check
-        "graphamp.inspect",
-        "graphamp.forensics",
-        "graphamp.config",
-        "graphamp.scaler",
-        "graphamp.records",
-        "graphamp.errors",
-    },
-    # every call: the program cache and its keys; a miss goes down into the pipeline
-    "graphamp.runtime": {
-        "graphamp.pipeline",
-        "graphamp.inspect",
-        "graphamp.forensics",
-        "graphamp.scaler",
-        "graphamp.records",
-        "graphamp.torchkit",
-        "graphamp.errors",
-    },
-    # one build: the stages, in order
-    "graphamp.pipeline": {
-        "graphamp.capture",
-        "graphamp.passes",
-        "graphamp.step",
-        "graphamp.backend",
-        "graphamp.runner",
-        "graphamp.records",
-        "graphamp.torchkit",
-        "graphamp.errors",
-    },
-    "graphamp.capture": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
-    "graphamp.passes": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
-    "graphamp.step": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
-    # build time, after assembly: compile, the step cache and its disk key, the ranks' agreement
-    "graphamp.backend": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
-    # a compiled step bound to the live state, called on every call
-    "graphamp.runner": {"graphamp.forensics", "graphamp.records", "graphamp.errors"},
-    "graphamp.inspect": {
-        "graphamp.forensics",
-        "graphamp.records",
-        "graphamp.torchkit",
-        "graphamp.errors",
-    },
-    "graphamp.forensics": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
-    "graphamp.config": {"graphamp.records", "graphamp.torchkit", "graphamp.errors"},
-    "graphamp.scaler": {"graphamp.records", "graphamp.errors"},
-    # graphamp's code over torch's machinery (fx helpers, its torch ops, fake shapes, compat)
-    "graphamp.torchkit": {"graphamp.records", "graphamp.errors"},
-    "graphamp.records": {"graphamp.errors"},
-    "graphamp.errors": set(),
-}
+# What each part of graphamp may import besides itself: read from docs/architecture.md's
+# "Layers" table, so the page and this check cannot say different things. A part is a
+# subpackage or a module at the top of graphamp/. Imports under TYPE_CHECKING are types only and
+# are left out.
+ARCHITECTURE_PAGE = ROOT / "docs" / "architecture.md"
+
+
+def _documented_layers() -> dict[str, set[str]]:
+    """The page's ``| part | may import |`` rows as {part: parts it may import}; what a row
+    says in parentheses is why, not a part."""
+    rows = ARCHITECTURE_PAGE.read_text().split("| part | may import |", 1)[1].split("\n\n", 1)[0]
+    allowed: dict[str, set[str]] = {}
+    for row in rows.splitlines()[2:]:
+        cells = row.strip().strip("|").split("|")
+        parts = [_documented_part(n) for n in re.findall(r"`([^`]+)`", cells[0])]
+        imports = {
+            _documented_part(n)
+            for n in re.findall(r"`([^`]+)`", re.sub(r"\([^)]*\)", "", cells[1]))
+        }
+        for part in parts:
+            allowed[part] = imports
+    return allowed
+
+
+def _documented_part(name: str) -> str:
+    return "graphamp." + name.rstrip("/").removesuffix(".py")
+
+
+ALLOWED = _documented_layers()
 # The entry points import whatever they present.
 ENTRY_POINTS = ("graphamp", "graphamp.__main__", "graphamp.cli")
 TOP_MODULES = {
@@ -154,6 +116,14 @@ def _part(name: str) -> str:
     if (PACKAGE / parts[1]).is_dir() or (PACKAGE / f"{parts[1]}.py").is_file():
         return ".".join(parts[:2])
     return "graphamp"  # a name imported from the package itself
+
+
+def test_the_architecture_page_has_a_row_for_every_part():
+    parts = {f"graphamp.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    parts |= {f"graphamp.{p.stem}" for p in PACKAGE.glob("*.py")}
+    entry = {*ENTRY_POINTS, "graphamp.__init__"}
+    assert parts - entry - set(ALLOWED) == set(), "parts the page's Layers table leaves out"
+    assert set(ALLOWED) - parts == set(), "rows of the page's Layers table that name no part"
 
 
 def test_imports_go_one_way_through_the_layers():
@@ -510,3 +480,46 @@ def test_every_package_is_in_the_distribution():
         if "__pycache__" not in path.parts
     }
     assert on_disk == listed
+
+
+def test_process_wide_patches_of_torch_go_through_shared_patch():
+    """torch's attributes are process-wide: graphamp replaces one only through a
+    ``torchkit.patching.SharedPatch`` (reference-counted across threads, put back on every
+    path), never by assigning it in place."""
+    problems = []
+    for path in PACKAGE.glob("**/*.py"):
+        if path == PACKAGE / "torchkit" / "patching.py":
+            continue
+        tree = ast.parse(path.read_text())
+        torch_names = {"torch", "nn"} | _names_bound_to_torch(tree)
+        for node in ast.walk(tree):
+            targets: list = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "delattr"):
+                targets = node.args[:1]
+            for target in targets:
+                text = ast.unparse(target)
+                if text.split(".")[0] in torch_names and (
+                    isinstance(target, ast.Attribute) or isinstance(node, ast.Call)
+                ):
+                    problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+    # the side compile's child process takes its parent's settings as its own (a process that
+    # only compiles one kernel and exits)
+    own_process = "graphamp/pipeline/side_compile.py:"
+    assert not [p for p in problems if not p.startswith(own_process)], "\n".join(problems)
+
+
+def _names_bound_to_torch(tree: ast.AST) -> set[str]:
+    """Names a module binds to torch's modules and objects (``from torch.x import y``,
+    ``import torch.x as y``), in functions too."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.asname for a in node.names if a.asname and a.name.startswith("torch")}
+    return names
+

@@ -301,7 +301,7 @@ def test_fully_shard_settings_graphamp_cannot_honour_are_refused_by_name(tmp_pat
         assert "reduce_dtype" in got["reduce_dtype"] and "float32" in got["reduce_dtype"]
         assert got["enable_zero"].startswith("ConfigError") and "fully_shard" in got["enable_zero"]
         assert got["amp_off"].startswith("ConfigError") and "enable_amp" in got["amp_off"]
-        assert got["still_wrapped"] == [True, True]
+        assert got["still_wrapped"] == [True, True, True] and got["fsdp_grads"], got
         # an eval Graph over a wrapped model: the whole model's logits
         torch.testing.assert_close(got["eval_logits"], got["eager_logits"], rtol=1e-5, atol=1e-6)
 

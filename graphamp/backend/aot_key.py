@@ -24,6 +24,7 @@ step's hash would have given.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..torchkit.patching import SharedPatch
 from . import step_cache
 from .compile import default_inductor_options
 
@@ -104,44 +106,33 @@ def noted_key(stand_in: fx.GraphModule, note: dict, graph_name: str) -> Iterator
 
 @contextmanager
 def _registered(compiling: _Compiling) -> Iterator[_Compiling]:
-    with _lock:
-        if not _active:
-            _install()
-        _active[id(compiling.graph)] = compiling
-    try:
-        yield compiling
-    finally:
+    with _key_patch().applied():
         with _lock:
-            del _active[id(compiling.graph)]
-            if not _active:
-                _uninstall()
+            _active[id(compiling.graph)] = compiling
+        try:
+            yield compiling
+        finally:
+            with _lock:
+                del _active[id(compiling.graph)]
 
 
-# the steps being compiled now, by id; the key function is replaced while any is, and torch's
-# is put back when the last one is done
+# the steps being compiled now, by id; AOTAutograd's key function is replaced while any is
+# (a SharedPatch: the last one done puts torch's back)
 _active: dict[int, _Compiling] = {}
 _lock = threading.Lock()
-_torch_key_fn: list[Any] = []  # torch's autograd_cache_key, kept from the first install
 
 
-def _install() -> None:
+@functools.cache
+def _key_patch() -> SharedPatch:
     from torch._functorch._aot_autograd import autograd_cache
 
-    if not _torch_key_fn:
-        _torch_key_fn.append(autograd_cache.autograd_cache_key)
-    autograd_cache.autograd_cache_key = _key_of  # type: ignore[assignment]
-
-
-def _uninstall() -> None:
-    from torch._functorch._aot_autograd import autograd_cache
-
-    autograd_cache.autograd_cache_key = _torch_key_fn[0]
+    return SharedPatch(autograd_cache, "autograd_cache_key", _key_of)
 
 
 def _key_of(mod: Any, example_inputs: Any, *rest: Any) -> Any:
     """AOTAutograd's ``autograd_cache_key``, from the note for a step being compiled (a call
     that began while ours was installed may end after: torch's is kept for it)."""
-    compute = _torch_key_fn[0]
+    compute = _key_patch().original  # torch's, kept from the first install
     graph = getattr(mod, "gm", mod)
     with _lock:
         found = _active.get(id(graph))

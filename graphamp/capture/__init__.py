@@ -8,7 +8,6 @@ from .oracle import autocast_forward
 from .root import (
     BuildRoot,
     check_devices,
-    check_fully_shard_policy,
     check_not_fsdp,
     checkpointed_paths,
     fake_copy,
@@ -26,6 +25,5 @@ __all__ = [
     "fp8_kept_paths",
     "pinned_paths",
     "checkpointed_paths",
-    "check_fully_shard_policy",
     "check_not_fsdp",
 ]

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 from ..errors import CaptureError
 from ..records.frames import UserFrame
-from .patching import SharedPatch
+from ..torchkit.patching import SharedPatch
 
 try:
     import numpy as np

@@ -63,8 +63,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..records.guards import ABSENT, AttributeRead, ClassNamespace, ObjectAttributes, SlotNamespace
 from ..torchkit.fxutil import is_library_file
+from ..torchkit.patching import SharedPatch
 from .contents import Contents, count_entries, fields_of, is_plain, is_record
-from .patching import SharedPatch
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring
 

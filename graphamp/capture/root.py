@@ -15,7 +15,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import CaptureError, ConfigError, InputError
 from ..records.inputs import FlatInputs
 from ..records.model_pins import model_fp32_pins
-from ..records.settings import ConfigSnapshot
 from ..records.sharding import is_shard
 
 log = logging.getLogger("graphamp")
@@ -68,23 +67,6 @@ def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
                 "self.config.enable_zero(stage=3): it shards the parameters, gradients and "
                 "optimizer state inside the compiled step, as DTensors in FSDP2's layout"
             )
-
-
-def check_fully_shard_policy(graph_name: str, config: ConfigSnapshot) -> None:
-    """A wrap's ``param_dtype`` is AMP's dtype (read at the first call: AMP may be enabled
-    after the model is registered)."""
-    wrap = config.fully_shard
-    if wrap is None or wrap.param_dtype is None:
-        return
-    if not config.amp_active or config.amp_dtype != wrap.param_dtype:
-        amp = f"AMP in {config.amp_dtype}" if config.amp_active else "AMP off"
-        raise ConfigError(
-            f"{graph_name}: the model's fully_shard asks for MixedPrecisionPolicy(param_dtype="
-            f"{wrap.param_dtype}) and the Graph has {amp}. graphamp runs low precision "
-            "through its AMP, op by op: call self.config.enable_amp(True, "
-            f"dtype={wrap.param_dtype}) (the parameters it casts are gathered in that dtype, "
-            "as FSDP2's are), or wrap without param_dtype"
-        )
 
 
 def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch.device:

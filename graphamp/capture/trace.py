@@ -30,6 +30,7 @@ from ..torchkit.fxutil import (
     user_frame_of_exception,
 )
 from ..torchkit.ops import FunctionCall
+from ..torchkit.patching import COMPILING
 from ..torchkit.shapes import is_symbolic, scratch_batch
 from .cleanup import (
     check_input_mutations,
@@ -45,7 +46,6 @@ from .functions import capturing_autograd_functions
 from .host_randomness import refusing_host_randomness
 from .intercept import CaptureMode, RecordedLoss, parameter_positions
 from .op_errors import VALUE_DEPENDENT, fake_kernel_error
-from .patching import SharedPatch
 from .reads import recording_attribute_reads
 from .reads import watched_objects as objects_read
 from .root import BuildRoot, fake_copy, quiet_fake_data_pointers, refuse_compiled_submodules
@@ -478,8 +478,7 @@ def _at(e: BaseException) -> str:
 # ``torch.compiler.is_compiling()`` is True while build() is captured, as under torch.compile and
 # torch.export: libraries then skip host-side checks that read tensor values (transformers'
 # padding warning, for one), which a compiled step cannot run anyway. The flag is process-wide.
-_COMPILING = SharedPatch(torch.compiler, "_is_compiling_flag", True)
 
 
 def _compiling_flag() -> contextlib.AbstractContextManager:
-    return _COMPILING.applied() if _COMPILING.available else contextlib.nullcontext()
+    return COMPILING.applied() if COMPILING.available else contextlib.nullcontext()

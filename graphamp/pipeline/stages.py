@@ -27,7 +27,6 @@ from ..capture import (
     BuildRoot,
     capture_forward,
     check_devices,
-    check_fully_shard_policy,
     check_not_fsdp,
     checkpointed_paths,
     fp8_kept_paths,
@@ -102,7 +101,6 @@ def capture(ctx: BuildContext) -> Captured:
             "micro-batches, but the graph has no optimizer"
         )
     check_not_fsdp(spec.name, ctx.root)
-    check_fully_shard_policy(spec.name, config)
     device = check_devices(spec.name, ctx.root, ctx.inputs)
     traced = ctx.batch
     if config.grad_acc_steps > 1:

@@ -1,7 +1,7 @@
 """What a compiled step assumes, checked before every call: one record, one way to say what changed.
 
 A program is built from one call of build(). Besides its inputs' signature it assumes:
-- the structure (``runtime.cache_key.Structure``): registered modules, their modes, the
+- the structure (``records.guards.Structure``, computed by ``runtime.structure_key``): registered modules, their modes, the
   optimizers' structure, the config, the scaler's settings, torch modes, hooks;
 - the batch's shapes (``ShapeGuard``): every size and stride it was traced with, except the
   dimensions that are symbolic, whose relations, ranges and strides the ShapeEnv recorded while
@@ -401,7 +401,7 @@ def describe_signatures(old: InputSignature, new: InputSignature, names: Sequenc
 
 class Structure(NamedTuple):
     """What a compiled step depends on besides its inputs, part by part (computed at every call
-    by ``runtime.cache_key.StructureKey``)."""
+    by ``runtime.structure_key.StructureKey``)."""
 
     modules: tuple  # names, identities, parameters and buffers of the registered module tree
     module_modes: tuple  # training flags and child/parameter/buffer counts; declared fp32 parts

@@ -9,13 +9,14 @@ registered, graphamp takes the wrap over:
 - the wrap's mesh becomes the step's process group, and ZeRO-3 is on;
 - each wrapped module (each block, then the root, as FSDP2's docs wrap) is one gather bucket;
 - ``MixedPrecisionPolicy.param_dtype`` must be AMP's dtype (checked at the first call, when the
-  settings are final: ``capture.root.check_fully_shard_policy``): graphamp gathers a parameter
-  read only through its cast in that dtype, as FSDP2 does, but decides each op's precision
-  from its lists;
-- FSDP2's hooks and module classes are removed, so the model is a plain module whose
-  parameters are still FSDP2's DTensor shards; at the first call ``sharded_params`` copies each
-  rank's local shard into graphamp's row (no collective: the layouts are the same) and points
-  the optimizers at the new parameters.
+  settings are final: ``check_policy``): graphamp gathers a parameter read only through its
+  cast in that dtype, as FSDP2 does, but decides each op's precision from its lists;
+- at the first call, once every check passed (``adopt_at_first_call``), FSDP2's hooks and
+  module classes are removed, so the model is a plain module whose parameters are still
+  FSDP2's DTensor shards; the build then copies each rank's local shard into graphamp's row
+  (``runner/sharded_params.py``; no collective: the layouts are the same) and points the
+  optimizers at the new parameters. Until then the model is the user's wrap, as it was: a
+  refusal (at registration or at the first call) leaves a model FSDP2 itself still trains.
 
 Refused by name: a 2-D (HSDP) mesh, CPU offload, ``output_dtype``, a ``reduce_dtype`` other
 than float32 (graphamp reduces the float32 gradients as they are), and ``enable_zero`` beside
@@ -33,7 +34,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..errors import GraphDefinitionError
+from ..errors import ConfigError, GraphDefinitionError
+from ..records.settings import ConfigSnapshot
 from ..records.sharding import FullyShardWrap
 
 log = logging.getLogger("graphamp")
@@ -50,8 +52,8 @@ def _fsdp_module_class() -> Any:
 def fully_shard_wrap(graph_name: str, name: str, module: nn.Module) -> FullyShardWrap | None:
     """What the ``fully_shard`` wraps inside ``module`` (registered as ``name``) ask for, after
     refusing what graphamp cannot do the same way; None when nothing in it is wrapped. Changes
-    nothing but resharding a module left unsharded (FSDP2's state between steps): ``take_over``
-    removes the wrap, once the Graph's settings accepted it."""
+    nothing but resharding a module left unsharded (FSDP2's state between steps):
+    ``adopt_at_first_call`` removes the wrap, once every check passed."""
     wrapped = _wrapped_modules(module)
     if not wrapped:
         return None
@@ -77,10 +79,41 @@ def fully_shard_wrap(graph_name: str, name: str, module: nn.Module) -> FullyShar
     return FullyShardWrap(group=group, blocks=blocks, param_dtype=dtypes.pop(), kept=kept)
 
 
+def check_policy(graph_name: str, config: ConfigSnapshot) -> None:
+    """A wrap's ``param_dtype`` is AMP's dtype (read at the first call: AMP may be enabled
+    after the model is registered)."""
+    wrap = config.fully_shard
+    if wrap is None or wrap.param_dtype is None:
+        return
+    if not config.amp_active or config.amp_dtype != wrap.param_dtype:
+        amp = f"AMP in {config.amp_dtype}" if config.amp_active else "AMP off"
+        raise ConfigError(
+            f"{graph_name}: the model's fully_shard asks for MixedPrecisionPolicy(param_dtype="
+            f"{wrap.param_dtype}) and the Graph has {amp}. graphamp runs low precision "
+            "through its AMP, op by op: call self.config.enable_amp(True, "
+            f"dtype={wrap.param_dtype}) (the parameters it casts are gathered in that dtype, "
+            "as FSDP2's are), or wrap without param_dtype"
+        )
+
+
+def adopt_at_first_call(
+    graph_name: str, modules: dict[str, nn.Module], config: ConfigSnapshot
+) -> None:
+    """Before a build: the registered models' fully_shard wraps, accepted at registration,
+    checked against the final settings and then removed (nothing to do once they are)."""
+    if config.fully_shard is None:
+        return
+    check_policy(graph_name, config)
+    for name, module in modules.items():
+        take_over(graph_name, name, module)
+
+
 def take_over(graph_name: str, name: str, module: nn.Module) -> None:
     """``module``'s wraps removed: a plain module holding FSDP2's shards, which the first call
     makes graphamp's (``sharded_params.shard_parameters``)."""
     wrapped = _wrapped_modules(module)
+    if not wrapped:
+        return
     for _, m in wrapped:
         _unwrap(m)
     log.info(

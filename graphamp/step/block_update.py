@@ -73,7 +73,7 @@ def _update_block(
     key = _kernel_key(spec, flat)
     kernel = _KERNELS.get(key)
     if kernel is None:
-        kernel = _KERNELS[key] = _kernel(_Spec(spec), flat)
+        kernel = _remember(key, _kernel(_Spec(spec), flat))
     with torch.no_grad():  # the parameters are leaves that require grad, written in place
         kernel(*flat)
 
@@ -139,8 +139,18 @@ def spec_text(
     )
 
 
-# (spec, strides) -> the kernel, made at the first call (the specs name sizes and dtypes)
+# (spec, strides) -> the kernel, made at the first call (the specs name sizes and dtypes).
+# Process-wide, and bounded: a long process that builds many models (a sweep, a notebook)
+# drops its oldest kernels, which are made again if a step still calls them.
 _KERNELS: dict[tuple[str, tuple], Callable[..., object]] = {}
+MAX_KERNELS = 256
+
+
+def _remember(key: tuple[str, tuple], kernel: Callable[..., object]) -> Callable[..., object]:
+    while len(_KERNELS) >= MAX_KERNELS:
+        del _KERNELS[next(iter(_KERNELS))]  # the oldest (dicts keep insertion order)
+    _KERNELS[key] = kernel
+    return kernel
 
 
 def _kernel_key(spec: str, flat: list[Tensor]) -> tuple[str, tuple]:
@@ -343,7 +353,7 @@ def compile_block_kernels(
         flat = _example(parsed)
         key = _kernel_key(spec, flat)
         if key not in _KERNELS:
-            _KERNELS[key] = _kernel(parsed, flat, cached, compiler)
+            _remember(key, _kernel(parsed, flat, cached, compiler))
             made += 1
     return made
 

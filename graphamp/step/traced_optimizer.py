@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.compiler
@@ -33,6 +33,7 @@ import torch.fx as fx
 from ..errors import UnsupportedOptimizerError
 from ..records.optimizers import InitialState
 from ..torchkit.fxutil import drop_profiler_markers
+from ..torchkit.patching import COMPILING
 
 # group options set for the traced step: the capturable single-tensor form, no fused kernels
 TRACE_OPTIONS = {"capturable": True, "foreach": False, "fused": False, "differentiable": False}
@@ -152,16 +153,10 @@ def _options(group: dict, options: dict) -> dict:
     return {k: v for k, v in options.items() if k in group}
 
 
-@contextlib.contextmanager
-def compiling() -> Iterator[None]:
+def compiling() -> contextlib.AbstractContextManager[None]:
     """torch's optimizers take their traced path (tensors for step counts, no host reads, no
     device checks meant for eager capturable steps) when ``torch.compiler.is_compiling()``."""
-    saved = torch.compiler._is_compiling_flag  # what torch.compile sets
-    torch.compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = saved
+    return COMPILING.applied()
 
 
 class FirstValues(dict):

@@ -1,11 +1,14 @@
 """One attribute of torch replaced for as long as any capture needs it, in any thread.
 
 Capture replaces a few process-wide attributes while build() is traced
-(``torch.autograd.Function.apply``: ``functions.py``; ``nn.Module.__setattr__``:
-``side_effects.py``; ``torch.compiler._is_compiling_flag``: ``trace.py``). Captures may run in
-several threads at once, so each replacement is reference-counted: the first capture to enter
-installs it, the last to leave puts back what was there before, on every path. What each
-replacement does for the capture of *this* thread is the caller's business (thread-locals).
+(``torch.autograd.Function.apply``: ``capture/functions.py``; ``nn.Module.__setattr__``:
+``capture/state_writes.py``; classes' ``__getattribute__``: ``capture/reads.py``; host random
+generators: ``capture/host_randomness.py``), and ``torch.compiler._is_compiling_flag`` while
+build() or an optimizer's ``step()`` is traced (``COMPILING``, below). Captures may run in several
+threads at once, so each replacement is reference-counted: the first to enter installs it, the
+last to leave puts back what was there before, on every path. What each replacement does for
+the capture of *this* thread is the caller's business (thread-locals). Every process-wide patch
+graphamp makes is a ``SharedPatch`` (``tests/test_architecture.py`` checks it).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from typing import Any, Iterator
+
+import torch.compiler
 
 _MISSING = object()
 
@@ -55,3 +60,10 @@ class SharedPatch:
                         delattr(self.owner, self.name)
                     else:
                         setattr(self.owner, self.name, self.original)
+
+
+# torch's optimizers (and other library code) take their traced path (tensors for step counts,
+# no host reads, no device checks meant for eager capturable steps) while
+# ``torch.compiler.is_compiling()``, which reads this flag (torch 2.13-2.15): what
+# torch.compile sets while Dynamo traces
+COMPILING = SharedPatch(torch.compiler, "_is_compiling_flag", True)
