@@ -522,4 +522,3 @@ def _names_bound_to_torch(tree: ast.AST) -> set[str]:
         elif isinstance(node, ast.Import):
             names |= {a.asname for a in node.names if a.asname and a.name.startswith("torch")}
     return names
-

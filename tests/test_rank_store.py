@@ -34,7 +34,9 @@ def test_ranks_that_both_build_see_each_others_status_in_rank_order():
 
 def test_a_failed_rank_does_not_wait_and_a_building_peer_reads_its_error():
     rank0, rank1 = _ranks()
-    assert rank1.exchange(("error", "ValueError: bad width")) == [["error", "ValueError: bad width"]]
+    assert rank1.exchange(("error", "ValueError: bad width")) == [
+        ["error", "ValueError: bad width"]
+    ]
     statuses = rank0.exchange(("ok", "a"))
     assert statuses[1] == ["error", "ValueError: bad width"]
 
