@@ -300,6 +300,8 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         + (
             "torch's fused AdamW kernel in the step against graphamp's multi-tensor update"
             if fused
+            else "graphamp's default against the inlined step and the strongest peer (issue 64)"
+            if first == "default"
             else "outlined blocks against inlined (issue 40 §0)"
         ),
         "",
@@ -315,7 +317,7 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
             "with AdamW() (graphamp's own update); compile: torch.compile + autocast + eager "
             "AdamW(fused=True). "
             if fused
-            else f"Target: outlined / inlined at most {TARGET}. "
+            else f"Target: {first} / inlined at most {TARGET}. "
         )
         + "The first calls ran on whatever inductor's cache held (first_call.py measures cold "
         "and warm starts in fresh processes).",

@@ -29,9 +29,10 @@ from .inspect.report import (
     precision_report,
 )
 from .records.history import TrainingHistory
-from .records.optimizers import TRACED, check_optimizer_slot, optimizer_kind
+from .records.optimizers import check_optimizer_slot
 from .records.spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .records.state import SharedState
+from .records.update_paths import checked_path
 from .records.validate import check_choice
 from .runtime import schedulers
 from .runtime.calls import GraphRuntime, building_graph, call, graph_spec
@@ -171,7 +172,7 @@ class Graph:
             optimizer, lr_sch, clip_grad_max_norm, clip_grad_norm_type, added
         )
         index = len(added)
-        eager = pipeline.trial_step(optimizer) if optimizer_kind(optimizer) == TRACED else None
+        eager = pipeline.trial_step(optimizer) if checked_path(optimizer).traced else None
         if eager is not None:
             log.info(
                 "%s: optimizer %d (%s) runs its own step() in Python after each compiled step: "

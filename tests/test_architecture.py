@@ -522,3 +522,17 @@ def _names_bound_to_torch(tree: ast.AST) -> set[str]:
         elif isinstance(node, ast.Import):
             names |= {a.asname for a in node.names if a.asname and a.name.startswith("torch")}
     return names
+
+
+def test_no_code_tests_an_optimizers_update_path_by_name():
+    """Each way a step updates is an ``UpdatePath`` (records/update_paths.py) that code asks
+    (``plan.path.traced``): a test of its name (``kind == "sgd"``) would be missed by the next
+    path."""
+    by_name = re.compile(r"""kind\s*(==|!=|in)\s*\(?\s*["'](sgd|adam|traced|eager)["']""")
+    problems = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in PACKAGE.glob("**/*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if by_name.search(line)
+    ]
+    assert not problems, "\n".join(problems)

@@ -34,7 +34,8 @@ import torch.nn as nn
 
 from ..records.frames import SOURCE_LINE_META, UserFrame
 from ..records.layouts import StepLayout
-from ..records.optimizers import EAGER, SUPPORTED, OptimizerPlan
+from ..records.optimizers import OptimizerPlan
+from ..records.update_paths import MULTI_TENSOR
 from ..torchkit.ops import FunctionCall
 
 FORMAT = "graphamp-step-1"
@@ -167,7 +168,7 @@ class _Digest:
             self._text("scaler")
             self.feed(obj.settings())
         elif isinstance(obj, torch.optim.Optimizer) or (
-            isinstance(obj, OptimizerPlan) and obj.kind == EAGER
+            isinstance(obj, OptimizerPlan) and obj.path.in_python
         ):
             self._optimizer(obj)
         elif isinstance(obj, StepLayout):
@@ -195,7 +196,7 @@ class _Digest:
         # its options that change the traced update are the plan's GroupPlan.flags; the
         # hyperparameters are inputs of the step. An optimizer outside torch.optim whose
         # own step() is traced runs code the key cannot see
-        if type(obj) not in SUPPORTED and not type(obj).__module__.startswith("torch.optim"):
+        if type(obj) not in MULTI_TENSOR and not type(obj).__module__.startswith("torch.optim"):
             raise Uncacheable(
                 f"the step traces {_qualname(type(obj))}.step(), whose Python code the key "
                 "cannot see"

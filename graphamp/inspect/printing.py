@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..records.optimizers import update_path
 from ..records.spec import GraphSpec, Program
+from ..records.update_paths import path_of
 from ..records.validate import dtype_name
 from ..torchkit.fxutil import dtype_after_amp, is_compute_node, op_name
 
@@ -112,7 +112,7 @@ def _optimizer_lines(spec: GraphSpec) -> list[str]:
             f"{k}={group[k]}" for k in ("lr", "momentum", "betas", "weight_decay") if k in group
         )
         clip = f", clip_grad_max_norm={slot.clip_max_norm}" if slot.clip_max_norm else ""
-        path = update_path(opt, slot.eager)
+        path = path_of(opt, slot.eager).describe(opt, slot.eager)
         lines.append(
             f"{INDENT}(OPTIMIZER:{i}:{type(opt).__name__}({hyper}, "
             f"param_groups={len(opt.param_groups)}{clip}): {path})"

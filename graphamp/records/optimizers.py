@@ -1,76 +1,24 @@
-"""What graphamp knows about torch's optimizers: which it supports, and their state format.
+"""What a step knows of each optimizer: its plan (``OptimizerPlan``: its update path, param
+groups, state slots and hyperparameter inputs) and torch's state format.
 
 The optimizer state lives in ``optimizer.state`` in torch's own format (``momentum_buffer``;
 ``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), updated in place by the compiled step,
 so ``optimizer.state_dict()`` is always current. ``step`` tensors live on the parameters'
-device, as torch keeps them for ``capturable=True``. The update math itself is traced by
+device, as torch keeps them for ``capturable=True``. How each optimizer updates is its
+``UpdatePath`` (``update_paths.py``); the update math itself is traced by
 ``step/optimizer_update.py``.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
-from ..errors import ConfigError, UnsupportedOptimizerError
+from ..errors import ConfigError
+from .update_paths import PATHS, UpdatePath, checked_path
 from .validate import check_number
-
-SUPPORTED = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam"}
-# Every other optimizer's own step() is traced into the step (step/traced_optimizer.py)...
-TRACED = "traced"
-# ... unless a trial step shows the trace could not be exact (step/trial_step.py): then its
-# step() runs in Python after the compiled step, on the gradients the step computed, skipped
-# on overflow (one host read), as eager's GradScaler.step runs it
-EAGER = "eager"
-# The float hyperparameters each kind reads per param group: graph inputs (0-dim fp32 tensors),
-# so a scheduler changing them never recompiles. A traced optimizer's other options are baked
-# into its step and part of the key (group_flags).
-HYPER = {
-    "sgd": ("lr", "momentum", "dampening", "weight_decay"),
-    "adam": ("lr", "beta1", "beta2", "eps", "weight_decay"),
-    TRACED: ("lr",),
-    EAGER: (),  # its step() reads its param groups itself
-}
-
-
-def optimizer_kind(optimizer: Any, eager: str | None = None) -> str:
-    """ "sgd" or "adam" (graphamp's multi-tensor updates), "traced" for any other optimizer,
-    "eager" where ``eager`` says why its step() cannot be traced exactly; raises for
-    optimizers and options that cannot be one update inside the step."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UnsupportedOptimizerError(
-            f"{type(optimizer).__qualname__} is not a torch.optim.Optimizer"
-        )
-    kind = kind_of(optimizer, eager)
-    if kind == TRACED:
-        refuse_untraceable(optimizer)
-    for group in optimizer.param_groups:
-        if group.get("differentiable"):
-            raise UnsupportedOptimizerError(
-                f"{type(optimizer).__name__}(differentiable=True) is not supported in a Graph"
-            )
-        if (
-            kind == "sgd"
-            and group.get("nesterov")
-            and (group["momentum"] <= 0 or group["dampening"] != 0)
-        ):
-            raise ConfigError("SGD nesterov momentum requires a momentum and zero dampening")
-    return kind
-
-
-def update_path(optimizer: torch.optim.Optimizer, eager: str | None = None) -> str:
-    """How the step updates with this optimizer, in words (``print(g)``)."""
-    kind = kind_of(optimizer, eager)
-    if kind == EAGER:
-        return f"its own step() in Python after the compiled step ({eager})"
-    if kind == TRACED:
-        return "its step() traced"
-    if kind == "adam" and any(g.get("fused") for g in optimizer.param_groups):
-        return "torch's fused kernel (fused=True) in the step"
-    return "graphamp's multi-tensor update"
 
 
 def check_optimizer_slot(
@@ -82,7 +30,7 @@ def check_optimizer_slot(
         raise ConfigError(
             f"add_optimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    optimizer_kind(optimizer)  # raises for unsupported optimizers, here and now
+    checked_path(optimizer)  # raises for unsupported optimizers, here and now
     if any(o is optimizer for o in added):
         raise ConfigError("this optimizer is already added to the graph")
     if isinstance(lr_sch, torch.optim.lr_scheduler.ReduceLROnPlateau):
@@ -101,91 +49,6 @@ def validate_clip(max_norm: Any, norm_type: Any) -> tuple[float | None, float]:
     if max_norm is not None:
         max_norm = check_number("clip_grad_max_norm", max_norm, above=0)
     return max_norm, check_number("clip_grad_norm_type", norm_type, above=0, allow_inf=True)
-
-
-def group_flags(
-    kind: str, optimizer: torch.optim.Optimizer, group: dict, tensor: Callable | None = None
-) -> tuple:
-    """The options of a param group that change the traced update (part of the cache key).
-
-    ``tensor``: how a tensor-valued option is recorded; its values by default (the build's
-    key), ``tensor_version`` in the per-call structure, which must not read a device tensor on
-    the host."""
-    tensor = tensor or _tensor_values
-    if kind == EAGER:  # nothing of it is in the step: its step() reads its groups as they are
-        return ()
-    if kind == TRACED:  # every option but the lr (an input) is baked into the traced step
-        return tuple(
-            (k, _frozen(v, tensor)) for k, v in sorted(group.items()) if k not in ("params", "lr")
-        )
-    maximize = bool(group.get("maximize", False))
-    if kind == "sgd":
-        return (
-            ("momentum", group["momentum"] != 0),
-            ("dampening", group["dampening"] != 0),
-            ("nesterov", bool(group["nesterov"])),
-            ("weight_decay", group["weight_decay"] != 0),
-            ("maximize", maximize),
-        )
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
-        group.get("decoupled_weight_decay", False)
-    )
-    # fused=True: torch's fused kernel takes these as floats, baked into the step
-    fused = (group["betas"], group["eps"], group["weight_decay"]) if group.get("fused") else None
-    return (
-        ("amsgrad", bool(group["amsgrad"])),
-        ("decoupled", decoupled),
-        ("weight_decay", group["weight_decay"] != 0),
-        ("maximize", maximize),
-        ("fused", _frozen(fused, tensor)),
-    )
-
-
-def kind_of(optimizer: torch.optim.Optimizer, eager: str | None = None) -> str:
-    """``optimizer_kind`` of an optimizer it has accepted already, without its checks."""
-    if eager is not None:
-        return EAGER
-    return SUPPORTED.get(type(optimizer), TRACED)
-
-
-def _frozen(value: Any, tensor: Callable) -> Any:
-    """An option's value as something hashable that a key can hold."""
-    if isinstance(value, torch.Tensor):
-        return tensor(value)
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v, tensor) for v in value)
-    return value
-
-
-def _tensor_values(t: torch.Tensor) -> tuple:
-    return ("tensor", tuple(t.detach().reshape(-1).tolist()))
-
-
-def tensor_version(t: torch.Tensor) -> tuple:
-    """A tensor option as which tensor it is and how often it was written: changes whenever
-    its values can have, with no read of them."""
-    return ("tensor", id(t), t._version)
-
-
-def state_keys(kind: str, flags: dict) -> tuple[str, ...]:
-    """The per-parameter state torch keeps for a group with these flags (a traced optimizer's
-    are found per parameter: ``GroupPlan.param_keys``)."""
-    if kind in (TRACED, EAGER):
-        return ()
-    if kind == "sgd":
-        return ("momentum_buffer",) if flags["momentum"] else ()
-    return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if flags["amsgrad"] else ())
-
-
-def starts_from_gradient(kind: str, flags: dict) -> bool:
-    """Does the step need to know, per parameter, whether its momentum buffer has started?
-
-    torch's SGD starts each parameter's momentum buffer as a copy of its first gradient (not
-    dampened), whenever that parameter first gets one: a group added later, a layer unfrozen
-    mid-run, a state cleared or deleted. With dampening 0 a zero buffer gives the same first
-    step, so only SGD with momentum and dampening needs a flag per parameter
-    (``StepInputs.momentum_fresh``)."""
-    return kind == "sgd" and bool(flags["momentum"]) and bool(flags["dampening"])
 
 
 def init_state(key: str, param: torch.Tensor) -> torch.Tensor:
@@ -216,11 +79,15 @@ class GroupPlan:
 class OptimizerPlan:
     index: int  # position among the Graph's optimizers
     optimizer: torch.optim.Optimizer
-    kind: str  # a value of SUPPORTED
+    kind: str  # its UpdatePath's name (``path``)
     groups: list[GroupPlan]  # one per param group, same order
     clip_max_norm: float | None
     clip_norm_type: float
     params: list[torch.Tensor]  # the parameters it updates, in forward_positions order
+
+    @property
+    def path(self) -> UpdatePath:
+        return PATHS[self.kind]
 
     def state_slots(self) -> list[tuple[torch.Tensor, str]]:
         """(parameter, state key) for every state tensor, in the step's input order."""
@@ -235,7 +102,7 @@ class OptimizerPlan:
     def initial_state(self, p: torch.Tensor, key: str) -> torch.Tensor:
         """A fresh state tensor: torch's format for graphamp's own updates, what the
         optimizer's first step creates for a traced one (on the parameter's device)."""
-        if self.kind != TRACED:
+        if not self.path.traced:
             return init_state(key, p)
         return self.first_state(p, key).make(p.device)
 
@@ -252,7 +119,7 @@ class OptimizerPlan:
         group: the order of this optimizer's ``StepInputs.momentum_fresh``."""
         out = []
         for group, params in self._group_params():
-            if starts_from_gradient(self.kind, dict(group.flags)):
+            if self.path.starts_from_gradient(dict(group.flags)):
                 out += params
         return out
 
@@ -274,7 +141,7 @@ class OptimizerPlan:
 
     @property
     def hyper_names(self) -> tuple[str, ...]:
-        return HYPER[self.kind]
+        return self.path.hypers
 
     def hyper_inputs(self, k: int, device: torch.device) -> list[torch.Tensor]:
         """Param group ``k``'s hyperparameter inputs (``hyper_names``), zeros: float32, or
@@ -285,14 +152,7 @@ class OptimizerPlan:
         return [torch.zeros((), dtype=dtype, device=device) for _ in self.hyper_names]
 
     def hyper_values(self, group: dict) -> tuple[Any, ...]:
-        if self.kind == EAGER:
-            return ()
-        if self.kind == TRACED:
-            return (float(group["lr"]),)
-        if self.kind == "sgd":
-            return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"])
-        beta1, beta2 = group["betas"]
-        return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+        return self.path.hyper_values(group)
 
 
 @dataclass(frozen=True)
@@ -317,28 +177,3 @@ class InitialState:
         if self.value is not None:
             return self.value.to(device)
         return torch.full(self.shape, self.fill or 0.0, dtype=self.dtype, device=device)
-
-
-def refuse_untraceable(optimizer: torch.optim.Optimizer) -> None:
-    """UnsupportedOptimizerError for optimizers whose step cannot be one traced update."""
-    name = type(optimizer).__name__
-    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        raise UnsupportedOptimizerError(
-            f"{name}.step(closure) evaluates the loss again inside the step (a line search), "
-            "which one traced step cannot do: train it eagerly, or use an optimizer whose "
-            "step takes no closure"
-        )
-    if getattr(optimizer, "_step_supports_amp_scaling", False) and not type(
-        optimizer
-    ).__module__.startswith("torch.optim"):
-        raise UnsupportedOptimizerError(
-            f"{name}.step() takes the grad scaler itself (_step_supports_amp_scaling) to "
-            "unscale and skip inside its step; graphamp's step unscales and skips for every "
-            "optimizer, so this one's own scaling would run on nothing: use its plain form"
-        )
-    if isinstance(optimizer, torch.optim.SparseAdam):
-        raise UnsupportedOptimizerError(
-            "SparseAdam updates sparse gradients only, and graphamp's gradients are dense: use "
-            "torch.optim.Adam (nn.Embedding(sparse=False))"
-        )

@@ -23,10 +23,11 @@ from .frames import UserFrame
 from .guards import AttributeRead, Guards, LiftedValue
 from .inputs import FlatInputs, InputSignature
 from .layouts import ForwardLayout, StepLayout
-from .optimizers import EAGER, TRACED, OptimizerPlan, group_flags, kind_of, tensor_version
+from .optimizers import OptimizerPlan
 from .probes import ProbeTable
 from .replays import StateReplay
 from .settings import ConfigSnapshot
+from .update_paths import UpdatePath, path_of, tensor_version
 
 if TYPE_CHECKING:  # records of other stages, typed only
     from ..forensics.device_record import ForensicsState
@@ -65,29 +66,29 @@ class OptimizerSlot:
     clip_max_norm: float | None  # None (no clipping) or a positive finite number
     clip_norm_type: float  # positive, or inf
     # why its step() runs in Python after the compiled step (step/trial_step.py), or None:
-    # the step updates with it (records.optimizers.EAGER)
+    # the step updates with it (records.update_paths.PYTHON_STEP)
     eager: str | None = None
 
     @property
-    def kind(self) -> str:
-        return kind_of(self.optimizer, self.eager)
+    def path(self) -> UpdatePath:
+        return path_of(self.optimizer, self.eager)
 
     def structure(self) -> tuple:
         """What the traced update depends on besides its input values, read at every call:
         each group's parameters and the options the build baked into the step
-        (``group_flags``: SGD's momentum on or off, Adam's amsgrad, every option of a traced
+        (``UpdatePath.flags``: SGD's momentum on or off, Adam's amsgrad, every option of a traced
         optimizer but its lr), so changing one builds again instead of being ignored."""
-        opt, kind = self.optimizer, self.kind
+        opt, path = self.optimizer, self.path
         groups = tuple(
             (
                 tuple((id(p), p.requires_grad) for p in g["params"]),
-                group_flags(kind, opt, g, tensor=tensor_version),
+                path.flags(opt, g, tensor=tensor_version),
             )
             for g in opt.param_groups
         )
         # a traced step() may read its optimizer's own settings too (self.defaults, a flag):
         # baked in like its group options
-        settings = _optimizer_settings(opt) if kind == TRACED else ()
+        settings = _optimizer_settings(opt) if path.traced else ()
         return (type(opt), groups, self.clip_max_norm, self.clip_norm_type, settings)
 
 
@@ -317,9 +318,9 @@ class StepPlan:
     @property
     def eager_outputs(self) -> int:
         """How many of the step's outputs, after build()'s, are for the optimizers whose own
-        step() runs after it (``records.optimizers.EAGER``): their gradients, then whether the
+        step() runs after it (``records.update_paths.PYTHON_STEP``): their gradients, then whether the
         step overflowed (with a scaler)."""
-        grads = sum(len(o.params) for o in self.optimizers if o.kind == EAGER)
+        grads = sum(len(o.params) for o in self.optimizers if o.path.in_python)
         return grads + (1 if grads and self.scaler is not None else 0)
 
     @property

@@ -5,7 +5,7 @@ dampened) whenever that parameter first gets one: on the optimizer's first step,
 added with ``add_param_group``, for a layer unfrozen mid-run, after ``optimizer.state`` was
 cleared or one parameter's state deleted. With dampening that first step differs from a
 zero buffer's, so the step reads one flag per such parameter (``StepInputs.momentum_fresh``,
-``records.optimizers.starts_from_gradient``), kept in the Graph's ``SharedState`` so that every
+``records.update_paths.UpdatePath.starts_from_gradient``), kept in the Graph's ``SharedState`` so that every
 compiled step of the Graph reads and writes the same one. The step clears a flag on the
 parameter's first applied step (a skipped step leaves it set, as torch, which then does not
 step, leaves the buffer missing).

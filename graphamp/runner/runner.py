@@ -19,7 +19,7 @@ from torch.autograd.graph import increment_version
 
 from ..errors import CaptureError
 from ..forensics.device_record import ForensicsState
-from ..records.optimizers import EAGER, TRACED, OptimizerPlan
+from ..records.optimizers import OptimizerPlan
 from ..records.replays import apply_replays
 from ..records.sharding import row_of
 from ..records.spec import StepFn, StepPlan
@@ -230,7 +230,7 @@ class Runner:
         return outputs
 
     def step_eagerly(self, outputs: list[torch.Tensor]) -> None:
-        """The optimizers whose own step() runs after the compiled one (``EAGER``), on the
+        """The optimizers whose own step() runs after the compiled one (``records.update_paths.PYTHON_STEP``), on the
         step's outputs that follow build()'s: each parameter's ``.grad`` is the gradient the
         step computed (unscaled, clipped, after build()'s gradient code), step() runs as eager
         runs it, and ``.grad`` is cleared again, as the compiled updates leave it. A step that
@@ -243,7 +243,7 @@ class Runner:
             return
         grads = iter(tail)
         for opt in self.plan.optimizers:
-            if opt.kind != EAGER:
+            if not opt.path.in_python:
                 continue
             for p in opt.params:
                 p.grad = next(grads)
@@ -347,7 +347,7 @@ def materialize_optimizer_state(plan: StepPlan):
                 t = _zero_row(opt, key, p, existing, plan.process_group)
             elif t is None:
                 t = opt.initial_state(p, key)
-            elif opt.kind == TRACED:
+            elif opt.path.traced:
                 t = _traced_state(opt, key, p, t)
             elif key == "step":
                 t = torch.as_tensor(t).to(device=p.device, dtype=torch.float32)

@@ -27,7 +27,7 @@ import torch.fx.traceback as fx_traceback
 
 from ..records.frames import SOURCE_LINE_META
 from ..records.layouts import StepInputs
-from ..records.optimizers import EAGER, TRACED, OptimizerPlan
+from ..records.optimizers import OptimizerPlan
 from ..records.sharding import block_of
 from ..records.spec import StepPlan
 from ..torchkit.fp8_numerics import rolled_history
@@ -77,7 +77,7 @@ def assemble_step(
     with fx_traceback.preserve_node_meta() if record_origins else nullcontext():
         gm = trace_functional(step, example, propagate_input_mutations=True)
     rename_placeholders(gm, plan.layout.names)
-    if any(o.kind == TRACED for o in plan.optimizers):
+    if any(o.path.traced for o in plan.optimizers):
         tensorify_scalar_reads(gm)
     if block_updates:
         pass_gradients_uncast(gm)
@@ -173,7 +173,7 @@ def _eager_outputs(updates: list[_OptimizerUpdate], any_skip) -> list[torch.Tens
     """What the optimizers whose own step() runs after the step take from it (after build()'s
     tensors, ``StepPlan.eager_outputs`` of them): their final gradients, and whether the step
     overflowed (with a scaler)."""
-    grads = [g for u in updates if u.opt.kind == EAGER for g in u.grads]
+    grads = [g for u in updates if u.opt.path.in_python for g in u.grads]
     if not grads:
         return []
     return grads if any_skip is None else [*grads, any_skip]
@@ -332,7 +332,7 @@ def _update_optimizers(
     params = s.params
     for u, counter in zip(updates, s.counters):
         skip = u.found > 0 if u.found is not None else None
-        if u.opt.kind == EAGER:  # its own step() runs after this one, on u.grads
+        if u.opt.path.in_python:  # its own step() runs after this one, on u.grads
             with NodeTagger({"graphamp_subgraph": "optimizer"}):
                 counter.copy_(masked(skip, counter, counter + 1))
             continue

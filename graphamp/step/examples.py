@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..records.optimizers import TRACED
 from ..records.probes import record_tensors
 from ..records.sharding import chunk_of, row_of
 from ..records.spec import StepPlan
@@ -86,7 +85,7 @@ def _optimizer_state(plan: StepPlan) -> list[Any]:
             if plan.zero_stage and key != "step":
                 world = dist.get_world_size(plan.process_group)
                 out.append(torch.zeros(chunk_of(p.shape, world), dtype=p.dtype, device=p.device))
-            elif isinstance(existing, torch.Tensor) and (key != "step" or opt.kind == TRACED):
+            elif isinstance(existing, torch.Tensor) and (key != "step" or opt.path.traced):
                 out.append(existing)
             else:
                 out.append(opt.initial_state(p, key))

@@ -21,7 +21,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..errors import CaptureError, UnsupportedOptimizerError
-from ..records.optimizers import OptimizerPlan, starts_from_gradient
+from ..records.optimizers import OptimizerPlan
+from ..records.update_paths import SGD
 from .block_update import update_repeated_blocks
 from .traced_optimizer import traced_update
 from .update_math import GroupTensors, masked, write_masked
@@ -69,8 +70,8 @@ def densify_sparse_grads(opt: OptimizerPlan, grads: list[torch.Tensor]) -> list[
     if not any(g.is_sparse for g in grads):
         return grads
     decays = any(dict(g.flags).get("weight_decay") for g in opt.groups)
-    if opt.kind != "sgd" or decays:
-        what = "weight decay" if opt.kind == "sgd" else type(opt.optimizer).__name__
+    if opt.path is not SGD or decays:
+        what = "weight decay" if opt.path is SGD else type(opt.optimizer).__name__
         raise CaptureError(
             f"optimizer {opt.index} ({type(opt.optimizer).__name__}) gets sparse gradients "
             f"(nn.Embedding(sparse=True) or F.embedding(sparse=True)), which {what} does not "
@@ -109,7 +110,7 @@ def update_optimizer(
                 _traced(opt, g, mine, [grads[i] for i in idx], own, hyper["lr"], skip)
             continue
         state = {key: [next(states) for _ in idx] for key in group.state_keys}
-        starts = starts_from_gradient(opt.kind, dict(group.flags))
+        starts = opt.path.starts_from_gradient(dict(group.flags))
         fresh = [next(fresh_flags) for _ in idx] if starts else None
         if not idx:
             continue

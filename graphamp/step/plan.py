@@ -11,17 +11,10 @@ import torch
 import torch.fx as fx
 
 from ..errors import CaptureError, ConfigError, UnsupportedOptimizerError
-from ..records.optimizers import (
-    EAGER,
-    TRACED,
-    GroupPlan,
-    OptimizerPlan,
-    group_flags,
-    optimizer_kind,
-    state_keys,
-)
+from ..records.optimizers import GroupPlan, OptimizerPlan
 from ..records.probes import ProbeTable
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
+from ..records.update_paths import checked_path
 from ..torchkit.fxutil import warn_at_user_line
 from .overflow_probes import plan_probes
 from .traced_optimizer import probe_initial_state
@@ -173,9 +166,9 @@ def _optimizer_plans(
     plans = []
     for k, slot in enumerate(spec.optimizers):
         opt = slot.optimizer
-        kind = optimizer_kind(opt, slot.eager)
-        if kind in (TRACED, EAGER) and spec.config.zero_stage:
-            how = "is traced whole" if kind == TRACED else "runs in Python on whole gradients"
+        path = checked_path(opt, slot.eager)
+        if not path.multi_tensor and spec.config.zero_stage:
+            how = "is traced whole" if path.traced else "runs in Python on whole gradients"
             raise UnsupportedOptimizerError(
                 f"{spec.name}: ZeRO shards the state of graphamp's own SGD, Adam and AdamW "
                 f"updates; {type(opt).__name__}'s own step() {how}, not by rows. Use one of "
@@ -190,9 +183,9 @@ def _optimizer_plans(
                     positions.append(i)
                     mine.append(p)
             updated += mine
-            flags = group_flags(kind, opt, group)
-            plan = GroupPlan(positions, flags, state_keys(kind, dict(flags)))
-            if kind == TRACED:  # its state, found by one eager step on copies
+            flags = path.flags(opt, group)
+            plan = GroupPlan(positions, flags, path.state_keys(dict(flags)))
+            if path.traced:  # its state, found by one eager step on copies
                 plan.initial = probe_initial_state(opt, g, mine)
                 plan.param_keys = [tuple(first) for first in plan.initial]
             groups.append(plan)
@@ -200,7 +193,7 @@ def _optimizer_plans(
             OptimizerPlan(
                 index=k,
                 optimizer=opt,
-                kind=kind,
+                kind=path.name,
                 groups=groups,
                 clip_max_norm=slot.clip_max_norm,
                 clip_norm_type=slot.clip_norm_type,

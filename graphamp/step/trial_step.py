@@ -16,7 +16,7 @@ with what the trace could reproduce:
 - another optimizer it wraps (Lookahead), whose own groups the shadow could not take;
 - its step raising on the trial, or the optimizer not copying.
 Any of these, and ``step()`` runs as eager runs it, in Python after the compiled step
-(``records.optimizers.EAGER``), with the gradients the step computed; ``trial_step`` returns
+(``records.update_paths.PYTHON_STEP``), with the gradients the step computed; ``trial_step`` returns
 the reason, which ``print(g)`` and the INFO line give. Nothing of the user's is touched: the
 trial runs on the copy.
 """

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..records.update_paths import PATHS, SGD
+
 
 @dataclass
 class GroupTensors:
@@ -34,7 +36,7 @@ def sgd_update(t: GroupTensors, flags: dict, fresh: list[torch.Tensor] | None = 
     """torch.optim.SGD's update on the whole group. Returns (new params, new state).
 
     ``fresh`` (with dampening): per parameter, True where its momentum buffer has not started
-    (``records.optimizers.starts_from_gradient``)."""
+    (``records.update_paths.UpdatePath.starts_from_gradient``)."""
     lr, grads = t.hyper["lr"], t.grads
     if flags["maximize"]:
         grads = torch._foreach_neg(grads)
@@ -107,8 +109,8 @@ def _one_minus(values: list[torch.Tensor]) -> list[torch.Tensor]:
 def apply_update(
     kind: str, tensors: GroupTensors, flags: dict, fresh: list[torch.Tensor] | None
 ) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
-    """(new params, new state) of ``kind`` ("sgd" or "adam") on ``tensors``."""
-    if kind == "sgd":
+    """(new params, new state) of the multi-tensor path named ``kind`` on ``tensors``."""
+    if PATHS[kind] is SGD:
         return sgd_update(tensors, flags, fresh)
     return adam_update(tensors, flags)
 

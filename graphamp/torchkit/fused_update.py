@@ -16,7 +16,7 @@ the step's own parameter and state inputs, with no copy.
 The learning rate is a tensor (a step input: a scheduler never recompiles): on a GPU the
 kernel's ``tensor_lr`` overload reads it on the device; on the CPU it is a float64 input read as
 the number eager passes; beta1, beta2, eps and the weight decay are the kernel's float arguments,
-baked into the step and part of its key (``records.optimizers.group_flags``), so changing one
+baked into the step and part of its key (``records.update_paths.UpdatePath.flags``), so changing one
 builds the step again. ``found_inf`` (1.0 for a skipped step) makes the kernel leave the
 parameters and state as they were, as it does under ``torch.amp.GradScaler``.
 """
