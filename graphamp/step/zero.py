@@ -1,8 +1,9 @@
 """ZeRO stages 1 and 2 inside the step: reduce-scatter, update the local shard, all-gather.
 
-Every parameter is flattened and padded to a multiple of the world size ``W``, then viewed as
-``W`` rows of ``chunk = ceil(numel / W)`` elements: rank ``r`` owns row ``r`` of every
-parameter. An optimizer's parameters form one bucket, ``(W, sum of chunks)``, so each step has
+Every parameter is cut along its first dimension as ``torch.chunk`` cuts it (FSDP2's layout):
+``ceil(d0 / W)`` rows of the first dimension per rank, padded, flattened into a row of
+``chunk = ceil(d0 / W) * prod(shape[1:])`` elements (``records/sharding.chunk_of``): rank ``r``
+owns row ``r`` of every parameter. An optimizer's parameters form one bucket, ``(W, sum of chunks)``, so each step has
 one reduce-scatter of gradients and one all-gather of updated parameters per optimizer, both
 functional collectives inside the compiled program. The optimizer state held on a rank is its
 rows only (``runner/zero_state.py`` keeps them in ``optimizer.state`` and gathers torch's
