@@ -36,7 +36,7 @@ from .records.update_paths import checked_path
 from .records.validate import check_choice
 from .runtime import schedulers
 from .runtime.calls import GraphRuntime, building_graph, call, graph_spec
-from .runtime.fsdp_adopt import fully_shard_wrap
+from .runtime.fsdp_adopt import fully_shard_wrap, is_fully_shard_class
 from .runtime.graph_state import graph_state_dict, load_graph_state
 from .runtime.overflows import overflow_report, range_report
 from .runtime.torch_scaler import as_graphamp_scaler
@@ -348,8 +348,8 @@ class Graph:
 
 def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
     """The module a wrapper stands for: a torch.compile'd module trains as its original
-    (graphamp compiles the whole step itself); FSDP1 is refused by name (FSDP2's fully_shard was
-    taken over before: runtime/fsdp_adopt.py)."""
+    (graphamp compiles the whole step itself); FSDP1 is refused by name (FSDP2's fully_shard
+    wrap is accepted as it is, and taken over at the first call: runtime/fsdp_adopt.py)."""
     if isinstance(value, nn.Module) and isinstance(getattr(value, "_orig_mod", None), nn.Module):
         log.info(
             "%s.%s is a torch.compile'd module: graphamp captures and compiles its "
@@ -359,7 +359,8 @@ def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
         )
         return value._orig_mod
     if isinstance(value, nn.Module) and any(
-        c.__module__.startswith("torch.distributed.fsdp") for c in type(value).__mro__
+        c.__module__.startswith("torch.distributed.fsdp") and not is_fully_shard_class(c)
+        for c in type(value).__mro__
     ):
         raise GraphDefinitionError(
             f"{graph_name}.{name} = {type(value).__name__}(...): FSDP1's "

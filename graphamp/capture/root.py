@@ -51,8 +51,8 @@ def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
     """Refuse DTensor parameters that are not graphamp's shards (tensor parallel, or a wrap
     put on after registration): their collectives run outside any graph, which make_fx cannot
     trace through (measured on torch 2.14, gloo: "'FunctionalTensor' object has no attribute
-    '_local_tensor'"). A ``fully_shard`` wrap registered on the Graph was taken over already
-    (runtime/fsdp_adopt.py)."""
+    '_local_tensor'"). A ``fully_shard`` wrap registered on the Graph was taken over already,
+    before the build (runtime/fsdp_adopt.py)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed

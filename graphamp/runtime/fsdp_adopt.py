@@ -49,6 +49,12 @@ def _fsdp_module_class() -> Any:
     return FSDPModule
 
 
+def is_fully_shard_class(cls: type) -> bool:
+    """Is ``cls`` FSDP2's (``FSDPModule``, or the class ``fully_shard`` made for a module)?"""
+    fsdp_module = _fsdp_module_class()
+    return fsdp_module is not None and issubclass(cls, fsdp_module)
+
+
 def fully_shard_wrap(graph_name: str, name: str, module: nn.Module) -> FullyShardWrap | None:
     """What the ``fully_shard`` wraps inside ``module`` (registered as ``name``) ask for, after
     refusing what graphamp cannot do the same way; None when nothing in it is wrapped. Changes
