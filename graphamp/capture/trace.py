@@ -30,7 +30,7 @@ from ..torchkit.fxutil import (
     user_frame_of_exception,
 )
 from ..torchkit.ops import FunctionCall
-from ..torchkit.patching import COMPILING
+from ..torchkit.patching import compiling
 from ..torchkit.shapes import is_symbolic, scratch_batch
 from .cleanup import (
     check_input_mutations,
@@ -271,7 +271,9 @@ def _trace(
     ]
     example = _example_inputs(root, inputs, layout, device, traced.value_holders)
     try:
-        with _compiling_flag(), quiet_fake_data_pointers():
+        # is_compiling() True, as under torch.compile: libraries skip host-side checks that read
+        # tensor values (transformers' padding warning, for one), which a step cannot run anyway
+        with compiling(), quiet_fake_data_pointers():
             traced.gm = trace_functional(
                 forward, example, propagate_input_mutations=False, allow_constants=True
             )
@@ -473,12 +475,3 @@ def _device_of(tensors: list[torch.Tensor]) -> torch.device:
 def _at(e: BaseException) -> str:
     frame = user_frame_of_exception(e)
     return f" at {frame}" if frame else ""
-
-
-# ``torch.compiler.is_compiling()`` is True while build() is captured, as under torch.compile and
-# torch.export: libraries then skip host-side checks that read tensor values (transformers'
-# padding warning, for one), which a compiled step cannot run anyway. The flag is process-wide.
-
-
-def _compiling_flag() -> contextlib.AbstractContextManager:
-    return COMPILING.applied() if COMPILING.available else contextlib.nullcontext()

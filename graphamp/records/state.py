@@ -36,7 +36,7 @@ class SharedState:
     # parameter -> its MomentumStart (by identity; dropped with the parameter)
     momentum: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     broadcast_done: bool = False  # data parallel: rank 0's state was broadcast once
-    rank_link: Any = None  # data parallel: backend.rank_store.RankLink, made at the first build
+    rank_link: Any = None  # data parallel: torchkit.rank_store.RankLink, made at the first build
     step_count: int = 0  # calls of the Graph that ran (overflow-skipped steps included)
     # the delayed fp8 recipe: forward input name -> its (3, 1 + history) amax state
     fp8: dict[str, torch.Tensor] = field(default_factory=dict)

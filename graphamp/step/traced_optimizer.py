@@ -23,7 +23,6 @@ count would be baked into the step).
 from __future__ import annotations
 
 import collections
-import contextlib
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ import torch.fx as fx
 from ..errors import UnsupportedOptimizerError
 from ..records.optimizers import InitialState
 from ..torchkit.fxutil import drop_profiler_markers
-from ..torchkit.patching import COMPILING
+from ..torchkit.patching import compiling
 
 # group options set for the traced step: the capturable single-tensor form, no fused kernels
 TRACE_OPTIONS = {"capturable": True, "foreach": False, "fused": False, "differentiable": False}
@@ -151,12 +150,6 @@ def _shadow(optimizer: Any, group: dict, params: list, state: Any) -> Any:
 
 def _options(group: dict, options: dict) -> dict:
     return {k: v for k, v in options.items() if k in group}
-
-
-def compiling() -> contextlib.AbstractContextManager[None]:
-    """torch's optimizers take their traced path (tensors for step counts, no host reads, no
-    device checks meant for eager capturable steps) when ``torch.compiler.is_compiling()``."""
-    return COMPILING.applied()
 
 
 class FirstValues(dict):

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .traced_optimizer import TRACE_OPTIONS, FirstValues, compiling
+from ..torchkit.patching import compiling
+from .traced_optimizer import TRACE_OPTIONS, FirstValues
 
 _HOOKS = frozenset(
     {

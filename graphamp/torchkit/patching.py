@@ -67,3 +67,11 @@ class SharedPatch:
 # ``torch.compiler.is_compiling()``, which reads this flag (torch 2.13-2.15): what
 # torch.compile sets while Dynamo traces
 COMPILING = SharedPatch(torch.compiler, "_is_compiling_flag", True)
+
+
+def compiling() -> contextlib.AbstractContextManager[None]:
+    """``torch.compiler.is_compiling()`` True for the block (``COMPILING``): while build() is
+    captured (libraries skip host-side checks of tensor values, as under torch.compile) and
+    while an optimizer's ``step()`` is traced or tried (its traced path). A release without the
+    flag has nothing to set."""
+    return COMPILING.applied() if COMPILING.available else contextlib.nullcontext()
