@@ -484,11 +484,11 @@ def test_every_package_is_in_the_distribution():
 
 def test_process_wide_patches_of_torch_go_through_shared_patch():
     """torch's attributes are process-wide: graphamp replaces one only through a
-    ``torchkit.patching.SharedPatch`` (reference-counted across threads, put back on every
+    ``torchkit.process_state.SharedPatch`` (reference-counted across threads, put back on every
     path), never by assigning it in place."""
     problems = []
     for path in PACKAGE.glob("**/*.py"):
-        if path == PACKAGE / "torchkit" / "patching.py":
+        if path == PROCESS_STATE_MODULE:
             continue
         tree = ast.parse(path.read_text())
         torch_names = {"torch", "nn"} | _names_bound_to_torch(tree)
@@ -536,3 +536,198 @@ def test_no_code_tests_an_optimizers_update_path_by_name():
         if by_name.search(line)
     ]
     assert not problems, "\n".join(problems)
+
+
+# -- process-wide state: one module declares it, one module registers ops -------------------------
+
+PROCESS_STATE_MODULE = PACKAGE / "torchkit" / "process_state.py"
+OPS_MODULE = PACKAGE / "torchkit" / "ops.py"
+# what registers with torch's op registry besides ``torch.library.*`` itself
+_REGISTERING_METHODS = {
+    "register_fake",
+    "register_autograd",
+    "register_kernel",
+    "register_autocast",
+    "register_torch_dispatch",
+    "register_vmap",
+    "py_impl",
+}
+_TRACE_HOOKS = {"sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile"}
+_GLOBAL_MODULE_HOOK = re.compile(r"^register_module_\w*hook$")
+
+
+def _sources(skip: pathlib.Path) -> list[tuple[str, ast.Module]]:
+    return [
+        (str(path.relative_to(ROOT)), ast.parse(path.read_text()))
+        for path in sorted(PACKAGE.glob("**/*.py"))
+        if path != skip
+    ]
+
+
+def _op_registrations(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where a module uses ``torch.library`` or registers a kernel with torch's op registry."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            text = ast.unparse(node)
+            if text.startswith("torch.library") or node.attr in _REGISTERING_METHODS:
+                found.append((node.lineno, text))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.library"):
+            found.append((node.lineno, f"from {node.module} import"))
+        elif isinstance(node, ast.Import) and any(
+            a.name.startswith("torch.library") for a in node.names
+        ):
+            found.append((node.lineno, "import torch.library"))
+    return found
+
+
+def test_only_the_ops_module_registers_torch_ops():
+    """Every registration with torch's op registry (``torch.library``: ``custom_op``,
+    ``Library``, ``define``, ``impl``, ``register_fake``, ``register_autograd``...) is in
+    ``torchkit/ops.py``, made when it is imported: one module says what graphamp adds to
+    torch's dispatcher (an op's kernel may live elsewhere, beside its math)."""
+    problems = [
+        f"{name}:{line}: {text}"
+        for name, tree in _sources(skip=OPS_MODULE)
+        for line, text in _op_registrations(tree)
+    ]
+    assert not problems, "\n".join(problems)
+    assert _op_registrations(ast.parse(OPS_MODULE.read_text()))  # the check sees them there
+
+
+def test_trace_functions_and_global_module_hooks_are_set_only_by_process_state():
+    """``sys.settrace`` and torch's global module hooks (``register_module_*_hook``) change the
+    whole process (or every frame of a thread): only ``torchkit/process_state.py`` sets them,
+    each with its bound and why, and puts back what it replaced."""
+    problems = []
+    for name, tree in _sources(skip=PROCESS_STATE_MODULE):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            text = ast.unparse(node.func)
+            if text in _TRACE_HOOKS or _GLOBAL_MODULE_HOOK.match(text.rsplit(".", 1)[-1]):
+                problems.append(f"{name}:{node.lineno}: {text}")
+    assert not problems, "\n".join(problems)
+    found = ast.unparse(ast.parse(PROCESS_STATE_MODULE.read_text()))
+    assert "sys.settrace" in found and "register_module_forward_hook" in found
+
+
+_CONTAINER_CALLS = re.compile(
+    r"^((collections|weakref)\.)?(dict|list|set|Counter|OrderedDict|defaultdict|deque|"
+    r"WeakKeyDictionary|WeakValueDictionary|WeakSet)$"
+)
+_CONTAINERS = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+_MUTATORS = {
+    "append",
+    "add",
+    "update",
+    "setdefault",
+    "pop",
+    "popitem",
+    "clear",
+    "extend",
+    "insert",
+    "remove",
+    "discard",
+    "appendleft",
+    "popleft",
+    "subtract",
+}
+_CACHES = {"functools.cache", "functools.lru_cache", "cache", "lru_cache"}
+
+
+def _module_containers(tree: ast.Module) -> set[str]:
+    """Names a module binds to a new mutable container at its top level."""
+    names = set()
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, _CONTAINERS) or (
+            isinstance(value, ast.Call) and _CONTAINER_CALLS.match(ast.unparse(value.func))
+        ):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]  # type: ignore[union-attr]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _changed_in_functions(tree: ast.Module) -> set[str]:
+    """Names a function of the module changes what they hold (``x[k] = v``, ``x.append(v)``,
+    ``del x[k]``) or rebinds (``global x``)."""
+    changed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            changed |= set(node.names)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = [node.target] if isinstance(node, ast.AugAssign) else node.targets
+            changed |= {
+                t.value.id
+                for t in targets
+                if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name)
+            }
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name):
+                changed.add(node.func.value.id)
+    return changed
+
+
+def _process_wide_state(tree: ast.Module) -> set[str]:
+    """The module-level names of a module that hold state for the process: the containers and
+    globals its functions change, and its module-level functions cached (``functools.cache``).
+    Changes made at the module's top level build constant tables at import."""
+    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
+    changed: set[str] = set()
+    for scope in [*functions, *classes]:
+        changed |= _changed_in_functions(scope)
+    top_level = {
+        t.id
+        for node in tree.body
+        for t in (node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)])
+        if isinstance(t, ast.Name)
+    }
+    cached = {
+        fn.name
+        for fn in functions
+        if any(ast.unparse(getattr(d, "func", d)) in _CACHES for d in fn.decorator_list)
+    }
+    return (changed & (top_level | _module_containers(tree))) | cached
+
+
+def test_process_wide_state_is_declared_in_process_state():
+    """Every module-level container graphamp changes after import, every module global a
+    function rebinds and every module-level function cached for the process is an entry of
+    ``process_state.PROCESS_STATE``, with its bound and why it is process-wide (a constant table
+    built at import is not state)."""
+    from graphamp.torchkit.process_state import PROCESS_STATE
+
+    declared = {held.where for held in PROCESS_STATE}
+    undeclared = [
+        f"{name}:{state}"
+        for name, tree in _sources(skip=PROCESS_STATE_MODULE)
+        for state in sorted(_process_wide_state(tree))
+        if f"{name}:{state}" not in declared
+    ]
+    assert not undeclared, "declare in torchkit/process_state.py:\n" + "\n".join(undeclared)
+
+
+def test_every_process_state_entry_names_a_thing_that_exists():
+    """``PROCESS_STATE`` names each thing by module and name; each is there, once, with its
+    bound and its reason, and each module that makes a ``SharedPatch`` has an entry."""
+    import importlib
+
+    from graphamp.torchkit.process_state import PROCESS_STATE
+
+    wheres = [held.where for held in PROCESS_STATE]
+    assert len(wheres) == len(set(wheres))
+    for held in PROCESS_STATE:
+        path, name = held.where.split(":")
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        assert hasattr(module, name), held.where
+        assert held.what and held.bound and held.why, held.where
+    patching = {
+        name
+        for name, tree in _sources(skip=PROCESS_STATE_MODULE)
+        if any(
+            isinstance(n, ast.Call) and ast.unparse(n.func) == "SharedPatch" for n in ast.walk(tree)
+        )
+    }
+    assert patching and patching <= {w.split(":")[0] for w in wheres}

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import graphamp
 from graphamp.step import block_update
+from graphamp.torchkit.process_state import BoundedCache
 from graphamp.torchkit.rank_store import RankLink, raise_if_a_peer_failed
 
 
@@ -64,8 +65,7 @@ def test_a_recorded_failure_names_the_rank_its_call_and_error_until_it_is_cleare
 
 
 def test_the_block_kernel_cache_keeps_at_most_its_bound(monkeypatch):
-    monkeypatch.setattr(block_update, "_KERNELS", {})
-    monkeypatch.setattr(block_update, "MAX_KERNELS", 2)
+    monkeypatch.setattr(block_update, "_KERNELS", BoundedCache(2))
     for i in range(3):
         block_update._remember((f"spec{i}", ()), lambda: i)
     assert list(block_update._KERNELS) == [("spec1", ()), ("spec2", ())]

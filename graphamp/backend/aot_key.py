@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..torchkit.patching import SharedPatch
+from ..torchkit.process_state import SharedPatch
 from . import step_cache
 from .compile import default_inductor_options
 

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import CheckpointFunction, check_backward_validity
 
 from ..torchkit.fxutil import current_user_frame, last_node, nodes_after, tracing_graph
 from ..torchkit.ops import _ORIGINAL_APPLY, AUTOGRAD_FUNCTION, FunctionCall
-from ..torchkit.patching import SharedPatch
+from ..torchkit.process_state import SharedPatch
 
 _active = threading.local()  # .calls: the FunctionCalls of the capture running in this thread
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 from ..errors import CaptureError
 from ..records.frames import UserFrame
-from ..torchkit.patching import SharedPatch
+from ..torchkit.process_state import SharedPatch
 
 try:
     import numpy as np

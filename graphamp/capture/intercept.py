@@ -35,6 +35,7 @@ from ..torchkit.fxutil import (
     tracing_graph,
 )
 from ..torchkit.ops import CAPTURE_REWRITES
+from ..torchkit.process_state import module_forward_hooks
 from .dtype_checks import mixed_dtypes
 from .gradient_book import GradientBook
 from .host_reads import (
@@ -97,22 +98,12 @@ class CaptureMode(TorchFunctionMode):
         self._backward_seen: dict[int, RecordedLoss] = {}
         self._stack: list[tuple[str, str]] = []
         self._stack_meta: dict[str, tuple[str, str]] = {}
-        self._hooks: list[Any] = []
 
     # -- module stack, from global module hooks ---------------------------------------------------
     @contextlib.contextmanager
     def tracking_modules(self) -> Iterator[None]:
-        hooks = nn.modules.module
-        self._hooks = [
-            hooks.register_module_forward_pre_hook(self._enter_module),
-            hooks.register_module_forward_hook(self._exit_module, always_call=True),
-        ]
-        try:
+        with module_forward_hooks(self._enter_module, self._exit_module):  # process_state's
             yield
-        finally:
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
 
     def _enter_module(self, module: nn.Module, _args: Any) -> None:
         path = self.module_names.get(id(module))

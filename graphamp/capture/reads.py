@@ -6,8 +6,8 @@ every attribute read on a registered module, on the Graph, on a transformers con
 of them, and on a module the code reaches through a global or a closure (``scope_reads.py``)
 is recorded with its value (``records.guards.AttributeRead``); the program runs only while
 those values hold. Reads are seen through a recording ``__getattribute__`` put on those classes
-for the length of the capture (``patching.SharedPatch``); only the capturing thread records, and
-only on the objects it watches.
+for the length of the capture (``process_state.SharedPatch``); only the capturing thread
+records, and only on the objects it watches.
 
 What is recorded, and how it is compared at every call (``guard_form``):
 - plain values (numbers, strings, None, enums, dtypes, devices, tuples of them) by equality;
@@ -63,7 +63,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from ..records.guards import ABSENT, AttributeRead, ClassNamespace, ObjectAttributes, SlotNamespace
 from ..torchkit.fxutil import is_library_file
-from ..torchkit.patching import SharedPatch
+from ..torchkit.process_state import SharedPatch
 from .contents import Contents, count_entries, fields_of, is_plain, is_record
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring

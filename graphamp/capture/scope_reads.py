@@ -62,6 +62,7 @@ from ..records.frames import UserFrame
 from ..records.guards import AttributeRead, CellNamespace
 from ..records.replays import MISSING, Place
 from ..torchkit.fxutil import is_library_file
+from ..torchkit.process_state import trace_function
 from .reads import (
     INSTALLED,
     PYTHONS_OWN,
@@ -301,15 +302,14 @@ class ScopeReads:
     @contextlib.contextmanager
     def tracing(self) -> Iterator[ScopeReads]:
         """The trace function, on this thread, for the block."""
-        self._previous = sys.gettrace()
+        self._previous = sys.gettrace()  # chained to (_global_trace)
         tracer = self._global_trace  # one bound method: untraced() compares it by identity
-        sys.settrace(tracer)
-        _active.tracer = tracer
-        try:
-            yield self
-        finally:
-            _active.tracer = None
-            sys.settrace(self._previous)
+        with trace_function(tracer):  # process_state: the one place sys.settrace is called
+            _active.tracer = tracer
+            try:
+                yield self
+            finally:
+                _active.tracer = None
         if self.refused is not None:
             raise self.refused
 
@@ -323,11 +323,8 @@ def untraced() -> Iterator[None]:
     if tracer is None or sys.gettrace() is not tracer:
         yield
         return
-    sys.settrace(None)
-    try:
+    with trace_function(None):  # put back on leaving
         yield
-    finally:
-        sys.settrace(tracer)
 
 
 def _refuse_traced_contents(graph_name: str, read: AttributeRead) -> None:

@@ -26,7 +26,7 @@ import torch.nn as nn
 from ..records.frames import UserFrame
 from ..records.replays import MISSING, Place
 from ..torchkit.fxutil import current_user_frame
-from ..torchkit.patching import SharedPatch
+from ..torchkit.process_state import SharedPatch
 from .reads import held_configs
 
 

@@ -30,7 +30,7 @@ from ..torchkit.fxutil import (
     user_frame_of_exception,
 )
 from ..torchkit.ops import FunctionCall
-from ..torchkit.patching import compiling
+from ..torchkit.process_state import compiling
 from ..torchkit.shapes import is_symbolic, scratch_batch
 from .cleanup import (
     check_input_mutations,

@@ -21,8 +21,8 @@ import torch.fx as fx
 
 from ..errors import ConfigError
 from ..records.spec import Program
-from ..torchkit.fp8_numerics import FP8_MM_DELAYED
 from ..torchkit.fxutil import module_path
+from ..torchkit.ops import FP8_MM_DELAYED
 
 OPERANDS = ("input", "weight", "gradient")
 # half the relative spacing of the format's top binade (its mantissa bits: e4m3 3, e5m2 2): a

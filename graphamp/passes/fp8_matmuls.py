@@ -22,8 +22,9 @@ from typing import Any, Callable, cast
 import torch
 import torch.fx as fx
 
-from ..torchkit.fp8_numerics import FP8_MM, FP8_MM_DELAYED, HISTORY_ROWS
+from ..torchkit.fp8_numerics import HISTORY_ROWS
 from ..torchkit.fxutil import module_path
+from ..torchkit.ops import FP8_MM, FP8_MM_DELAYED
 from .base import AmpContext, PassResult, dtype_after_amp
 
 aten = torch.ops.aten

@@ -11,8 +11,9 @@ names what changed for the log.
 
 Walking every module's children at every call would cost tens of microseconds on a large
 model, so the tree's identity fingerprint is recomputed only when torch registered a module,
-parameter or buffer anywhere since the last look (global registration hooks bump an epoch) or
-when a module lost a child, a parameter or a buffer (the per-call sizes below).
+parameter or buffer anywhere since the last look (torch's global registration hooks,
+installed once per process, move an epoch: ``process_state.REGISTRATIONS``) or when a module
+lost a child, a parameter or a buffer (the per-call sizes below).
 """
 
 from __future__ import annotations
@@ -29,32 +30,9 @@ from ..records.inputs import FlatInputs
 from ..records.model_pins import declared_patterns, declaring_models
 from ..records.spec import Program
 from ..torchkit.fxutil import warn_at_user_line
+from ..torchkit.process_state import REGISTRATIONS
 
 log = logging.getLogger("graphamp")
-
-_epoch = itertools.count()
-_current = [next(_epoch)]
-
-
-def _bump(*_hook_args: Any) -> None:
-    _current[0] = next(_epoch)
-
-
-_watching: list[bool] = []
-
-
-def watch_registrations() -> None:
-    """From now on, any assignment of a module, parameter or buffer anywhere in the process
-    (model.fc = nn.Linear(...), seq.append(...), model.weight = nn.Parameter(...)) moves the
-    epoch: torch's global registration hooks, installed once, when the first Graph is made
-    (graphamp's own capture writes the dicts directly and moves nothing)."""
-    if _watching:
-        return
-    module_hooks.register_module_module_registration_hook(_bump)
-    module_hooks.register_module_parameter_registration_hook(_bump)
-    module_hooks.register_module_buffer_registration_hook(_bump)
-    _watching.append(True)
-
 
 _global_hooks = (
     module_hooks._global_forward_hooks,
@@ -71,7 +49,7 @@ class StructureKey:
     """Computes a Graph's ``Structure`` at every call (see the module docstring)."""
 
     def __init__(self) -> None:
-        watch_registrations()
+        REGISTRATIONS.watch()  # torch's global registration hooks, once per process
         self._epoch = -1
         self._roots: tuple = ()
         self._modules: list[nn.Module] = []
@@ -88,7 +66,7 @@ class StructureKey:
         modes: tuple = (),
     ) -> Structure:
         roots = tuple(registered.items())
-        if self._epoch != _current[0] or roots != self._roots:
+        if self._epoch != REGISTRATIONS.epoch or roots != self._roots:
             self._refresh(roots)
         sizes_and_modes = tuple(
             (m.training, len(m._modules), len(m._parameters), len(m._buffers))
@@ -114,7 +92,7 @@ class StructureKey:
         )
 
     def _refresh(self, roots: tuple) -> None:
-        self._epoch, self._roots = _current[0], roots
+        self._epoch, self._roots = REGISTRATIONS.epoch, roots
         self._modules = [m for _, top in roots for m in top.modules()]
         # the hook dicts are created with each module and changed in place: kept once here
         self._hook_dicts = [

@@ -41,18 +41,10 @@ from torch import Tensor
 
 from ..torchkit.backends import call_backend
 from ..torchkit.fxutil import trace_functional
+from ..torchkit.ops import provide_block_update
+from ..torchkit.process_state import BoundedCache
 from .outline import numbered_on
 from .update_math import GroupTensors, write_masked
-
-# Defined on torch's dispatcher directly, not with ``torch.library.custom_op``: that wraps every
-# call in an autograd Function whose pytree flattening of a block's ~50 tensors cost 340 us a
-# call on the CPU, twice the kernel's own time (a block of the 6-layer GPT-2, AdamW). Here the
-# autograd key falls through to torch's C++ fallback. The step never differentiates the update.
-_LIB = torch.library.Library("graphamp", "FRAGMENT")
-_LIB.define(
-    "update_block_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, "
-    "Tensor(c!)[] fresh, Tensor[] hypers, Tensor? skip, str spec) -> ()"
-)
 
 
 def _update_block(
@@ -78,12 +70,10 @@ def _update_block(
         kernel(*flat)
 
 
-def _no_values(params, grads, states, fresh, hypers, skip, spec) -> None:  # noqa: ARG001 - the op's schema
-    return None
-
-
-_LIB.impl("update_block_", _update_block, "CompositeExplicitAutograd")
-torch.library.register_fake("graphamp::update_block_", _no_values, lib=_LIB)
+# the op's schema, fake kernel and registration are torchkit/ops.py's (the package's one
+# import-time registration, and why the op is defined on torch's dispatcher directly); the
+# kernel it runs is this one
+provide_block_update(_update_block)
 
 
 class _Spec:
@@ -140,16 +130,14 @@ def spec_text(
 
 
 # (spec, strides) -> the kernel, made at the first call (the specs name sizes and dtypes).
-# Process-wide, and bounded: a long process that builds many models (a sweep, a notebook)
-# drops its oldest kernels, which are made again if a step still calls them.
-_KERNELS: dict[tuple[str, tuple], Callable[..., object]] = {}
+# Process-wide (process_state.PROCESS_STATE), and bounded: a long process that builds many
+# models (a sweep, a notebook) drops its oldest kernels, made again if a step still calls them.
 MAX_KERNELS = 256
+_KERNELS: BoundedCache[tuple[str, tuple], Callable[..., object]] = BoundedCache(MAX_KERNELS)
 
 
 def _remember(key: tuple[str, tuple], kernel: Callable[..., object]) -> Callable[..., object]:
-    while len(_KERNELS) >= MAX_KERNELS:
-        del _KERNELS[next(iter(_KERNELS))]  # the oldest (dicts keep insertion order)
-    _KERNELS[key] = kernel
+    _KERNELS[key] = kernel  # the oldest dropped where the cache is full
     return kernel
 
 

@@ -32,7 +32,7 @@ import torch.fx as fx
 from ..errors import UnsupportedOptimizerError
 from ..records.optimizers import InitialState
 from ..torchkit.fxutil import drop_profiler_markers
-from ..torchkit.patching import compiling
+from ..torchkit.process_state import compiling
 
 # group options set for the traced step: the capturable single-tensor form, no fused kernels
 TRACE_OPTIONS = {"capturable": True, "foreach": False, "fused": False, "differentiable": False}

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..torchkit.patching import compiling
+from ..torchkit.process_state import compiling
 from .traced_optimizer import TRACE_OPTIONS, FirstValues
 
 _HOOKS = frozenset(

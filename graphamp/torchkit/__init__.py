@@ -6,5 +6,7 @@ torch release (``compat``).
 
 Importing ``graphamp.torchkit.ops`` registers the ``graphamp::`` torch library: the package's one
 import-time registration (``graphamp/__init__.py`` imports it first, so every process that
-imports graphamp has the ops before any graph is traced or a step is unpickled).
+imports graphamp has the ops before any graph is traced or a step is unpickled). Everything
+graphamp holds for the whole process (patches of torch, hooks, caches) is declared in
+``process_state``.
 """

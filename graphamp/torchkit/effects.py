@@ -14,51 +14,18 @@ AOTAutograd for ``aot_eager`` and ``inductor``, threads the tokens itself when i
 the step. The check then runs inside the compiled step and raises as in eager mode (a
 singular matrix raises ``torch.linalg.LinAlgError``) before the step writes any state.
 
-The registry is process-wide: the lift is reference-counted across threads, and another
+The registry is process-wide: the lift is reference-counted across threads
+(``process_state.EFFECTS_LIFTED``, where graphamp's process-wide state is declared), and another
 thread's ``torch.compile`` tracing at the same moment would see these ops as effect-free.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Any, Iterator
 
-_lock = threading.Lock()
-_users = 0
-_lifted: list[tuple[Any, Any]] = []  # (the registry entry's effect holder, the effect it had)
+from .process_state import EFFECTS_LIFTED
 
 
-def _effectful_ops() -> list[Any]:
-    """The effect holders of the operators (not higher-order ops) torch marks effectful."""
-    try:
-        from torch._library.simple_registry import singleton
-    except ImportError:  # a torch without the effect registry: nothing to lift
-        return []
-    entries = getattr(singleton, "_data", {})
-    return [
-        entry.effect
-        for name, entry in list(entries.items())
-        if not name.startswith("higher_order::") and getattr(entry.effect, "effect", None)
-    ]
-
-
-@contextlib.contextmanager
-def effects_as_plain_ops() -> Iterator[None]:
+def effects_as_plain_ops() -> contextlib.AbstractContextManager[None]:
     """Inside the block, the effectful operators are traced like any other op."""
-    global _users
-    with _lock:
-        if _users == 0:
-            _lifted[:] = [(holder, holder.effect) for holder in _effectful_ops()]
-            for holder, _ in _lifted:
-                holder.register(None)
-        _users += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                for holder, effect in _lifted:
-                    holder.register(effect)
-                _lifted.clear()
+    return EFFECTS_LIFTED.applied()

@@ -186,18 +186,16 @@ def fp8_matmul_delayed(a: Tensor, b: Tensor, history: Tensor, margin: int) -> Te
     return Fp8MatMulDelayed.apply(a, b, history, margin)
 
 
-@torch.library.custom_op("graphamp::fp8_mm_delayed", mutates_args=("history",))
-def _fp8_mm_delayed_op(a: Tensor, b: Tensor, history: Tensor, margin: int) -> Tensor:
+# ``graphamp::fp8_mm_delayed`` and ``graphamp::fp8_mm``: their kernels and fake kernel, registered
+# by ``torchkit/ops.py`` (the package's one import-time registration; ``ops.FP8_MM``, ...)
+def fp8_mm_delayed_kernel(a: Tensor, b: Tensor, history: Tensor, margin: int) -> Tensor:
     with torch.no_grad():
         return fp8_matmul_delayed(a, b, history, margin)
 
 
-@_fp8_mm_delayed_op.register_fake
-def _(a: Tensor, b: Tensor, history: Tensor, margin: int) -> Tensor:  # noqa: ARG001 - the op's schema
+def fp8_mm_fake(a: Tensor, b: Tensor, *_rest) -> Tensor:
+    """The output of either op: ``a @ b``'s shape."""
     return a.new_empty((a.shape[0], b.shape[1]))
-
-
-FP8_MM_DELAYED = torch.ops.graphamp.fp8_mm_delayed.default
 
 
 def fp8_matmul(a: Tensor, b: Tensor, recipe: str) -> Tensor:
@@ -205,14 +203,5 @@ def fp8_matmul(a: Tensor, b: Tensor, recipe: str) -> Tensor:
     return Fp8MatMul.apply(a, b, recipe)
 
 
-@torch.library.custom_op("graphamp::fp8_mm", mutates_args=())
-def _fp8_mm_op(a: Tensor, b: Tensor, recipe: str) -> Tensor:
+def fp8_mm_kernel(a: Tensor, b: Tensor, recipe: str) -> Tensor:
     return forward_mm(a, b, recipe)
-
-
-@_fp8_mm_op.register_fake
-def _(a: Tensor, b: Tensor, recipe: str) -> Tensor:  # noqa: ARG001 - the op's schema
-    return a.new_empty((a.shape[0], b.shape[1]))
-
-
-FP8_MM = torch.ops.graphamp.fp8_mm.default

@@ -27,10 +27,8 @@ import torch
 from torch import Tensor
 
 
-@torch.library.custom_op(
-    "graphamp::fused_adam_",
-    mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
-)
+# The op's kernel and fake kernel: ``torchkit/ops.py`` registers them (the package's one
+# import-time registration), with what the op writes.
 def fused_adam_(
     params: list[Tensor],
     grads: list[Tensor],
@@ -73,6 +71,6 @@ def fused_adam_(
     )
 
 
-@fused_adam_.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, *rest) -> None:  # noqa: ARG001 - the op's schema
+def fused_adam_fake(*_args: object, **_kwargs: object) -> None:
+    """The op writes its inputs and returns nothing."""
     return None

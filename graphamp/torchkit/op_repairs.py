@@ -36,8 +36,9 @@ aten = torch.ops.aten
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # torch.ctc_loss takes the enum's value
 
 
-@torch.library.custom_op("graphamp::ctc_loss", mutates_args=())
-def _ctc_loss_op(
+# ``graphamp::ctc_loss`` and ``graphamp::ctc_loss_backward``: their kernels, fake kernels and
+# derivative, registered by ``torchkit/ops.py`` (the package's one import-time registration)
+def ctc_loss_kernel(
     log_probs: Tensor,
     targets: Tensor,
     input_lengths: Tensor,
@@ -53,8 +54,7 @@ def _ctc_loss_op(
     return nll, padded
 
 
-@_ctc_loss_op.register_fake
-def _(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):  # noqa: ARG001 - the op's schema
+def ctc_loss_fake(log_probs, targets, input_lengths, target_lengths, blank, zero_infinity):  # noqa: ARG001 - the op's schema
     return log_probs.new_empty(log_probs.shape[1:2]), log_probs.new_empty(
         _alpha_shape(log_probs, targets)
     )
@@ -66,8 +66,7 @@ def _alpha_shape(log_probs: Tensor, targets: Tensor) -> tuple[int, int, int]:
     return (log_probs.shape[1], log_probs.shape[0], 2 * longest + 1)
 
 
-@torch.library.custom_op("graphamp::ctc_loss_backward", mutates_args=())
-def _ctc_loss_backward_op(
+def ctc_loss_backward_kernel(
     grad: Tensor,
     log_probs: Tensor,
     targets: Tensor,
@@ -92,18 +91,17 @@ def _ctc_loss_backward_op(
     )
 
 
-@_ctc_loss_backward_op.register_fake
-def _(grad: Tensor, log_probs: Tensor, *_rest) -> Tensor:  # noqa: ARG001 - the op's schema
+def ctc_loss_backward_fake(grad: Tensor, log_probs: Tensor, *_rest) -> Tensor:  # noqa: ARG001
     return torch.empty_like(log_probs)
 
 
-def _ctc_setup(ctx, inputs, output) -> None:
+def ctc_setup_context(ctx, inputs, output) -> None:
     log_probs, targets, input_lengths, target_lengths, blank, zero_infinity = inputs
     ctx.save_for_backward(log_probs, targets, input_lengths, target_lengths, *output)
     ctx.blank, ctx.zero_infinity = blank, zero_infinity
 
 
-def _ctc_backward(ctx, grad_nll, _grad_alpha):
+def ctc_backward(ctx, grad_nll, _grad_alpha):
     log_probs, targets, input_lengths, target_lengths, nll, log_alpha = ctx.saved_tensors
     grad = torch.ops.graphamp.ctc_loss_backward(
         grad_nll,
@@ -117,9 +115,6 @@ def _ctc_backward(ctx, grad_nll, _grad_alpha):
         ctx.zero_infinity,
     )
     return grad, None, None, None, None, None
-
-
-_ctc_loss_op.register_autograd(_ctc_backward, setup_context=_ctc_setup)
 
 
 def capture_ctc_loss(

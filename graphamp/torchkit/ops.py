@@ -39,8 +39,8 @@ from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
 from ..errors import ConfigError
-from .fp8_numerics import FP8_MM, FP8_MM_DELAYED, fp8_matmul, fp8_matmul_delayed
-from .fused_update import fused_adam_  # noqa: F401 - registers graphamp::fused_adam_
+from . import fp8_numerics, fused_update, op_repairs
+from .fp8_numerics import fp8_matmul, fp8_matmul_delayed
 from .fxutil import NodeTagger
 from .op_repairs import REPAIRED_OPS
 
@@ -274,6 +274,79 @@ def _register_rnn_autocast() -> None:
 
 _LIBRARY = torch.library.Library("graphamp", "FRAGMENT")
 _register_rnn_autocast()
+
+
+# -- the ops whose kernels live beside their math -------------------------------------------------
+# Their kernels and fake kernels are in the modules that hold the math (fused_update.py,
+# op_repairs.py, fp8_numerics.py; step/block_update.py); they are registered here, so that this
+# module is the only one that changes torch's op registry.
+
+_fused_adam_op = torch.library.custom_op(
+    "graphamp::fused_adam_",
+    fused_update.fused_adam_,
+    mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+)
+_fused_adam_op.register_fake(fused_update.fused_adam_fake)
+
+_ctc_loss_op = torch.library.custom_op(
+    "graphamp::ctc_loss", op_repairs.ctc_loss_kernel, mutates_args=()
+)
+_ctc_loss_op.register_fake(op_repairs.ctc_loss_fake)
+_ctc_loss_op.register_autograd(op_repairs.ctc_backward, setup_context=op_repairs.ctc_setup_context)
+_ctc_loss_backward_op = torch.library.custom_op(
+    "graphamp::ctc_loss_backward", op_repairs.ctc_loss_backward_kernel, mutates_args=()
+)
+_ctc_loss_backward_op.register_fake(op_repairs.ctc_loss_backward_fake)
+
+_fp8_mm_delayed_op = torch.library.custom_op(
+    "graphamp::fp8_mm_delayed", fp8_numerics.fp8_mm_delayed_kernel, mutates_args=("history",)
+)
+_fp8_mm_delayed_op.register_fake(fp8_numerics.fp8_mm_fake)
+_fp8_mm_op = torch.library.custom_op(
+    "graphamp::fp8_mm", fp8_numerics.fp8_mm_kernel, mutates_args=()
+)
+_fp8_mm_op.register_fake(fp8_numerics.fp8_mm_fake)
+FP8_MM_DELAYED = torch.ops.graphamp.fp8_mm_delayed.default
+FP8_MM = torch.ops.graphamp.fp8_mm.default
+
+# ``graphamp::update_block_``: one block's optimizer update, in place (step/block_update.py).
+# Defined on torch's dispatcher directly, not with ``torch.library.custom_op``: that wraps every
+# call in an autograd Function whose pytree flattening of a block's ~50 tensors cost 340 us a
+# call on the CPU, twice the kernel's own time (a block of the 6-layer GPT-2, AdamW). Here the
+# autograd key falls through to torch's C++ fallback. The step never differentiates the update.
+_LIBRARY.define(
+    "update_block_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] states, "
+    "Tensor(c!)[] fresh, Tensor[] hypers, Tensor? skip, str spec) -> ()"
+)
+# Its kernel compiles the step layer's update math, which torchkit does not import: the step
+# layer provides it when imported (``provide_block_update``; graphamp/__init__.py imports it),
+# and the kernel registered here calls it. One Python call more per op call, no pytree work.
+_block_update_kernel: list[Callable[..., None]] = []  # process_state.PROCESS_STATE declares it
+
+
+def provide_block_update(kernel: Callable[..., None]) -> None:
+    """``kernel(params, grads, states, fresh, hypers, skip, spec)`` runs every
+    ``graphamp::update_block_`` call from now on (``step/block_update.py``'s, set at its import)."""
+    _block_update_kernel[:] = [kernel]
+
+
+def _update_block(params, grads, states, fresh, hypers, skip, spec) -> None:
+    try:
+        kernel = _block_update_kernel[0]
+    except IndexError:
+        raise RuntimeError(
+            "graphamp::update_block_ has no kernel: import graphamp (graphamp.step.block_update "
+            "provides it)"
+        ) from None
+    kernel(params, grads, states, fresh, hypers, skip, spec)
+
+
+def _no_values(params, grads, states, fresh, hypers, skip, spec) -> None:  # noqa: ARG001 - the op's schema
+    return None
+
+
+_LIBRARY.impl("update_block_", _update_block, "CompositeExplicitAutograd")
+torch.library.register_fake("graphamp::update_block_", _no_values, lib=_LIBRARY)
 
 
 # -- composite ops classified as a whole, and autocast's promote policy at capture ---------------
