@@ -538,6 +538,104 @@ def test_no_code_tests_an_optimizers_update_path_by_name():
     assert not problems, "\n".join(problems)
 
 
+# -- step components ---------------------------------------------------------------------------
+
+# the step's input groups that are the forward's and the optimizers' (step/plan.py names them);
+# every other group belongs to exactly one step component
+_CORE_INPUT_GROUPS = {
+    "params",
+    "buffers",
+    "opt_state",
+    "hyper",
+    "counters",
+    "momentum_fresh",
+    "constants",
+    "inputs",
+}
+
+
+def _documented_components() -> list[tuple[str, str, list[str], str]]:
+    """docs/architecture.md's step components table: (name, module, phases, input group)."""
+    page = ARCHITECTURE_PAGE.read_text()
+    rows = page.split("| component | module | phases | input group |", 1)[1].split("\n\n", 1)[0]
+    out = []
+    for row in rows.splitlines()[2:]:
+        name, module, phases, group = (c.strip() for c in row.strip().strip("|").split("|"))
+        out.append(
+            (name.strip("`"), module.strip("`"), [p.strip() for p in phases.split(",")], group)
+        )
+    return out
+
+
+def test_the_step_components_are_the_ones_the_architecture_page_draws():
+    """The page's table of step components is the registry's: names, modules, the phases each
+    adds at, the input group each owns, in the registered order."""
+    from graphamp.step.components import COMPONENTS, Phase
+
+    registered = [
+        (
+            c.name,
+            f"{type(c).__module__.rsplit('.', 1)[-1]}.py",
+            [p.name for p in Phase if c.adds_at(p)],
+            f"`{c.group}`" if c.group else "",
+        )
+        for c in COMPONENTS
+    ]
+    assert _documented_components() == registered
+
+
+def test_every_state_group_of_the_step_belongs_to_one_component():
+    """A step input group is the forward's, the optimizers', or one component's (which names
+    its placeholders and makes its example tensors)."""
+    from graphamp.step.components import COMPONENTS
+
+    owners = collections.Counter(c.group for c in COMPONENTS if c.group is not None)
+    assert [g for g, n in owners.items() if n > 1] == []
+    assert set(owners) | _CORE_INPUT_GROUPS == set(STEP_INPUT_GROUPS)
+    assert not set(owners) & _CORE_INPUT_GROUPS
+
+
+def test_components_are_registered_in_one_place():
+    """Only ``step/components/__init__.py`` makes the components (one registration), and only
+    assembly and the plan's helpers run them."""
+    problems = []
+    for path in PACKAGE.glob("**/*.py"):
+        if path == PACKAGE / "step" / "components" / "__init__.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and path.parent.name != "components":
+                bases = {ast.unparse(b) for b in node.bases}
+                if "StepComponent" in bases:
+                    problems.append(f"{path.relative_to(ROOT)}: class {node.name}")
+            if isinstance(node, ast.Name) and node.id == "COMPONENTS":
+                if path.relative_to(PACKAGE).as_posix() not in ("pipeline/stage_errors.py",):
+                    problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: COMPONENTS")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_step_phases_are_the_components_methods():
+    """Each ``Phase`` names the ``StepComponent`` method assembly calls for it."""
+    from graphamp.step.components import Phase, StepComponent
+
+    for phase in Phase:
+        assert callable(getattr(StepComponent, phase.value)), phase
+
+
+def test_subgraph_tags_are_written_through_the_enum():
+    """The step's node tags are ``records.subgraphs.Subgraph`` members: no module spells the
+    metadata key or a tag as a string of its own."""
+    from graphamp.records.subgraphs import SUBGRAPH
+
+    problems = []
+    for path in PACKAGE.glob("**/*.py"):
+        if path == PACKAGE / "records" / "subgraphs.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value == SUBGRAPH:
+                problems.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not problems, "\n".join(problems)
+
+
 # -- process-wide state: one module declares it, one module registers ops -------------------------
 
 PROCESS_STATE_MODULE = PACKAGE / "torchkit" / "process_state.py"

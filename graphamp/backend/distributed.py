@@ -1,6 +1,6 @@
 """Data parallel on torch.distributed: what happens on the host when a step is (re)built.
 
-Inside the step (step/collectives.py), gradients are averaged with one coalesced functional
+Inside the step (step/components/data_parallel.py), gradients are averaged with one coalesced functional
 all-reduce and the overflow flags with an all-reduce max. Here, once per build: rank 0's
 parameters and buffers are broadcast (as DDP does at construction), every rank builds its
 program, and the ranks compare a fingerprint of the captured step through the group's store

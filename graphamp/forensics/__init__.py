@@ -2,7 +2,7 @@
 users read, and autofix (``config.enable_amp_autofix``), which pins what keeps overflowing.
 
 The records these read (probes, ``OverflowEvent``) are in ``records/probes.py``; the subgraph
-that measures the probes inside the step is ``step/overflow_probes.py``.
+that measures the probes inside the step is ``step/components/overflow_probes.py``.
 """
 
 from .analysis import analyse

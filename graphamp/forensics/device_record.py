@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..records.probes import RING_ROWS, OverflowEvent, ProbeTable, record_tensors
+from ..records.probes import RING_ROWS, OverflowEvent, ProbeTable
 from .analysis import analyse
 from .reports import RangeRow, range_rows
 
@@ -20,9 +20,10 @@ class ForensicsState:
     largest finite magnitude per probe). The host reads them only when asked (``read``) or, for
     autofix and debug logging, polls ``count`` without waiting for the device (``poll``)."""
 
-    def __init__(self, table: ProbeTable, device: torch.device):
+    def __init__(self, table: ProbeTable, tensors: list[torch.Tensor]):
+        """``tensors``: a fresh record for ``table`` (``records.probes.record_tensors``)."""
         self.table = table
-        self.count, self.ring, self.ranges = record_tensors(table, device)
+        self.count, self.ring, self.ranges = tensors
         self.analysed = 0  # overflowing steps already turned into events
         self._host_count: torch.Tensor | None = None
         self._copied: Any = None  # the CUDA event of the last asynchronous copy of ``count``

@@ -16,6 +16,8 @@ from typing import cast
 import torch
 import torch.fx as fx
 
+from ..records.subgraphs import subgraph_of
+
 
 @dataclass(frozen=True)
 class StepMemory:
@@ -46,7 +48,7 @@ def step_memory(gm: fx.GraphModule, before: str | None = None) -> StepMemory:
     nodes = list(gm.graph.nodes)
     if before is not None:
         stop = next(
-            (i for i, n in enumerate(nodes) if n.meta.get("graphamp_subgraph") == before),
+            (i for i, n in enumerate(nodes) if subgraph_of(n) == before),
             len(nodes),
         )
     else:

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..records.spec import GraphSpec, Program
+from ..records.subgraphs import Subgraph, subgraph_of
 from ..records.update_paths import path_of
 from ..records.validate import dtype_name
 from ..torchkit.fxutil import dtype_after_amp, is_compute_node, op_name
@@ -129,7 +130,7 @@ def _scaler_lines(spec: GraphSpec, program: Program | None) -> list[str]:
         nodes = [
             n
             for n in program.step_gm.graph.nodes
-            if n.op == "call_function" and n.meta.get("graphamp_subgraph") == "grad_scaler"
+            if n.op == "call_function" and subgraph_of(n) == Subgraph.GRAD_SCALER
         ]
     if not nodes:
         return [f"{INDENT}(GRAD_SCALER:{scaler!r})"]

@@ -12,6 +12,7 @@ from typing import Any
 import torch.fx as fx
 
 from ..records.spec import AutocastTrace, Program
+from ..records.subgraphs import Subgraph, subgraph_of
 from ..records.validate import dtype_name
 from ..torchkit.fxutil import dtype_after_amp, is_compute_node, module_path, op_name
 from .compare import compare
@@ -156,9 +157,7 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
     amp = program.amp
     copies = []  # a step without checkpointing need not be read (a restart's may not be loaded)
     if program.step.recomputes:
-        copies = [
-            n for n in program.step_gm.graph.nodes if n.meta.get("graphamp_subgraph") == "recompute"
-        ]
+        copies = [n for n in program.step_gm.graph.nodes if subgraph_of(n) == Subgraph.RECOMPUTE]
     rows = report_rows(program.forward, frozenset(n.meta.get("fwd_node") for n in copies))
     regions = {n.meta.get("recompute_region", "") for n in copies}
     return PrecisionReport(

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import CaptureError, CompileError, GraphampError
 from ..records.spec import GraphSpec
+from ..step.components import COMPONENTS
 from ..torchkit.fxutil import user_frame_of_exception
 
 PASS_THROUGH = (GraphampError, MemoryError, torch.OutOfMemoryError)
@@ -91,11 +92,7 @@ _STEP_PARTS = {
     "optimizer_update.py": "the optimizer update",
     "update_math.py": "the optimizer update",
     "block_update.py": "the optimizer update",
-    "scaling.py": "unscaling, the overflow check or clipping",
-    "collectives.py": "the gradients' all-reduce",
-    "zero.py": "ZeRO's sharded update",
-    "overflow_probes.py": "the overflow probes",
-    "history_row.py": "the step's history row",
+    **{f"{type(c).__module__.rsplit('.', 1)[-1]}.py": c.part for c in COMPONENTS},
 }
 
 

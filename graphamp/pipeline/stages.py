@@ -48,6 +48,7 @@ from ..step import (
     block_specs,
     build_plan,
     compile_block_kernels,
+    component_examples,
     example_inputs,
     outline_blocks,
     outlining_cost_words,
@@ -507,6 +508,7 @@ def compile(
         cuda_graph_batch=ctx.inputs.tensors if replay else None,
         cuda_graph_sizes=config.cuda_graph_sizes if ctx.request.dynamic else None,
         graph_name=ctx.spec.name,
+        component_inputs=component_examples(plan, ctx.state, device),
     )
     return Compiled(runner, detail)
 

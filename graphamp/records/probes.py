@@ -6,7 +6,7 @@ device (``forensics.device_record.ForensicsState``): nothing reaches the host un
 
 - A **probe** is a forward value (a floating placeholder, or an op's result that is not a view),
   the gradient arriving at it in the backward, or a parameter's gradient. ``ProbeTable`` lists
-  them (``step/overflow_probes.py`` plans it); the step's vector of magnitudes has
+  them (``step/components/overflow_probes.py`` plans it); the step's vector of magnitudes has
   ``ProbeTable.size`` entries in that order.
 - On a step that overflows, the vector is kept in a ring of the last ``RING_ROWS`` such steps,
   with the step number and the loss scale used (``ROW_HEADER``).

@@ -1,4 +1,4 @@
-"""How ZeRO cuts a parameter into rows, one per rank (read by step/zero.py and the runtime).
+"""How ZeRO cuts a parameter into rows, one per rank (read by step/components/zero.py and the runtime).
 
 One layout for every stage, FSDP2's: a parameter is cut along its first dimension into ``W``
 chunks of ``ceil(d0 / W)`` rows (the last ranks' chunks shorter or empty, as ``torch.chunk``

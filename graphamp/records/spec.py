@@ -287,7 +287,7 @@ class StepPlan:
     acc_steps: int = 1  # gradient accumulation: micro-batches per step (>= 1)
     process_group: Any = None  # data parallel: gradients averaged over this group
     zero_stage: int = (
-        0  # ZeRO (step/zero.py): 0 off; 1, 2 optimizer state sharded; 3 parameters too
+        0  # ZeRO (step/components/zero.py): 0 off; 1, 2 optimizer state sharded; 3 parameters too
     )
     # ZeRO-3: the modules a user wrapped with fully_shard, each gathered as one block
     # (records.sharding.block_of); empty: graphamp's own blocks

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import increment_version
 
@@ -76,6 +75,7 @@ class Runner:
         cuda_graph_batch: list[torch.Tensor] | None = None,
         cuda_graph_sizes: int | None = None,
         graph_name: str = "",
+        component_inputs: dict[str, list[torch.Tensor]] | None = None,
     ):
         cap = plan.captured
         self.plan = plan
@@ -86,21 +86,19 @@ class Runner:
         self.counters = [
             state.counter(opt.index, device, opt.has_state()) for opt in plan.optimizers
         ]
-        self.scaler_state: list[torch.Tensor] = []
-        if plan.scaler is not None:
-            plan.scaler._materialize(device)
-            self.scaler_state = plan.scaler.state_tensors()
-        self.history = state.history.materialize(device) if plan.training else []
-        # the delayed fp8 recipe's amax states (shared by the graph's steps, in its state dict)
-        self.fp8 = state.fp8_histories(plan.fp8_state, plan.fp8_history, device)
-        self.shard: list[torch.Tensor] = []  # ZeRO: this rank's index, a graph input
+        # the step components' input groups (the scaler's state, the history, the fp8
+        # histories, the ZeRO rank, the overflow record): their live tensors, made by the
+        # components (``step/components/``), fed to every call as they are
+        self.component_inputs = dict(component_inputs or {})
         if plan.zero_stage:
-            rank = dist.get_rank(plan.process_group)
-            self.shard = [torch.tensor(rank, dtype=torch.int64, device=device)]
             for opt in plan.optimizers:
                 zero_state.track(opt, plan.process_group)
         # overflow tracing: this step's own record (its probes are its own)
-        self.forensics = ForensicsState(plan.probes, device) if plan.probes is not None else None
+        self.forensics = (
+            ForensicsState(plan.probes, self.component_inputs["forensics"])
+            if plan.probes is not None
+            else None
+        )
         self.opt_state: list[torch.Tensor] | None = None
         self._to_install: list[tuple] = []  # optimizer state made at gather, installed at commit
         self.momentum_fresh: list[torch.Tensor] = []  # momentum.py: the step's flags
@@ -206,11 +204,7 @@ class Runner:
             "hyper": [t for slot in self.hyper for t in slot.tensors],
             "counters": self.counters,
             "momentum_fresh": self.momentum_fresh,
-            "scaler": self.scaler_state,
-            "history": self.history,
-            "shard": self.shard,
-            "forensics": self.forensics.tensors() if self.forensics is not None else [],
-            "fp8": self.fp8,
+            **self.component_inputs,
             "constants": self.plan.captured.constants,
             "inputs": inputs,
         }

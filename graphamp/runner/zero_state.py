@@ -2,7 +2,7 @@
 in ``optimizer.state_dict()``.
 
 A rank keeps, for every parameter ``p`` and state key (``exp_avg``, ``momentum_buffer``, ...),
-the 1-D row ``step/zero.py`` assigns it (``chunk_of(p.shape, W)`` elements); ``step`` stays
+the 1-D row ``step/components/zero.py`` assigns it (``chunk_of(p.shape, W)`` elements); ``step`` stays
 a scalar on every rank. ``optimizer.state_dict()`` gathers the rows into tensors of ``p``'s
 shape (a collective: every rank must call it, as with FSDP's state dicts), so a checkpoint is
 torch's own format and loads with any number of ranks, or in a single process. A state tensor

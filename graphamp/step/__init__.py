@@ -1,8 +1,10 @@
 """Stages 3 and 4: plan the training step on the host, then trace it into one FX graph.
 
 ``build_plan`` makes the StepPlan (with the StepLayout of the step's inputs); ``assemble_step``
-traces forward, backward, grad scaler, clipping, optimizer update and history into one graph,
-one module per subgraph (gradients, scaling, optimizer_update, history, collectives).
+traces the forward and gradients (``gradients.py``), each optimizer's update
+(``optimizer_update.py``) and every feature around them, each one component
+(``components/``: the scaler, clipping, data parallel, ZeRO, overflow probes, fp8 histories,
+the history row, build()'s gradient code), into one graph.
 """
 
 from .assemble import assemble_step
@@ -16,6 +18,7 @@ from .block_update import (
     unmade_specs,
 )
 from .block_work import outlining_cost_words, outlining_pays
+from .components import component_examples
 from .examples import example_inputs
 from .outline import OutlineResult, outline_blocks
 from .plan import build_plan
@@ -31,6 +34,7 @@ __all__ = [
     "block_specs",
     "build_plan",
     "compile_block_kernels",
+    "component_examples",
     "count_block_updates",
     "example_inputs",
     "outline_blocks",

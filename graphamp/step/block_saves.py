@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..records.subgraphs import SUBGRAPH, Subgraph
 from ..torchkit.shapes import size_hint
 
 BACKWARD_OF = "graphamp_backward_of"  # meta of a copy: the block whose backward reads it
@@ -148,7 +149,7 @@ def _copy_into_backward(
     with gm.graph.inserting_before(first):
         for n in members:
             new = gm.graph.node_copy(n, lambda a: copies.get(a, a))
-            new.meta["graphamp_subgraph"] = "backward"
+            new.meta[SUBGRAPH] = Subgraph.BACKWARD.value
             new.meta[BACKWARD_OF] = block
             new.meta["recomputed_from"] = n.name
             copies[n] = new

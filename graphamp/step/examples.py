@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..records.probes import record_tensors
 from ..records.sharding import chunk_of, row_of
 from ..records.spec import StepPlan
 from ..records.state import SharedState
+from .components import component_examples
 
 
 def example_inputs(
@@ -40,10 +40,6 @@ def example_inputs(
         for k in range(len(o.optimizer.param_groups))
         for t in o.hyper_inputs(k, device)
     ]
-    scaler: list[torch.Tensor] = []
-    if plan.scaler is not None:
-        plan.scaler._materialize(device)  # the scaler's own tensors, which the step updates
-        scaler = plan.scaler.state_tensors()
     return plan.layout.flatten(
         {
             "params": [_param_input(plan, params[n]) for n in cap.param_names],
@@ -56,11 +52,7 @@ def example_inputs(
                 for o in plan.optimizers
                 for p in o.fresh_params()
             ],
-            "scaler": scaler,
-            "history": state.history.materialize(device) if plan.training else [],
-            "shard": [_rank(plan, device)] if plan.zero_stage else [],
-            "forensics": record_tensors(plan.probes, device) if plan.probes is not None else [],
-            "fp8": state.fp8_histories(plan.fp8_state, plan.fp8_history, device),
+            **component_examples(plan, state, device),
             "constants": cap.constants,
             "inputs": [t.detach() for t in inputs],
         }
@@ -70,10 +62,6 @@ def example_inputs(
 def _param_input(plan: StepPlan, p: torch.Tensor) -> torch.Tensor:
     """The step's input for a parameter: itself, or under ZeRO-3 this rank's flat row."""
     return row_of(p) if plan.zero_stage == 3 else p.detach()
-
-
-def _rank(plan: StepPlan, device: torch.device) -> torch.Tensor:
-    return torch.tensor(dist.get_rank(plan.process_group), dtype=torch.int64, device=device)
 
 
 def _optimizer_state(plan: StepPlan) -> list[Any]:

@@ -8,21 +8,27 @@ micro-batch at a time under gradient accumulation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.fx as fx
 
 from ..records.layouts import StepInputs
 from ..records.spec import StepPlan
+from ..records.subgraphs import Subgraph
 from ..torchkit.compat import preserve_backward_stack_traces
 from ..torchkit.fxutil import NodeTagger, last_node, nodes_after, tracing_graph
 from ..torchkit.ops import EXPANSIONS
-from .overflow_probes import ProbeRecorder
 
 # forward-node metadata the step's nodes inherit (dumps and reports read it)
 MICRO_BATCH = "micro_batch"  # meta key: which micro-batch's forward made a node
 _COPY_META = ("amp_colour", "amp_list", "amp_reason", "nn_module_stack", "user_frame", "amp_cast")
+
+
+class ValueObserver(Protocol):
+    """Sees every value the forward makes (overflow tracing's ``ProbeRecorder``)."""
+
+    def observe(self, node: fx.Node, value: object) -> None: ...
 
 
 class _ForwardRunner(fx.Interpreter):
@@ -32,7 +38,7 @@ class _ForwardRunner(fx.Interpreter):
     def __init__(
         self,
         gm: fx.GraphModule,
-        recorder: ProbeRecorder | None,
+        recorder: ValueObserver | None,
         versions: list[tuple[int, torch.Tensor]] | None = None,
     ):
         super().__init__(gm)
@@ -77,14 +83,14 @@ def _functional_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = 
 def run_forward(
     fwd_gm: fx.GraphModule,
     inputs: list,
-    recorder: ProbeRecorder | None = None,
+    recorder: ValueObserver | None = None,
     versions: list[tuple[int, torch.Tensor]] | None = None,
 ) -> list:
     """The forward graph's outputs for ``inputs`` (``StepPlan.forward_layout``); its nodes are
     traced into the step tagged ``forward``. ``versions`` collects the parameters' in-place
     values as gradient leaves (``_ForwardRunner``)."""
     runner = _ForwardRunner(fwd_gm, recorder, versions)
-    with NodeTagger({"graphamp_subgraph": "forward"}):
+    with NodeTagger(Subgraph.FORWARD.tag()):
         return list(runner.run(*inputs, enable_io_processing=False))
 
 
@@ -109,7 +115,7 @@ def parameter_casts(plan: StepPlan, params: list[torch.Tensor]) -> list[torch.Te
     consumers or micro-batches, and always from the values the user's tensors hold now.
     Convolution weights on CUDA come out channels-last: cuDNN's fast kernels are NHWC, and the
     copy's layout saves a transpose in every forward and backward convolution."""
-    with NodeTagger({"graphamp_subgraph": "parameter_casts"}):
+    with NodeTagger(Subgraph.PARAMETER_CASTS.tag()):
         return [cast_for_forward(params[i], dtype) for i, dtype in plan.param_casts]
 
 
@@ -125,7 +131,7 @@ def forward_and_gradients(
     s: StepInputs,
     scale: torch.Tensor | None,
     reduce_each: Callable[[list], list] | None = None,
-    recorder: ProbeRecorder | None = None,
+    recorder: ValueObserver | None = None,
     record_origins: bool = False,
     copies: list[torch.Tensor] | None = None,
 ) -> ForwardResult:
@@ -154,7 +160,7 @@ def forward_and_gradients(
         seeds = _seeds(plan, losses, loss_grads, scale)
         micro_grads: dict[int, torch.Tensor] = total if reduce_each is None else {}
         wrt = leaves.wrt + [(i, v) for i, v in versions if i in leaves.trainable]
-        with NodeTagger({"graphamp_subgraph": "backward"}):
+        with NodeTagger(Subgraph.BACKWARD.tag()):
             _accumulate_grads(plan, losses, seeds, wrt, params, micro_grads, record_origins)
         if reduce_each is not None:
             reduced = reduce_each(_in_trainable_order(plan, micro_grads, params))
@@ -230,7 +236,7 @@ def _loss_scale(scale: torch.Tensor | None, like: list[torch.Tensor]) -> torch.T
 def _seeds(plan: StepPlan, losses, loss_grads, scale) -> list[torch.Tensor]:
     """Each loss's backward seed: ones (or its explicit gradient), averaged over micro-batches,
     times the loss scale (the loss-scaling subgraph)."""
-    with NodeTagger({"graphamp_subgraph": "grad_scaler" if scale is not None else "backward"}):
+    with NodeTagger((Subgraph.GRAD_SCALER if scale is not None else Subgraph.BACKWARD).tag()):
         explicit = iter(loss_grads)
         seeds = []
         for loss, given in zip(losses, plan.captured.loss_grad_given):

@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..records.subgraphs import Subgraph, subgraph_of
 from ..torchkit.fxutil import module_path, region_boundary
 from .block_saves import BACKWARD_OF, SavedBytes, recompute_cheap_saves
 from .gradients import MICRO_BATCH
@@ -213,7 +214,7 @@ def block_regions(gm: fx.GraphModule, blocks: list[str]) -> dict[Region, list[fx
     regions: dict[Region, list[fx.Node]] = {}
     seq_to_block: dict[int, str] = {}
     for node in gm.graph.nodes:
-        if node.meta.get("graphamp_subgraph") != "forward" or node.op != "call_function":
+        if subgraph_of(node) != Subgraph.FORWARD or node.op != "call_function":
             continue
         block = _block_of(module_path(node), blocks)
         if block is not None:
@@ -221,7 +222,7 @@ def block_regions(gm: fx.GraphModule, blocks: list[str]) -> dict[Region, list[fx
             regions.setdefault(("fw", block), []).append(node)
             if "seq_nr" in node.meta:
                 seq_to_block.setdefault(node.meta["seq_nr"], block)
-    backward = [n for n in gm.graph.nodes if n.meta.get("graphamp_subgraph") == "backward"]
+    backward = [n for n in gm.graph.nodes if subgraph_of(n) == Subgraph.BACKWARD]
     block_of = {
         n: seq_to_block[n.meta["seq_nr"]] for n in backward if n.meta.get("seq_nr") in seq_to_block
     }

@@ -7,16 +7,18 @@ layout of the step's inputs (spec.StepLayout).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
 from ..errors import CaptureError, ConfigError, UnsupportedOptimizerError
 from ..records.optimizers import GroupPlan, OptimizerPlan
-from ..records.probes import ProbeTable
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
 from ..records.update_paths import checked_path
 from ..torchkit.fxutil import warn_at_user_line
-from .overflow_probes import plan_probes
+from .components import component_inputs
+from .components.overflow_probes import plan_probes
 from .traced_optimizer import probe_initial_state
 
 
@@ -62,13 +64,13 @@ def build_plan(
         if spec.training and spec.config.overflow_tracing
         else None
     )
-    return StepPlan(
+    plan = StepPlan(
         captured=captured,
         training=spec.training,
         trainable=trainable,
         optimizers=plans,
         scaler=scaler,
-        layout=_layout(captured, plans, scaler, spec.training, zero, probes, fp8_state),
+        layout=StepLayout({}),  # named below, once the plan says which components it uses
         param_casts=param_casts,
         direct_use=direct_use,
         acc_steps=spec.config.grad_acc_steps,
@@ -79,6 +81,7 @@ def build_plan(
         fp8_state=list(fp8_state),
         fp8_history=spec.config.fp8_history,
     )
+    return dataclasses.replace(plan, layout=_layout(plan))
 
 
 def _gather_settings(spec: GraphSpec) -> dict:
@@ -222,18 +225,12 @@ def _forward_position(spec, captured, position, owner, k, opt, p) -> int:
     return i
 
 
-def _layout(
-    cap: CapturedForward,
-    plans: list[OptimizerPlan],
-    scaler,
-    training: bool,
-    zero_stage: int = 0,
-    probes: ProbeTable | None = None,
-    fp8_state: list[str] | None = None,
-) -> StepLayout:
-    """Placeholder names of the step's inputs, group by group (spec.STEP_INPUT_GROUPS)."""
-    state, hyper, fresh = [], [], []
-    for opt in plans:
+def _layout(plan: StepPlan) -> StepLayout:
+    """Placeholder names of the step's inputs, group by group (``STEP_INPUT_GROUPS``): the
+    state of the forward, the optimizers and the components (``components.component_inputs``),
+    then the batch."""
+    cap, state, hyper, fresh = plan.captured, [], [], []
+    for opt in plan.optimizers:
         name_of = dict(
             zip(map(id, opt.params), (cap.param_names[i] for i in opt.forward_positions))
         )
@@ -247,26 +244,9 @@ def _layout(
             "buffers": [f"b_{n}" for n in cap.buffer_names],
             "opt_state": state,
             "hyper": hyper,
-            "counters": [f"opt{opt.index}_applied_steps" for opt in plans],
+            "counters": [f"opt{opt.index}_applied_steps" for opt in plan.optimizers],
             "momentum_fresh": fresh,
-            "scaler": (
-                [
-                    "scaler_scale",
-                    "scaler_growth_tracker",
-                    "scaler_hysteresis_tracker",
-                    "scaler_found_inf",
-                ]
-                if scaler is not None
-                else []
-            ),
-            "history": ["history_step", "history_table"] if training else [],
-            "shard": ["zero_rank"] if zero_stage else [],
-            "forensics": (
-                ["forensics_count", "forensics_ring", "forensics_ranges"]
-                if probes is not None
-                else []
-            ),
-            "fp8": list(fp8_state or []),
+            **component_inputs(plan),
             "constants": [f"c_{n}" for n in cap.constant_names],
             "inputs": [f"in_{n}" for n in cap.input_names],
         }

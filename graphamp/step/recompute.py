@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..records.subgraphs import SUBGRAPH, Subgraph, subgraph_of
 from .gradients import MICRO_BATCH
-
-RECOMPUTE = "recompute"  # meta["graphamp_subgraph"] of the copies
 
 
 @dataclass
@@ -66,7 +65,7 @@ def recompute_checkpointed(gm: fx.GraphModule, regions: frozenset[str]) -> Recom
 
 def _region(node: fx.Node, regions: frozenset[str]) -> str | None:
     """The outermost checkpointed module this forward node was computed in."""
-    if node.op != "call_function" or node.meta.get("graphamp_subgraph") != "forward":
+    if node.op != "call_function" or subgraph_of(node) != Subgraph.FORWARD:
         return None
     for path, _ in (node.meta.get("nn_module_stack") or {}).values():
         if path in regions:
@@ -89,7 +88,7 @@ def _late_users(node: fx.Node) -> list[fx.Node]:
     return [
         u
         for u in node.users
-        if u.op == "call_function" and u.meta.get("graphamp_subgraph") not in ("forward", RECOMPUTE)
+        if u.op == "call_function" and subgraph_of(u) not in (Subgraph.FORWARD, Subgraph.RECOMPUTE)
     ]
 
 
@@ -112,7 +111,7 @@ def _copy_before(graph: fx.Graph, members: list[fx.Node], anchor: fx.Node, regio
     with graph.inserting_before(anchor):
         for n in members:
             new = graph.node_copy(n, lambda a: copies.get(a, a))
-            new.meta["graphamp_subgraph"] = RECOMPUTE
+            new.meta[SUBGRAPH] = Subgraph.RECOMPUTE.value
             new.meta["recomputed_from"] = n.name
             new.meta["recompute_region"] = region
             copies[n] = new

@@ -17,7 +17,7 @@ backward (nodes tagged ``graphamp_scatter``); each is moved to just after the la
 reads, so a block's whole gradients live only until its own backward ends, FSDP2's
 reduce-scatter per block.
 
-A stretch is a maximal run of nodes with the same ``graphamp_subgraph`` tag (forward,
+A stretch is a maximal run of nodes with the same subgraph tag (``records/subgraphs.py``) (forward,
 backward, ...), in graph order.
 """
 
@@ -27,6 +27,8 @@ from collections import defaultdict
 
 import torch
 import torch.fx as fx
+
+from ..records.subgraphs import subgraph_of
 
 # views of a whole (or of its cast) that a later stretch may read instead of the whole itself
 _VIEWS = {
@@ -110,7 +112,7 @@ def _stretches(graph: fx.Graph) -> dict[fx.Node, int]:
     found in graph order, so a stretch's first reader is its earliest node in the list."""
     stretch_of, number, tag = {}, -1, object()
     for node in graph.nodes:
-        here = node.meta.get("graphamp_subgraph")
+        here = subgraph_of(node)
         if here != tag:
             number, tag = number + 1, here
         stretch_of[node] = number
@@ -129,7 +131,7 @@ def _with_casts(chain: list[fx.Node]) -> list[fx.Node]:
         grown = False
         for node in list(out):
             for user in node.users:
-                tag = user.meta.get("graphamp_subgraph")
+                tag = subgraph_of(user)
                 if user in members or user.op != "call_function":
                     continue
                 if tag not in (_CASTS, None) and user.target not in _VIEWS:

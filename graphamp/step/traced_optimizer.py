@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from ..errors import UnsupportedOptimizerError
 from ..records.optimizers import InitialState
+from ..records.subgraphs import Subgraph, subgraph_of
 from ..torchkit.fxutil import drop_profiler_markers
 from ..torchkit.process_state import compiling
 
@@ -92,7 +93,7 @@ def tensorify_scalar_reads(gm: fx.GraphModule) -> None:
     drop_profiler_markers(graph)
     reads = [n for n in graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default]
     for read in reads:
-        if read.meta.get("graphamp_subgraph") != "optimizer":
+        if subgraph_of(read) != Subgraph.OPTIMIZER:
             continue
         for user in list(read.users):
             with graph.inserting_before(user):

@@ -192,8 +192,8 @@ def nodes_after(graph: fx.Graph, marker: fx.Node) -> Iterator[fx.Node]:
 class NodeTagger:
     """Writes ``meta[key] = value`` on every node a block of traced code appends.
 
-    Used as ``with NodeTagger({"graphamp_subgraph": "grad_scaler"}):`` around part of a traced
-    function; nodes that already carry a key keep it (inner tags win). ``custom`` tags go into
+    Used as ``with NodeTagger(Subgraph.GRAD_SCALER.tag()):`` (``records/subgraphs.py``) around
+    part of a traced function; nodes that already carry a key keep it (inner tags win). ``custom`` tags go into
     ``meta["custom"]`` as well: the one field of a node's metadata that torch's own retracing
     (AOTAutograd, make_fx) copies to the nodes it makes, so a pass inside inductor can read it.
     """

@@ -1,8 +1,39 @@
-"""The history row each training step writes on the device (``records.history.HISTORY_COLUMNS``)."""
+"""The history row every training step writes on the device (``records.history.HISTORY_COLUMNS``):
+step, summed scalar loss, scale used, skipped, grad norm; ``Graph.history()`` reads the table
+without a host sync per step."""
 
 from __future__ import annotations
 
 import torch
+
+from ...records.spec import StepPlan
+from ...records.state import SharedState
+from ...records.subgraphs import Subgraph
+from ...torchkit.fxutil import NodeTagger
+from .component import StepComponent, StepContext
+
+
+class History(StepComponent):
+    name = "history"
+    part = "the step's history row"
+    group = "history"
+    inputs = ("history_step", "history_table")
+
+    def active(self, plan: StepPlan) -> bool:
+        return plan.training
+
+    def example_inputs(
+        self,
+        plan: StepPlan,  # noqa: ARG002 - every component's signature
+        state: SharedState,
+        device: torch.device,
+    ) -> list:
+        return state.history.materialize(device)
+
+    def record(self, ctx: StepContext) -> None:
+        # before the scaler's state is written (FINISH): a read after copy_ sees the new value
+        with NodeTagger(Subgraph.HISTORY.tag()):
+            record_history(ctx.inputs.history, ctx.fwd.losses, ctx.scale, ctx.any_skip, ctx.norms)
 
 
 def record_history(

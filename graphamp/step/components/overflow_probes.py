@@ -1,4 +1,4 @@
-"""The overflow-forensics subgraph (``config.enable_overflow_tracing()``): probes and the record.
+"""Overflow tracing in the step (``config.enable_overflow_tracing()``): probes and the record.
 
 ``plan_probes`` decides, before tracing, which values the step measures
 (``records.probes.ProbeTable``: floating placeholders, then every op result that is not a view,
@@ -17,16 +17,20 @@ import operator
 from typing import Callable, cast
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..records.probes import GradParam, Probe, ProbeTable
-from ..records.spec import CapturedForward
-from ..records.validate import dtype_name
-from ..torchkit.fxutil import NodeTagger, dtype_after_amp, module_path, op_name
-from ..torchkit.pin_match import op_occurrences, pin_identity
+from ...records.probes import GradParam, Probe, ProbeTable, record_tensors
+from ...records.spec import CapturedForward, StepPlan
+from ...records.state import SharedState
+from ...records.subgraphs import Subgraph
+from ...records.validate import dtype_name
+from ...torchkit.fxutil import NodeTagger, dtype_after_amp, module_path, op_name
+from ...torchkit.pin_match import op_occurrences, pin_identity
+from .component import StepComponent, StepContext
 
-_TAG = {"graphamp_subgraph": "forensics"}
+_TAG = Subgraph.FORENSICS.tag()
 aten = torch.ops.aten
 # ops whose result is another view of their input's memory (OpOverload.is_view says so for the
 # others): their values are their input's, already probed
@@ -369,3 +373,58 @@ def record_overflow(
         count.copy_(count + overflowed.to(count.dtype))
         finite = torch.where(torch.isfinite(vector), vector, torch.zeros_like(vector))
         ranges.copy_(torch.maximum(ranges, finite))
+
+
+class OverflowProbes(StepComponent):
+    """Overflow tracing in the step: the recorder armed before the forward, the parameters'
+    whole gradients observed, and the step's vector written after the skip is known (agreed
+    across ranks first)."""
+
+    name = "probes"
+    part = "the overflow probes"
+    group = "forensics"
+    inputs = ("forensics_count", "forensics_ring", "forensics_ranges")
+
+    def active(self, plan: StepPlan) -> bool:
+        return plan.probes is not None
+
+    def example_inputs(
+        self,
+        plan: StepPlan,
+        state: SharedState,  # noqa: ARG002 - every component's signature
+        device: torch.device,
+    ) -> list:
+        return record_tensors(cast(ProbeTable, plan.probes), device)
+
+    def start(self, ctx: StepContext) -> None:
+        if ctx.plan.training and ctx.plan.probes is not None:
+            ctx.observer = ProbeRecorder(ctx.plan.probes)
+
+    def gradients(self, ctx: StepContext) -> None:
+        if ctx.reduce_each is None:  # whole gradients, before any scatter
+            ctx.observer.observe_param_grads(ctx.grads)
+
+    def record(self, ctx: StepContext) -> None:
+        """Reads the step counter and the scale before they are written."""
+        group = ctx.plan.process_group
+        agree = (lambda v: agree_on_probes(v, group)) if group is not None else None
+        s = ctx.inputs
+        record_overflow(s.forensics, ctx.observer, s.history_step, ctx.scale, ctx.any_skip, agree)
+
+
+def agree_on_probes(vector: torch.Tensor, group) -> torch.Tensor:
+    """Overflow tracing's probe vector (largest magnitudes, NaN or inf where a value was not
+    finite) made the same on every rank: per probe, the largest finite magnitude over the ranks,
+    or inf/NaN where any rank's was (NaN wins). One all-reduce max; NaN is encoded first, since
+    max over NaN is not reliably NaN in every backend's reduction."""
+    finite = torch.isfinite(vector)
+    magnitude = torch.where(finite, vector, torch.zeros_like(vector))
+    code = torch.where(
+        finite,
+        torch.zeros_like(vector),
+        torch.where(torch.isnan(vector), torch.full_like(vector, 2.0), torch.ones_like(vector)),
+    )
+    agreed = funcol.all_reduce(torch.cat([magnitude, code]), "max", group)
+    magnitude, code = agreed.split(vector.shape[0])
+    inf, nan = torch.full_like(vector, math.inf), torch.full_like(vector, math.nan)
+    return torch.where(code == 0, magnitude, torch.where(code == 2, nan, inf))

@@ -1,0 +1,75 @@
+"""The step's components: each feature around the forward, backward and update, in one module.
+
+``COMPONENTS`` is the one registration: the order in which components add their part within a
+phase (``base.Phase``). A new feature of the step is a new module here with a ``StepComponent``
+subclass and one line below; where in this order it goes decides what it sees (the overflow
+probes observe the whole gradients before ZeRO scatters them; the scaler unscales before
+build()'s own ``.grad`` is added, which is before clipping, and decides the skip before
+build()'s changed parameters are put back; the history row reads the scale before
+the scaler writes the next one, at a later phase).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...records.spec import StepPlan
+from ...records.state import SharedState
+from .clipping import Clipping
+from .component import OptimizerUpdate, Phase, StepComponent, StepContext
+from .data_parallel import DataParallel
+from .fp8 import Fp8Histories
+from .gradient_code import GradientCode
+from .history_row import History
+from .loss_scaling import LossScaling
+from .overflow_probes import OverflowProbes
+from .zero import Zero
+
+COMPONENTS: tuple[StepComponent, ...] = (
+    OverflowProbes(),
+    Zero(),
+    DataParallel(),
+    LossScaling(),
+    GradientCode(),
+    Clipping(),
+    History(),
+    Fp8Histories(),
+)
+
+
+def active_components(plan: StepPlan) -> list[StepComponent]:
+    """The components ``plan`` uses, in registration order."""
+    return [c for c in COMPONENTS if c.active(plan)]
+
+
+def component_inputs(plan: StepPlan) -> dict[str, list[str]]:
+    """The placeholder names of each component-owned group of the step's inputs (empty where
+    the plan does not use the component)."""
+    return {
+        c.group: (c.input_names(plan) if c.active(plan) else [])
+        for c in COMPONENTS
+        if c.group is not None
+    }
+
+
+def component_examples(
+    plan: StepPlan, state: SharedState, device: torch.device
+) -> dict[str, list[torch.Tensor]]:
+    """Each component-owned input group's example tensors (``step/examples.py``)."""
+    return {
+        c.group: (c.example_inputs(plan, state, device) if c.active(plan) else [])
+        for c in COMPONENTS
+        if c.group is not None
+    }
+
+
+__all__ = [
+    "COMPONENTS",
+    "OptimizerUpdate",
+    "Phase",
+    "StepComponent",
+    "StepContext",
+    "active_components",
+    "component_examples",
+    "component_inputs",
+]

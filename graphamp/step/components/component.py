@@ -1,0 +1,148 @@
+"""What a step component is: the phases of the training step, and what a component adds at each.
+
+The training step is the forward and backward (``gradients.py``) and the optimizers' updates
+(``optimizer_update.py``); every feature around them (loss scaling, clipping, data parallel,
+ZeRO, overflow tracing, the fp8 recipe's histories, the history row, build()'s own gradient
+code) is a ``StepComponent``: it says which plans it acts in (``active``), which group of the
+step's inputs it owns (``group`` and ``input_names``), and what it traces at each ``Phase``.
+Assembly (``assemble.py``) runs the phases in order and, within a phase, the components in the
+order ``components/__init__.py`` registers them. A component keeps what it needs between phases
+on the ``StepContext`` of the one trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ...records.layouts import StepInputs
+from ...records.optimizers import OptimizerPlan
+from ...records.spec import StepPlan
+from ...records.state import SharedState
+
+
+class Phase(Enum):
+    """The named points of the training step where components add their part, in step order.
+    Each member's value is the ``StepComponent`` method assembly calls."""
+
+    START = "start"  # before the forward: whole parameters, fresh amaxes, probes armed
+    GRADIENTS = "gradients"  # every gradient made: observed, reduced across ranks
+    OPTIMIZER_GRADIENTS = "optimizer_gradients"  # one optimizer's: unscaled, summed, clipped
+    OVERFLOW = "overflow"  # every optimizer's overflow flag known: agreed across ranks
+    BEFORE_UPDATE = "before_update"  # one optimizer's tensors to update chosen (a shard)
+    AFTER_UPDATE = "after_update"  # one optimizer updated: the whole parameters back
+    SKIP = "skip"  # whether the step is skipped decided; what build() changed put back
+    RECORD = "record"  # the step's records: overflow probes, history row, fp8 histories
+    FINISH = "finish"  # the scaler's state for the next step
+
+
+@dataclass
+class OptimizerUpdate:
+    """One optimizer's part of the step, from its gradients to its update."""
+
+    opt: OptimizerPlan
+    grads: list[torch.Tensor]  # unscaled and clipped, in opt.forward_positions order
+    found: torch.Tensor | None = None  # its overflow flag (None without a scaler)
+
+
+@dataclass
+class StepContext:
+    """One trace of the step: the plan, the inputs, and what the phases made so far."""
+
+    plan: StepPlan
+    fwd_gm: fx.GraphModule
+    inputs: StepInputs  # the step's inputs by group (ZeRO-3: the wholes, after START)
+    record_origins: bool = False
+    # set at START by components that change how the forward runs
+    rows: list[torch.Tensor] | None = None  # the parameters' shards the update writes
+    copies: list[torch.Tensor] | None = None  # low-precision copies made from gathered wholes
+    reduce_each: Callable[[list], list] | None = None  # each micro-batch's gradients reduced
+    observer: Any = None  # sees every forward value and its gradient (overflow probes)
+    norm_of: Callable | None = None  # the gradients' total norm where they are shards
+    whole_updates: bool = True  # the update sees whole parameters (block kernels may run)
+    # made by the forward and the phases
+    fwd: Any = None  # gradients.ForwardResult
+    grads: list[torch.Tensor] = field(default_factory=list)  # in plan.trainable order
+    updates: list[OptimizerUpdate] = field(default_factory=list)
+    norms: list[torch.Tensor] = field(default_factory=list)  # clipping's total norms
+    found_total: torch.Tensor | None = None  # every optimizer's overflow flags summed
+    any_skip: torch.Tensor | None = None  # the step is skipped (None: no scaler)
+    # per component, what it keeps from one phase to a later one
+    kept: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        return self.inputs.scale
+
+    def positions(self) -> dict[int, int]:
+        """Forward parameter position -> index in ``grads`` (``plan.trainable`` order)."""
+        return {p: j for j, p in enumerate(self.plan.trainable)}
+
+
+class StepComponent:
+    """One feature of the training step. Subclasses set ``name``, override ``active`` and the
+    phase methods they add at; the defaults add nothing."""
+
+    name = ""
+    part = ""  # what it does, in the words of an error raised while it is traced
+    group: str | None = None  # the StepInputs group whose tensors it owns, if any
+    inputs: tuple[
+        str, ...
+    ] = ()  # that group's placeholder names, where the plan does not vary them
+
+    def active(self, plan: StepPlan) -> bool:
+        """Does this plan use the component?"""
+        raise NotImplementedError
+
+    def input_names(self, plan: StepPlan) -> list[str]:  # noqa: ARG002 - overridden by plan
+        """The placeholder names of its input group (``group``), when active."""
+        return list(self.inputs)
+
+    def example_inputs(
+        self, plan: StepPlan, state: SharedState, device: torch.device
+    ) -> list[torch.Tensor]:
+        """Its input group's tensors to trace and compile the step with: the live ones where
+        they exist (``step/examples.py``), when active."""
+        raise NotImplementedError(f"{type(self).__name__} owns no input group")
+
+    def start(self, ctx: StepContext) -> None:
+        """Also run for a forward-only (eval) step, the one phase it has."""
+
+    def gradients(self, ctx: StepContext) -> None:
+        pass
+
+    def optimizer_gradients(self, ctx: StepContext, u: OptimizerUpdate) -> None:
+        pass
+
+    def overflow(self, ctx: StepContext) -> None:
+        pass
+
+    def before_update(
+        self,
+        ctx: StepContext,  # noqa: ARG002 - the phase's signature
+        u: OptimizerUpdate,  # noqa: ARG002
+        tensors: list[torch.Tensor],
+    ) -> list[torch.Tensor]:
+        return tensors
+
+    def after_update(
+        self, ctx: StepContext, u: OptimizerUpdate, tensors: list[torch.Tensor]
+    ) -> None:
+        pass
+
+    def skip(self, ctx: StepContext) -> None:
+        pass
+
+    def record(self, ctx: StepContext) -> None:
+        pass
+
+    def finish(self, ctx: StepContext) -> None:
+        pass
+
+    def adds_at(self, phase: Phase) -> bool:
+        """Does the component override the method of ``phase``?"""
+        return getattr(type(self), phase.value) is not getattr(StepComponent, phase.value)

@@ -1,0 +1,239 @@
+"""ZeRO inside the step: reduce-scatter the gradients, update this rank's rows, all-gather.
+
+Every parameter is cut along its first dimension as ``torch.chunk`` cuts it (FSDP2's layout):
+``ceil(d0 / W)`` rows of the first dimension per rank, padded, flattened into a row of
+``chunk = ceil(d0 / W) * prod(shape[1:])`` elements (``records/sharding.chunk_of``): rank ``r``
+owns row ``r`` of every parameter. An optimizer's parameters form one bucket, ``(W, sum of chunks)``, so each step has
+one reduce-scatter of gradients and one all-gather of updated parameters per optimizer, both
+functional collectives inside the compiled program. The optimizer state held on a rank is its
+rows only (``runner/zero_state.py`` keeps them in ``optimizer.state`` and gathers torch's
+format for ``optimizer.state_dict()``).
+
+The update math is elementwise (SGD, Adam), so running it on a shard equals running it on the
+whole tensor and slicing. What needs every shard is said where it happens: the overflow flag
+(all-reduce max, as for data parallel) and the clipping norm (all-reduce of the local norms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.fx as fx
+
+from ...records.sharding import block_of, chunk_of
+from ...records.spec import StepPlan
+from ...records.state import SharedState
+from ...records.subgraphs import Subgraph
+from ...torchkit.fxutil import NodeTagger
+from ..gradients import cast_for_forward
+from ..shard_gathers import GATHER, KEEP_GATHERED, SCATTER
+from .component import OptimizerUpdate, StepComponent, StepContext
+
+
+def _rows(tensors: list[torch.Tensor], world: int) -> torch.Tensor:
+    """The bucket ``(W, sum of chunks)``: each tensor flattened, padded, cut into W rows."""
+    parts = []
+    for t in tensors:
+        chunk = chunk_of(t.shape, world)
+        flat = t.reshape(-1)
+        pad = chunk * world - flat.numel()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        parts.append(flat.view(world, chunk))
+    return torch.cat(parts, dim=1)
+
+
+def _split_row(row: torch.Tensor, shapes: list, world: int) -> list[torch.Tensor]:
+    return list(row.split([chunk_of(shape, world) for shape in shapes], dim=-1))
+
+
+def scatter_gradients(grads: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """This rank's rows of the gradients averaged over the ranks (one reduce-scatter)."""
+    if not grads:
+        return []
+    world = dist.get_world_size(group)
+    bucket = _rows(grads, world).reshape(-1)
+    row = funcol.reduce_scatter_tensor(bucket, "sum", 0, group) / world
+    return _split_row(row, [g.shape for g in grads], world)
+
+
+def local_rows(params: list[torch.Tensor], rank: torch.Tensor, group) -> list[torch.Tensor]:
+    """This rank's rows of the parameters. ``rank`` is a graph input (0-dim int64), so every
+    rank traces the same graph (the ranks compare their graphs at build time)."""
+    if not params:
+        return []
+    world = dist.get_world_size(group)
+    row = _rows(params, world).index_select(0, rank.reshape(1)).squeeze(0)
+    # separate tensors, not views of one row: the optimizer writes each in place, and writes
+    # into views of a shared base make functionalization regenerate the whole row every time
+    return [piece.clone() for piece in _split_row(row, [p.shape for p in params], world)]
+
+
+def gather_parameters(rows: list[torch.Tensor], shapes: list[torch.Size], group) -> list:
+    """The whole parameters of ``shapes`` from every rank's rows (one all-gather). Rows of
+    several dtypes (a block's bf16 copies and its float32 norms) travel as bytes in that one
+    all-gather, as FSDP2's copy-in does: ``_gather_bytes``."""
+    if not rows:
+        return []
+    if len({row.dtype for row in rows}) > 1:
+        return _gather_bytes(rows, shapes, group)
+    world = dist.get_world_size(group)
+    gathered = funcol.all_gather_tensor(torch.cat(rows), 0, group).view(world, -1)
+    pieces = _split_row(gathered, shapes, world)
+    return [
+        piece.reshape(-1)[: math.prod(shape)].view(shape) for piece, shape in zip(pieces, shapes)
+    ]
+
+
+_ALIGN = 16  # bytes: every rank's part starts where any dtype's view of it may start
+
+
+def _gather_bytes(rows: list[torch.Tensor], shapes: list[torch.Size], group) -> list:
+    """``gather_parameters`` for rows of mixed dtypes: each row viewed as bytes, the widest
+    dtypes first (so every piece starts at a multiple of its element size), each rank's part
+    padded to ``_ALIGN`` bytes; after the gather each piece is viewed back as its dtype."""
+    world = dist.get_world_size(group)
+    order = sorted(range(len(rows)), key=lambda i: -rows[i].element_size())
+    sizes = [rows[i].numel() * rows[i].element_size() for i in order]
+    padding = -sum(sizes) % _ALIGN
+    parts = [rows[i].contiguous().view(torch.uint8) for i in order]
+    if padding:
+        parts.append(rows[0].new_zeros(padding, dtype=torch.uint8))
+    gathered = funcol.all_gather_tensor(torch.cat(parts), 0, group).view(world, -1)
+    pieces = gathered.split([*sizes, padding], dim=-1)
+    out: list = [None] * len(rows)
+    for i, piece in zip(order, pieces):
+        whole = piece.contiguous().view(rows[i].dtype).reshape(-1)
+        out[i] = whole[: math.prod(shapes[i])].view(shapes[i])
+    return out
+
+
+def global_norm(shards: list[torch.Tensor], norm_type: float, group) -> torch.Tensor:
+    """``clip_grad_norm_``'s total norm of the whole gradients, from each rank's rows (padding
+    is zero, so it adds nothing)."""
+    norms = torch._foreach_norm(shards, norm_type)
+    local = torch.linalg.vector_norm(torch.stack(list(norms)), norm_type)
+    if math.isinf(norm_type):
+        return funcol.all_reduce(local, "max", group)
+    return funcol.all_reduce(local**norm_type, "sum", group) ** (1.0 / norm_type)
+
+
+class Zero(StepComponent):
+    """ZeRO in the step. Stages 1 and 2: each rank updates its rows of the averaged gradients
+    (one reduce-scatter per optimizer; stage 2 under accumulation reduces each micro-batch's)
+    and the whole parameters are all-gathered after the update. Stage 3: the step's parameter
+    inputs are the rows; the forward and backward read wholes gathered block by block
+    (``shard_gathers.place_collectives`` moves each gather to where it is read), and the
+    optimizer updates the rows. The clipping norm is the norm over every rank's rows."""
+
+    name = "zero"
+    part = "ZeRO's sharded update"
+    group = "shard"
+    inputs = ("zero_rank",)
+
+    def active(self, plan: StepPlan) -> bool:
+        return plan.zero_stage > 0
+
+    def example_inputs(
+        self,
+        plan: StepPlan,
+        state: SharedState,  # noqa: ARG002 - every component's signature
+        device: torch.device,
+    ) -> list:
+        rank = dist.get_rank(plan.process_group)
+        return [torch.tensor(rank, dtype=torch.int64, device=device)]
+
+    def start(self, ctx: StepContext) -> None:
+        plan = ctx.plan
+        if plan.zero_stage == 3:
+            rows = ctx.inputs.params
+            with NodeTagger(Subgraph.ZERO.tag()):
+                whole, ctx.copies = _gather_shards(plan, ctx.fwd_gm, rows)
+            ctx.inputs, ctx.rows = dataclasses.replace(ctx.inputs, params=whole), rows
+        if not plan.training:
+            return
+        if plan.zero_stage >= 2 and plan.acc_steps > 1:
+            ctx.reduce_each = lambda grads: _scatter_per_optimizer(plan, grads)
+        ctx.norm_of = lambda grads, norm_type: global_norm(grads, norm_type, plan.process_group)
+        ctx.whole_updates = False
+
+    def gradients(self, ctx: StepContext) -> None:
+        if ctx.reduce_each is None:  # stage 2 under accumulation reduced each micro-batch's
+            ctx.grads = _scatter_per_optimizer(ctx.plan, ctx.grads)
+
+    def before_update(self, ctx: StepContext, u: OptimizerUpdate, tensors: list) -> list:
+        if ctx.rows is not None:  # stage 3: the rows are the step's inputs
+            return [ctx.rows[i] for i in u.opt.forward_positions]
+        with NodeTagger(Subgraph.ZERO.tag()):
+            return local_rows(tensors, ctx.inputs.zero_rank, ctx.plan.process_group)
+
+    def after_update(self, ctx: StepContext, u: OptimizerUpdate, tensors: list) -> None:
+        if ctx.rows is not None:
+            return
+        with NodeTagger(Subgraph.ZERO.tag()):
+            whole = [ctx.inputs.params[i] for i in u.opt.forward_positions]
+            shapes = [p.shape for p in whole]
+            for p, new in zip(whole, gather_parameters(tensors, shapes, ctx.plan.process_group)):
+                p.copy_(new)
+
+
+def _scatter_per_optimizer(plan: StepPlan, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's rows of the averaged gradients (``grads`` and the result in
+    ``plan.trainable`` order). One reduce-scatter per optimizer; under ZeRO-3 one per block
+    of each optimizer's parameters, which ``shard_gathers.place_collectives`` moves to just
+    after the block's last gradient, so a block's whole gradients die as its backward ends."""
+    position = {p: j for j, p in enumerate(plan.trainable)}
+    names = plan.captured.param_names
+    out = list(grads)
+    buckets: dict[tuple[int, str], list[int]] = {}
+    for k, opt in enumerate(plan.optimizers):
+        for i in opt.forward_positions:
+            block = block_of(names[i], plan.gather_blocks) if plan.zero_stage == 3 else ""
+            buckets.setdefault((k, block), []).append(position[i])
+    with NodeTagger(Subgraph.ZERO.tag()):
+        for number, js in enumerate(buckets.values()):
+            dense = [g.to_dense() if g.is_sparse else g for g in (grads[j] for j in js)]
+            with NodeTagger({SCATTER: number}):
+                shards = scatter_gradients(dense, plan.process_group)
+            for j, shard in zip(js, shards):
+                out[j] = shard
+    return out
+
+
+def _gather_shards(plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tensor]):
+    """ZeRO-3: (the whole parameters, AMP's low-precision copies) from every rank's rows, one
+    all-gather per block of parameters (``records.sharding.block_of``), its dtypes as bytes
+    when it holds several. A parameter the forward reads only through its low-precision copy
+    is gathered in that dtype (its row cast first: the same values, half the bytes of
+    float32), and its whole is never made (an empty tensor stands for it, read for its shape
+    only). Traced here, at the start of the step;
+    ``shard_gathers.place_collectives`` then moves each block's gather to where it is read."""
+    placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
+    shapes = [node.meta["val"].shape for node in plan.forward_layout.split(placeholders).params]
+    cast_only = {i: dtype for i, dtype in plan.param_casts if i not in plan.direct_use}
+    # block -> [(i, the dtype its row travels in)], in parameter order
+    buckets: dict[str, list[tuple[int, torch.dtype]]] = {}
+    for i, (name, row) in enumerate(zip(plan.captured.param_names, rows)):
+        dtype = cast_only.get(i, row.dtype)
+        buckets.setdefault(block_of(name, plan.gather_blocks), []).append((i, dtype))
+    gathered: dict[int, torch.Tensor] = {}
+    for number, (block, members) in enumerate(buckets.items()):
+        keep = not plan.reshard_after_forward or block in plan.kept_blocks
+        # the casts too: they move with the gather
+        with NodeTagger({GATHER: number, **({KEEP_GATHERED: True} if keep else {})}):
+            pieces = [rows[i].to(dtype) for i, dtype in members]
+            values = gather_parameters(pieces, [shapes[i] for i, _ in members], plan.process_group)
+        gathered.update((i, value) for (i, _), value in zip(members, values))
+    whole = [
+        rows[i].new_empty(shapes[i]) if i in cast_only else gathered[i] for i in range(len(rows))
+    ]
+    with NodeTagger(Subgraph.PARAMETER_CASTS.tag()):
+        copies = [
+            cast_for_forward(gathered[i] if i in cast_only else whole[i], dtype)
+            for i, dtype in plan.param_casts
+        ]
+    return whole, copies
