@@ -1,18 +1,18 @@
 """Stage 4, assemble: the AMP-rewritten forward traced again inside one functional training step.
 
-    parameter casts → forward → loss × scale → grads (autograd) → [all-reduce | ZeRO
-    reduce-scatter]
-    → unscale + found_inf → [+ the .grad build() left, checked] → clip → optimizer update masked by found_inf → [overflow record]
-    → history row → [ZeRO all-gather of the updated parameters] → scale update → BatchNorm
-    statistics masked
+    [START] parameter casts → forward → loss × scale → grads (autograd) → [GRADIENTS] →
+    per optimizer [OPTIMIZER_GRADIENTS] → [OVERFLOW] → per optimizer [BEFORE_UPDATE] masked
+    update [AFTER_UPDATE] → [SKIP] → [RECORD] → [FINISH] → BatchNorm statistics masked
 
-The whole step becomes one FX graph (make_fx over Python functionalization, fake tensors). Its
-inputs are the state tensors and the batch (``plan.layout``); it writes every state tensor in
-place (``copy_`` into its inputs, which the compiler keeps in place) and returns build()'s
-tensors (then, for an optimizer whose own step() runs after it, its gradients: ``_eager_outputs``). Nodes carry ``meta["graphamp_subgraph"]``: parameter_casts, forward, backward,
-grad_scaler, clip_grad, data_parallel, zero, optimizer, forensics (overflow tracing only), fp8
-(the delayed recipe's histories), history (and recompute, added after tracing by
-``recompute.py``).
+The step's core is the forward and gradients (``gradients.py``) and each optimizer's update
+(``optimizer_update.py``); at each bracketed phase the plan's components add their part
+(``components/``: loss scaling, clipping, data parallel, ZeRO, overflow probes, fp8 histories,
+the history row, build()'s gradient code), in their registered order. The whole step becomes one
+FX graph (make_fx over Python functionalization, fake tensors). Its inputs are the state tensors
+and the batch (``plan.layout``); it writes every state tensor in place (``copy_`` into its
+inputs, which the compiler keeps in place) and returns build()'s tensors (then, for an optimizer
+whose own step() runs after it, its gradients: ``_eager_outputs``). Every node carries its
+``records.subgraphs.Subgraph`` tag (recompute's, added after tracing by ``recompute.py``).
 """
 
 from __future__ import annotations
