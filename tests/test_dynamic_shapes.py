@@ -77,6 +77,41 @@ def test_a_variable_length_run_equals_eager_and_compiles_twice(backend, caplog):
     assert "marking it before the first call (torch._dynamo.mark_dynamic" in said[0]
 
 
+@pytest.mark.parametrize("marks", [(), (1,)])
+def test_a_length_the_trace_pins_builds_a_step_per_length_and_says_why(marks, caplog):
+    """A build() that reads the length as a number (``int()``: a guard that it equals the
+    traced one, as torch 2.11's fake tensors do for any linear layer on 3-d inputs) pins the
+    symbol: the "dynamic" step serves its own length only. graphamp says so once and traces
+    later lengths as numbers, instead of tracing symbols for nothing at every length."""
+    model = TinyGPT(layers=2)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin))
+
+    def build(self, idx, targets):
+        n = int(idx.shape[1])  # the length as a number: pins the symbol
+        loss = lm_loss(self.model(idx[:, :n]), targets)
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, opt, backend="aot_eager", build=build)
+    lengths = (12, 7, 12, 9)
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        for step, (idx, targets) in enumerate(_lm_batches(lengths)):
+            for dim in marks if step == 0 else ():
+                torch._dynamo.mark_dynamic(idx, dim)
+                torch._dynamo.mark_dynamic(targets, dim)
+            got = g(idx, targets)
+            torch.testing.assert_close(got, _eager_lm_step(twin, twin_opt, idx, targets))
+    assert_state_close(model, twin, atol=1e-6)
+    assert sorted(s.calls for s in g.compiled_steps) == [1, 1, 2]  # 12, 7, 9
+    said = [r.getMessage() for r in caplog.records if "the trace pinned" in r.getMessage()]
+    assert len(said) == 1 and "'x' dimension 1, 'y' dimension 1" in said[0]
+    rebuilt = [
+        r.getMessage() for r in caplog.records if "capturing and compiling" in r.getMessage()
+    ]
+    assert "dynamic (symbolic)" not in rebuilt[-1]  # 9: traced as a number
+
+
 @pytest.mark.slow  # moved from the default lane to keep it near 10 minutes (--durations)
 def test_static_shapes_compile_a_step_per_shape_and_equal_eager():
     g = _train_lm(LENGTHS, configure=lambda self: self.config.set_dynamic_shapes(False))

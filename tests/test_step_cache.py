@@ -29,6 +29,7 @@ import graphamp
 from graphamp.backend import cache_directory, step_cache, step_key, step_unpickler, step_values
 from graphamp.inspect.memory import step_memory
 from graphamp.records.frames import SOURCE_LINE_META
+from graphamp.torchkit.compat import TORCH_VERSION
 
 # the models here are tiny: outlined as a model whose blocks do enough work is by default
 pytestmark = pytest.mark.usefixtures("outline_small_blocks")
@@ -692,6 +693,13 @@ def test_a_step_with_symbolic_sizes_is_cached_with_its_guards(monkeypatch):
     build loads it (no assembly), assumes the same size guards and trains bitwise like it."""
     data = _variable_lengths()
     first = _train(_gpt, data)
+    if TORCH_VERSION < (2, 13):  # torch 2.11 pins the length in capture: a step per length
+        assert any(p.guards.shapes.pinned for p in first[0]._programs.values())
+        assert len(first[0].compiled_steps) == len(data) == len(_entries())
+        second = _train(_gpt, data)
+        assert all("assemble" not in s.timings for s in second[0].compiled_steps)
+        _assert_same(first, second)
+        return
     assert len(first[0].compiled_steps) == 2 and len(_entries()) == 2  # static, then dynamic
     assumed = []
     assume = step_values.assume

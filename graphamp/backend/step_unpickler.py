@@ -71,7 +71,10 @@ class _PlainGraphPickler(pickle.Pickler):
     """torch's GraphPickler with the standard library's pickler as its base, whatever that of
     GraphPickler is (``dill``'s where dill is importable)."""
 
-    _PASSTHROUGH_TYPES = graph_pickler.GraphPickler._PASSTHROUGH_TYPES
+    # read by GraphPickler's reducer_override from torch 2.13 (torch 2.11's has no such set)
+    _PASSTHROUGH_TYPES: frozenset[type] = getattr(
+        graph_pickler.GraphPickler, "_PASSTHROUGH_TYPES", frozenset()
+    )
     persistent_id = graph_pickler.GraphPickler.persistent_id
 
     def reducer_override(self, obj: Any) -> Any:

@@ -240,6 +240,11 @@ class ShapeGuard:
     dynamic: frozenset[tuple[int, int]] = frozenset()
     expression: str | None = None
     code: CodeType | None = field(default=None, repr=False)
+    # of ``dynamic``, the dimensions the trace pinned to their traced size (a size read as a
+    # number: ``int(t.shape[1])``, a branch on ``t == 12``, or torch 2.11's fake tensors under
+    # functionalization): the program serves that size only, and later builds of the family
+    # trace them as numbers (``runtime/programs.dynamic_dims``)
+    pinned: frozenset[tuple[int, int]] = frozenset()
     globals: dict = field(default_factory=dict, repr=False)
 
     def admits(self, traced: InputSignature, call: InputSignature, tensors: Sequence) -> bool:

@@ -42,7 +42,13 @@ from .fsdp_adopt import adopt_at_first_call
 from .lifting import Lifting
 from .overflows import read_overflows, watch_overflows
 from .programs import Key, ProgramCache, marked_dynamic, precision_differences
-from .structure_key import StructureKey, log_rebuild, numbers_baked_in, warn_about_numbers
+from .structure_key import (
+    StructureKey,
+    log_pinned,
+    log_rebuild,
+    numbers_baked_in,
+    warn_about_numbers,
+)
 
 if TYPE_CHECKING:  # the user's objects, held and called, never constructed here
     from ..config import GraphConfig
@@ -234,6 +240,7 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple) -> Program:
     lifted_inputs = lifted_tensor_indices(inputs.args, inputs.kwargs, lifted_args)
     request = BuildRequest(key[1], dynamic, _lifted(run, change), lifted_inputs)
     program = _compile(run, inputs, request)
+    log_pinned(run.name, program, names)
     # the build may have changed the user's objects (capture settled build()'s first-call
     # state; ZeRO-3 made the parameters shards): the program is kept under the objects' new
     # structure, which the next call sees

@@ -101,16 +101,22 @@ class ProgramCache(Mapping[int, Program]):
         if mode is False:
             return frozenset()
         if mode is True:
-            return frozenset(
+            every = frozenset(
                 (i, d)
                 for i, (shape, *_rest) in enumerate(signature.tensors)
                 for d in range(len(shape))
             )
+            return every - self.family_pinned(key)
         dims = set(marked) | self.family_dynamic(key)
         for guards in self._family(key):
             for i, (old, new) in enumerate(zip(guards.signature.tensors, signature.tensors)):
                 dims |= {(i, d) for d, (a, b) in enumerate(zip(old[0], new[0])) if a != b}
-        return frozenset(dims)
+        return frozenset(dims) - self.family_pinned(key)
+
+    def family_pinned(self, key: Key) -> frozenset[tuple[int, int]]:
+        """The dimensions an earlier build of this call's family was asked to trace as symbols
+        and pinned to one size: traced as numbers from then on (``ShapeGuard.pinned``)."""
+        return frozenset(d for guards in self._family(key) for d in guards.shapes.pinned)
 
     def family_member(self, key: Key) -> Program | None:
         """The most recently used program of this call's family (same structure; signatures
@@ -122,8 +128,10 @@ class ProgramCache(Mapping[int, Program]):
         return None
 
     def family_dynamic(self, key: Key) -> frozenset[tuple[int, int]]:
-        """The dimensions already dynamic in programs of this call's family."""
-        return frozenset(d for guards in self._family(key) for d in guards.shapes.dynamic)
+        """The dimensions already dynamic (and not pinned) in programs of this call's family."""
+        return frozenset(
+            d for guards in self._family(key) for d in guards.shapes.dynamic - guards.shapes.pinned
+        )
 
     def _family(self, key: Key) -> list[Guards]:
         """The guards of the cached programs of this call's family, least recently used first."""

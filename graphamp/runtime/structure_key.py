@@ -127,6 +127,21 @@ class StructureKey:
         )
 
 
+def log_pinned(graph_name: str, program: Program, names: list[str]) -> None:
+    """One INFO line where a build traced dimensions as symbols and the trace pinned them to
+    their sizes (``ShapeGuard.pinned``): the step serves those sizes only."""
+    pinned = sorted(program.guards.shapes.pinned) if program.guards is not None else []
+    if not pinned:
+        return
+    log.info(
+        "%s: the trace pinned %s to the traced size (a size read as a number: int() of a "
+        "size, a branch on a size's equality, or torch 2.11's fake tensors): this step serves "
+        "that size only, and each new size builds a step for its sizes",
+        graph_name,
+        ", ".join(f"{names[i] if i < len(names) else i!r} dimension {d}" for i, d in pinned),
+    )
+
+
 def log_rebuild(
     graph_name: str,
     change: Change | None,

@@ -107,10 +107,20 @@ def shape_guard(mode: FakeTensorMode, batch: list[torch.Tensor], dynamic: Dims) 
     expression = " and ".join(f"({g})" for g in kept) or "True"
     return ShapeGuard(
         dynamic=frozenset(dynamic),
+        pinned=frozenset(
+            (i, d) for i, d in dynamic if env.simplify(_expr(batch[i].shape[d])).is_number
+        ),
         expression=expression,
         code=compile(expression, "<graphamp shape guard>", "eval"),
         globals=dict(SYMPY_INTERP),
     )
+
+
+def _expr(size: Any) -> Any:
+    """A size as a sympy expression (a traced symbol's, or the number)."""
+    import sympy
+
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
 
 
 def size_hint(n: Any) -> int:
