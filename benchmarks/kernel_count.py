@@ -209,11 +209,17 @@ def cpu_code(gm: fx.GraphModule, example: list) -> str:
 
 
 def _sites(text: str) -> collections.Counter:
-    """Kernel launch sites written in ``text``: Triton/C++ kernels, extern GEMMs, ATen."""
+    """Kernel launch sites written in ``text``: Triton/C++ kernels, extern GEMMs, ATen; and
+    the wrapper's buffer allocations and runtime size/stride/alignment asserts (what a call of
+    an outlined block's subgraph repeats that the inlined step does once or shares)."""
+    asserts = len(re.findall(r"^\s*assert_\w+\(", text, flags=re.M))
+    allocations = len(re.findall(r"\bempty_strided\w*\(", text))
     text = "\n".join(
         line for line in text.splitlines() if not line.strip().startswith(("assert_", "#"))
     )
     return collections.Counter(
+        asserts=asserts,
+        allocations=allocations,
         triton=len(re.findall(r"\btriton_\w+\.run\(", text)),
         cpp=len(re.findall(r"^\s*cpp_fused_\w+\(", text, flags=re.M)),
         extern=len(re.findall(r"\bextern_kernels\.\w+\(", text)),
@@ -254,6 +260,7 @@ def launches(code: str) -> dict[str, int]:
     out = {kind: counts[kind] for kind in ("triton", "cpp", "extern", "aten")}
     out["total"] = sum(out.values())
     out["combo_kernels"] = counts["combo_kernels"]
+    out["allocations"], out["asserts"] = counts["allocations"], counts["asserts"]
     return out
 
 
