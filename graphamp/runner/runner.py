@@ -75,7 +75,7 @@ class Runner:
         cuda_graph_batch: list[torch.Tensor] | None = None,
         cuda_graph_sizes: int | None = None,
         graph_name: str = "",
-        component_inputs: dict[str, list[torch.Tensor]] | None = None,
+        component_inputs: dict[str, list[torch.Tensor]],
     ):
         cap = plan.captured
         self.plan = plan
@@ -89,7 +89,7 @@ class Runner:
         # the step components' input groups (the scaler's state, the history, the fp8
         # histories, the ZeRO rank, the overflow record): their live tensors, made by the
         # components (``step/components/``), fed to every call as they are
-        self.component_inputs = dict(component_inputs or {})
+        self.component_inputs = component_inputs
         if plan.zero_stage:
             for opt in plan.optimizers:
                 zero_state.track(opt, plan.process_group)

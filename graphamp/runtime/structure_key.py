@@ -138,8 +138,13 @@ def log_pinned(graph_name: str, program: Program, names: list[str]) -> None:
         "size, a branch on a size's equality, or torch 2.11's fake tensors): this step serves "
         "that size only, and each new size builds a step for its sizes",
         graph_name,
-        ", ".join(f"{names[i] if i < len(names) else i!r} dimension {d}" for i, d in pinned),
+        _dimension_words(pinned, names),
     )
+
+
+def _dimension_words(dims: list[tuple[int, int]], names: list[str]) -> str:
+    """``'x' dimension 1, 'y' dimension 1``: batch dimensions by their input's name."""
+    return ", ".join(f"{names[i] if i < len(names) else i!r} dimension {d}" for i, d in dims)
 
 
 def log_rebuild(
@@ -153,7 +158,7 @@ def log_rebuild(
     dimensions become dynamic from this build on."""
     new = sorted(dynamic - before)
     if new:
-        dims = ", ".join(f"{names[i] if i < len(names) else i!r} dimension {d}" for i, d in new)
+        dims = _dimension_words(new, names)
         # found by a second size, the step for the first was built for nothing: say how a run
         # builds once (round 9 of variable_shapes_cpu.md: 36 s marked against 58 s found)
         hint = (
