@@ -829,3 +829,200 @@ def test_every_process_state_entry_names_a_thing_that_exists():
         )
     }
     assert patching and patching <= {w.split(":")[0] for w in wheres}
+
+
+# -- torch's private names: declared where they are read, with the torch releases checked --------
+
+COMPAT_MODULE = PACKAGE / "torchkit" / "compat.py"
+# A module that reads torch's private names says so near its top, in this form (names sorted,
+# comma-separated, on `#   ` lines):
+#   # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   #   torch._foreach_mul, torch._subclasses, torch.utils._pytree
+_PRIVATE_HEADER = "# torch private names read here (checked on torch {}: .ci/run's legs):"
+_PRIVATE_HEADER_RE = re.compile(r"# torch private names read here \(checked on torch ([^:]*): ")
+_TORCH_DOTTED = re.compile(r"torch(\.\w+)*")
+
+
+def _private_part(dotted: str) -> str | None:
+    """The name a declaration lists for a torch name graphamp reads: its dotted path up to and
+    including its last private component (``_x``, not a dunder), or None if it has none:
+    ``torch._C._nn.gelu`` -> ``torch._C._nn``, ``torch.ops.aten._to_copy.default`` ->
+    ``torch.ops.aten._to_copy``, ``torch._subclasses.fake_tensor.FakeTensorMode`` ->
+    ``torch._subclasses`` (the private attribute read; what is read from it is torch's too)."""
+    parts = dotted.split(".")
+    private = [
+        i for i, p in enumerate(parts) if p.startswith("_") and not re.fullmatch(r"__\w+__", p)
+    ]
+    if parts[0] != "torch" or not private:
+        return None
+    return ".".join(parts[: private[-1] + 1])
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` as [a, b, c]; None unless the chain starts at a name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def _torch_aliases(tree: ast.AST) -> dict[str, str]:
+    """Name -> the torch name it is bound to, in functions too: ``import torch``, ``import
+    torch.utils._pytree as pytree``, ``from torch._inductor import config``, and plain
+    assignments of a torch name (``aten = torch.ops.aten``)."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torch":
+                    aliases[a.asname or "torch"] = a.name if a.asname else "torch"
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            if (node.module or "").split(".")[0] == "torch":
+                aliases |= {a.asname or a.name: f"{node.module}.{a.name}" for a in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and [type(t) for t in node.targets] == [ast.Name]:
+            chain = _dotted(node.value)
+            if chain and chain[0] in aliases:
+                aliases[node.targets[0].id] = ".".join([aliases[chain[0]], *chain[1:]])
+    return aliases
+
+
+def _torch_owner(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """The torch name an expression is: a chain from a name bound to torch, or a string that is
+    a whole dotted torch name (``"torch.utils._pytree"``)."""
+    chain = _dotted(node)
+    if chain and chain[0] in aliases:
+        return ".".join([aliases[chain[0]], *chain[1:]])
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value if _TORCH_DOTTED.fullmatch(node.value) else None
+    return None
+
+
+def _torch_names_named(node: ast.AST, aliases: dict[str, str], inner: set[int]) -> list[str]:
+    """The torch names one node names: an import, the longest attribute chain from a name
+    bound to torch, a string that is a whole dotted torch name, or an attribute given as a
+    string beside its owner, in a call's first two arguments or a pair (``getattr(torch._C,
+    "_x")``, ``SharedPatch(torch.compiler, "_flag", ...)``, ``("torch.serialization", "_x")``)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and not node.level:
+        return [f"{node.module}.{a.name}" for a in node.names]
+    if isinstance(node, ast.Attribute | ast.Constant):
+        owner = _torch_owner(node, aliases) if id(node) not in inner else None
+        return [owner] if owner else []
+    pair = node.args[:2] if isinstance(node, ast.Call) else getattr(node, "elts", [])
+    if not isinstance(node, ast.Call | ast.Tuple) or len(pair) != 2:
+        return []
+    owner, attr = _torch_owner(pair[0], aliases), pair[1]
+    if owner and isinstance(attr, ast.Constant) and str(attr.value).isidentifier():
+        return [f"{owner}.{attr.value}"]
+    return []
+
+
+def _private_torch_names_read(tree: ast.AST) -> dict[str, int]:
+    """{declared name: the first line naming it} for the private torch names a module reads."""
+    aliases = _torch_aliases(tree)
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    found: dict[str, int] = {}
+    for node in ast.walk(tree):
+        for name in _torch_names_named(node, aliases, inner):
+            private = _private_part(name)
+            if private:
+                found[private] = min(found.get(private, node.lineno), node.lineno)
+    return found
+
+
+def _private_declaration(text: str) -> tuple[str, list[str]] | None:
+    """(the versions the comment names, the names it lists in order), or None without one."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if _PRIVATE_HEADER_RE.match(line)]
+    if not starts:
+        return None
+    assert len(starts) == 1, "two declarations of torch private names in one module"
+    versions = _PRIVATE_HEADER_RE.match(lines[starts[0]]).group(1)
+    names: list[str] = []
+    for line in lines[starts[0] + 1 :]:
+        if not line.startswith("#   "):
+            break
+        names += [n.strip() for n in line[4:].split(",") if n.strip()]
+    return versions, names
+
+
+def _expected_declaration(names: list[str], versions: str) -> str:
+    """The comment block for ``names``, wrapped at 100 columns."""
+    lines, line = [_PRIVATE_HEADER.format(versions)], "#  "
+    for i, name in enumerate(names):
+        word = f" {name}" + ("," if i < len(names) - 1 else "")
+        if len(line) + len(word) > 100 and line != "#  ":
+            lines.append(line.rstrip())
+            line = "#  "
+        line += word
+    return "\n".join([*lines, line])
+
+
+def _declaration_problem(where: str, text: str, versions: str) -> str | None:
+    """What to change in one module's declaration of the private torch names it reads."""
+    read = _private_torch_names_read(ast.parse(text))
+    declared = _private_declaration(text)
+    if declared is None and not read:
+        return None
+    if not read:
+        return f"{where}: reads no private torch name; remove its declaration comment"
+    listed = declared[1] if declared else []
+    if declared and declared[0] == versions and listed == sorted(read):
+        return None
+    missing = [f"{n} (line {read[n]})" for n in sorted(set(read) - set(listed))]
+    stale = sorted(set(listed) - set(read))
+    changes = [f"add {', '.join(missing)}"] if missing else []
+    changes += [f"remove {', '.join(stale)}"] if stale else []
+    if declared and declared[0] != versions:
+        changes.append(f"name torch {versions}, not {declared[0]}")
+    return (
+        f"{where}: {'; '.join(changes or ['list each name once, sorted'])}. Its comment, after"
+        " the docstring and `from __future__` import, just above the next import, should"
+        " read:\n" + _expected_declaration(sorted(read), versions)
+    )
+
+
+def test_private_torch_names_are_declared_where_read():
+    """Every private torch name a module names (a dotted torch name with a ``_x`` component,
+    up to its last: ``_private_part``) is listed in the module's ``# torch private names read
+    here`` comment, which names the torch releases .ci/run checks it on
+    (``compat.CHECKED_TORCH``); no name is listed that the module does not read.
+    ``torchkit/compat.py`` is the module for torch-version branches and needs none."""
+    from graphamp.torchkit.compat import CHECKED_TORCH
+
+    versions = ", ".join(CHECKED_TORCH)
+    problems = [
+        _declaration_problem(str(path.relative_to(ROOT)), path.read_text(), versions)
+        for path in sorted(PACKAGE.glob("**/*.py"))
+        if path != COMPAT_MODULE
+    ]
+    found = [p for p in problems if p]
+    assert not found, "declare the private torch names each module reads:\n" + "\n".join(found)
+
+
+def test_the_checked_torch_releases_are_the_ones_ci_installs():
+    """``compat.CHECKED_TORCH`` is what .ci/run installs: the main leg's torch and the
+    compatibility legs' (the ends of the range pyproject.toml claims)."""
+    import tomllib
+
+    from graphamp.torchkit.compat import CHECKED_TORCH
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    compat_legs = re.search(r"for version in ([\d. ]+); do", ci).group(1).split()
+    main_leg = re.search(r"main leg \(torch ([\d.]+), whole suite\)", ci).group(1)
+    assert tuple(sorted([*compat_legs, main_leg], key=_release)) == CHECKED_TORCH
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    claimed = next(d for d in project["dependencies"] if d.startswith("torch"))
+    low, high = re.fullmatch(r"torch>=([\d.]+),<([\d.]+)", claimed).groups()
+    assert _release(CHECKED_TORCH[0])[:2] == _release(low)[:2], (claimed, CHECKED_TORCH)
+    assert _release(CHECKED_TORCH[-1])[:2] == (_release(high)[0], _release(high)[1] - 1)
+    assert f"torch {main_leg}" in ci.split("\n\n")[0]  # .ci/run's header names the main leg's
+    # the test extra's torchvision pin is the build beside the main leg's torch
+    assert f"torch {main_leg}" in (ROOT / "pyproject.toml").read_text()
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("."))

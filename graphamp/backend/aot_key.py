@@ -24,6 +24,8 @@ step's hash would have given.
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._functorch._aot_autograd
 import functools
 import threading
 from collections.abc import Iterator

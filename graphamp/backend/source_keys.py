@@ -17,6 +17,8 @@ caches cannot be set (a torch without ``set``), nothing is kept.
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._inductor
 import hashlib
 import importlib.util
 import logging

@@ -8,6 +8,9 @@ changed stay among the outputs; parameters no loss depends on are left out of th
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._functionalize_has_data_mutation, torch._functionalize_has_metadata_mutation,
+#   torch._subclasses, torch._sync
 import torch
 import torch.fx as fx
 from torch._subclasses.functional_tensor import FunctionalTensor

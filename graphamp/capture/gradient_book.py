@@ -19,6 +19,8 @@ sees the same gradients, as under DDP).
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._amp_foreach_non_finite_check_and_unscale_, torch.distributed._functional_collectives
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 

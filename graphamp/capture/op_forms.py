@@ -4,6 +4,10 @@ where functionalization sees it; dropout as one op; attention kept whole under A
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch.autograd._unsafe_preserve_version_counter, torch.ops.aten._native_batch_norm_legit,
+#   torch.ops.aten._native_batch_norm_legit_functional,
+#   torch.ops.aten._native_batch_norm_legit_no_training
 import torch
 
 from ..errors import CaptureError

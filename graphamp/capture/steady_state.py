@@ -35,6 +35,8 @@ undoes it (``pipeline.build_program``).
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._subclasses, torch.utils._pytree
 from dataclasses import dataclass, field
 from typing import Any, Callable
 

@@ -20,6 +20,8 @@ common case where no such mode is on.
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._C, torch._C._get_deterministic_algorithms, torch._C._is_any_autocast_enabled
 import contextlib
 from typing import ContextManager
 

@@ -19,6 +19,8 @@ ops on the same values, so the block computes what it computed: precision decisi
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._ops, torch.ops.aten._to_copy
 from dataclasses import dataclass
 
 import torch

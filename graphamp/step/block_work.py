@@ -24,6 +24,10 @@ modules on the ops' paths (``outline.numbered_on``: ``h.3`` of ``transformer.h.3
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch.ops.aten._scaled_dot_product_efficient_attention,
+#   torch.ops.aten._scaled_dot_product_flash_attention,
+#   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 import math
 from typing import Any
 

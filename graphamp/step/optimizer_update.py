@@ -14,6 +14,8 @@ parameter (``traced_optimizer.py``).
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._subclasses
 from typing import Iterator
 
 import torch

@@ -16,6 +16,8 @@ replay guarantees by other means.
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._ops
 from dataclasses import dataclass, field
 
 import torch

@@ -17,6 +17,9 @@ kernel compiled once per distinct block (``block_update.py``).
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._foreach_add, torch._foreach_div, torch._foreach_maximum, torch._foreach_mul,
+#   torch._foreach_neg, torch._foreach_pow, torch._foreach_sqrt, torch._foreach_sub
 from dataclasses import dataclass
 
 import torch

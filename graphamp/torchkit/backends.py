@@ -5,6 +5,8 @@ update kernels (``step/block_update.py``) are compiled this way.
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._dynamo, torch._guards, torch._inductor, torch._subclasses
 import os
 from contextlib import nullcontext
 from typing import Callable

@@ -3,6 +3,10 @@
 Each branch names the torch versions that need it. graphamp supports the range in
 ``pyproject.toml`` (tested by ``.ci/run``'s version matrix); when the oldest supported release
 moves past a branch's version, delete the branch.
+
+Elsewhere in graphamp a module that reads torch's private names (``torch._foreach_mul``,
+``torch.utils._pytree``...) lists them in a comment near its top with the releases they were
+checked on, ``CHECKED_TORCH`` (tests/test_architecture.py keeps both true).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch._subclasses.functional_tensor import dispatch_functionalize as _torch
 
 try:  # torch >= 2.13
     from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
-except ImportError:  # torch 2.11: what lent GPU machines carry (benchmarks only, not supported)
+except ImportError:  # torch < 2.13: 2.11, the oldest pyproject.toml claims (a .ci/run leg)
     from torch.fx.experimental.symbolic_shapes import (  # type: ignore[attr-defined,no-redef]
         has_hint as has_guarding_hint,
     )
@@ -26,6 +30,7 @@ except ImportError:  # torch 2.11: what lent GPU machines carry (benchmarks only
     )
 
 __all__ = [
+    "CHECKED_TORCH",
     "TORCH_VERSION",
     "dispatch_functionalize",
     "guarding_hint_or_throw",
@@ -34,6 +39,11 @@ __all__ = [
 ]
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+# The torch releases .ci/run tests graphamp on: the main leg's (the whole suite) and the
+# compatibility legs' (the ends of pyproject.toml's range: .ci/compat_tests, a subset, and the
+# demo). The comments declaring the torch private names a module reads name these.
+CHECKED_TORCH = ("2.11.0", "2.14.1", "2.15.0")
 
 _HAS_PROPAGATE = "propagate_input_mutations" in inspect.signature(_torch_functionalize).parameters
 

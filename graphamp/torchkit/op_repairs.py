@@ -25,6 +25,8 @@ list).
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._C._nn, torch.ops.aten._ctc_loss, torch.ops.aten._ctc_loss_backward
 import torch
 import torch.nn.functional as F
 from torch import Tensor

@@ -34,6 +34,9 @@ container that graphamp mutates after import, every global a function rebinds an
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._library, torch._library.simple_registry.singleton._data,
+#   torch.compiler._is_compiling_flag
 import contextlib
 import itertools
 import sys

@@ -4,6 +4,8 @@ in place (SAM's restore, a clamp) take their new values, which a skipped step pu
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._amp_foreach_non_finite_check_and_unscale_
 import torch
 
 from ...records.spec import StepPlan

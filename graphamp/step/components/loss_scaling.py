@@ -10,6 +10,8 @@ behaviour of the scaler is a change here.
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._amp_foreach_non_finite_check_and_unscale_
 from typing import TYPE_CHECKING, cast
 
 import torch
