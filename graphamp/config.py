@@ -9,6 +9,8 @@ cache key, so a setter called later rebuilds the step).
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._inductor
 import dataclasses
 from typing import Any, Iterable
 

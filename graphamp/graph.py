@@ -293,7 +293,9 @@ class Graph:
     def fp8_report(self) -> Fp8Report:
         """Where the delayed fp8 recipe saturated, per operand of each fp8 matmul."""
         require_delayed(type(self).__name__, self.config.fp8_recipe)
-        return fp8_report(self._require_program(), self._run.state.fp8, self.config.fp8_margin)
+        return fp8_report(
+            self._require_program(), self._run.state.pass_state, self.config.fp8_margin
+        )
 
     # -- inspection -----------------------------------------------------------------------------
     def debug(self, v_level: int = 1) -> None:

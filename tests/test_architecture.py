@@ -21,7 +21,13 @@ from models import seed_mlp
 import graphamp
 import graphamp.passes.amp_pipeline as amp_pipeline
 from graphamp.passes import AmpPassError
-from graphamp.records.layouts import STEP_INPUT_GROUPS, ForwardLayout, StepLayout
+from graphamp.records.layouts import (
+    CALL_GROUPS,
+    STATE_GROUPS,
+    STEP_INPUT_GROUPS,
+    ForwardLayout,
+    StepLayout,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "graphamp"
@@ -199,17 +205,25 @@ def test_no_library_function_is_longer_than_a_screen():
 
 
 def test_step_layout_owns_the_order_of_the_step_inputs():
-    names = {g: [f"{g}{i}" for i in range(k)] for k, g in enumerate(STEP_INPUT_GROUPS)}
+    """The core's state groups, then the components' groups in the order given, then the
+    per-call groups: the batch comes last."""
+    given = [*STEP_INPUT_GROUPS, "scaler", "history"]  # two components' groups, core's first
+    names = {g: [f"{g}{i}" for i in range(k)] for k, g in enumerate(given)}
     layout = StepLayout(names)
-    values = {g: [object() for _ in names[g]] for g in STEP_INPUT_GROUPS}
+    values = {g: [object() for _ in names[g]] for g in given}
     flat = layout.flatten(values)
-    assert layout.names == [n for g in STEP_INPUT_GROUPS for n in names[g]]
-    assert vars(layout.split(flat)) == values
+    order = [*STATE_GROUPS, "scaler", "history", *CALL_GROUPS]
+    assert layout.names == [n for g in order for n in names[g]]
+    split = layout.split(flat)
+    assert {g: getattr(split, g) for g in STEP_INPUT_GROUPS} == {
+        g: values[g] for g in STEP_INPUT_GROUPS
+    }
+    assert split.owned == {"scaler": values["scaler"], "history": values["history"]}
     assert layout.n_state == len(flat) - len(names["inputs"])  # the batch comes last
     with pytest.raises(ValueError, match="'hyper' has 1 values, the layout 3"):
         layout.flatten({**values, "hyper": [object()]})
-    with pytest.raises(ValueError, match="unknown step input groups"):
-        StepLayout({"gradients": ["g"]})
+    with pytest.raises(ValueError, match="not in the layout"):
+        layout.flatten({**values, "gradients": [object()]})
 
 
 def test_forward_layout_owns_the_order_of_the_forward_inputs():
@@ -549,6 +563,7 @@ _CORE_INPUT_GROUPS = {
     "hyper",
     "counters",
     "momentum_fresh",
+    "pass_state",
     "constants",
     "inputs",
 }
@@ -591,7 +606,7 @@ def test_every_state_group_of_the_step_belongs_to_one_component():
 
     owners = collections.Counter(c.group for c in COMPONENTS if c.group is not None)
     assert [g for g, n in owners.items() if n > 1] == []
-    assert set(owners) | _CORE_INPUT_GROUPS == set(STEP_INPUT_GROUPS)
+    assert set(STEP_INPUT_GROUPS) == _CORE_INPUT_GROUPS
     assert not set(owners) & _CORE_INPUT_GROUPS
 
 

@@ -8,10 +8,10 @@ from .oracle import autocast_forward
 from .root import (
     BuildRoot,
     check_devices,
+    check_module_paths,
     check_not_fsdp,
     checkpointed_paths,
     fake_copy,
-    fp8_kept_paths,
     pinned_paths,
 )
 from .trace import capture_forward
@@ -22,7 +22,7 @@ __all__ = [
     "capture_forward",
     "check_devices",
     "fake_copy",
-    "fp8_kept_paths",
+    "check_module_paths",
     "pinned_paths",
     "checkpointed_paths",
     "check_not_fsdp",

@@ -8,6 +8,7 @@ from .amp_pipeline import AMP_PIPELINE, AmpPassError, run_amp_passes
 from .base import AmpContext, PassResult
 from .colour import colour_by_lists
 from .fold_casts import fold_cast_chains
+from .fp8_matmuls import fp8_options
 from .hoist_param_casts import hoist_parameter_casts
 from .insert_casts import dtype_after_amp, insert_casts
 from .lint import AmpInvariantError, check_amp_invariants, verify_dtypes
@@ -26,6 +27,7 @@ __all__ = [
     "colour_by_lists",
     "dtype_after_amp",
     "fold_cast_chains",
+    "fp8_options",
     "hoist_parameter_casts",
     "insert_casts",
     "remove_hints",

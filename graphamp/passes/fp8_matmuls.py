@@ -17,11 +17,17 @@ Every matmul gets ``meta["fp8"]``: ``"fp8"`` or the reason it stayed bf16.
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch.ops.aten._to_copy, torch.ops.aten._unsafe_view
 from typing import Any, Callable, cast
 
 import torch
 import torch.fx as fx
 
+from ..errors import ConfigError
+from ..records.amp import Fp8Options
+from ..records.layouts import PassState
+from ..records.settings import ConfigSnapshot
 from ..torchkit.fp8_numerics import HISTORY_ROWS
 from ..torchkit.fxutil import module_path
 from ..torchkit.ops import FP8_MM, FP8_MM_DELAYED
@@ -34,9 +40,9 @@ _MATMULS = (aten.mm.default, aten.addmm.default)
 def use_fp8_matmuls(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     if ctx.fp8 is None:
         return PassResult(gm, False)
-    ctx.fp8_state.clear()
+    ctx.pass_state.clear()
     matmuls = [n for n in gm.graph.nodes if n.target in _MATMULS and _is_bf16(n)]
-    ends = _first_and_last_layers(matmuls) if ctx.fp8_keep_first_last else set()
+    ends = _first_and_last_layers(matmuls) if ctx.fp8.keep_first_last else set()
     changed = False
     for node in matmuls:
         kept = next((why for rule, why in _RULES if rule(node, ctx, ends)), None)
@@ -54,10 +60,41 @@ def _history_input(graph: fx.Graph, node: fx.Node, ctx: AmpContext) -> fx.Node:
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last):
         state = graph.placeholder(f"fp8_history_{node.name}")
-    a_val = _operands(node)[0].meta["val"]
-    state.meta["val"] = a_val.new_zeros((HISTORY_ROWS, 1 + ctx.fp8_history), dtype=torch.float32)
-    ctx.fp8_state.append(state.name)
+    shape = (HISTORY_ROWS, 1 + _options(ctx).history)
+    state.meta["val"] = _operands(node)[0].meta["val"].new_zeros(shape, dtype=torch.float32)
+    ctx.pass_state.append(PassState(state.name, shape))
     return state
+
+
+def _options(ctx: AmpContext) -> Fp8Options:
+    return cast(Fp8Options, ctx.fp8)  # the pass runs only with options (use_fp8_matmuls)
+
+
+def fp8_options(config: ConfigSnapshot, device: torch.device, name: str) -> Fp8Options | None:
+    """The fp8 options when enable_fp8 is on, after checking what they need: bf16 AMP, and on
+    CUDA a GPU with fp8 matmuls (compute capability 8.9, Ada and Hopper, or later)."""
+    if config.fp8_recipe is None:
+        return None
+    if not config.amp_active or config.amp_dtype != torch.bfloat16:
+        raise ConfigError(
+            f"{name}: enable_fp8 runs on top of bf16 AMP: call "
+            "config.enable_amp(True, dtype=torch.bfloat16) (fp16 with fp8 is not offered: fp8 "
+            "keeps its own scales, and bf16's range needs no loss scaler beneath them)"
+        )
+    if device.type == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ConfigError(
+                f"{name}: enable_fp8 needs a GPU with fp8 matmuls (compute capability 8.9 or "
+                f"later: Ada, Hopper); this one has {capability[0]}.{capability[1]}"
+            )
+    return Fp8Options(
+        config.fp8_recipe,
+        frozenset(config.fp8_keep),
+        config.fp8_keep_first_last,
+        config.fp8_history,
+        config.fp8_margin,
+    )
 
 
 def _is_bf16(node: fx.Node) -> bool:
@@ -129,7 +166,7 @@ def _first_or_last(node: fx.Node, _ctx: AmpContext, ends: set) -> bool:
 
 def _kept_by_user(node: fx.Node, ctx: AmpContext, _ends: set) -> bool:
     stack = node.meta.get("nn_module_stack") or {}
-    return any(path in ctx.fp8_keep for path in stack)
+    return any(path in _options(ctx).keep for path in stack)
 
 
 _RULES: tuple[tuple[Callable[[fx.Node, AmpContext, set], bool], str], ...] = (
@@ -147,14 +184,14 @@ def _to_fp8(graph: fx.Graph, node: fx.Node, ctx: AmpContext) -> None:
     """``mm(a, b)`` -> ``fp8_mm(a, b)``; ``addmm(bias, a, b)`` -> ``fp8_mm(a, b) + bias``
     (``fp8_mm_delayed(a, b, its history, margin)`` for the delayed recipe)."""
     a, b = _operands(node)
-    recipe = ctx.fp8
+    recipe = _options(ctx).recipe
     meta: dict[str, object] = {
         k: node.meta[k] for k in ("val", "nn_module_stack", "user_frame") if k in node.meta
     }
     history = _history_input(graph, node, ctx) if recipe == "delayed" else None
     with graph.inserting_before(node):
         if history is not None:
-            fp8 = graph.call_function(FP8_MM_DELAYED, (a, b, history, ctx.fp8_margin))
+            fp8 = graph.call_function(FP8_MM_DELAYED, (a, b, history, _options(ctx).margin))
         else:
             fp8 = graph.call_function(FP8_MM, (a, b, recipe))
         fp8.meta.update(meta, amp_dtype=torch.bfloat16, amp_colour="fp8", fp8="fp8")

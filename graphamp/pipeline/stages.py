@@ -27,13 +27,13 @@ from ..capture import (
     BuildRoot,
     capture_forward,
     check_devices,
+    check_module_paths,
     check_not_fsdp,
     checkpointed_paths,
-    fp8_kept_paths,
     pinned_paths,
 )
 from ..errors import ConfigError
-from ..passes import DEFAULT_LISTS, AmpContext, run_amp_passes
+from ..passes import DEFAULT_LISTS, AmpContext, fp8_options, run_amp_passes
 from ..records.deferred import DeferredGraph
 from ..records.guards import BuildRequest
 from ..records.inputs import FlatInputs
@@ -123,7 +123,7 @@ def capture(ctx: BuildContext) -> Captured:
             ctx.root, config.fp32_module_types, config.fp32_module_names, config.amp_dtype
         )
     if config.fp8_recipe is not None:
-        fp8_kept_paths(ctx.root, config.fp8_keep)
+        check_module_paths(ctx.root, config.fp8_keep, "enable_fp8(keep=...)")
     regions = checkpointed_paths(
         ctx.root, config.checkpoint_module_types, config.checkpoint_module_names
     )
@@ -146,7 +146,7 @@ def amp_passes(ctx: BuildContext, captured: Captured, capture_seconds: float) ->
     """The AMP passes on a copy of the captured forward (AMP off: the captured forward)."""
     spec, config, forward = ctx.spec, ctx.spec.config, captured.forward
     records = [PassRecord("captured", forward.gm.code, capture_seconds, True)]
-    fp8 = _fp8_recipe(spec, captured.device)
+    fp8 = fp8_options(config, captured.device, spec.name)
     if not config.amp_active:
         return Passed(forward.gm, None, records)
     placeholders = [n.name for n in forward.gm.graph.nodes if n.op == "placeholder"]
@@ -161,10 +161,6 @@ def amp_passes(ctx: BuildContext, captured: Captured, capture_seconds: float) ->
         parameters=frozenset(forward.layout.split(placeholders).params),
         user_outputs=forward.num_user_outputs,
         fp8=fp8,
-        fp8_keep=frozenset(config.fp8_keep),
-        fp8_keep_first_last=config.fp8_keep_first_last,
-        fp8_history=config.fp8_history,
-        fp8_margin=config.fp8_margin,
     )
 
     def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:
@@ -181,28 +177,6 @@ def amp_passes(ctx: BuildContext, captured: Captured, capture_seconds: float) ->
 
     passed = run_amp_passes(copy_graph_module(forward.gm), amp, after_pass=record)
     return Passed(passed, amp, records)
-
-
-def _fp8_recipe(spec: GraphSpec, device: torch.device) -> str | None:
-    """The fp8 recipe when enable_fp8 is on, after checking what it needs: bf16 AMP, and on
-    CUDA a GPU with fp8 matmuls (compute capability 8.9, Ada and Hopper, or later)."""
-    config, name = spec.config, spec.name
-    if config.fp8_recipe is None:
-        return None
-    if not config.amp_active or config.amp_dtype != torch.bfloat16:
-        raise ConfigError(
-            f"{name}: enable_fp8 runs on top of bf16 AMP: call "
-            "config.enable_amp(True, dtype=torch.bfloat16) (fp16 with fp8 is not offered: fp8 "
-            "keeps its own scales, and bf16's range needs no loss scaler beneath them)"
-        )
-    if device.type == "cuda" and torch.cuda.is_available():
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):
-            raise ConfigError(
-                f"{name}: enable_fp8 needs a GPU with fp8 matmuls (compute capability 8.9 or "
-                f"later: Ada, Hopper); this one has {capability[0]}.{capability[1]}"
-            )
-    return config.fp8_recipe
 
 
 def _resolve_pins(spec: GraphSpec, root: BuildRoot, captured: CapturedForward) -> PinMatch:
@@ -233,7 +207,7 @@ def plan(ctx: BuildContext, captured: Captured, passed: Passed) -> StepPlan:
         passed.forward,
         [id(p) for p in ctx.root.parameters()],
         list(amp.hoisted) if amp is not None else [],
-        list(amp.fp8_state) if amp is not None else [],
+        list(amp.pass_state) if amp is not None else [],
         ctx.process_group,
         shard_group(ctx.spec.name, ctx.root),
     )
@@ -316,9 +290,9 @@ def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
         wanted
         and spec.training
         # not tried yet: gradient code in build() (its backward ops are in the forward graph)
-        # or the delayed fp8 recipe's state inputs
+        # or a pass's state inputs
         and not plan.captured.gradient_code.present
-        and not plan.fp8_state
+        and not plan.pass_state
     )
     recompute = bool(captured.regions) and spec.training
     if config.block_updates is None:

@@ -11,12 +11,24 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from .layouts import PassState
 from .validate import check_low_precision_dtype, check_opt_level
 
 if TYPE_CHECKING:  # the passes' own type, named only
     from ..passes.lists import PrecisionLists
 
 __all__ = ["AmpContext"]
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    """fp8 matmuls on top of bf16 AMP (``config.enable_fp8``, ``passes/fp8_matmuls.py``)."""
+
+    recipe: str  # torchkit.fp8_numerics.RECIPES
+    keep: frozenset[str] = frozenset()  # module paths whose matmuls stay bf16
+    keep_first_last: bool = True  # the input projection and output layer stay bf16
+    history: int = 16  # the delayed recipe's history length (steps) and margin
+    margin: int = 0
 
 
 @dataclass
@@ -35,18 +47,13 @@ class AmpContext:
     # was captured (fp32 from low-precision inputs, as autocast's fp32 ops do) it is returned
     # wide, so it cannot overflow where autocast's does not (insert_casts.fix_outputs)
     user_outputs: int = 0
-    # fp8 matmuls (passes/fp8_matmuls.py): the recipe, or None for none; module paths kept in bf16
-    fp8: str | None = None
-    fp8_keep: frozenset[str] = frozenset()
-    fp8_keep_first_last: bool = True  # the input projection and output layer stay bf16
-    fp8_history: int = 16  # the delayed recipe's history length and margin
-    fp8_margin: int = 0
+    fp8: Fp8Options | None = None  # fp8 matmuls (passes/fp8_matmuls.py); None: none
     # filled by the passes
     stats: dict[str, Any] = field(default_factory=dict)
     unknown_ops: dict[str, int] = field(default_factory=dict)
     hoisted: list[tuple[str, torch.dtype]] = field(default_factory=list)
-    # the delayed recipe's state: one placeholder per fp8 matmul, after the parameter copies
-    fp8_state: list[str] = field(default_factory=list)
+    # state tensors a pass gave the forward (ForwardLayout.pass_state), after the parameter copies
+    pass_state: list[PassState] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_low_precision_dtype("AmpContext(dtype", self.dtype)

@@ -10,6 +10,8 @@ on. Records hold no reference to ``Graph``: a stage sees only what its record gi
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch.utils._pytree
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
@@ -22,7 +24,7 @@ from .deferred import DeferredGraph
 from .frames import UserFrame
 from .guards import AttributeRead, Guards, LiftedValue
 from .inputs import FlatInputs, InputSignature
-from .layouts import ForwardLayout, StepLayout
+from .layouts import ForwardLayout, PassState, StepLayout
 from .optimizers import OptimizerPlan
 from .probes import ProbeTable
 from .replays import StateReplay
@@ -299,9 +301,8 @@ class StepPlan:
     kept_blocks: tuple[str, ...] = ()
     # overflow tracing: the values the step measures (None: tracing off, or an eval graph)
     probes: ProbeTable | None = None
-    # the delayed fp8 recipe: one amax-history state per fp8 matmul (its forward input's name)
-    fp8_state: list[str] = field(default_factory=list)
-    fp8_history: int = 0  # its history length (steps)
+    # the state tensors the AMP passes gave the forward (after the parameter copies)
+    pass_state: list[PassState] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(set(self.trainable)) != len(self.trainable):
@@ -327,7 +328,7 @@ class StepPlan:
     def forward_layout(self) -> ForwardLayout:
         """The order of the inputs of the forward the step runs (after the AMP passes)."""
         layout = self.captured.layout.with_param_copies(len(self.param_casts))
-        return layout.with_fp8_state(len(self.fp8_state))
+        return layout.with_pass_state(len(self.pass_state))
 
 
 # -- what a build leaves for running and inspection -------------------------------------------------

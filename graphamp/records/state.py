@@ -14,6 +14,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .history import TrainingHistory
+from .layouts import PassState
 
 
 @dataclass
@@ -38,21 +39,20 @@ class SharedState:
     broadcast_done: bool = False  # data parallel: rank 0's state was broadcast once
     rank_link: Any = None  # data parallel: torchkit.rank_store.RankLink, made at the first build
     step_count: int = 0  # calls of the Graph that ran (overflow-skipped steps included)
-    # the delayed fp8 recipe: forward input name -> its (3, 1 + history) amax state
-    fp8: dict[str, torch.Tensor] = field(default_factory=dict)
+    # the AMP passes' state tensors (records.layouts.PassState), by forward input name
+    pass_state: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def fp8_histories(
-        self, names: list[str], history: int, device: torch.device
+    def pass_state_tensors(
+        self, entries: list[PassState], device: torch.device
     ) -> list[torch.Tensor]:
-        """The (3, 1 + ``history``) amax states of the fp8 matmuls ``names`` (made once,
-        zeros: no amax yet); shared by every compiled step of the graph, saved in its state
-        dict."""
+        """The tensors of the pass states ``entries``: made once as zeros, shared by every
+        compiled step of the graph; one of another shape starts afresh."""
         out = []
-        for name in names:
-            state = self.fp8.get(name)
-            if state is None or state.shape[1] != 1 + history:
-                state = torch.zeros((3, 1 + history), dtype=torch.float32, device=device)
-            self.fp8[name] = state = state.to(device)  # a loaded state moves to the device
+        for entry in entries:
+            state = self.pass_state.get(entry.name)
+            if state is None or tuple(state.shape) != entry.shape:
+                state = torch.zeros(entry.shape, dtype=torch.float32, device=device)
+            self.pass_state[entry.name] = state = state.to(device)  # a loaded one moves along
             out.append(state)
         return out
 

@@ -86,9 +86,11 @@ class Runner:
         self.counters = [
             state.counter(opt.index, device, opt.has_state()) for opt in plan.optimizers
         ]
-        # the step components' input groups (the scaler's state, the history, the fp8
-        # histories, the ZeRO rank, the overflow record): their live tensors, made by the
-        # components (``step/components/``), fed to every call as they are
+        # the forward's state from the AMP passes, shared by the graph's steps
+        self.pass_state = state.pass_state_tensors(plan.pass_state, device)
+        # the step components' input groups (the scaler's state, the history, the ZeRO rank,
+        # the overflow record): their live tensors, made by the components
+        # (``step/components/``), fed to every call as they are
         self.component_inputs = component_inputs
         if plan.zero_stage:
             for opt in plan.optimizers:
@@ -204,6 +206,7 @@ class Runner:
             "hyper": [t for slot in self.hyper for t in slot.tensors],
             "counters": self.counters,
             "momentum_fresh": self.momentum_fresh,
+            "pass_state": self.pass_state,
             **self.component_inputs,
             "constants": self.plan.captured.constants,
             "inputs": inputs,

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import ConfigError
 from ..forensics.autofix import Autofix
+from ..records.layouts import PassState
 from ..records.pins import AmpPin
 from ..records.spec import OptimizerSlot
 from ..records.validate import check_int
@@ -45,7 +46,7 @@ def graph_state_dict(run: GraphRuntime) -> dict[str, Any]:
         "momentum_fresh": _fresh_momentum(run),
         "ranges": [row.to_dict() for row in ranges],  # for `python -m graphamp plot`
         # the delayed fp8 recipe's amax histories (column 0 is the step's scratch)
-        "fp8_histories": {k: v[:, 1:].clone() for k, v in state.fp8.items()},
+        "fp8_histories": {k: v[:, 1:].clone() for k, v in state.pass_state.items()},
     }
 
 
@@ -115,9 +116,10 @@ def _load_fp8(run: GraphRuntime, histories: dict[str, torch.Tensor]) -> None:
     """Each saved history into the graph's state, in place where a compiled step holds it
     (a history of another length starts afresh, as a new step would make it)."""
     for name, saved in histories.items():
-        held = run.state.fp8.get(name)
+        held = run.state.pass_state.get(name)
         device = held.device if held is not None else saved.device
-        (state,) = run.state.fp8_histories([name], saved.shape[1], device)
+        shape = (saved.shape[0], 1 + saved.shape[1])
+        (state,) = run.state.pass_state_tensors([PassState(name, shape)], device)
         state[:, 0] = 0.0
         state[:, 1:] = saved.to(device)
 

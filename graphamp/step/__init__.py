@@ -3,8 +3,7 @@
 ``build_plan`` makes the StepPlan (with the StepLayout of the step's inputs); ``assemble_step``
 traces the forward and gradients (``gradients.py``), each optimizer's update
 (``optimizer_update.py``) and every feature around them, each one component
-(``components/``: the scaler, clipping, data parallel, ZeRO, overflow probes, fp8 histories,
-the history row, build()'s gradient code), into one graph.
+(``components/``, which lists them), into one graph.
 """
 
 from .assemble import assemble_step

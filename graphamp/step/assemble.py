@@ -6,8 +6,7 @@
 
 The step's core is the forward and gradients (``gradients.py``) and each optimizer's update
 (``optimizer_update.py``); at each bracketed phase the plan's components add their part
-(``components/``: loss scaling, clipping, data parallel, ZeRO, overflow probes, fp8 histories,
-the history row, build()'s gradient code), in their registered order. The whole step becomes one
+(``components/__init__.COMPONENTS``), in their registered order. The whole step becomes one
 FX graph (make_fx over Python functionalization, fake tensors). Its inputs are the state tensors
 and the batch (``plan.layout``); it writes every state tensor in place (``copy_`` into its
 inputs, which the compiler keeps in place) and returns build()'s tensors (then, for an optimizer
@@ -185,7 +184,7 @@ def _eval_step(
         loss_scale=one,
         constants=s.constants,
         param_copies=copies if copies is not None else parameter_casts(plan, s.params),
-        fp8_state=s.fp8,
+        pass_state=s.pass_state,
     )
     outs = run_forward(fwd_gm, forward_inputs)
     user, _, _, new_buffers = cap.split_outputs(outs)

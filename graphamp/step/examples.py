@@ -52,6 +52,7 @@ def example_inputs(
                 for o in plan.optimizers
                 for p in o.fresh_params()
             ],
+            "pass_state": state.pass_state_tensors(plan.pass_state, device),
             **component_examples(plan, state, device),
             "constants": cap.constants,
             "inputs": [t.detach() for t in inputs],

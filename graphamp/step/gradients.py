@@ -191,7 +191,7 @@ def _forward_inputs(plan: StepPlan, s: StepInputs, leaves, buffers, micro, scale
         loss_scale=_loss_scale(scale, s.params),
         constants=s.constants,
         param_copies=leaves.copies,
-        fp8_state=s.fp8,
+        pass_state=s.pass_state,
     )
 
 

@@ -12,13 +12,14 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ..errors import CaptureError, ConfigError, UnsupportedOptimizerError
+from ..errors import CaptureError
+from ..records.layouts import PassState
 from ..records.optimizers import GroupPlan, OptimizerPlan
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
 from ..records.update_paths import checked_path
 from ..torchkit.fxutil import warn_at_user_line
-from .components import component_inputs
-from .components.overflow_probes import plan_probes
+from .components import Planning, component_inputs, component_plan_fields
+from .components.zero import check_update_path
 from .traced_optimizer import probe_initial_state
 
 
@@ -28,7 +29,7 @@ def build_plan(
     forward: fx.GraphModule,
     param_ids: list[int],
     hoisted: list[tuple[str, torch.dtype]],
-    fp8_state: list[str],
+    pass_state: list[PassState],
     process_group=None,
     shard_group=None,
 ) -> StepPlan:
@@ -36,11 +37,11 @@ def build_plan(
 
     ``param_ids`` are ``id()`` of the forward's parameters in placeholder order (to find each
     optimizer's parameters among them); ``hoisted``: the parameter placeholders the AMP passes
-    read in low precision, by name, with the dtype (``AmpContext.hoisted``); ``fp8_state``: the
-    delayed fp8 recipe's state placeholders. ``process_group``: data parallel's group;
+    read in low precision, by name, with the dtype (``AmpContext.hoisted``); ``pass_state``: the
+    state inputs the AMP passes gave the forward (``AmpContext.pass_state``). ``process_group``: data parallel's group;
     ``shard_group``: the group the parameters are ZeRO-3 shards over (any graph that reads
     them, a training one or an eval one, gathers them: the plan is ZeRO-3's)."""
-    layout = captured.layout.with_param_copies(len(hoisted)).with_fp8_state(len(fp8_state))
+    layout = captured.layout.with_param_copies(len(hoisted)).with_pass_state(len(pass_state))
     params = layout.split([n for n in forward.graph.nodes if n.op == "placeholder"]).params
     index = {node.name: i for i, node in enumerate(params)}
     param_casts = [(index[name], dtype) for name, dtype in hoisted]
@@ -56,14 +57,13 @@ def build_plan(
         )
     scaler = spec.scaler if spec.training else None
     _warn_about_scaler_dtype(spec, scaler)
-    zero, process_group = _zero_stage(spec, captured, process_group, shard_group)
-    if zero:
-        _check_zero_buckets(spec, plans)
-    probes = (
-        plan_probes(forward, captured, trainable, param_casts)
-        if spec.training and spec.config.overflow_tracing
-        else None
+    planning = Planning(
+        spec, captured, forward, plans, trainable, param_casts, process_group, shard_group
     )
+    fields = {
+        "process_group": process_group if spec.training else None,
+        **component_plan_fields(planning),  # ZeRO may name another group
+    }
     plan = StepPlan(
         captured=captured,
         training=spec.training,
@@ -74,52 +74,10 @@ def build_plan(
         param_casts=param_casts,
         direct_use=direct_use,
         acc_steps=spec.config.grad_acc_steps,
-        process_group=process_group if spec.training or zero else None,
-        zero_stage=zero,
-        **_gather_settings(spec),
-        probes=probes,
-        fp8_state=list(fp8_state),
-        fp8_history=spec.config.fp8_history,
+        pass_state=list(pass_state),
+        **fields,
     )
     return dataclasses.replace(plan, layout=_layout(plan))
-
-
-def _gather_settings(spec: GraphSpec) -> dict:
-    """ZeRO-3's gather plan: a fully_shard wrap's blocks and the ones it keeps gathered from
-    the forward to the backward, or enable_zero's reshard_after_forward for every block."""
-    wrap = spec.config.fully_shard
-    return {
-        "gather_blocks": wrap.blocks if wrap is not None else (),
-        "reshard_after_forward": spec.config.zero_reshard_after_forward,
-        "kept_blocks": wrap.kept if wrap is not None else (),
-    }
-
-
-def _zero_stage(spec: GraphSpec, captured: CapturedForward, process_group, shard_group):
-    """(ZeRO stage, the group the step's collectives use). Parameters that are ZeRO-3 shards
-    make any graph ZeRO-3 over their group, an eval graph too: it must gather them."""
-    if shard_group is None:
-        zero = spec.config.zero_stage if spec.training and process_group is not None else 0
-        return zero, process_group
-    if captured.gradient_code.changed_params:
-        raise CaptureError(
-            f"{spec.name}.build() changes parameters in place, and they are ZeRO-3 shards: the "
-            "step reads gathered copies, so the change would be lost. Change them in a Graph "
-            "without ZeRO-3"
-        )
-    return 3, shard_group
-
-
-def _check_zero_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
-    """ZeRO flattens each optimizer's parameters into one bucket: one dtype per optimizer."""
-    for opt in plans:
-        dtypes = {p.dtype for p in opt.params}
-        if len(dtypes) > 1:
-            raise ConfigError(
-                f"{spec.name}: enable_zero shards each optimizer's parameters as one flat "
-                f"bucket, but optimizer {opt.index} holds {sorted(map(str, dtypes))}: give "
-                "parameters of each dtype their own optimizer (add_optimizer twice)"
-            )
 
 
 def _check_gradient_code(spec: GraphSpec, captured: CapturedForward, process_group) -> None:
@@ -170,13 +128,8 @@ def _optimizer_plans(
     for k, slot in enumerate(spec.optimizers):
         opt = slot.optimizer
         path = checked_path(opt, slot.eager)
-        if not path.multi_tensor and spec.config.zero_stage:
-            how = "is traced whole" if path.traced else "runs in Python on whole gradients"
-            raise UnsupportedOptimizerError(
-                f"{spec.name}: ZeRO shards the state of graphamp's own SGD, Adam and AdamW "
-                f"updates; {type(opt).__name__}'s own step() {how}, not by rows. Use one of "
-                "those three, or leave ZeRO off (data parallel without it keeps any optimizer)"
-            )
+        if spec.config.zero_stage:  # before the probe step below: nothing is run for nothing
+            check_update_path(spec, opt, path)
         groups, updated = [], []
         for g, group in enumerate(opt.param_groups):
             positions, mine = [], []
@@ -246,6 +199,7 @@ def _layout(plan: StepPlan) -> StepLayout:
             "hyper": hyper,
             "counters": [f"opt{opt.index}_applied_steps" for opt in plan.optimizers],
             "momentum_fresh": fresh,
+            "pass_state": [entry.name for entry in plan.pass_state],
             **component_inputs(plan),
             "constants": [f"c_{n}" for n in cap.constant_names],
             "inputs": [f"in_{n}" for n in cap.input_names],

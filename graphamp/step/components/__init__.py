@@ -11,12 +11,14 @@ the scaler writes the next one, at a later phase).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ...records.spec import StepPlan
 from ...records.state import SharedState
 from .clipping import Clipping
-from .component import OptimizerUpdate, Phase, StepComponent, StepContext
+from .component import OptimizerUpdate, Phase, Planning, StepComponent, StepContext
 from .data_parallel import DataParallel
 from .fp8 import Fp8Histories
 from .gradient_code import GradientCode
@@ -35,6 +37,18 @@ COMPONENTS: tuple[StepComponent, ...] = (
     History(),
     Fp8Histories(),
 )
+
+
+def component_plan_fields(planning: Planning) -> dict[str, Any]:
+    """The StepPlan fields the components decide (``StepComponent.plan_fields``)."""
+    fields: dict[str, Any] = {}
+    for c in COMPONENTS:
+        mine = c.plan_fields(planning)
+        twice = fields.keys() & mine.keys()
+        if twice:
+            raise ValueError(f"StepPlan fields {sorted(twice)} are set by two components")
+        fields.update(mine)
+    return fields
 
 
 def active_components(plan: StepPlan) -> list[StepComponent]:
@@ -67,9 +81,11 @@ __all__ = [
     "COMPONENTS",
     "OptimizerUpdate",
     "Phase",
+    "Planning",
     "StepComponent",
     "StepContext",
     "active_components",
     "component_examples",
     "component_inputs",
+    "component_plan_fields",
 ]

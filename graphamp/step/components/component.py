@@ -1,10 +1,10 @@
 """What a step component is: the phases of the training step, and what a component adds at each.
 
 The training step is the forward and backward (``gradients.py``) and the optimizers' updates
-(``optimizer_update.py``); every feature around them (loss scaling, clipping, data parallel,
-ZeRO, overflow tracing, the fp8 recipe's histories, the history row, build()'s own gradient
-code) is a ``StepComponent``: it says which plans it acts in (``active``), which group of the
-step's inputs it owns (``group`` and ``input_names``), and what it traces at each ``Phase``.
+(``optimizer_update.py``); every feature around them (``components/__init__.COMPONENTS``) is
+a ``StepComponent``: it says which plans it acts in (``active``), which group of the step's
+inputs it owns (``group`` and ``input_names``; it reads them with ``own``), and what it traces
+at each ``Phase``.
 Assembly (``assemble.py``) runs the phases in order and, within a phase, the components in the
 order ``components/__init__.py`` registers them. A component keeps what it needs between phases
 on the ``StepContext`` of the one trace.
@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ...records.layouts import StepInputs
 from ...records.optimizers import OptimizerPlan
-from ...records.spec import StepPlan
+from ...records.spec import CapturedForward, GraphSpec, StepPlan
 from ...records.state import SharedState
 
 
@@ -36,8 +36,22 @@ class Phase(Enum):
     BEFORE_UPDATE = "before_update"  # one optimizer's tensors to update chosen (a shard)
     AFTER_UPDATE = "after_update"  # one optimizer updated: the whole parameters back
     SKIP = "skip"  # whether the step is skipped decided; what build() changed put back
-    RECORD = "record"  # the step's records: overflow probes, history row, fp8 histories
+    RECORD = "record"  # the step's records (overflow probes, history row, amax histories)
     FINISH = "finish"  # the scaler's state for the next step
+
+
+@dataclass(frozen=True)
+class Planning:
+    """What the planner knows when the components settle their fields of the StepPlan."""
+
+    spec: GraphSpec
+    captured: CapturedForward
+    forward: fx.GraphModule  # the graph after the AMP passes
+    optimizers: list[OptimizerPlan]
+    trainable: list[int]  # forward parameter positions that get gradients
+    param_casts: list[tuple[int, torch.dtype]]  # StepPlan.param_casts
+    process_group: Any  # data parallel's group (None: one process)
+    shard_group: Any  # the group the parameters are ZeRO-3 shards over (None: not shards)
 
 
 @dataclass
@@ -69,14 +83,12 @@ class StepContext:
     grads: list[torch.Tensor] = field(default_factory=list)  # in plan.trainable order
     updates: list[OptimizerUpdate] = field(default_factory=list)
     norms: list[torch.Tensor] = field(default_factory=list)  # clipping's total norms
+    scale: torch.Tensor | None = None  # the loss scale (set at START by the scaler; None: none)
+    step_number: torch.Tensor | None = None  # the graph's step counter (the history's, at START)
     found_total: torch.Tensor | None = None  # every optimizer's overflow flags summed
     any_skip: torch.Tensor | None = None  # the step is skipped (None: no scaler)
     # per component, what it keeps from one phase to a later one
     kept: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def scale(self) -> torch.Tensor | None:
-        return self.inputs.scale
 
     def positions(self) -> dict[int, int]:
         """Forward parameter position -> index in ``grads`` (``plan.trainable`` order)."""
@@ -97,6 +109,15 @@ class StepComponent:
     def active(self, plan: StepPlan) -> bool:
         """Does this plan use the component?"""
         raise NotImplementedError
+
+    def plan_fields(self, planning: Planning) -> dict[str, Any]:  # noqa: ARG002 - overridden
+        """The StepPlan fields this component decides (checked: a refusal raises here, before
+        anything is traced); a field two components set is an error."""
+        return {}
+
+    def own(self, ctx: StepContext) -> list[torch.Tensor]:
+        """Its input group's tensors in this trace of the step."""
+        return ctx.inputs.owned[str(self.group)]
 
     def input_names(self, plan: StepPlan) -> list[str]:  # noqa: ARG002 - overridden by plan
         """The placeholder names of its input group (``group``), when active."""

@@ -4,17 +4,19 @@ Each fp8 matmul of the forward records its inputs' amax of this step in column 0
 (``torchkit/fp8_numerics.py``) and scales by the largest amax of the earlier steps. Here: column 0
 starts afresh each step (a skipped step left its amax there), and after the update this step's
 amaxes, agreed across ranks, are pushed into the histories; a skipped step leaves them as they
-were. The histories are inputs of the step (one per fp8 matmul, ``plan.fp8_state``), written in
-place; ``Graph.state_dict()`` saves them.
+were. The histories are the forward's pass state (``plan.pass_state``: one per fp8 matmul, made
+by ``passes/fp8_matmuls.py``), inputs of the step written in place; ``Graph.state_dict()`` saves
+them. The delayed recipe is the one AMP pass that keeps state, so the pass state is its.
 """
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch.distributed._functional_collectives
 import torch
 import torch.distributed._functional_collectives as funcol
 
 from ...records.spec import StepPlan
-from ...records.state import SharedState
 from ...records.subgraphs import Subgraph
 from ...torchkit.fp8_numerics import rolled_history
 from ...torchkit.fxutil import NodeTagger
@@ -25,25 +27,18 @@ from .component import StepComponent, StepContext
 class Fp8Histories(StepComponent):
     name = "fp8"
     part = "the fp8 amax histories"
-    group = "fp8"
 
     def active(self, plan: StepPlan) -> bool:
-        return bool(plan.fp8_state)
-
-    def input_names(self, plan: StepPlan) -> list[str]:
-        return list(plan.fp8_state)
-
-    def example_inputs(self, plan: StepPlan, state: SharedState, device: torch.device) -> list:
-        return state.fp8_histories(plan.fp8_state, plan.fp8_history, device)
+        return bool(plan.pass_state)
 
     def start(self, ctx: StepContext) -> None:
         if not ctx.plan.training:  # an eval step reads the histories, never writes them
             return
-        for history in ctx.inputs.fp8:
+        for history in ctx.inputs.pass_state:
             history[:, 0] = 0.0
 
     def record(self, ctx: StepContext) -> None:
-        histories = ctx.inputs.fp8
+        histories = ctx.inputs.pass_state
         with NodeTagger(Subgraph.FP8.tag()):
             if ctx.plan.process_group is not None:
                 now = torch.stack([h[:, 0] for h in histories])

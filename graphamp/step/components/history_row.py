@@ -30,10 +30,13 @@ class History(StepComponent):
     ) -> list:
         return state.history.materialize(device)
 
+    def start(self, ctx: StepContext) -> None:
+        ctx.step_number = self.own(ctx)[0]
+
     def record(self, ctx: StepContext) -> None:
         # before the scaler's state is written (FINISH): a read after copy_ sees the new value
         with NodeTagger(Subgraph.HISTORY.tag()):
-            record_history(ctx.inputs.history, ctx.fwd.losses, ctx.scale, ctx.any_skip, ctx.norms)
+            record_history(self.own(ctx), ctx.fwd.losses, ctx.scale, ctx.any_skip, ctx.norms)
 
 
 def record_history(

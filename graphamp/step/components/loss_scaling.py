@@ -47,6 +47,9 @@ class LossScaling(StepComponent):
         scaler._materialize(device)  # the scaler's own tensors, which the step updates
         return scaler.state_tensors()
 
+    def start(self, ctx: StepContext) -> None:
+        ctx.scale = self.own(ctx)[0]
+
     def optimizer_gradients(self, ctx: StepContext, u: OptimizerUpdate) -> None:
         with NodeTagger(Subgraph.GRAD_SCALER.tag()):
             u.grads, u.found = unscale_and_check(u.grads, cast(torch.Tensor, ctx.scale))
@@ -63,7 +66,7 @@ class LossScaling(StepComponent):
                 cast(torch.Tensor, ctx.any_skip),
             )
             scaler = cast("GradScaler", ctx.plan.scaler)
-            write_scale_update(scaler, ctx.inputs.scaler, found_total, any_skip)
+            write_scale_update(scaler, self.own(ctx), found_total, any_skip)
 
 
 def _total(found: list[torch.Tensor]) -> torch.Tensor:

@@ -11,10 +11,14 @@ ring of overflowing steps and the running ranges, on the device: no host sync.
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch._foreach_abs, torch._foreach_max, torch._foreach_norm, torch._ops,
+#   torch.distributed._functional_collectives, torch.ops.aten._softmax, torch.ops.aten._to_copy,
+#   torch.ops.aten._unsafe_view
 import functools
 import math
 import operator
-from typing import Callable, cast
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -28,7 +32,7 @@ from ...records.subgraphs import Subgraph
 from ...records.validate import dtype_name
 from ...torchkit.fxutil import NodeTagger, dtype_after_amp, module_path, op_name
 from ...torchkit.pin_match import op_occurrences, pin_identity
-from .component import StepComponent, StepContext
+from .component import Planning, StepComponent, StepContext
 
 _TAG = Subgraph.FORENSICS.tag()
 aten = torch.ops.aten
@@ -238,8 +242,8 @@ def _grad_params(
     index: dict,
 ) -> tuple[GradParam, ...]:
     layout = captured.layout.with_param_copies(len(param_casts))
-    # the delayed fp8 recipe's histories follow the copies
-    groups = layout.with_fp8_state(len(placeholders) - len(layout)).split(placeholders)
+    # the passes' state inputs follow the copies
+    groups = layout.with_pass_state(len(placeholders) - len(layout)).split(placeholders)
     out = []
     for i in trainable:
         nodes = [groups.params[i]] + [
@@ -388,6 +392,15 @@ class OverflowProbes(StepComponent):
     def active(self, plan: StepPlan) -> bool:
         return plan.probes is not None
 
+    def plan_fields(self, planning: Planning) -> dict[str, Any]:
+        if not (planning.spec.training and planning.spec.config.overflow_tracing):
+            return {}
+        return {
+            "probes": plan_probes(
+                planning.forward, planning.captured, planning.trainable, planning.param_casts
+            )
+        }
+
     def example_inputs(
         self,
         plan: StepPlan,
@@ -408,8 +421,8 @@ class OverflowProbes(StepComponent):
         """Reads the step counter and the scale before they are written."""
         group = ctx.plan.process_group
         agree = (lambda v: agree_on_probes(v, group)) if group is not None else None
-        s = ctx.inputs
-        record_overflow(s.forensics, ctx.observer, s.history_step, ctx.scale, ctx.any_skip, agree)
+        step = cast(torch.Tensor, ctx.step_number)  # the history is active in training
+        record_overflow(self.own(ctx), ctx.observer, step, ctx.scale, ctx.any_skip, agree)
 
 
 def agree_on_probes(vector: torch.Tensor, group) -> torch.Tensor:

@@ -20,20 +20,24 @@ from __future__ import annotations
 #   torch._foreach_norm, torch.distributed._functional_collectives
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
 
+from ...errors import CaptureError, ConfigError, UnsupportedOptimizerError
+from ...records.optimizers import OptimizerPlan
 from ...records.sharding import block_of, chunk_of
-from ...records.spec import StepPlan
+from ...records.spec import GraphSpec, StepPlan
 from ...records.state import SharedState
 from ...records.subgraphs import Subgraph
+from ...records.update_paths import UpdatePath
 from ...torchkit.fxutil import NodeTagger
 from ..gradients import cast_for_forward
 from ..shard_gathers import GATHER, KEEP_GATHERED, SCATTER
-from .component import OptimizerUpdate, StepComponent, StepContext
+from .component import OptimizerUpdate, Planning, StepComponent, StepContext
 
 
 def _rows(tensors: list[torch.Tensor], world: int) -> torch.Tensor:
@@ -124,6 +128,44 @@ def global_norm(shards: list[torch.Tensor], norm_type: float, group) -> torch.Te
     return funcol.all_reduce(local**norm_type, "sum", group) ** (1.0 / norm_type)
 
 
+def _zero_stage(planning: Planning) -> tuple[int, Any]:
+    """(ZeRO stage, the group the step's collectives use). Parameters that are ZeRO-3 shards
+    make any graph ZeRO-3 over their group, an eval graph too: it must gather them."""
+    spec, group = planning.spec, planning.process_group
+    if planning.shard_group is None:
+        return (spec.config.zero_stage if spec.training and group is not None else 0), group
+    if planning.captured.gradient_code.changed_params:
+        raise CaptureError(
+            f"{spec.name}.build() changes parameters in place, and they are ZeRO-3 shards: the "
+            "step reads gathered copies, so the change would be lost. Change them in a Graph "
+            "without ZeRO-3"
+        )
+    return 3, planning.shard_group
+
+
+def _check_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
+    """ZeRO flattens each optimizer's parameters into one bucket: one dtype per optimizer."""
+    for opt in plans:
+        dtypes = {p.dtype for p in opt.params}
+        if len(dtypes) > 1:
+            raise ConfigError(
+                f"{spec.name}: enable_zero shards each optimizer's parameters as one flat "
+                f"bucket, but optimizer {opt.index} holds {sorted(map(str, dtypes))}: give "
+                "parameters of each dtype their own optimizer (add_optimizer twice)"
+            )
+
+
+def check_update_path(spec: GraphSpec, optimizer: Any, path: UpdatePath) -> None:
+    """ZeRO updates rows: only an update of graphamp's own multi-tensor math can run on them."""
+    if not path.multi_tensor:
+        how = "is traced whole" if path.traced else "runs in Python on whole gradients"
+        raise UnsupportedOptimizerError(
+            f"{spec.name}: ZeRO shards the state of graphamp's own SGD, Adam and AdamW "
+            f"updates; {type(optimizer).__name__}'s own step() {how}, not by rows. Use one of "
+            "those three, or leave ZeRO off (data parallel without it keeps any optimizer)"
+        )
+
+
 class Zero(StepComponent):
     """ZeRO in the step. Stages 1 and 2: each rank updates its rows of the averaged gradients
     (one reduce-scatter per optimizer; stage 2 under accumulation reduces each micro-batch's)
@@ -139,6 +181,23 @@ class Zero(StepComponent):
 
     def active(self, plan: StepPlan) -> bool:
         return plan.zero_stage > 0
+
+    def plan_fields(self, planning: Planning) -> dict[str, Any]:
+        spec = planning.spec
+        stage, group = _zero_stage(planning)
+        if not stage:
+            return {}
+        _check_buckets(spec, planning.optimizers)
+        wrap = spec.config.fully_shard
+        return {
+            "zero_stage": stage,
+            "process_group": group,  # an eval graph over shards gathers them: it needs one too
+            # ZeRO-3's gather plan: a fully_shard wrap's blocks and the ones it keeps gathered
+            # from the forward to the backward, or enable_zero's setting for every block
+            "gather_blocks": wrap.blocks if wrap is not None else (),
+            "reshard_after_forward": spec.config.zero_reshard_after_forward,
+            "kept_blocks": wrap.kept if wrap is not None else (),
+        }
 
     def example_inputs(
         self,
@@ -171,7 +230,7 @@ class Zero(StepComponent):
         if ctx.rows is not None:  # stage 3: the rows are the step's inputs
             return [ctx.rows[i] for i in u.opt.forward_positions]
         with NodeTagger(Subgraph.ZERO.tag()):
-            return local_rows(tensors, ctx.inputs.zero_rank, ctx.plan.process_group)
+            return local_rows(tensors, self.own(ctx)[0], ctx.plan.process_group)
 
     def after_update(self, ctx: StepContext, u: OptimizerUpdate, tensors: list) -> None:
         if ctx.rows is not None:
