@@ -23,8 +23,8 @@ from .errors import (
 from .graph import Graph
 from .integrations.function import training_step
 from .records.pins import AmpPin
-from .runner.sharded_params import gathered_parameters
 from .scaler import GradScaler, StaticGradScaler
+from .sharding.sharded_params import gathered_parameters
 from .torchkit.ops import full_precision, low_precision
 
 __version__ = "0.1.0"

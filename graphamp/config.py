@@ -17,9 +17,9 @@ from typing import Any, Iterable
 import torch
 
 from .errors import ConfigError
+from .records.fully_shard import FullyShardWrap
 from .records.pins import AmpPin
 from .records.settings import BACKENDS, AutofixSettings, ConfigSnapshot, ListOverrides
-from .records.sharding import FullyShardWrap
 from .records.validate import (
     LOW_PRECISION_DTYPES,
     OPT_LEVELS,
@@ -329,7 +329,7 @@ class GraphConfig:
         self._set(zero_stage=stage, zero_reshard_after_forward=reshard)
 
     def _adopt_fully_shard(self, wrap: FullyShardWrap) -> None:
-        """A registered model wrapped with fully_shard (runtime/fsdp_adopt.py): ZeRO-3 over
+        """A registered model wrapped with fully_shard (sharding/fsdp_adopt.py): ZeRO-3 over
         its mesh's group. Called by the Graph when the model is registered."""
         current = self._snapshot.fully_shard
         if current is None and self.zero_stage:

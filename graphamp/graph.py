@@ -36,11 +36,11 @@ from .records.update_paths import checked_path
 from .records.validate import check_choice
 from .runtime import schedulers
 from .runtime.calls import GraphRuntime, building_graph, call, graph_spec
-from .runtime.fsdp_adopt import fully_shard_wrap, is_fully_shard_class
 from .runtime.graph_state import graph_state_dict, load_graph_state
 from .runtime.overflows import overflow_report, range_report
 from .runtime.torch_scaler import as_graphamp_scaler
 from .scaler import GradScaler
+from .sharding.fsdp_adopt import fully_shard_wrap, is_fully_shard_class
 
 log = logging.getLogger("graphamp")
 _READY = "_graphamp_ready"
@@ -351,7 +351,7 @@ class Graph:
 def _unwrapped(graph_name: str, name: str, value: Any) -> Any:
     """The module a wrapper stands for: a torch.compile'd module trains as its original
     (graphamp compiles the whole step itself); FSDP1 is refused by name (FSDP2's fully_shard
-    wrap is accepted as it is, and taken over at the first call: runtime/fsdp_adopt.py)."""
+    wrap is accepted as it is, and taken over at the first call: sharding/fsdp_adopt.py)."""
     if isinstance(value, nn.Module) and isinstance(getattr(value, "_orig_mod", None), nn.Module):
         log.info(
             "%s.%s is a torch.compile'd module: graphamp captures and compiles its "

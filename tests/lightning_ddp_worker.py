@@ -45,7 +45,7 @@ class OursFsdp2(OursZero3):
     def configure_model(self):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        from graphamp.records.sharding import holds_shards
+        from graphamp.sharding.rows import holds_shards
 
         if isinstance(self.model, FSDPModule) or holds_shards(self):
             return

@@ -16,7 +16,7 @@ from helpers import torchrun
 from zero_worker import WIDTH, make_training, state_bytes
 
 import graphamp
-from graphamp.records.sharding import chunk_of
+from graphamp.sharding.cuts import chunk_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -309,8 +309,9 @@ def test_fully_shard_settings_graphamp_cannot_honour_are_refused_by_name(tmp_pat
 def test_a_fully_shard_wrap_is_the_bucket_plan_and_excludes_enable_zero():
     from helpers import make_graph
 
-    from graphamp.records.sharding import FullyShardWrap, block_of
-    from graphamp.runtime.fsdp_adopt import check_policy as check_fully_shard_policy
+    from graphamp.records.fully_shard import FullyShardWrap
+    from graphamp.sharding.cuts import block_of
+    from graphamp.sharding.fsdp_adopt import check_policy as check_fully_shard_policy
 
     blocks = ("model.layers.0", "model")
     assert block_of("model.layers.0.attn.q.weight", blocks) == "model.layers.0"

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dist_worker import leave
 
 import graphamp
-from graphamp.records.sharding import is_shard
+from graphamp.sharding.rows import is_shard
 
 VOCAB, DIM, STEPS, BATCH = 11, 16, 3, 8
 

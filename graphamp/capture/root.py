@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import CaptureError, ConfigError, InputError
 from ..records.inputs import FlatInputs
 from ..records.model_pins import model_fp32_pins
-from ..records.sharding import is_shard
+from ..sharding.rows import is_shard
 
 log = logging.getLogger("graphamp")
 
@@ -54,7 +54,7 @@ def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
     put on after registration): their collectives run outside any graph, which make_fx cannot
     trace through (measured on torch 2.14, gloo: "'FunctionalTensor' object has no attribute
     '_local_tensor'"). A ``fully_shard`` wrap registered on the Graph was taken over already,
-    before the build (runtime/fsdp_adopt.py)."""
+    before the build (sharding/fsdp_adopt.py)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed

@@ -51,9 +51,9 @@ import torch
 
 from ..errors import ConfigError
 from ..graph import Graph
-from ..records.sharding import holds_shards
-from ..runner.sharded_params import gathered_parameters
 from ..scaler import GradScaler
+from ..sharding.rows import holds_shards
+from ..sharding.sharded_params import gathered_parameters
 
 CHECKPOINT_KEY = "graphamp"
 _PRECISIONS = {"32-true": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}

@@ -51,9 +51,9 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from ..errors import ConfigError, UnsupportedOptimizerError
 from ..graph import Graph
-from ..records.sharding import holds_shards
-from ..runner.sharded_params import gathered_parameters
 from ..scaler import GradScaler
+from ..sharding.rows import holds_shards
+from ..sharding.sharded_params import gathered_parameters
 from . import micro_batches
 from .trainer_checks import (
     refuse_optimizer,

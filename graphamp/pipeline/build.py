@@ -26,7 +26,7 @@ from ..records.guards import BuildRequest, Guards, StateSize
 from ..records.inputs import FlatInputs
 from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
 from ..records.state import SharedState
-from ..runner.sharded_params import shard_parameters
+from ..sharding.sharded_params import shard_parameters
 from ..step import count_block_updates
 from ..torchkit.rank_store import RankLink
 from ..torchkit.shapes import fake_batch, new_fake_mode, shape_guard

@@ -41,7 +41,7 @@ from ..records.spec import CapturedForward, GraphSpec, PassRecord, StepFn, StepP
 from ..records.state import SharedState
 from ..runner import Runner
 from ..runner.host_memory import keep_freed_memory
-from ..runner.sharded_params import shard_group
+from ..sharding.sharded_params import shard_group
 from ..step import (
     OutlineResult,
     assemble_step,

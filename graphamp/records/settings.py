@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from .fully_shard import FullyShardWrap
 from .pins import AmpPin
-from .sharding import FullyShardWrap
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 __all__ = ["AutofixSettings", "BACKENDS", "ConfigSnapshot", "ListOverrides"]

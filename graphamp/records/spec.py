@@ -292,7 +292,7 @@ class StepPlan:
         0  # ZeRO (step/components/zero.py): 0 off; 1, 2 optimizer state sharded; 3 parameters too
     )
     # ZeRO-3: the modules a user wrapped with fully_shard, each gathered as one block
-    # (records.sharding.block_of); empty: graphamp's own blocks
+    # (sharding.cuts.block_of); empty: graphamp's own blocks
     gather_blocks: tuple[str, ...] = ()
     # ZeRO-3: False keeps every block's gathered parameters from its forward to its backward
     # (enable_zero(reshard_after_forward=False)); kept_blocks, those of fully_shard wraps that

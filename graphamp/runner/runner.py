@@ -20,10 +20,11 @@ from ..errors import CaptureError
 from ..forensics.device_record import ForensicsState
 from ..records.optimizers import OptimizerPlan
 from ..records.replays import apply_replays
-from ..records.sharding import row_of
 from ..records.spec import StepFn, StepPlan
 from ..records.state import SharedState
-from . import momentum, zero_state
+from ..sharding import zero_state
+from ..sharding.rows import row_of
+from . import momentum
 from .cudagraph import CudaGraphsBySize, CudaGraphStep
 
 log = logging.getLogger("graphamp")
@@ -169,7 +170,7 @@ class Runner:
 
     def _params(self) -> list[torch.Tensor]:
         """The parameters as the step takes them: the user's, or under ZeRO-3 the rows their
-        shards view (``runner/sharded_params.py``)."""
+        shards view (``sharding/sharded_params.py``)."""
         if self.plan.zero_stage == 3:
             return [row_of(d[k]) for d, k in self.param_slots]
         return [d[k] for d, k in self.param_slots]

@@ -36,9 +36,9 @@ from ..records.inputs import (
 )
 from ..records.spec import GraphSpec, OptimizerSlot, Program
 from ..records.state import SharedState
+from ..sharding.fsdp_adopt import adopt_at_first_call
 from ..torchkit.rank_store import raise_if_a_peer_failed
 from . import ambient, interrupts, schedulers
-from .fsdp_adopt import adopt_at_first_call
 from .lifting import Lifting
 from .overflows import read_overflows, watch_overflows
 from .programs import Key, ProgramCache, marked_dynamic, precision_differences

@@ -6,6 +6,7 @@ traces the forward and gradients (``gradients.py``), each optimizer's update
 (``components/``, which lists them), into one graph.
 """
 
+from ..sharding.shard_gathers import place_collectives as place_shard_collectives
 from .assemble import assemble_step
 from .block_update import (
     block_devices,
@@ -22,7 +23,6 @@ from .examples import example_inputs
 from .outline import OutlineResult, outline_blocks
 from .plan import build_plan
 from .recompute import RecomputeResult, recompute_checkpointed
-from .shard_gathers import place_collectives as place_shard_collectives
 
 __all__ = [
     "OutlineResult",

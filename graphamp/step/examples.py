@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..records.sharding import chunk_of, row_of
 from ..records.spec import StepPlan
 from ..records.state import SharedState
+from ..sharding.cuts import chunk_of
+from ..sharding.rows import row_of
 from .components import component_examples
 
 

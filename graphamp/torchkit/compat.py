@@ -12,6 +12,7 @@ checked on, ``CHECKED_TORCH`` (tests/test_architecture.py keeps both true).
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -31,11 +32,15 @@ except ImportError:  # torch < 2.13: 2.11, the oldest pyproject.toml claims (a .
 
 __all__ = [
     "CHECKED_TORCH",
+    "FullyShardGroup",
+    "FullyShardState",
     "TORCH_VERSION",
     "dispatch_functionalize",
+    "fully_shard_state",
     "guarding_hint_or_throw",
     "has_guarding_hint",
     "preserve_backward_stack_traces",
+    "remove_fully_shard",
 ]
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -117,3 +122,66 @@ def process_group_store(group: Any) -> Any:
     if getter is not None:
         return getter(group)
     return c10d._get_default_store()
+
+
+# -- FSDP2's private state (sharding/fsdp_adopt.py takes a fully_shard wrap over) -----------------
+# Read and changed on torch 2.14.1 by tests/test_zero.py's fully_shard cases; on 2.11.0 and
+# 2.15.0 CI's compatibility legs only import this module. FSDP2 keeps these facts nowhere public.
+
+
+@dataclass(frozen=True)
+class FullyShardGroup:
+    """One FSDP2 parameter group of a wrapped module, as graphamp needs it."""
+
+    mesh: Any  # its DeviceMesh
+    cpu_offload: bool  # offload_policy=CPUOffloadPolicy()
+    keeps_gathered: bool  # its gathered parameters stay from the forward to the backward
+
+
+@dataclass(frozen=True)
+class FullyShardState:
+    """What FSDP2's state holds of one ``fully_shard``-wrapped module."""
+
+    param_dtype: torch.dtype | None  # MixedPrecisionPolicy's
+    reduce_dtype: torch.dtype | None
+    output_dtype: torch.dtype | None
+    groups: tuple[FullyShardGroup, ...]
+
+
+def fully_shard_state(module: Any, is_root: bool) -> FullyShardState:
+    """FSDP2's state of ``module`` (a ``fully_shard`` wrap), its parameters resharded first
+    (so they are the sharded DTensors)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    state = module._get_fsdp_state()
+    module.reshard()
+    policy = state._mp_policy
+    groups = tuple(
+        FullyShardGroup(
+            group.mesh_info.mesh,
+            isinstance(group.offload_policy, CPUOffloadPolicy),
+            # reshard_after_forward=False, or the root left at FSDP2's default
+            group.post_forward_mesh_info is None or (is_root and state._auto_reshard_after_forward),
+        )
+        for group in state._fsdp_param_groups
+    )
+    return FullyShardState(policy.param_dtype, policy.reduce_dtype, policy.output_dtype, groups)
+
+
+def remove_fully_shard(module: Any, fsdp_module_class: type) -> None:
+    """``module`` as it was before ``fully_shard``: FSDP2's forward hooks removed, its class
+    put back (``fully_shard`` made ``FSDP<Cls>(FSDPModule, Cls)``), its state dropped."""
+    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+    from torch.distributed._composable_state import _module_state_mapping
+
+    state = module._get_fsdp_state()
+    state._pre_forward_hook_handle.remove()
+    state._post_forward_hook_handle.remove()
+    module.__class__ = next(c for c in type(module).__bases__ if c is not fsdp_module_class)
+    states = module.__dict__.get(STATE_KEY, {})
+    for key in [k for k, v in states.items() if v is state]:
+        del states[key]
+    module.__dict__.get(REGISTRY_KEY, {}).pop("fully_shard", None)
+    # torch's module -> state map (weak to the state): left behind, torch's state-dict tools
+    # would find the module, then its dead state, and fail
+    _module_state_mapping.pop(module, None)

@@ -382,13 +382,13 @@ PROCESS_STATE: tuple[Held, ...] = (
         "the same functions are traced by every capture",
     ),
     Held(
-        "graphamp/records/sharding.py:_ROWS",
+        "graphamp/sharding/rows.py:_ROWS",
         "ZeRO-3 shards' rows, by storage (StorageWeakRef keys)",
         "weak: live storages; released ones dropped at each sharding (forget_released_rows)",
         "module.to() and swap_tensors keep the storage but not the parameter's attributes",
     ),
     Held(
-        "graphamp/runner/zero_state.py:_REGISTRY",
+        "graphamp/sharding/zero_state.py:_REGISTRY",
         "the sharded optimizers whose state_dict() gathers rows (WeakKeyDictionary)",
         "weak: optimizers alive",
         "state_dict() is the user's call on the optimizer, outside any Graph",

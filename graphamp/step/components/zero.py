@@ -2,11 +2,11 @@
 
 Every parameter is cut along its first dimension as ``torch.chunk`` cuts it (FSDP2's layout):
 ``ceil(d0 / W)`` rows of the first dimension per rank, padded, flattened into a row of
-``chunk = ceil(d0 / W) * prod(shape[1:])`` elements (``records/sharding.chunk_of``): rank ``r``
+``chunk = ceil(d0 / W) * prod(shape[1:])`` elements (``sharding/cuts.chunk_of``): rank ``r``
 owns row ``r`` of every parameter. An optimizer's parameters form one bucket, ``(W, sum of chunks)``, so each step has
 one reduce-scatter of gradients and one all-gather of updated parameters per optimizer, both
 functional collectives inside the compiled program. The optimizer state held on a rank is its
-rows only (``runner/zero_state.py`` keeps them in ``optimizer.state`` and gathers torch's
+rows only (``sharding/zero_state.py`` keeps them in ``optimizer.state`` and gathers torch's
 format for ``optimizer.state_dict()``).
 
 The update math is elementwise (SGD, Adam), so running it on a shard equals running it on the
@@ -29,14 +29,14 @@ import torch.fx as fx
 
 from ...errors import CaptureError, ConfigError, UnsupportedOptimizerError
 from ...records.optimizers import OptimizerPlan
-from ...records.sharding import block_of, chunk_of
 from ...records.spec import GraphSpec, StepPlan
 from ...records.state import SharedState
 from ...records.subgraphs import Subgraph
 from ...records.update_paths import UpdatePath
+from ...sharding.cuts import block_of, chunk_of
+from ...sharding.shard_gathers import GATHER, KEEP_GATHERED, SCATTER
 from ...torchkit.fxutil import NodeTagger
 from ..gradients import cast_for_forward
-from ..shard_gathers import GATHER, KEEP_GATHERED, SCATTER
 from .component import OptimizerUpdate, Planning, StepComponent, StepContext
 
 
@@ -171,7 +171,7 @@ class Zero(StepComponent):
     (one reduce-scatter per optimizer; stage 2 under accumulation reduces each micro-batch's)
     and the whole parameters are all-gathered after the update. Stage 3: the step's parameter
     inputs are the rows; the forward and backward read wholes gathered block by block
-    (``shard_gathers.place_collectives`` moves each gather to where it is read), and the
+    (``sharding/shard_gathers.place_collectives`` moves each gather to where it is read), and the
     optimizer updates the rows. The clipping norm is the norm over every rank's rows."""
 
     name = "zero"
@@ -245,7 +245,7 @@ class Zero(StepComponent):
 def _scatter_per_optimizer(plan: StepPlan, grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """This rank's rows of the averaged gradients (``grads`` and the result in
     ``plan.trainable`` order). One reduce-scatter per optimizer; under ZeRO-3 one per block
-    of each optimizer's parameters, which ``shard_gathers.place_collectives`` moves to just
+    of each optimizer's parameters, which ``sharding/shard_gathers.place_collectives`` moves to just
     after the block's last gradient, so a block's whole gradients die as its backward ends."""
     position = {p: j for j, p in enumerate(plan.trainable)}
     names = plan.captured.param_names
@@ -267,12 +267,12 @@ def _scatter_per_optimizer(plan: StepPlan, grads: list[torch.Tensor]) -> list[to
 
 def _gather_shards(plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tensor]):
     """ZeRO-3: (the whole parameters, AMP's low-precision copies) from every rank's rows, one
-    all-gather per block of parameters (``records.sharding.block_of``), its dtypes as bytes
+    all-gather per block of parameters (``sharding.cuts.block_of``), its dtypes as bytes
     when it holds several. A parameter the forward reads only through its low-precision copy
     is gathered in that dtype (its row cast first: the same values, half the bytes of
     float32), and its whole is never made (an empty tensor stands for it, read for its shape
     only). Traced here, at the start of the step;
-    ``shard_gathers.place_collectives`` then moves each block's gather to where it is read."""
+    ``sharding/shard_gathers.place_collectives`` then moves each block's gather to where it is read."""
     placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
     shapes = [node.meta["val"].shape for node in plan.forward_layout.split(placeholders).params]
     cast_only = {i: dtype for i, dtype in plan.param_casts if i not in plan.direct_use}

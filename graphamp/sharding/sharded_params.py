@@ -2,7 +2,7 @@
 
 ``shard_parameters`` replaces each parameter of the registered modules, once, by an
 ``nn.Parameter`` holding a ``DTensor`` placed ``Shard(0)`` over the data-parallel group (the
-layout of ``records/sharding.py``, FSDP2's). The DTensor's local tensor is a view of a flat,
+layout of ``sharding/cuts.py``, FSDP2's). The DTensor's local tensor is a view of a flat,
 zero-padded row of ``chunk_of(shape, W)`` elements that graphamp keeps: that row is what the
 compiled step takes as the parameter's input and updates in place, so the user's DTensor always
 shows the current values without a copy. Because the parameters are ordinary DTensors, torch's
@@ -29,14 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
-from ..records.sharding import (
-    chunk_of,
-    forget_released_rows,
-    is_shard,
-    register_row,
-    rows_held,
-    rows_of,
-)
+from .cuts import chunk_of, rows_held, rows_of
+from .rows import forget_released_rows, is_shard, register_row
 
 
 def shard_parameters(

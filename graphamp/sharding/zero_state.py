@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..records.optimizers import OptimizerPlan
-from ..records.sharding import chunk_of
+from .cuts import chunk_of
 from .sharded_params import row_from
 
 _REGISTRY: weakref.WeakKeyDictionary[torch.optim.Optimizer, _ShardedOptimizer] = (

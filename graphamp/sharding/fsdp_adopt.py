@@ -1,7 +1,7 @@
 """A model the user wrapped with FSDP2's ``fully_shard`` trains as graphamp's ZeRO-3.
 
 Between steps FSDP2 and graphamp's ZeRO-3 hold the same thing: every parameter a ``DTensor``
-placed ``Shard(0)`` on a 1-D mesh, cut as ``torch.chunk`` cuts (records/sharding.py). They differ
+placed ``Shard(0)`` on a 1-D mesh, cut as ``torch.chunk`` cuts (sharding/cuts.py). They differ
 in where the collectives run: FSDP2 all-gathers and reduce-scatters in module hooks, outside any
 graph (capture cannot trace them), graphamp inside the compiled step. So when such a model is
 registered, graphamp takes the wrap over:
@@ -14,7 +14,7 @@ registered, graphamp takes the wrap over:
 - at the first call, once every check passed (``adopt_at_first_call``), FSDP2's hooks and
   module classes are removed, so the model is a plain module whose parameters are still
   FSDP2's DTensor shards; the build then copies each rank's local shard into graphamp's row
-  (``runner/sharded_params.py``; no collective: the layouts are the same) and points the
+  (``sharding/sharded_params.py``; no collective: the layouts are the same) and points the
   optimizers at the new parameters. Until then the model is the user's wrap, as it was: a
   refusal (at registration or at the first call) leaves a model FSDP2 itself still trains.
 
@@ -28,8 +28,6 @@ step does what they did.
 
 from __future__ import annotations
 
-# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
-#   torch.distributed._composable, torch.distributed._composable_state._module_state_mapping
 import logging
 from typing import Any
 
@@ -37,8 +35,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError, GraphDefinitionError
+from ..records.fully_shard import FullyShardWrap
 from ..records.settings import ConfigSnapshot
-from ..records.sharding import FullyShardWrap
+from ..torchkit.compat import fully_shard_state, remove_fully_shard
 
 log = logging.getLogger("graphamp")
 
@@ -123,7 +122,7 @@ def take_over(graph_name: str, name: str, module: nn.Module) -> None:
     if not wrapped:
         return
     for _, m in wrapped:
-        _unwrap(m)
+        remove_fully_shard(m, _fsdp_module_class())
     log.info(
         "%s.%s is wrapped with fully_shard (%d modules): graphamp trains it with ZeRO-3 inside "
         "the compiled step, one all-gather and one reduce-scatter per wrapped module",
@@ -144,66 +143,34 @@ def _wrap_facts(where: str, path: str, module: nn.Module) -> tuple[Any, torch.dt
     """(its mesh's process group or None when it holds no parameter, its param_dtype, whether
     its gathered parameters stay from the forward to the backward), after refusing what
     graphamp cannot do the same way."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     label = f"{where}.{path}" if path else where
-    state = module._get_fsdp_state()  # type: ignore[operator]
-    module.reshard()  # type: ignore[operator]  # its parameters are the sharded DTensors
-    policy = state._mp_policy
-    if policy.output_dtype is not None:
+    state = fully_shard_state(module, is_root=not path)
+    if state.output_dtype is not None:
         raise GraphDefinitionError(
             f"{label}: fully_shard(mp_policy=MixedPrecisionPolicy(output_dtype="
-            f"{policy.output_dtype})) casts the module's outputs, which graphamp does not: its "
+            f"{state.output_dtype})) casts the module's outputs, which graphamp does not: its "
             "AMP decides each op's dtype. Leave output_dtype None"
         )
-    if policy.reduce_dtype not in (None, torch.float32):
+    if state.reduce_dtype not in (None, torch.float32):
         raise GraphDefinitionError(
             f"{label}: fully_shard(mp_policy=MixedPrecisionPolicy(reduce_dtype="
-            f"{policy.reduce_dtype})): graphamp reduce-scatters the float32 gradients as they "
+            f"{state.reduce_dtype})): graphamp reduce-scatters the float32 gradients as they "
             "are. Leave reduce_dtype None or torch.float32"
         )
     group, keep = None, False
-    for param_group in state._fsdp_param_groups:
-        mesh = param_group.mesh_info.mesh
-        if mesh.ndim != 1:
+    for param_group in state.groups:
+        if param_group.mesh.ndim != 1:
             raise GraphDefinitionError(
-                f"{label}: fully_shard on a {mesh.ndim}-D mesh (HSDP) is not supported by "
-                "graphamp: it shards over one process group. Wrap with a 1-D mesh"
+                f"{label}: fully_shard on a {param_group.mesh.ndim}-D mesh (HSDP) is not "
+                "supported by graphamp: it shards over one process group. Wrap with a 1-D mesh"
             )
-        if isinstance(param_group.offload_policy, CPUOffloadPolicy):
+        if param_group.cpu_offload:
             raise GraphDefinitionError(
                 f"{label}: fully_shard(offload_policy=CPUOffloadPolicy()) is not supported by "
                 "graphamp: its step updates the shards on the device that runs it"
             )
-        group = mesh.get_group()
-        # FSDP2 keeps them with reshard_after_forward=False, and for the root left at its
-        # default (its backward would gather them right away)
-        keep = param_group.post_forward_mesh_info is None or (
-            not path and state._auto_reshard_after_forward
-        )
-    return group, policy.param_dtype, keep
-
-
-def _unwrap(module: nn.Module) -> None:
-    """``module`` as it was before ``fully_shard``: FSDP2's forward hooks removed, its class
-    put back, its state dropped (it holds references to the shards graphamp replaces)."""
-    from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
-    from torch.distributed._composable_state import _module_state_mapping
-
-    state = module._get_fsdp_state()  # type: ignore[operator]
-    state._pre_forward_hook_handle.remove()
-    state._post_forward_hook_handle.remove()
-    fsdp_module = _fsdp_module_class()
-    module.__class__ = next(
-        c for c in type(module).__bases__ if c is not fsdp_module
-    )  # fully_shard made FSDP<Cls>(FSDPModule, Cls)
-    states = module.__dict__.get(STATE_KEY, {})
-    for key in [k for k, v in states.items() if v is state]:
-        del states[key]
-    module.__dict__.get(REGISTRY_KEY, {}).pop("fully_shard", None)
-    # torch's module -> state map (weak to the state): left behind, torch's state-dict tools
-    # would find the module, then its dead state, and fail
-    _module_state_mapping.pop(module, None)
+        group, keep = param_group.mesh.get_group(), param_group.keeps_gathered
+    return group, state.param_dtype, keep
 
 
 def _ranks(group) -> tuple[int, ...]:
