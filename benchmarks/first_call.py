@@ -44,7 +44,9 @@ ROOT = os.path.dirname(HERE)
 # every repeated block's update by one kernel (set_block_updates(True), CUDA too), with blocks
 # inlined, the peer
 VARIANTS = ("graphamp", "graphamp-blocks", "graphamp-inline", "compile")
-WORKLOADS = ("gpt2-6l", "gpt2-12l", "hf-gpt2-6l", "vit-tiny")
+# gpt2-6l-small: issue 64's small-block GPT-2 (vocabulary 512, batch 2), whose blocks the
+# default inlines (step/block_work.py)
+WORKLOADS = ("gpt2-6l", "gpt2-12l", "hf-gpt2-6l", "vit-tiny", "gpt2-6l-small")
 # issue 40: graphamp / torch.compile at most 1.0 cold and on a restart (warm); the 12-layer
 # cold first call at most 1.15x the 6-layer one (issue 31's were 1.5 warm and 1.3)
 TARGETS = {"cold": 1.0, "warm": 1.0}
@@ -86,6 +88,14 @@ def make_workload(name: str, smoke: bool = False):
             (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()),
             lm_loss,
             f"nanoGPT-style GPT-2, {layers} layers, n_embd 128, 4 heads, vocab 50304, B8 T64, AdamW",
+        )
+    if name == "gpt2-6l-small":
+        idx = torch.randint(0, 512, (2, 65), generator=gen)
+        return (
+            GPT(vocab=512, seq=64, layers=6, heads=4, dim=128),
+            (idx[:, :-1].contiguous(), idx[:, 1:].contiguous()),
+            lm_loss,
+            "nanoGPT-style GPT-2, 6 layers, n_embd 128, 4 heads, vocab 512, B2 T64, AdamW",
         )
     if name == "hf-gpt2-6l":
         return _hf_gpt2(gen, smoke)

@@ -136,6 +136,8 @@ def make_step(
             self.config.set_step_cache(False)
             if kind != "default" or program == "inlined":
                 self.config.set_outline_blocks(program != "inlined")
+            if program == "inlined" and kind != "block_updates":  # the plain inlined step
+                self.config.set_block_updates(False)
             if kind == "checkpointed":  # every block of the model's first ModuleList
                 self.config.enable_activation_checkpointing(_block_class(model))
             elif kind == "accumulated":

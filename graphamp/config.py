@@ -394,19 +394,21 @@ class GraphConfig:
         self._set(outline_blocks=check_bool("set_outline_blocks(mode)", mode))
 
     def set_block_updates(self, mode: bool = True) -> None:
-        """Update each outlined repeated block's parameters by one call of an optimizer kernel
-        compiled once per distinct block, instead of one multi-tensor update over every
-        parameter, which inductor compiles as a loop per parameter. By default graphamp does
-        so where it outlines by default (CPU steps) for blocks repeated at least 3 times:
-        the first call compiles much less (cold on the CPU, 0.85-1.00x torch.compile's first
-        call instead of 1.7-2.0x, the kernels compiled in a second process while the step
-        compiles: benchmarks/results/first_call_cpu.md, round 13), and each
-        call costs the steady step about 0.2 ms (1.004-1.022x the inlined step on the GPT
-        workloads and ViT-Ti, 2-3 runs each: outline_cost_cpu.md). ``True`` takes blocks
-        repeated only twice too (ResNet-18's pair: 1.02x the inlined step), on any device, and
-        outlines the step (unless ``set_outline_blocks(False)`` says otherwise, which leaves
-        this without effect and warns); ``False`` keeps the whole update one multi-tensor run.
-        The values are the same either way (bitwise in the CPU tests)."""
+        """Update each repeated block's parameters by one call of an optimizer kernel compiled
+        once per distinct block, instead of one multi-tensor update over every parameter,
+        which inductor compiles as a loop per parameter. Blocks outlined or inlined alike. By
+        default graphamp does so on CPU steps without gradient accumulation, for blocks
+        repeated at least 3 times that do at least 30 MFLOP of forward work each
+        (step/block_work.py): the first call compiles much less (cold on the CPU, 0.85-1.00x
+        torch.compile's first call outlined instead of 1.7-2.0x, the kernels compiled in a
+        second process while the step compiles: benchmarks/results/first_call_cpu.md, round
+        13; inlined, 0.57x the cold first call without them on a small-block GPT-2), and the
+        steady step measured 1.004-1.022x the inlined step outlined on the GPT workloads and
+        ViT-Ti (outline_cost_cpu.md) and 0.983-0.997x inlined on the small-block GPT-2
+        (block_updates_inlined_cpu.md). ``True`` takes blocks repeated only twice too
+        (ResNet-18's pair: 1.02x the inlined step), on any device; ``False`` keeps the whole
+        update one multi-tensor run. The values are the same either way (bitwise in the CPU
+        tests)."""
         self._set(block_updates=check_bool("set_block_updates(mode)", mode))
 
     def set_step_cache(self, mode: bool = True) -> None:

@@ -60,3 +60,4 @@ def outline_small_blocks(monkeypatch):
     import graphamp.step.block_work as block_work
 
     monkeypatch.setattr(block_work, "OUTLINE_MIN_FLOPS_PER_BLOCK", 0.0)
+    monkeypatch.setattr(block_work, "BLOCK_UPDATE_MIN_FLOPS_PER_BLOCK", 0.0)

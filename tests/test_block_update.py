@@ -94,18 +94,20 @@ def test_by_default_blocks_repeated_three_times_get_the_calls_and_the_choice_is_
     assert_bitwise(default2, asked2)
 
 
-def test_block_updates_outline_a_step_the_default_inlines_and_warn_where_outlining_is_off(caplog):
-    """A step the default would inline (gradient accumulation here, CUDA alike) is outlined
-    when block updates are asked for, since they are calls of outlined blocks; with
-    set_outline_blocks(False) they cannot be, and a warning says so instead of nothing."""
+def test_block_updates_run_on_inlined_blocks_and_where_the_default_has_none():
+    """Block updates need no outlining: a step the default gives none (gradient accumulation
+    here, CUDA alike) gets them when asked, its blocks inlined as by default, and so does a
+    step with set_outline_blocks(False); both train bitwise like the plain inlined update."""
 
-    def run(block_updates: bool):
+    def run(block_updates: bool, outline: bool | None = None):
         torch.manual_seed(0)
         model = TinyGPT(layers=3)
 
         def configure(g):
             g.config.set_gradient_accumulation_steps(2)
             g.config.set_block_updates(block_updates)
+            if outline is not None:
+                g.config.set_outline_blocks(outline)
 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         g = make_graph(model, lm_loss, opt, amp=torch.bfloat16, configure=configure)
@@ -113,14 +115,37 @@ def test_block_updates_outline_a_step_the_default_inlines_and_warn_where_outlini
         losses = [g(*_tokens(gen)).detach().clone() for _ in range(2)]
         return g, losses, {k: v.clone() for k, v in model.state_dict().items()}
 
-    inlined, (g, *trained) = run(False), run(True)
+    inlined, (g, *asked) = run(False), run(True)
     assert _update_calls(inlined[0]) == [] and len(_update_calls(g)) == 3
-    assert_bitwise(inlined[1:], trained)
-    g.config.set_outline_blocks(False)
-    with caplog.at_level(logging.WARNING, logger="graphamp"):
-        g(*_tokens(torch.Generator().manual_seed(1)))
-    assert _update_calls(g) == []
-    assert any("set_block_updates(True) has no effect" in r.getMessage() for r in caplog.records)
+    assert "outline" not in g.compiled_steps[-1].timings  # accumulation: blocks inlined
+    assert_bitwise(inlined[1:], asked)
+    g, *inline_asked = run(True, outline=False)
+    assert len(_update_calls(g)) == 3 and "outline" not in g.compiled_steps[-1].timings
+    assert_bitwise(inlined[1:], inline_asked)
+
+
+def test_the_default_gives_inlined_blocks_update_calls_where_their_work_pays(monkeypatch):
+    """Blocks too small to outline by default (step/block_work.py) are inlined, and still get
+    one update call each where they do enough work for the calls to cost under 2%; where they
+    do not, the update stays one multi-tensor run. Both train bitwise alike."""
+    import graphamp.step.block_work as block_work
+
+    monkeypatch.setattr(block_work, "OUTLINE_MIN_FLOPS_PER_BLOCK", float("inf"))
+
+    def run(update_threshold: float):
+        monkeypatch.setattr(block_work, "BLOCK_UPDATE_MIN_FLOPS_PER_BLOCK", update_threshold)
+        torch.manual_seed(0)
+        model = TinyGPT(layers=3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = make_graph(model, lm_loss, opt, amp=torch.bfloat16)
+        gen = torch.Generator().manual_seed(1)
+        losses = [g(*_tokens(gen)).detach().clone() for _ in range(2)]
+        assert "outline" not in g.compiled_steps[-1].timings  # inlined by default
+        return g, losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+    (paying, *calls), (small, *plain) = run(0.0), run(float("inf"))
+    assert len(_update_calls(paying)) == 3 and _update_calls(small) == []
+    assert_bitwise(calls, plain)
 
 
 def test_block_of_names_the_outermost_numbered_module():

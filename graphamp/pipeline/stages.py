@@ -46,6 +46,7 @@ from ..step import (
     OutlineResult,
     assemble_step,
     block_specs,
+    block_updates_pay,
     build_plan,
     compile_block_kernels,
     component_examples,
@@ -235,9 +236,9 @@ class Choices:
 
 def side_compile(ctx: BuildContext, choices: Choices, device: torch.device) -> SideCompile | None:
     """A child process for the blocks' update kernels of a cold build that will have them
-    (``side_compile.py``): outlined, with block updates, kernels noted (the step cache on,
-    inductor), CPU, no process group (ranks share the machine's cores)."""
-    if not (choices.outline and choices.block_updates and choices.cache):
+    (``side_compile.py``): with block updates, kernels noted (the step cache on, inductor),
+    CPU, no process group (ranks share the machine's cores)."""
+    if not (choices.block_updates and choices.cache):
         return None
     if ctx.spec.config.backend != "inductor" or device.type != "cpu":
         return None
@@ -259,47 +260,38 @@ def outlined_by_default(device: torch.device, grad_acc_steps: int) -> bool:
 
 
 # Where the user has not said, blocks repeated at least this often have their updates by one
-# kernel call each (on the steps outlined by default). Two equal blocks (ResNet-18's first
-# stage) save one block's update at compile time and measured 1.021-1.026x the inlined step;
-# 6 and 12 repeats (the GPT workloads, ViT-Ti) 1.004-1.022x (outline_cost_block_updates_cpu.md,
-# outline_cost_cpu.md).
+# kernel call each, on the CPU's plain steps, outlined or inlined. Two equal blocks (ResNet-18's
+# first stage) save one block's update at compile time and measured 1.021-1.026x the inlined
+# step outlined; 6 and 12 repeats (the GPT workloads, ViT-Ti) 1.004-1.022x outlined
+# (outline_cost_block_updates_cpu.md, outline_cost_cpu.md); inlined, where the blocks do
+# enough work (step/block_work.py: BLOCK_UPDATE_MIN_FLOPS_PER_BLOCK).
 REPEATS_BY_DEFAULT = 3
 
 
 def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
     spec, config = ctx.spec, ctx.spec.config
     by_default = outlined_by_default(captured.device, config.grad_acc_steps)
+    outline_default = by_default
     if by_default and config.outline_blocks is None and not outlining_pays(captured.forward.gm):
-        by_default = False
+        outline_default = False
         log.info(
             "%s: repeated blocks inlined: %s (config.set_outline_blocks(True) outlines them, "
             "for a faster first call)",
             spec.name,
             outlining_cost_words(captured.forward.gm),
         )
-    wanted = config.outline_blocks
-    if wanted is None:  # block updates are calls of outlined blocks: asking for them outlines
-        wanted = bool(config.block_updates) or by_default
-    elif config.block_updates and not wanted:
-        log.warning(
-            "%s: set_block_updates(True) has no effect while set_outline_blocks(False) "
-            "inlines the blocks: the update stays one multi-tensor run",
-            spec.name,
-        )
-    outline = (
-        wanted
-        and spec.training
-        # not tried yet: gradient code in build() (its backward ops are in the forward graph)
-        # or a pass's state inputs
-        and not plan.captured.gradient_code.present
-        and not plan.pass_state
-    )
+    # not tried yet: gradient code in build() (its backward ops are in the forward graph) or a
+    # pass's state inputs
+    plain = spec.training and not plan.captured.gradient_code.present and not plan.pass_state
+    wanted = config.outline_blocks if config.outline_blocks is not None else outline_default
     recompute = bool(captured.regions) and spec.training
     if config.block_updates is None:
-        repeats = REPEATS_BY_DEFAULT if by_default else 0  # measured only there
+        # measured only there, and only where the blocks do enough work (block_work.py)
+        pays = by_default and block_updates_pay(captured.forward.gm)
+        repeats = REPEATS_BY_DEFAULT if pays else 0
     else:
         repeats = 2 if config.block_updates else 0
-    return Choices(outline, repeats if outline else 0, recompute, config.step_cache)
+    return Choices(wanted and plain, repeats if plain else 0, recompute, config.step_cache)
 
 
 # -- the step graph: loaded, or assembled (recomputed, outlined) and saved --------------------------

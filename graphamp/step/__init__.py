@@ -17,7 +17,7 @@ from .block_update import (
     set_kernel_backend,
     unmade_specs,
 )
-from .block_work import outlining_cost_words, outlining_pays
+from .block_work import block_updates_pay, outlining_cost_words, outlining_pays
 from .components import component_examples
 from .examples import example_inputs
 from .outline import OutlineResult, outline_blocks
@@ -37,6 +37,7 @@ __all__ = [
     "count_block_updates",
     "example_inputs",
     "outline_blocks",
+    "block_updates_pay",
     "outlining_cost_words",
     "outlining_pays",
     "place_shard_collectives",
