@@ -404,7 +404,7 @@ class GraphConfig:
         second process while the step compiles: benchmarks/results/first_call_cpu.md, round
         13; inlined, 0.57x the cold first call without them on a small-block GPT-2), and the
         steady step measured 1.004-1.022x the inlined step outlined on the GPT workloads and
-        ViT-Ti (outline_cost_cpu.md) and 0.983-0.997x inlined on the small-block GPT-2
+        ViT-Ti (outline_cost_cpu.md) and 0.983-1.022x inlined on the small-block GPT-2
         (block_updates_inlined_cpu.md). ``True`` takes blocks repeated only twice too
         (ResNet-18's pair: 1.02x the inlined step), on any device; ``False`` keeps the whole
         update one multi-tensor run. The values are the same either way (bitwise in the CPU
