@@ -118,8 +118,8 @@ class ForwardLayout:
         for n in ends:
             cuts.append(list(flat[start : start + n]))
             start += n
-        params, buffers, inputs, (loss_scale,), constants, copies, kept = cuts
-        return ForwardInputs(params, buffers, inputs, loss_scale, constants, copies, kept)
+        params, buffers, inputs, (loss_scale,), constants, copies, state = cuts
+        return ForwardInputs(params, buffers, inputs, loss_scale, constants, copies, state)
 
     def with_param_copies(self, n: int) -> ForwardLayout:
         """This layout after the AMP passes hoisted ``n`` parameter casts."""
@@ -215,3 +215,6 @@ class StepLayout:
             i += n
         core = {g: out[g] for g in STEP_INPUT_GROUPS}
         return StepInputs(**core, owned={g: out[g] for g in self.owned})
+
+    def __len__(self) -> int:
+        return len(self.names)

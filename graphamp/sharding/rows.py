@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-# The rows are known by their
-# storage, not by the parameter object: ``module.cpu()``, ``.to()`` and ``.float()`` swap a
-# DTensor parameter's contents (torch.utils.swap_tensors), keeping the object and the storage
-# but not the attributes graphamp would set on it. A weak reference: a dropped model's rows go.
+# The rows are known by their storage, not by the parameter object: ``module.cpu()``, ``.to()``
+# and ``.float()`` swap a DTensor parameter's contents (torch.utils.swap_tensors), keeping the
+# object and the storage but not the attributes graphamp would set on it. A weak reference: a
+# dropped model's rows go.
 _ROWS: dict[StorageWeakRef, int] = {}
 _ROW_ATTRIBUTE = "_graphamp_row"  # the row tensor, cached on the parameter while it lasts
 

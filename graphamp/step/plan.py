@@ -38,7 +38,8 @@ def build_plan(
     ``param_ids`` are ``id()`` of the forward's parameters in placeholder order (to find each
     optimizer's parameters among them); ``hoisted``: the parameter placeholders the AMP passes
     read in low precision, by name, with the dtype (``AmpContext.hoisted``); ``pass_state``: the
-    state inputs the AMP passes gave the forward (``AmpContext.pass_state``). ``process_group``: data parallel's group;
+    state inputs the AMP passes gave the forward (``AmpContext.pass_state``).
+    ``process_group``: data parallel's group;
     ``shard_group``: the group the parameters are ZeRO-3 shards over (any graph that reads
     them, a training one or an eval one, gathers them: the plan is ZeRO-3's)."""
     layout = captured.layout.with_param_copies(len(hoisted)).with_pass_state(len(pass_state))
