@@ -628,6 +628,30 @@ def test_components_are_registered_in_one_place():
     assert not problems, "\n".join(problems)
 
 
+# The files under graphamp/ that name fp8: the feature's own (its pass, its numerics, its step
+# component, its report), the records and public settings it declares, and one registration
+# each in the pass pipeline (its order and PASS_SETTINGS), the component list, the op library
+# and the passes' table. A stage, the runtime or the plan naming it is the feature leaking out.
+_FP8_FEATURE = {"passes/fp8_matmuls.py", "torchkit/fp8_numerics.py", "step/components/fp8.py"}
+_FP8_DECLARED = {"inspect/fp8_report.py", "records/amp.py", "records/settings.py"}
+_FP8_PUBLIC = {"config.py", "graph.py"}
+_FP8_REGISTRATIONS = {
+    "passes/amp_pipeline.py",
+    "step/components/__init__.py",
+    "torchkit/ops.py",
+    "passes/README.md",
+}
+
+
+def test_fp8_is_named_only_by_its_modules_and_its_registrations():
+    naming = {
+        p.relative_to(PACKAGE).as_posix()
+        for p in PACKAGE.glob("**/*")
+        if p.suffix in (".py", ".md") and re.search("fp8", p.read_text(), re.IGNORECASE)
+    }
+    assert naming == _FP8_FEATURE | _FP8_DECLARED | _FP8_PUBLIC | _FP8_REGISTRATIONS
+
+
 def test_the_step_phases_are_the_components_methods():
     """Each ``Phase`` names the ``StepComponent`` method assembly calls for it."""
     from graphamp.step.components import Phase, StepComponent

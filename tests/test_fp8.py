@@ -70,6 +70,33 @@ def test_a_zero_tensor_gets_a_finite_scale():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isfinite(b.grad).all()
 
 
+def test_a_malformed_saved_history_is_refused_and_nothing_loads():
+    """The fp8 component checks its part of a saved graph state with the rest, before anything
+    loads: a history of the wrong rows raises ConfigError and the graph keeps its step count,
+    its histories and its scale."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def setup(g):
+        g.config.enable_fp8(True, recipe="delayed", history=4)
+
+    g = make_graph(model, F.cross_entropy, opt, amp=torch.bfloat16, configure=setup)
+    for seed in range(2):
+        g(*_batch(seed))
+    before = copy.deepcopy(g.state_dict())
+    bad = copy.deepcopy(before)
+    bad["step"] = 7
+    name = next(iter(bad["fp8_histories"]))
+    bad["fp8_histories"][name] = torch.zeros(2, 4)
+    with pytest.raises(ConfigError, match="fp8_histories must map fp8 matmul names"):
+        g.load_state_dict(bad)
+    after = g.state_dict()
+    assert after["step"] == before["step"] == 2
+    assert all(
+        torch.equal(after["fp8_histories"][k], v) for k, v in before["fp8_histories"].items()
+    )
+
+
 @pytest.mark.parametrize("recipe", [*RECIPES, "delayed"])
 def test_an_inf_stays_non_finite_through_an_fp8_matmul(recipe):
     """Saturation is for finite values beyond the format (a stale delayed scale); an inf or

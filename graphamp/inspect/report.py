@@ -11,6 +11,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from ..records.amp import FINER_COLOURS
 from ..records.spec import AutocastTrace, Program
 from ..records.subgraphs import Subgraph, subgraph_of
 from ..records.validate import dtype_name
@@ -57,14 +58,15 @@ class PrecisionReport:
     autocast: dict[str, int] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     recomputed_regions: tuple[str, ...] = ()  # activation checkpointing's regions
-    ops_fp8: int = 0  # matmuls in fp8 (enable_fp8; counted among ops_low)
+    # ops finer than the AMP dtype, by colour (records.amp.FINER_COLOURS; counted in ops_low)
+    ops_finer: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> str:
         text = (
             f"converted {self.ops_low}/{self.ops_total} ops to {self.dtype} with {self.casts} casts"
         )
-        if self.ops_fp8:
-            text += f", {self.ops_fp8} of them fp8 matmuls"
+        for colour, n in self.ops_finer.items():
+            text += f", {n} of them {FINER_COLOURS[colour]}"
         if self.parameter_copies:
             text += (
                 f" (+{self.parameter_copies} low-precision parameter copies made at the "
@@ -165,14 +167,19 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
         dtype=_short_dtype(amp.dtype) if amp is not None else "fp32",
         casts=amp.stats.get("casts", 0) if amp else 0,
         parameter_copies=len(amp.hoisted) if amp else 0,
-        ops_low=sum(r["colour"] in ("allow", "fp8") for r in rows),
-        ops_total=sum(r["colour"] in ("allow", "fp8", "deny", "fp32") for r in rows),
-        ops_fp8=sum(r["colour"] == "fp8" for r in rows),
+        ops_low=sum(r["colour"] in ("allow", *FINER_COLOURS) for r in rows),
+        ops_total=sum(r["colour"] in ("allow", "deny", "fp32", *FINER_COLOURS) for r in rows),
+        ops_finer=_finer_counts(rows),
         unknown_ops=dict(amp.unknown_ops) if amp else {},
         autocast=autocast_counts(program, trace) if trace is not None else None,
         timings=dict(program.timings),
         recomputed_regions=tuple(sorted(r for r in regions if r)),
     )
+
+
+def _finer_counts(rows: list[dict[str, str]]) -> dict[str, int]:
+    counts = {c: sum(r["colour"] == c for r in rows) for c in FINER_COLOURS}
+    return {c: n for c, n in counts.items() if n}
 
 
 def log_program_summary(program: Program) -> None:

@@ -4,11 +4,10 @@ Each pass is one file with one verb-named function ``fn(gm, ctx) -> PassResult(g
 The pipeline order lives in ``amp_pipeline.AMP_PIPELINE``; the invariants in ``README.md``.
 """
 
-from .amp_pipeline import AMP_PIPELINE, AmpPassError, run_amp_passes
+from .amp_pipeline import AMP_PIPELINE, AmpPassError, pass_settings, run_amp_passes
 from .base import AmpContext, PassResult
 from .colour import colour_by_lists
 from .fold_casts import fold_cast_chains
-from .fp8_matmuls import fp8_options
 from .hoist_param_casts import hoist_parameter_casts
 from .insert_casts import dtype_after_amp, insert_casts
 from .lint import AmpInvariantError, check_amp_invariants, verify_dtypes
@@ -27,9 +26,9 @@ __all__ = [
     "colour_by_lists",
     "dtype_after_amp",
     "fold_cast_chains",
-    "fp8_options",
     "hoist_parameter_casts",
     "insert_casts",
+    "pass_settings",
     "remove_hints",
     "resolve_op",
     "run_amp_passes",

@@ -7,16 +7,17 @@ at the end (regenerating a 100k-node module costs seconds).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from ..errors import GraphampError
 from ..torchkit.fxutil import gc_paused
-from .base import AmpContext
+from .base import AmpContext, CheckPaths, SettingsOf
 from .colour import colour_by_lists
 from .fold_casts import fold_cast_chains
-from .fp8_matmuls import use_fp8_matmuls
+from .fp8_matmuls import fp8_settings, use_fp8_matmuls
 from .hoist_param_casts import hoist_parameter_casts
 from .insert_casts import insert_casts
 from .lint import check_amp_invariants
@@ -30,6 +31,10 @@ AMP_PIPELINE = (
     fold_cast_chains,
     use_fp8_matmuls,
 )
+
+# The passes with settings beyond the precision lists: each checks its own before anything
+# is traced and names the AmpContext fields it reads (``base.SettingsOf``).
+PASS_SETTINGS: tuple[SettingsOf, ...] = (fp8_settings,)
 
 AfterPass = Callable[[str, fx.GraphModule, bool, float], None]
 
@@ -54,6 +59,17 @@ def run_amp_passes(
     ctx.stats["casts"] = sum(1 for n in gm.graph.nodes if n.meta.get("amp_cast"))
     ctx.stats["casts_with_parameters"] = ctx.stats["casts"] + len(ctx.hoisted)
     return gm
+
+
+def pass_settings(
+    config: Any, device: torch.device, name: str, check_paths: CheckPaths
+) -> dict[str, Any]:
+    """The AmpContext fields of every pass with settings of its own (``PASS_SETTINGS``),
+    checked: ConfigError where a setting cannot run on this graph."""
+    fields: dict[str, Any] = {}
+    for settings_of in PASS_SETTINGS:
+        fields.update(settings_of(config, device, name, check_paths))
+    return fields
 
 
 class AmpPassError(GraphampError, RuntimeError):

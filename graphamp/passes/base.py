@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
 #   torch._ops
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -14,10 +14,21 @@ from ..records.amp import AmpContext
 from ..torchkit.fxutil import captured_dtype, dtype_after_amp, float_dtype, is_compute_node
 from .op_dtypes import FIXED_DTYPE, PROMOTE
 
+# Checks that each module path a setting names (the second argument: the setter, for the
+# error) is a registered module; the build's capture stage supplies it (passes do not read
+# the modules).
+CheckPaths = Callable[[tuple[str, ...], str], None]
+
+# A pass's own settings (``amp_pipeline.PASS_SETTINGS``): (config, device, graph name,
+# CheckPaths) -> the AmpContext fields the pass reads, ConfigError where they cannot run.
+SettingsOf = Callable[[Any, torch.device, str, CheckPaths], dict[str, Any]]
+
 __all__ = [
     "AmpContext",
+    "CheckPaths",
     "Classifier",
     "PassResult",
+    "SettingsOf",
     "captured_dtype",
     "dtype_after_amp",
     "float_dtype",

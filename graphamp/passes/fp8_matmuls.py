@@ -31,7 +31,7 @@ from ..records.settings import ConfigSnapshot
 from ..torchkit.fp8_numerics import HISTORY_ROWS
 from ..torchkit.fxutil import module_path
 from ..torchkit.ops import FP8_MM, FP8_MM_DELAYED
-from .base import AmpContext, PassResult, dtype_after_amp
+from .base import AmpContext, CheckPaths, PassResult, dtype_after_amp
 
 aten = torch.ops.aten
 _MATMULS = (aten.mm.default, aten.addmm.default)
@@ -70,11 +70,15 @@ def _options(ctx: AmpContext) -> Fp8Options:
     return cast(Fp8Options, ctx.fp8)  # the pass runs only with options (use_fp8_matmuls)
 
 
-def fp8_options(config: ConfigSnapshot, device: torch.device, name: str) -> Fp8Options | None:
-    """The fp8 options when enable_fp8 is on, after checking what they need: bf16 AMP, and on
-    CUDA a GPU with fp8 matmuls (compute capability 8.9, Ada and Hopper, or later)."""
+def fp8_settings(
+    config: ConfigSnapshot, device: torch.device, name: str, check_paths: CheckPaths
+) -> dict[str, Any]:
+    """This pass's field of the AmpContext (``amp_pipeline.PASS_SETTINGS``): the fp8 options
+    when enable_fp8 is on, after checking what they need: bf16 AMP, on CUDA a GPU with fp8
+    matmuls (compute capability 8.9, Ada and Hopper, or later), and registered modules for
+    ``keep``."""
     if config.fp8_recipe is None:
-        return None
+        return {}
     if not config.amp_active or config.amp_dtype != torch.bfloat16:
         raise ConfigError(
             f"{name}: enable_fp8 runs on top of bf16 AMP: call "
@@ -88,13 +92,15 @@ def fp8_options(config: ConfigSnapshot, device: torch.device, name: str) -> Fp8O
                 f"{name}: enable_fp8 needs a GPU with fp8 matmuls (compute capability 8.9 or "
                 f"later: Ada, Hopper); this one has {capability[0]}.{capability[1]}"
             )
-    return Fp8Options(
+    check_paths(config.fp8_keep, "enable_fp8(keep=...)")
+    options = Fp8Options(
         config.fp8_recipe,
         frozenset(config.fp8_keep),
         config.fp8_keep_first_last,
         config.fp8_history,
         config.fp8_margin,
     )
+    return {"fp8": options}
 
 
 def _is_bf16(node: fx.Node) -> bool:

@@ -8,7 +8,19 @@ inputs, the graph's SharedState and a BuildRequest; it returns a Program, whole.
 the picture and the import rules.
 """
 
+from ..step.components import (
+    checked_component_state,
+    load_component_state,
+    saved_component_state,
+)
 from ..step.trial_step import trial_step
 from .build import build_program, trace_autocast
 
-__all__ = ["build_program", "trace_autocast", "trial_step"]
+__all__ = [
+    "build_program",
+    "checked_component_state",
+    "load_component_state",
+    "saved_component_state",
+    "trace_autocast",
+    "trial_step",
+]

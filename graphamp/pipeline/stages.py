@@ -33,7 +33,7 @@ from ..capture import (
     pinned_paths,
 )
 from ..errors import ConfigError
-from ..passes import DEFAULT_LISTS, AmpContext, fp8_options, run_amp_passes
+from ..passes import DEFAULT_LISTS, AmpContext, pass_settings, run_amp_passes
 from ..records.deferred import DeferredGraph
 from ..records.guards import BuildRequest
 from ..records.inputs import FlatInputs
@@ -92,6 +92,7 @@ class Captured:
     device: torch.device  # the one device of the modules and the batch
     module_pins: dict[str, str]  # module path -> why it stays fp32 (AMP on)
     regions: frozenset[str]  # activation checkpointing regions
+    pass_settings: dict[str, Any]  # the AmpContext fields of passes with settings, checked
 
 
 def capture(ctx: BuildContext) -> Captured:
@@ -123,12 +124,11 @@ def capture(ctx: BuildContext) -> Captured:
         pins = pinned_paths(
             ctx.root, config.fp32_module_types, config.fp32_module_names, config.amp_dtype
         )
-    if config.fp8_recipe is not None:
-        check_module_paths(ctx.root, config.fp8_keep, "enable_fp8(keep=...)")
+    settings = pass_settings(config, device, spec.name, partial(check_module_paths, ctx.root))
     regions = checkpointed_paths(
         ctx.root, config.checkpoint_module_types, config.checkpoint_module_names
     )
-    return Captured(forward, device, pins, frozenset(regions))
+    return Captured(forward, device, pins, frozenset(regions), settings)
 
 
 # -- the AMP passes ------------------------------------------------------------------------------
@@ -147,7 +147,6 @@ def amp_passes(ctx: BuildContext, captured: Captured, capture_seconds: float) ->
     """The AMP passes on a copy of the captured forward (AMP off: the captured forward)."""
     spec, config, forward = ctx.spec, ctx.spec.config, captured.forward
     records = [PassRecord("captured", forward.gm.code, capture_seconds, True)]
-    fp8 = fp8_options(config, captured.device, spec.name)
     if not config.amp_active:
         return Passed(forward.gm, None, records)
     placeholders = [n.name for n in forward.gm.graph.nodes if n.op == "placeholder"]
@@ -161,7 +160,7 @@ def amp_passes(ctx: BuildContext, captured: Captured, capture_seconds: float) ->
         pinned_nodes=pins.nodes,
         parameters=frozenset(forward.layout.split(placeholders).params),
         user_outputs=forward.num_user_outputs,
-        fp8=fp8,
+        **captured.pass_settings,
     )
 
     def record(pass_name: str, gm: fx.GraphModule, modified: bool, seconds: float) -> None:

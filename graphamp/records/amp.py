@@ -19,6 +19,10 @@ if TYPE_CHECKING:  # the passes' own type, named only
 
 __all__ = ["AmpContext"]
 
+# The colours a pass after the lists gives ops that run finer than the AMP dtype (the precision
+# report counts them among the low-precision ops), and what its summary calls them.
+FINER_COLOURS: dict[str, str] = {"fp8": "fp8 matmuls"}
+
 
 @dataclass(frozen=True)
 class Fp8Options:

@@ -27,7 +27,7 @@ class Subgraph(str, Enum):
     ZERO = "zero"  # sharded parameters and gradients: gathers and scatters
     OPTIMIZER = "optimizer"
     FORENSICS = "forensics"  # overflow tracing's probes and record
-    FP8 = "fp8"  # the delayed fp8 recipe's histories
+    PASS_STATE = "pass_state"  # the AMP passes' state kept from step to step (PassState)
     HISTORY = "history"  # the step's row of the device history
 
     def __str__(self) -> str:

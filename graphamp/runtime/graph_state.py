@@ -16,7 +16,7 @@ import torch
 
 from ..errors import ConfigError
 from ..forensics.autofix import Autofix
-from ..records.layouts import PassState
+from ..pipeline import checked_component_state, load_component_state, saved_component_state
 from ..records.pins import AmpPin
 from ..records.spec import OptimizerSlot
 from ..records.validate import check_int
@@ -45,8 +45,7 @@ def graph_state_dict(run: GraphRuntime) -> dict[str, Any]:
         "autofix_counts": run.autofix.state_dict(),
         "momentum_fresh": _fresh_momentum(run),
         "ranges": [row.to_dict() for row in ranges],  # for `python -m graphamp plot`
-        # the delayed fp8 recipe's amax histories (column 0 is the step's scratch)
-        "fp8_histories": {k: v[:, 1:].clone() for k, v in state.pass_state.items()},
+        **saved_component_state(state),  # the step components' own (StepComponent.saved_key)
     }
 
 
@@ -74,7 +73,7 @@ def load_graph_state(run: GraphRuntime, saved: Any) -> None:
     pins = _checked_pins(saved.get("amp_pins", ()))
     counts = Autofix.check_state_dict(saved.get("autofix_counts", ()))
     fresh = _checked_fresh(saved.get("momentum_fresh", {}), run.optimizers)
-    histories = _checked_fp8(saved.get("fp8_histories", {}))
+    components = checked_component_state(saved)
     # everything checked: now apply
     if scaler is not None and saved["grad_scaler"] is not None:
         scaler.load_state_dict(saved["grad_scaler"])
@@ -93,35 +92,7 @@ def load_graph_state(run: GraphRuntime, saved: Any) -> None:
     run.config.pin_fp32(*pins, *in_code)
     run.autofix.load_counts(counts)
     _load_fresh(run, fresh)
-    _load_fp8(run, histories)
-
-
-def _checked_fp8(saved: Any) -> dict[str, torch.Tensor]:
-    """The delayed fp8 recipe's saved histories: name -> (3, history) float tensor."""
-    if not isinstance(saved, dict) or not all(
-        isinstance(k, str)
-        and isinstance(v, torch.Tensor)
-        and v.dim() == 2
-        and v.shape[0] == 3
-        and v.dtype == torch.float32
-        for k, v in saved.items()
-    ):
-        raise ConfigError(
-            "the saved fp8_histories must map fp8 matmul names to float32 tensors of 3 rows"
-        )
-    return saved
-
-
-def _load_fp8(run: GraphRuntime, histories: dict[str, torch.Tensor]) -> None:
-    """Each saved history into the graph's state, in place where a compiled step holds it
-    (a history of another length starts afresh, as a new step would make it)."""
-    for name, saved in histories.items():
-        held = run.state.pass_state.get(name)
-        device = held.device if held is not None else saved.device
-        shape = (saved.shape[0], 1 + saved.shape[1])
-        (state,) = run.state.pass_state_tensors([PassState(name, shape)], device)
-        state[:, 0] = 0.0
-        state[:, 1:] = saved.to(device)
+    load_component_state(run.state, components)
 
 
 def _checked_pins(saved: Any) -> list[AmpPin]:

@@ -1,5 +1,5 @@
 """graphamp's code over torch's own machinery, shared by every stage: FX helpers and node
-metadata (``fxutil``), graphamp's torch ops (``ops``, ``fp8_numerics``, ``op_repairs``), fake
+metadata (``fxutil``), graphamp's torch ops (``ops``, and the numerics modules it registers), fake
 tensors and symbolic sizes (``shapes``), ops torch marks effectful (``effects``), what the ranks
 of a process group tell each other through its store (``rank_store``) and every branch on the
 torch release (``compat``).

@@ -77,6 +77,28 @@ def component_examples(
     }
 
 
+def saved_component_state(state: SharedState) -> dict[str, Any]:
+    """Each component's saved state, by its key in ``Graph.state_dict()``."""
+    return {c.saved_key: c.saved_state(state) for c in COMPONENTS if c.saved_key is not None}
+
+
+def checked_component_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """The components' parts of a saved graph state, each checked (ConfigError where one does
+    not load); a part the state lacks (saved before the component kept state) is left out."""
+    return {
+        c.saved_key: c.checked_saved(saved[c.saved_key])
+        for c in COMPONENTS
+        if c.saved_key is not None and c.saved_key in saved
+    }
+
+
+def load_component_state(state: SharedState, checked: dict[str, Any]) -> None:
+    """Load what ``checked_component_state`` returned."""
+    for c in COMPONENTS:
+        if c.saved_key is not None and c.saved_key in checked:
+            c.load_saved(state, checked[c.saved_key])
+
+
 __all__ = [
     "COMPONENTS",
     "OptimizerUpdate",
@@ -85,7 +107,10 @@ __all__ = [
     "StepComponent",
     "StepContext",
     "active_components",
+    "checked_component_state",
     "component_examples",
     "component_inputs",
     "component_plan_fields",
+    "load_component_state",
+    "saved_component_state",
 ]

@@ -3,8 +3,9 @@
 The training step is the forward and backward (``gradients.py``) and the optimizers' updates
 (``optimizer_update.py``); every feature around them (``components/__init__.COMPONENTS``) is
 a ``StepComponent``: it says which plans it acts in (``active``), which group of the step's
-inputs it owns (``group`` and ``input_names``; it reads them with ``own``), and what it traces
-at each ``Phase``.
+inputs it owns (``group`` and ``input_names``; it reads them with ``own``), the StepPlan fields it
+decides (``plan_fields``), the state ``Graph.state_dict()`` saves for it (``saved_key``) and
+what it traces at each ``Phase``.
 Assembly (``assemble.py``) runs the phases in order and, within a phase, the components in the
 order ``components/__init__.py`` registers them. A component keeps what it needs between phases
 on the ``StepContext`` of the one trace.
@@ -106,9 +107,27 @@ class StepComponent:
         str, ...
     ] = ()  # that group's placeholder names, where the plan does not vary them
 
+    # its key in ``Graph.state_dict()``, where it keeps state from step to step (None: none)
+    saved_key: str | None = None
+
     def active(self, plan: StepPlan) -> bool:
         """Does this plan use the component?"""
         raise NotImplementedError
+
+    def saved_state(self, state: SharedState) -> Any:
+        """What ``Graph.state_dict()`` saves under ``saved_key`` (tensors and plain values:
+        it loads with ``torch.load(..., weights_only=True)``)."""
+        raise NotImplementedError(f"{type(self).__name__} saves no state")
+
+    def checked_saved(self, saved: Any) -> Any:
+        """A saved state of this component, checked before anything loads: ConfigError where
+        it cannot load (the graph is then left as it was)."""
+        return saved
+
+    def load_saved(self, state: SharedState, checked: Any) -> None:
+        """Load what ``checked_saved`` returned into the graph's state (in place where a
+        compiled step holds it)."""
+        raise NotImplementedError(f"{type(self).__name__} saves no state")
 
     def plan_fields(self, planning: Planning) -> dict[str, Any]:  # noqa: ARG002 - overridden
         """The StepPlan fields this component decides (checked: a refusal raises here, before
