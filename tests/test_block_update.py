@@ -65,6 +65,7 @@ def _run(outline: bool, make_opt, steps: int = 3, **graph_options):
     return g, losses, state, moments
 
 
+@pytest.mark.slow
 def test_by_default_blocks_repeated_three_times_get_the_calls_and_the_choice_is_keyed():
     """On the CPU (outlined by default) blocks repeated at least 3 times are updated by one
     call each; a pair is not (two calls cost ResNet-18 2% of its step and save one block's
@@ -94,6 +95,7 @@ def test_by_default_blocks_repeated_three_times_get_the_calls_and_the_choice_is_
     assert_bitwise(default2, asked2)
 
 
+@pytest.mark.slow
 def test_block_updates_run_on_inlined_blocks_and_where_the_default_has_none():
     """Block updates need no outlining: a step the default gives none (gradient accumulation
     here, CUDA alike) gets them when asked, its blocks inlined as by default, and so does a

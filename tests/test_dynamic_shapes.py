@@ -77,7 +77,7 @@ def test_a_variable_length_run_equals_eager_and_compiles_twice(backend, caplog):
     assert "marking it before the first call (torch._dynamo.mark_dynamic" in said[0]
 
 
-@pytest.mark.parametrize("marks", [(), (1,)])
+@pytest.mark.parametrize("marks", [(), pytest.param((1,), marks=pytest.mark.slow)])
 def test_a_length_the_trace_pins_builds_a_step_per_length_and_says_why(marks, caplog):
     """A build() that reads the length as a number (``int()``: a guard that it equals the
     traced one, as torch 2.11's fake tensors do for any linear layer on 3-d inputs) pins the

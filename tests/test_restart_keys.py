@@ -127,6 +127,7 @@ def test_a_restart_compiles_from_the_note_and_loads_the_graph_only_when_read(cap
         assert_bitwise(cold[3], again[3])
 
 
+@pytest.mark.slow
 @pytest.mark.inductor
 def test_a_restart_with_block_updates_makes_their_kernels_from_the_note(
     caplog, monkeypatch, tmp_path

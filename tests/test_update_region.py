@@ -5,6 +5,7 @@ buffers built."""
 from __future__ import annotations
 
 import models
+import pytest
 import torch
 import torch.nn as nn
 from helpers import make_graph
@@ -153,6 +154,7 @@ def _train(gather: bool, scheduled: list[int]) -> list[torch.Tensor]:
     return tensors
 
 
+@pytest.mark.slow
 def test_an_inductor_step_is_bitwise_the_same_with_fewer_buffers(monkeypatch):
     from torch._inductor.scheduler import Scheduler
 
