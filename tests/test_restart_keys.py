@@ -139,6 +139,9 @@ def test_a_restart_with_block_updates_makes_their_kernels_from_the_note(
     with the kernels compiled beside the step (``pipeline/side_compile.py``, on by default)
     makes them from the child's notes, and trains bitwise like the cold run too."""
     monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "0")  # the traces counted here are this process's
+    # as a new process has them: a test run before this one in the process may have made
+    # the same kernel (same spec), and then this cold run would make none
+    monkeypatch.setattr(block_update, "_KERNELS", {})
     traced = []
     trace = block_update.trace_functional
     monkeypatch.setattr(
