@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import GraphampError
+from ..records.settings import ConfigSnapshot
 from ..torchkit.fxutil import gc_paused
 from .base import AmpContext, CheckPaths, SettingsOf
 from .colour import colour_by_lists
@@ -62,7 +63,7 @@ def run_amp_passes(
 
 
 def pass_settings(
-    config: Any, device: torch.device, name: str, check_paths: CheckPaths
+    config: ConfigSnapshot, device: torch.device, name: str, check_paths: CheckPaths
 ) -> dict[str, Any]:
     """The AmpContext fields of every pass with settings of its own (``PASS_SETTINGS``),
     checked: ConfigError where a setting cannot run on this graph."""

@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ..records.amp import AmpContext
+from ..records.settings import ConfigSnapshot
 from ..torchkit.fxutil import captured_dtype, dtype_after_amp, float_dtype, is_compute_node
 from .op_dtypes import FIXED_DTYPE, PROMOTE
 
@@ -21,7 +22,7 @@ CheckPaths = Callable[[tuple[str, ...], str], None]
 
 # A pass's own settings (``amp_pipeline.PASS_SETTINGS``): (config, device, graph name,
 # CheckPaths) -> the AmpContext fields the pass reads, ConfigError where they cannot run.
-SettingsOf = Callable[[Any, torch.device, str, CheckPaths], dict[str, Any]]
+SettingsOf = Callable[[ConfigSnapshot, torch.device, str, CheckPaths], dict[str, Any]]
 
 __all__ = [
     "AmpContext",

@@ -5,8 +5,9 @@ Each fp8 matmul of the forward records its inputs' amax of this step in column 0
 starts afresh each step (a skipped step left its amax there), and after the update this step's
 amaxes, agreed across ranks, are pushed into the histories; a skipped step leaves them as they
 were. The histories are the forward's pass state (``plan.pass_state``: one per fp8 matmul, made
-by ``passes/fp8_matmuls.py``), inputs of the step written in place; ``Graph.state_dict()`` saves
-them (``saved_key``). The delayed recipe is the one AMP pass that keeps state, so the pass state is its.
+by ``passes/fp8_matmuls.py``), inputs of the step written in place; ``Graph.state_dict()``
+saves them (``saved_key``). The delayed recipe is the one AMP pass that keeps state, so the
+pass state is its.
 """
 
 from __future__ import annotations
