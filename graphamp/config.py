@@ -160,6 +160,20 @@ class GraphConfig:
         kept = {k: tuple(op for op in getattr(old, k) if op not in seen) for k in groups}
         self._set(list_overrides=ListOverrides(**{k: kept[k] + resolved[k] for k in groups}))
 
+    def set_fp32_where_faster(self, mode: bool = True) -> None:
+        """Keep an op fp32 where its fp32 kernel measured faster than its low-precision one on
+        this machine, at the op's sizes (on by default; CPU steps only). Scaled-dot-product
+        attention is the op timed: on the CPU its bf16 backward measured several times slower
+        than fp32 at small language models' sizes (``benchmarks/attention_precision.py``), and
+        faster at long sequences. Each such op is timed once per size at the build, in both
+        precisions, and kept fp32 where fp32 took at most 2/3 of the time (calls too small to
+        time reliably, or so large that timing would cost seconds, are not timed); the
+        precision report says why. fp32 is never less accurate. Ops named in
+        ``override_amp_lists`` keep the user's choice; off at opt level O3 and across more than
+        one rank (ranks must trace the same graph). ``False``: the lists alone decide, as
+        torch.autocast does."""
+        self._set(fp32_where_faster=check_bool("set_fp32_where_faster(mode)", mode))
+
     def pin_fp32(self, *modules: type | str | AmpPin) -> None:
         """Keep every op inside these modules in fp32: module classes or qualified names; or
         single ops, as ``graphamp.AmpPin(module, op, index)`` (what autofix pins and

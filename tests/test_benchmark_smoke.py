@@ -154,6 +154,7 @@ def test_outline_cost_runs_each_program_in_a_process_of_its_own(tmp_path):
     (row,) = outline_cost.main(["--smoke", "--workload", "gpt", "--out", str(tmp_path)])
     assert set(row["ms"]) == set(outline_cost.PROGRAMS) and all(v > 0 for v in row["ms"].values())
     assert row["rounds"] == 2 and row["outlined/inlined"] > 0
+    assert row["best_peer"] in outline_cost.PEERS and row[f"outlined/{outline_cost.BY_HAND}"] > 0
     assert set(row["minor_faults_per_step"]) == set(outline_cost.PROGRAMS)
     table = open(tmp_path / "outline_cost_smoke.md").read()
     assert "each program in a process of its own" in table

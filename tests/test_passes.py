@@ -366,6 +366,7 @@ def test_invariant_lint_catches_a_broken_graph():
 
 def test_every_pass_returns_a_pass_result_and_the_pipeline_is_one_tuple():
     assert [p.__name__ for p in passes.AMP_PIPELINE] == [
+        "keep_fp32_where_faster",
         "colour_by_lists",
         "hoist_parameter_casts",
         "insert_casts",

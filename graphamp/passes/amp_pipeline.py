@@ -19,12 +19,14 @@ from .base import AmpContext, CheckPaths, SettingsOf
 from .colour import colour_by_lists
 from .fold_casts import fold_cast_chains
 from .fp8_matmuls import fp8_settings, use_fp8_matmuls
+from .fp32_where_faster import keep_fp32_where_faster, speed_settings
 from .hoist_param_casts import hoist_parameter_casts
 from .insert_casts import insert_casts
 from .lint import check_amp_invariants
 from .remove_hints import remove_hints
 
 AMP_PIPELINE = (
+    keep_fp32_where_faster,
     colour_by_lists,
     hoist_parameter_casts,
     insert_casts,
@@ -35,7 +37,7 @@ AMP_PIPELINE = (
 
 # The passes with settings beyond the precision lists: each checks its own before anything
 # is traced and names the AmpContext fields it reads (``base.SettingsOf``).
-PASS_SETTINGS: tuple[SettingsOf, ...] = (fp8_settings,)
+PASS_SETTINGS: tuple[SettingsOf, ...] = (fp8_settings, speed_settings)
 
 AfterPass = Callable[[str, fx.GraphModule, bool, float], None]
 
@@ -63,13 +65,17 @@ def run_amp_passes(
 
 
 def pass_settings(
-    config: ConfigSnapshot, device: torch.device, name: str, check_paths: CheckPaths
+    config: ConfigSnapshot,
+    device: torch.device,
+    name: str,
+    training: bool,
+    check_paths: CheckPaths,
 ) -> dict[str, Any]:
     """The AmpContext fields of every pass with settings of its own (``PASS_SETTINGS``),
     checked: ConfigError where a setting cannot run on this graph."""
     fields: dict[str, Any] = {}
     for settings_of in PASS_SETTINGS:
-        fields.update(settings_of(config, device, name, check_paths))
+        fields.update(settings_of(config, device, name, training, check_paths))
     return fields
 
 

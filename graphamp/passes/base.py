@@ -20,9 +20,10 @@ from .op_dtypes import FIXED_DTYPE, PROMOTE
 # the modules).
 CheckPaths = Callable[[tuple[str, ...], str], None]
 
-# A pass's own settings (``amp_pipeline.PASS_SETTINGS``): (config, device, graph name,
-# CheckPaths) -> the AmpContext fields the pass reads, ConfigError where they cannot run.
-SettingsOf = Callable[[ConfigSnapshot, torch.device, str, CheckPaths], dict[str, Any]]
+# A pass's own settings (``amp_pipeline.PASS_SETTINGS``): (config, device, graph name, whether
+# the graph trains, CheckPaths) -> the AmpContext fields the pass reads, ConfigError where they
+# cannot run.
+SettingsOf = Callable[[ConfigSnapshot, torch.device, str, bool, CheckPaths], dict[str, Any]]
 
 __all__ = [
     "AmpContext",

@@ -71,7 +71,11 @@ def _options(ctx: AmpContext) -> Fp8Options:
 
 
 def fp8_settings(
-    config: ConfigSnapshot, device: torch.device, name: str, check_paths: CheckPaths
+    config: ConfigSnapshot,
+    device: torch.device,
+    name: str,
+    training: bool,  # noqa: ARG001 - SettingsOf's signature
+    check_paths: CheckPaths,
 ) -> dict[str, Any]:
     """This pass's field of the AmpContext (``amp_pipeline.PASS_SETTINGS``): the fp8 options
     when enable_fp8 is on, after checking what they need: bf16 AMP, on CUDA a GPU with fp8

@@ -61,6 +61,10 @@ tests/test_amp.py):
    fp64. There is no exception for ``graphamp.low_precision``: the hint lowers its producer and
    the infer/clear ops next to it, never a deny op that reads it (to run a deny op in low
    precision, move it with ``override_amp_lists``).
+11. On the CPU, scaled-dot-product attention stays fp32 where its fp32 kernel measured faster
+   than its low-precision one at the op's sizes (``fp32_where_faster.py``: torch's bf16 CPU
+   attention backward is several times slower than fp32 at small sequence lengths). Autocast
+   always runs it in low precision; ``config.set_fp32_where_faster(False)`` does the same here.
 """
 
 from __future__ import annotations

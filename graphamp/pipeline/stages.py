@@ -124,7 +124,9 @@ def capture(ctx: BuildContext) -> Captured:
         pins = pinned_paths(
             ctx.root, config.fp32_module_types, config.fp32_module_names, config.amp_dtype
         )
-    settings = pass_settings(config, device, spec.name, partial(check_module_paths, ctx.root))
+    settings = pass_settings(
+        config, device, spec.name, spec.training, partial(check_module_paths, ctx.root)
+    )
     regions = checkpointed_paths(
         ctx.root, config.checkpoint_module_types, config.checkpoint_module_names
     )

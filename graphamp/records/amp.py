@@ -35,6 +35,14 @@ class Fp8Options:
     margin: int = 0
 
 
+@dataclass(frozen=True)
+class SpeedCheck:
+    """Time the ops whose low-precision kernel can be the slower one, and keep fp32 where it is
+    faster (``config.set_fp32_where_faster``, ``passes/fp32_where_faster.py``)."""
+
+    training: bool  # time forward and backward (a training graph), or the forward only
+
+
 @dataclass
 class AmpContext:
     """Everything the AMP passes read, and what they report back."""
@@ -52,6 +60,7 @@ class AmpContext:
     # wide, so it cannot overflow where autocast's does not (insert_casts.fix_outputs)
     user_outputs: int = 0
     fp8: Fp8Options | None = None  # fp8 matmuls (passes/fp8_matmuls.py); None: none
+    speed_check: SpeedCheck | None = None  # passes/fp32_where_faster.py; None: the lists only
     # filled by the passes
     stats: dict[str, Any] = field(default_factory=dict)
     unknown_ops: dict[str, int] = field(default_factory=dict)

@@ -71,6 +71,8 @@ class ConfigSnapshot:
     # None: where blocks are outlined by default and repeat at least 3 times
     block_updates: bool | None = None
     step_cache: bool = True  # assembled steps saved on disk for restarts (set_step_cache)
+    # ops whose fp32 kernel measured faster than their low-precision one stay fp32 (CPU only)
+    fp32_where_faster: bool = True
     fp8_recipe: str | None = None  # fp8 matmuls (enable_fp8): "tensorwise", "rowwise" or off
     fp8_keep: tuple[str, ...] = ()  # module paths whose matmuls stay bf16
     fp8_keep_first_last: bool = True  # the input projection and the output layer stay bf16

@@ -364,6 +364,12 @@ PROCESS_STATE: tuple[Held, ...] = (
         "equal blocks of every Graph share one kernel; a restart finds none",
     ),
     Held(
+        "graphamp/passes/fp32_where_faster.py:_TIMINGS",
+        "an op's timings in low precision and fp32, by its sizes and arguments (BoundedCache)",
+        "1024 sizes, the oldest dropped",
+        "a size is timed once per process: every Graph and rebuild gets the same choice",
+    ),
+    Held(
         "graphamp/torchkit/fxutil.py:_is_library_cache",
         "whether a source file is torch's or graphamp's, by file name",
         "one bool per source file a traced frame came from (finite)",
