@@ -4,7 +4,9 @@ test (a machine's real timings decide it in use); the timing itself on real kern
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -168,3 +170,36 @@ def test_real_timings_are_positive_and_kept_per_size(monkeypatch):
     ((key, (low_ms, fp32_ms)),) = speed._TIMINGS.items()
     assert key[-1] == torch.bfloat16
     assert 0 < low_ms < math.inf and 0 < fp32_ms < math.inf
+    assert list(json.load(open(speed._record_path())).values()) == [[low_ms, fp32_ms]]
+
+
+def test_a_later_run_reads_the_machines_recorded_timings_and_makes_the_same_choice(monkeypatch):
+    """The first run times a size and records it; a later process (an empty in-process cache)
+    reads the record instead of timing again, so noise cannot give it another step."""
+    monkeypatch.setattr(speed, "MIN_TIMED_MACS", 0)
+    speed._TIMINGS.clear()
+    monkeypatch.setattr(speed, "_time_both", lambda timed, low: (2.0, 0.5))
+    g, _ = _gpt_graph()
+    assert {r["colour"] for r in _attention_rows(g)} == {"deny"}
+    record = json.load(open(speed._record_path()))
+    assert list(record.values()) == [[2.0, 0.5]]
+
+    speed._TIMINGS.clear()  # as in a new process
+    timed_again = []
+    monkeypatch.setattr(speed, "_time_both", lambda timed, low: timed_again.append(1) or (0.5, 2.0))
+    g, _ = _gpt_graph()
+    assert timed_again == [] and {r["colour"] for r in _attention_rows(g)} == {"deny"}
+
+
+@pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"k": "v"}'])
+def test_a_malformed_record_is_timed_again_and_rewritten(monkeypatch, content):
+    monkeypatch.setattr(speed, "MIN_TIMED_MACS", 0)
+    speed._TIMINGS.clear()
+    path = speed._record_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(content)
+    monkeypatch.setattr(speed, "_time_both", lambda timed, low: (0.5, 2.0))
+    g, _ = _gpt_graph()
+    assert {r["colour"] for r in _attention_rows(g)} == {"allow"}
+    assert [0.5, 2.0] in json.load(open(path)).values()

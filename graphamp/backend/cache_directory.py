@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from . import inductor_cache
+from ..torchkit.cache_root import graphamp_cache_root
 from .step_key import graphamp_source
 
 log = logging.getLogger("graphamp")
@@ -41,10 +41,7 @@ _STALE_TMP_S = 3600  # a temporary file older than this was left by a killed wri
 _UNUSED_DAYS = 30.0  # an entry or note not read for longer is removed (GRAPHAMP_CACHE_DAYS)
 
 
-def root() -> str:
-    return os.environ.get("GRAPHAMP_CACHE_DIR") or os.path.join(
-        inductor_cache.cache_directory(), "graphamp"
-    )
+root = graphamp_cache_root  # the step cache's directory is under it
 
 
 def directory() -> str:

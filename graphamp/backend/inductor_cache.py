@@ -27,6 +27,7 @@ from typing import Callable, TypeVar
 import torch
 
 from ..errors import GraphampError
+from ..torchkit.cache_root import inductor_cache_directory
 
 log = logging.getLogger("graphamp")
 
@@ -153,9 +154,4 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300] if text else ""
 
 
-def cache_directory() -> str:
-    """The directory inductor's caches use now (``TORCHINDUCTOR_CACHE_DIR``, or inductor's
-    default under the temporary directory)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.abspath(cache_dir())
+cache_directory = inductor_cache_directory  # TORCHINDUCTOR_CACHE_DIR, or inductor's default

@@ -12,8 +12,11 @@ bf16 is the faster one. So the pass times each such op, as it will run (forward,
 in a training graph), in both precisions, with random tensors of its sizes, and keeps it fp32
 where fp32 took at most 1/``MARGIN`` of the low-precision time. fp32 is never the less
 accurate choice, so the only thing this can cost is speed. The margin keeps near-ties in low
-precision, and ops too small to time reliably are not timed: noise that flipped the choice
-between runs would give each run a different step (and the step cache a different key).
+precision, ops too small to time reliably are not timed, and the timings are recorded on
+disk (``fp32_where_faster.json`` under graphamp's cache root, per torch version, CPU and thread
+count): noise that flipped the choice between runs would give each run a different step (and
+the step cache a different key), so a machine times each size once and every later run reads
+its choice. Deleting the file times them again.
 
 It is on by default for AMP on the CPU (``config.set_fp32_where_faster``), never on CUDA, where
 the low-precision kernels (flash attention) are the fast ones, and off where the user names the
@@ -25,7 +28,12 @@ precision report says why each op kept fp32 here is; the timings are in the AMP 
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
+import platform
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,10 +44,13 @@ import torch.fx as fx
 
 from ..records.amp import SpeedCheck
 from ..records.settings import ConfigSnapshot
+from ..torchkit.cache_root import graphamp_cache_root
 from ..torchkit.ops import SDPA, sdpa_reference
 from ..torchkit.process_state import BoundedCache
 from ..torchkit.shapes import size_hint
 from .base import AmpContext, CheckPaths, PassResult, packet_of
+
+log = logging.getLogger("graphamp")
 
 # fp32 is chosen where it takes at most 1 / MARGIN of the low-precision time: the ratios that
 # decide are far from it (2-7x at small language models' sizes, under 1.3x where bf16 wins)
@@ -114,20 +125,85 @@ def _short(dtype: torch.dtype) -> str:
 
 # (what was timed, the low dtype) -> (low ms, fp32 ms): each size is timed once per process
 _TIMINGS: BoundedCache[tuple, tuple[float, float]] = BoundedCache(1024)
+RECORD_FILE = "fp32_where_faster.json"  # under graphamp's cache root: timings kept across runs
+MAX_RECORDED = 4096  # sizes kept in the file, the oldest dropped
 
 
 def _timings(timed: _Timed, low: torch.dtype) -> tuple[float, float]:
+    """(low ms, fp32 ms) of ``timed``: from this process, else from the machine's record of
+    earlier runs, else timed now and recorded. The record makes the choice once per machine:
+    every later run gets the same step (and its step cache entry) whatever its timing noise."""
     key = (*timed.key, low)
     found = _TIMINGS.get(key)
-    if found is None:
-        best = {low: math.inf, torch.float32: math.inf}
-        for dtype in best:  # warm-up: first calls allocate and pick kernels
-            timed.run(dtype)
-        for _ in range(RUNS):
-            for dtype in best:
-                best[dtype] = min(best[dtype], timed.run(dtype))
-        found = _TIMINGS[key] = (best[low] * 1e3, best[torch.float32] * 1e3)
-    return found
+    if found is not None:
+        return found
+    text = repr((_machine(), key))
+    record = _read_record()
+    if text in record:
+        low_ms, fp32_ms = record[text]
+    else:
+        low_ms, fp32_ms = _time_both(timed, low)
+        _write_record({**record, text: [low_ms, fp32_ms]})
+    _TIMINGS[key] = (low_ms, fp32_ms)
+    return low_ms, fp32_ms
+
+
+def _time_both(timed: _Timed, low: torch.dtype) -> tuple[float, float]:
+    best = {low: math.inf, torch.float32: math.inf}
+    for dtype in best:  # warm-up: first calls allocate and pick kernels
+        timed.run(dtype)
+    for _ in range(RUNS):
+        for dtype in best:
+            best[dtype] = min(best[dtype], timed.run(dtype))
+    return best[low] * 1e3, best[torch.float32] * 1e3
+
+
+def _machine() -> str:
+    """What the timings depend on besides the op: torch, the CPU, the threads."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if "model name" in line), cpu)
+    except OSError:
+        pass
+    return f"torch {torch.__version__}, {cpu}, {torch.get_num_threads()} threads"
+
+
+def _record_path() -> str:
+    return os.path.join(graphamp_cache_root(), RECORD_FILE)
+
+
+def _read_record() -> dict[str, list[float]]:
+    """The machine's recorded timings; an unreadable or malformed file counts as none (the
+    sizes are timed again and the file rewritten)."""
+    try:
+        with open(_record_path()) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {
+        k: v
+        for k, v in record.items()
+        if isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v)
+    }
+
+
+def _write_record(record: dict[str, list[float]]) -> None:
+    """Written to a temporary file and renamed into place (a reader never sees half a file);
+    a directory that cannot be written leaves the timings to this process."""
+    while len(record) > MAX_RECORDED:
+        del record[next(iter(record))]
+    path = _record_path()
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".timings-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("fp32_where_faster: timings not recorded (%s)", e)
 
 
 def _attention(node: fx.Node, training: bool) -> _Timed | None:
