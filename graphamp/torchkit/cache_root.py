@@ -5,7 +5,7 @@ under the temporary directory), so that clearing inductor's cache clears grapham
 from __future__ import annotations
 
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
-#   torch._inductor.runtime.cache_dir_utils
+#   torch._inductor
 import os
 
 
