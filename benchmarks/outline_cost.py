@@ -196,12 +196,15 @@ def measure(
     fused: bool = False,
     threads: int = 1,
     env: dict | None = None,
+    only: tuple[str, ...] = (),
 ) -> dict:
     """Each program in a process of its own, as a user runs it, driven in lockstep so that all
     see the same machine load. One process for all three shared glibc's heap: a program's page
     faults then depended on what the others had freed (ViT-Ti's block updates took 13,187 faults
     a step beside the inlined step's 4; 3,623 and 3,400 in processes of their own)."""
     names = FUSED_PROGRAMS if fused else PROGRAMS
+    if only:  # the first two always: the ratio the table is about
+        names = tuple(p for p in names if p in names[:2] or p in only)
     other = names[1]
     spec = {"workload": workload, "smoke": smoke, "kind": kind, "fused": fused, "threads": threads}
     programs, first_call = {}, {}
@@ -220,7 +223,7 @@ def measure(
         for worker in programs.values():
             worker.stop()
     ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
-    best = min((p for p in ms if p in PEERS), key=ms.__getitem__)
+    best = min((p for p in ms if p in PEERS), key=ms.__getitem__, default=names[1])
     by_hand = (
         {f"outlined/{BY_HAND}": round(ms["outlined"] / ms[BY_HAND], 3)} if BY_HAND in ms else {}
     )
@@ -228,8 +231,14 @@ def measure(
         "workload": workload if kind == "plain" else f"{workload} ({kind})",
         "ms": {p: round(v, 3) for p, v in ms.items()},
         f"outlined/{other}": round(ms["outlined"] / ms[other], 3),
-        "outlined/compile": round(ms["outlined"] / ms["compile"], 3),
-        f"{other}/compile": round(ms[other] / ms["compile"], 3),
+        **(
+            {
+                "outlined/compile": round(ms["outlined"] / ms["compile"], 3),
+                f"{other}/compile": round(ms[other] / ms["compile"], 3),
+            }
+            if "compile" in ms
+            else {}
+        ),
         "best_peer": best,
         "outlined/best_peer": round(ms["outlined"] / ms[best], 3),
         **by_hand,
@@ -371,10 +380,10 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         pf = r.get("minor_faults_per_step", {})
         best = r.get("best_peer", "compile")
         lines.append(
-            f"| {r['workload']} | {' | '.join(f'{ms[p]:.2f}' for p in names if p in ms)} | "
+            f"| {r['workload']} | {' | '.join(f'{ms[p]:.2f}' if p in ms else '-' for p in names)} | "
             f"{r[f'outlined/{other}']:.3f} | {best} | "
-            f"**{r.get('outlined/best_peer', r['outlined/compile']):.3f}** | "
-            f"{r['outlined/compile']:.3f} | {r.get(f'outlined/{BY_HAND}', '-')} | "
+            f"**{r['outlined/best_peer']:.3f}** | "
+            f"{r.get('outlined/compile', '-')} | {r.get(f'outlined/{BY_HAND}', '-')} | "
             f"{', '.join(str(fc.get(p, '-')) for p in names)} | "
             f"{', '.join(str(pf.get(p, '-')) for p in names)} |"
         )
@@ -407,6 +416,13 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
         "--fused",
         action="store_true",
         help="AdamW(fused=True) everywhere; the second program is graphamp's multi-tensor update",
+    )
+    parser.add_argument(
+        "--programs",
+        nargs="*",
+        default=[],
+        choices=[*PROGRAMS, *FUSED_PROGRAMS],
+        help="measure only these peers beside the first two programs (default: all)",
     )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a program's child process
@@ -443,7 +459,15 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     for workload in args.workload:
         env = KEPT_MALLOC if args.malloc_kept else None  # glibc reads them at process start
         row = measure(
-            workload, args.rounds, args.steps, args.smoke, args.kind, args.fused, args.threads, env
+            workload,
+            args.rounds,
+            args.steps,
+            args.smoke,
+            args.kind,
+            args.fused,
+            args.threads,
+            env,
+            tuple(args.programs),
         )
         print(json.dumps(row), flush=True)
         rows.append(row)

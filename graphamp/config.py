@@ -413,14 +413,15 @@ class GraphConfig:
         once per distinct block, instead of one multi-tensor update over every parameter,
         which inductor compiles as a loop per parameter. Blocks outlined or inlined alike. By
         default graphamp does so on CPU steps without gradient accumulation, for blocks
-        repeated at least 3 times that do at least 30 MFLOP of forward work each
+        repeated at least 3 times that do at least 400 MFLOP of forward work each
         (step/block_work.py): the first call compiles much less (cold on the CPU, 0.85-1.00x
         torch.compile's first call outlined instead of 1.7-2.0x, the kernels compiled in a
         second process while the step compiles: benchmarks/results/first_call_cpu.md, round
         13; inlined, 0.57x the cold first call without them on a small-block GPT-2), and the
         steady step measured 1.004-1.022x the inlined step outlined on the GPT workloads and
-        ViT-Ti (outline_cost_cpu.md) and 0.983-1.022x inlined on the small-block GPT-2
-        (block_updates_inlined_cpu.md). ``True`` takes blocks repeated only twice too
+        ViT-Ti (outline_cost_cpu.md). Each call costs a fixed 0.2-0.5 ms, so small blocks keep
+        the multi-tensor update (a small-block GPT-2 measured 1.139x with them once its
+        attention ran fp32: step/block_work.py). ``True`` takes blocks repeated only twice too
         (ResNet-18's pair: 1.02x the inlined step), on any device; ``False`` keeps the whole
         update one multi-tensor run. The values are the same either way (bitwise in the CPU
         tests)."""

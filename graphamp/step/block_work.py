@@ -25,8 +25,12 @@ plain inlined step; first calls cold, ``first_call.py``):
     the project's GPT, 6 x width 64, vocab 512, batch 2       14 MFLOP    1.034, 21.9 s vs 35.1
     transformers' GPT-2, 6 x width 128, vocab 512, batch 2   53 MFLOP    0.983, 24.6 s vs 37.3
 
+Those were measured with the attention in bf16. With it fp32 where fp32 is faster
+(``config.set_fp32_where_faster``, 2026-12-06) the same GPT-2's step is 19.9 ms instead of
+about 30, and its update calls cost it 1.139x (2.8 ms, about 0.46 ms a call): a call's fixed
+cost is 2% of a block's share of the step only from about 370 MFLOP a block on such models.
 So the CPU's default gives repeated blocks their update calls where the step does at least
-``BLOCK_UPDATE_MIN_FLOPS_PER_BLOCK`` of forward work per block (every outlined model does).
+``BLOCK_UPDATE_MIN_FLOPS_PER_BLOCK`` of forward work per block.
 
 The work is counted on the captured forward, before assembly: 2 x the multiply-adds of every
 matmul, batched matmul, convolution and attention op; the blocks are the outermost numbered
@@ -69,8 +73,8 @@ def flops_per_block(gm: fx.GraphModule) -> float:
 
 
 # the forward FLOPs per block from which block updates keep the steady step within 2% of the
-# plain inlined one on the CPU (module docstring: between 14 and 53 MFLOP)
-BLOCK_UPDATE_MIN_FLOPS_PER_BLOCK = 30e6
+# plain inlined one on the CPU (module docstring: a call's 0.46 ms against a block's share)
+BLOCK_UPDATE_MIN_FLOPS_PER_BLOCK = 400e6
 
 
 def block_updates_pay(gm: fx.GraphModule) -> bool:
