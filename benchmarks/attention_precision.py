@@ -3,8 +3,9 @@
 
 For each (batch, heads, length, head size, causal) the script times torch's
 ``F.scaled_dot_product_attention`` forward, and forward plus backward, on random tensors in
-fp32 and in the low dtype, alternating, and keeps each one's best of ``--runs``. The last column
-is what the pass chooses for a training graph (fp32 where it took at most 1/MARGIN of the time, for calls the pass times).
+fp32 and in the low dtype, and keeps each one's best of ``--runs``. The last column is what
+the pass chooses for a training graph, for calls it times (fp32 where it took at most
+1/MARGIN of the time).
 
     python benchmarks/attention_precision.py                 # one thread, bf16
     python benchmarks/attention_precision.py --threads 2 --dtype fp16

@@ -165,14 +165,14 @@ class GraphConfig:
         this machine, at the op's sizes (on by default; CPU steps only). Scaled-dot-product
         attention is the op timed: on the CPU its bf16 backward measured several times slower
         than fp32 at small language models' sizes (``benchmarks/attention_precision.py``), and
-        faster at long sequences. Each such op is timed once per size on a machine (the
-        timings are kept in ``fp32_where_faster.json`` under graphamp's cache directory, so
-        every later run makes the same choice), in both precisions, and kept fp32 where fp32 took at most 2/3 of the time (calls too small to
-        time reliably, or so large that timing would cost seconds, are not timed); the
-        precision report says why. fp32 is never less accurate. Ops named in
-        ``override_amp_lists`` keep the user's choice; off at opt level O3 and across more than
-        one rank (ranks must trace the same graph). ``False``: the lists alone decide, as
-        torch.autocast does."""
+        faster at long sequences. Each such op is timed once per size on a machine, in both
+        precisions (the timings are kept in ``fp32_where_faster.json`` under graphamp's cache
+        directory, so every later run makes the same choice), and kept fp32 where fp32 took at
+        most 5/6 of the time; calls too small to time reliably, or so large that timing would
+        cost seconds, are not timed. The precision report says why. fp32 is never less
+        accurate. Ops named in ``override_amp_lists`` keep the user's choice; off at opt level
+        O3 and across more than one rank (ranks must trace the same graph). ``False``: the
+        lists alone decide, as torch.autocast does."""
         self._set(fp32_where_faster=check_bool("set_fp32_where_faster(mode)", mode))
 
     def pin_fp32(self, *modules: type | str | AmpPin) -> None:

@@ -72,10 +72,10 @@ def test_attention_runs_fp32_where_fp32_measured_faster_and_the_report_says_why(
 
 
 def test_a_near_tie_stays_in_low_precision(timings):
-    timings.low, timings.fp32 = 1.4, 1.0  # fp32 faster, by less than the margin
+    timings.low, timings.fp32 = 1.1, 1.0  # fp32 faster, by less than the margin
     g, _ = _gpt_graph()
     assert {r["colour"] for r in _attention_rows(g)} == {"allow"}
-    assert speed.MARGIN > 1.4
+    assert speed.MARGIN > 1.1
 
 
 @pytest.mark.parametrize(
@@ -203,3 +203,28 @@ def test_a_malformed_record_is_timed_again_and_rewritten(monkeypatch, content):
     g, _ = _gpt_graph()
     assert {r["colour"] for r in _attention_rows(g)} == {"allow"}
     assert [0.5, 2.0] in json.load(open(path)).values()
+
+
+def test_the_cpu_kernel_capture_records_for_multihead_attention_is_timed_too(timings):
+    """nn.MultiheadAttention reaches the CPU attention kernel by a name capture does not see, so
+    the forward holds the kernel itself; it is timed and kept fp32 the same way."""
+    import torch.nn as nn
+
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+            self.head = nn.Linear(32, 10)
+
+        def forward(self, x):
+            return self.head(self.mha(x, x, x, need_weights=False)[0].mean(1))
+
+    torch.manual_seed(0)
+    model = Attend()
+    g = make_graph(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                   amp=torch.bfloat16)  # fmt: skip
+    g(torch.randn(2, 16, 32), torch.randint(0, 10, (2,)))
+    rows = g.precision_report(with_autocast=False).rows
+    kernel = [r for r in rows if r["op"] == "aten._scaled_dot_product_flash_attention_for_cpu"]
+    assert kernel and {r["colour"] for r in kernel} == {"deny"}
+    assert timings.calls and timings.calls[0][0][1] == (2, 4, 16, 8)  # (B, H, T, D)

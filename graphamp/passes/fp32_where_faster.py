@@ -28,6 +28,8 @@ precision report says why each op kept fp32 here is; the timings are in the AMP 
 
 from __future__ import annotations
 
+# torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
+#   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 import json
 import logging
 import math
@@ -52,15 +54,15 @@ from .base import AmpContext, CheckPaths, PassResult, packet_of
 
 log = logging.getLogger("graphamp")
 
-# fp32 is chosen where it takes at most 1 / MARGIN of the low-precision time: the ratios that
-# decide are far from it (2-7x at small language models' sizes, under 1.3x where bf16 wins)
-MARGIN = 1.5
+# fp32 is chosen where it takes at most 1 / MARGIN of the low-precision time: a margin over
+# what one best-of-5 timing can get wrong (the choice is then recorded: it does not drift)
+MARGIN = 1.2
 # Only calls between these sizes (multiply-adds) are timed. Below, either precision takes tens
 # of microseconds, too little to matter and too little to time without noise flipping the
-# choice between runs (a different step each run: the step cache would miss). Above, timing
-# would cost the build seconds, and the low-precision kernel measured the faster one.
+# choice. Above, timing would cost the build more than about a second a size, and the
+# low-precision kernel measured the faster one (T 512 and longer at GPT-2's head sizes).
 MIN_TIMED_MACS = 1e6
-MAX_TIMED_MACS = 2e8
+MAX_TIMED_MACS = 1e9
 RUNS = 5  # timed runs of each precision, alternating, after one warm-up each; the best counts
 
 
@@ -97,7 +99,7 @@ def keep_fp32_where_faster(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
         return PassResult(gm, False)
     pins, timings = {}, {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not SDPA:
+        if node.op != "call_function" or node.target not in _ATTENTION_OPS:
             continue
         if node.name in ctx.pinned_nodes or packet_of(node) in ctx.lists.overridden:
             continue
@@ -206,10 +208,25 @@ def _write_record(record: dict[str, list[float]]) -> None:
         log.debug("fp32_where_faster: timings not recorded (%s)", e)
 
 
+def _sdpa_arguments(node: fx.Node) -> tuple:
+    """(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa) of an attention
+    node: graphamp's whole op, or the CPU kernel where capture recorded the kernel itself
+    (``nn.MultiheadAttention`` calls it by a name capture does not see)."""
+    if node.target is SDPA:
+        return tuple(node.args)
+    q, k, v, dropout_p, is_causal = (*node.args, 0.0, False)[:5]
+    return (q, k, v, node.kwargs.get("attn_mask"), dropout_p, is_causal,
+            node.kwargs.get("scale"), False)  # fmt: skip
+
+
+# the attention ops timed: graphamp's, and the CPU kernel capture may record instead
+_ATTENTION_OPS = (SDPA, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
 def _attention(node: fx.Node, training: bool) -> _Timed | None:
     """How to run the attention of ``node`` at its sizes (None: not timed: an unknown or large
     size, or a mask that is not a plain tensor)."""
-    query, key, value, mask, dropout_p, is_causal, scale, gqa = node.args
+    query, key, value, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(node)
     shapes = [_sizes(v) for v in (query, key, value)]
     mask_val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
     if any(s is None for s in shapes) or (mask is not None and mask_val is None):
