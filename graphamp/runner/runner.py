@@ -22,8 +22,7 @@ from ..records.optimizers import OptimizerPlan
 from ..records.replays import apply_replays
 from ..records.spec import StepFn, StepPlan
 from ..records.state import SharedState
-from ..sharding import zero_state
-from ..sharding.rows import row_of
+from ..sharding.step_inputs import parameter_input, state_is_row, state_row, track_state_rows
 from . import momentum
 from .cudagraph import CudaGraphsBySize, CudaGraphStep
 
@@ -93,9 +92,7 @@ class Runner:
         # the overflow record): their live tensors, made by the components
         # (``step/components/``), fed to every call as they are
         self.component_inputs = component_inputs
-        if plan.zero_stage:
-            for opt in plan.optimizers:
-                zero_state.track(opt, plan.process_group)
+        track_state_rows(plan)
         # overflow tracing: this step's own record (its probes are its own)
         self.forensics = (
             ForensicsState(plan.probes, self.component_inputs["forensics"])
@@ -171,9 +168,7 @@ class Runner:
     def _params(self) -> list[torch.Tensor]:
         """The parameters as the step takes them: the user's, or under ZeRO-3 the rows their
         shards view (``sharding/sharded_params.py``)."""
-        if self.plan.zero_stage == 3:
-            return [row_of(d[k]) for d, k in self.param_slots]
-        return [d[k] for d, k in self.param_slots]
+        return [parameter_input(self.plan, d[k]) for d, k in self.param_slots]
 
     def _optimizer_state_edited(self) -> bool:
         for optimizer, state in self._state_dicts:
@@ -341,8 +336,8 @@ def materialize_optimizer_state(plan: StepPlan):
         for p, key in opt.state_slots():
             existing = opt.optimizer.state.get(p, {}).get(key)
             t = existing
-            if plan.zero_stage and key != "step":
-                t = _zero_row(opt, key, p, existing, plan.process_group)
+            if state_is_row(plan, key):
+                t = _state_row(plan, opt, key, p, existing)
             elif t is None:
                 t = opt.initial_state(p, key)
             elif opt.path.traced:
@@ -375,9 +370,9 @@ def _traced_state(opt: OptimizerPlan, key: str, p: torch.Tensor, t: Any) -> torc
     return t.to(device=p.device)
 
 
-def _zero_row(opt: OptimizerPlan, key: str, p: torch.Tensor, existing, group) -> torch.Tensor:
+def _state_row(plan: StepPlan, opt: OptimizerPlan, key: str, p: torch.Tensor, existing):
     try:
-        return zero_state.local_state(opt.optimizer, key, p, existing, group)
+        return state_row(plan, opt, key, p, existing)
     except ValueError as e:
         raise CaptureError(
             f"optimizer {opt.index}: {e}: the loaded optimizer state does not "

@@ -15,13 +15,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from ..records.spec import StepPlan
 from ..records.state import SharedState
-from ..sharding.cuts import chunk_of
-from ..sharding.rows import row_of
+from ..sharding.step_inputs import parameter_input, state_is_row, state_row_example
 from .components import component_examples
 
 
@@ -43,7 +41,7 @@ def example_inputs(
     ]
     return plan.layout.flatten(
         {
-            "params": [_param_input(plan, params[n]) for n in cap.param_names],
+            "params": [parameter_input(plan, params[n]).detach() for n in cap.param_names],
             "buffers": [buffers[n] for n in cap.buffer_names],
             "opt_state": _optimizer_state(plan),
             "hyper": hyper,
@@ -61,20 +59,14 @@ def example_inputs(
     )
 
 
-def _param_input(plan: StepPlan, p: torch.Tensor) -> torch.Tensor:
-    """The step's input for a parameter: itself, or under ZeRO-3 this rank's flat row."""
-    return row_of(p) if plan.zero_stage == 3 else p.detach()
-
-
 def _optimizer_state(plan: StepPlan) -> list[Any]:
     """Tensors shaped like the optimizer state, for tracing and compiling; nothing installed."""
     out = []
     for opt in plan.optimizers:
         for p, key in opt.state_slots():
             existing = opt.optimizer.state.get(p, {}).get(key)
-            if plan.zero_stage and key != "step":
-                world = dist.get_world_size(plan.process_group)
-                out.append(torch.zeros(chunk_of(p.shape, world), dtype=p.dtype, device=p.device))
+            if state_is_row(plan, key):
+                out.append(state_row_example(plan, p))
             elif isinstance(existing, torch.Tensor) and (key != "step" or opt.path.traced):
                 out.append(existing)
             else:
