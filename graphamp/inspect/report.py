@@ -60,6 +60,9 @@ class PrecisionReport:
     recomputed_regions: tuple[str, ...] = ()  # activation checkpointing's regions
     # ops finer than the AMP dtype, by colour (records.amp.FINER_COLOURS; counted in ops_low)
     ops_finer: dict[str, int] = field(default_factory=dict)
+    # node -> (low-precision ms, fp32 ms): ops kept fp32 where fp32 measured faster
+    # (passes/fp32_where_faster.py)
+    kept_fp32_where_faster: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def summary(self) -> str:
         text = (
@@ -71,6 +74,14 @@ class PrecisionReport:
             text += (
                 f" (+{self.parameter_copies} low-precision parameter copies made at the "
                 "start of the step)"
+            )
+        if self.kept_fp32_where_faster:
+            n = len(self.kept_fp32_where_faster)
+            low = sum(t[0] for t in self.kept_fp32_where_faster.values())
+            fp32 = sum(t[1] for t in self.kept_fp32_where_faster.values())
+            text += (
+                f"; {n} attention op{'s' if n != 1 else ''} kept fp32, faster there on this "
+                f"machine ({fp32:.2f} ms against {low:.2f} ms in {self.dtype}, timed)"
             )
         if self.unknown_ops:
             names = ", ".join(sorted(self.unknown_ops))
@@ -170,11 +181,18 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
         ops_low=sum(r["colour"] in ("allow", *FINER_COLOURS) for r in rows),
         ops_total=sum(r["colour"] in ("allow", "deny", "fp32", *FINER_COLOURS) for r in rows),
         ops_finer=_finer_counts(rows),
+        kept_fp32_where_faster=_kept_fp32(amp.stats) if amp else {},
         unknown_ops=dict(amp.unknown_ops) if amp else {},
         autocast=autocast_counts(program, trace) if trace is not None else None,
         timings=dict(program.timings),
         recomputed_regions=tuple(sorted(r for r in regions if r)),
     )
+
+
+def _kept_fp32(stats: dict) -> dict[str, tuple[float, float]]:
+    found = stats.get("fp32_where_faster") or {}
+    timings = found.get("timings_ms", {})
+    return {name: tuple(timings[name]) for name in found.get("kept_fp32", ())}
 
 
 def _finer_counts(rows: list[dict[str, str]]) -> dict[str, int]:
