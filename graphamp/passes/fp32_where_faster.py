@@ -112,7 +112,7 @@ def keep_fp32_where_faster(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
             pins[node.name] = (
                 f"faster in fp32 than in {_short(ctx.dtype)} on this machine at these sizes "
                 f"({'forward and backward' if ctx.speed_check.training else 'forward'} timed "
-                "at build; config.set_fp32_where_faster)"
+                "once per size and recorded; config.set_fp32_where_faster)"
             )
     if pins:
         ctx.pinned_nodes = {**ctx.pinned_nodes, **pins}
