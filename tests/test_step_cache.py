@@ -29,6 +29,7 @@ import graphamp
 from graphamp.backend import cache_directory, step_cache, step_key, step_unpickler, step_values
 from graphamp.inspect.memory import step_memory
 from graphamp.records.frames import SOURCE_LINE_META
+from graphamp.torchkit.cache_root import graphamp_cache_root
 from graphamp.torchkit.compat import TORCH_VERSION
 
 # the models here are tiny: outlined as a model whose blocks do enough work is by default
@@ -467,7 +468,7 @@ def test_even_an_authenticated_entry_builds_only_what_a_step_holds(caplog):
     first = _train(_mlp, data)
     (path,) = _entries()
     key = os.path.basename(path)[: -len(".step")]
-    with open(os.path.join(cache_directory.root(), "secret"), "rb") as f:
+    with open(os.path.join(graphamp_cache_root(), "secret"), "rb") as f:
         secret = f.read()
     payload = pickle.dumps(_Planted())
     with open(path, "wb") as f:

@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 
-from ..torchkit.cache_root import graphamp_cache_root
+from ..torchkit.cache_root import graphamp_cache_root, write_atomically
 from .step_key import graphamp_source
 
 log = logging.getLogger("graphamp")
@@ -41,11 +41,8 @@ _STALE_TMP_S = 3600  # a temporary file older than this was left by a killed wri
 _UNUSED_DAYS = 30.0  # an entry or note not read for longer is removed (GRAPHAMP_CACHE_DAYS)
 
 
-root = graphamp_cache_root  # the step cache's directory is under it
-
-
 def directory() -> str:
-    return os.path.join(root(), "steps")
+    return os.path.join(graphamp_cache_root(), "steps")
 
 
 def read_authenticated(graph_name: str, mac_key: str, path: str, then: str) -> bytes | None:
@@ -91,16 +88,8 @@ def write_authenticated(graph_name: str, mac_key: str, path: str, payload: bytes
         return False
     folder = directory()
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".step")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + _mac(secret, mac_key, payload) + payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        entry = _MAGIC + _mac(secret, mac_key, payload) + payload
+        write_atomically(path, entry, ".tmp-", ".step")  # _remove_old_files knows the names
     except OSError as e:
         log.warning("%s: step cache: could not write to %s (%s)", graph_name, folder, e)
         return False
@@ -125,7 +114,7 @@ def _mac(secret: bytes, key: str, payload: bytes) -> bytes:
 def _secret(graph_name: str) -> bytes | None:
     """The secret of the cache's directory (made on first use), after checking that the
     directory is the user's own; None, with a warning once per directory, when it is not."""
-    top = root()
+    top = graphamp_cache_root()
     with _opened_lock:
         if top not in _opened:
             try:

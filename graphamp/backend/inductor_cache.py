@@ -89,7 +89,7 @@ def rebuild_if_cache_unreadable(graph_name: str, compile_once: Callable[[], T]) 
         graph_name,
         type(cause).__name__,
         _first_line(cause),
-        cache_directory(),
+        inductor_cache_directory(),
     )
     with fresh_cache(delete=False):
         return compile_once()
@@ -152,6 +152,3 @@ def _error_chain(error: BaseException) -> list[BaseException]:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:300] if text else ""
-
-
-cache_directory = inductor_cache_directory  # TORCHINDUCTOR_CACHE_DIR, or inductor's default

@@ -35,7 +35,6 @@ import logging
 import math
 import os
 import platform
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -46,7 +45,7 @@ import torch.fx as fx
 
 from ..records.amp import SpeedCheck
 from ..records.settings import ConfigSnapshot
-from ..torchkit.cache_root import graphamp_cache_root
+from ..torchkit.cache_root import graphamp_cache_root, write_atomically
 from ..torchkit.ops import SDPA, sdpa_reference
 from ..torchkit.process_state import BoundedCache
 from ..torchkit.shapes import size_hint
@@ -200,10 +199,7 @@ def _write_record(record: dict[str, list[float]]) -> None:
     path = _record_path()
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".timings-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(record).encode(), ".timings-")
     except OSError as e:
         log.debug("fp32_where_faster: timings not recorded (%s)", e)
 

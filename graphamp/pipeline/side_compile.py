@@ -36,10 +36,11 @@ import tempfile
 import time
 from functools import partial
 
-from ..backend import cache_directory, inductor_cache, noted_step
+from ..backend import noted_step
 from ..backend.aot_key import read_note
 from ..backend.step_key import step_key
 from ..step import block_devices, block_example, compile_block_kernels, unmade_specs
+from ..torchkit.cache_root import graphamp_cache_root, inductor_cache_directory
 
 log = logging.getLogger("graphamp")
 
@@ -235,8 +236,8 @@ def _child_env() -> dict[str, str]:
     this process's import path (the same graphamp and torch), and one compile thread: the
     child compiles one kernel and needs no pool of compile processes."""
     env = dict(os.environ)
-    env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache.cache_directory()
-    env["GRAPHAMP_CACHE_DIR"] = cache_directory.root()
+    env["TORCHINDUCTOR_CACHE_DIR"] = inductor_cache_directory()
+    env["GRAPHAMP_CACHE_DIR"] = graphamp_cache_root()
     env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
     env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     env["TORCH_WARM_POOL"] = "0"
