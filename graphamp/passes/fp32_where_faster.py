@@ -30,6 +30,7 @@ from __future__ import annotations
 
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
 #   torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+import functools
 import json
 import logging
 import math
@@ -161,13 +162,18 @@ def _time_both(timed: _Timed, low: torch.dtype) -> tuple[float, float]:
 
 def _machine() -> str:
     """What the timings depend on besides the op: torch, the CPU, the threads."""
+    return f"torch {torch.__version__}, {_cpu_model()}, {torch.get_num_threads()} threads"
+
+
+@functools.cache
+def _cpu_model() -> str:
+    """The CPU's model name (read once: it does not change under a running process)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if "model name" in line), cpu)
+            return next((line.split(":", 1)[1].strip() for line in f if "model name" in line), cpu)
     except OSError:
-        pass
-    return f"torch {torch.__version__}, {cpu}, {torch.get_num_threads()} threads"
+        return cpu
 
 
 def _record_path() -> str:

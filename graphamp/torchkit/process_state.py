@@ -418,6 +418,12 @@ PROCESS_STATE: tuple[Held, ...] = (
         "the source does not change while the process runs",
     ),
     Held(
+        "graphamp/passes/fp32_where_faster.py:_cpu_model",
+        "the CPU's model name, read from /proc/cpuinfo once (functools.cache)",
+        "one string",
+        "the CPU does not change under a running process",
+    ),
+    Held(
         "graphamp/backend/source_keys.py:_settled",
         "whether torch's source hashes are settled for this process",
         "one bool",
