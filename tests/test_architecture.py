@@ -28,6 +28,8 @@ from graphamp.records.layouts import (
     ForwardLayout,
     StepLayout,
 )
+from graphamp.records.placement import Placement
+from graphamp.sharding.row_placement import RowPlacement
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "graphamp"
@@ -469,8 +471,7 @@ def test_records_check_the_invariants_they_state():
     for change, words in (
         (dict(trainable=[0, 0]), "twice"),
         (dict(acc_steps=0), "at least 1"),
-        (dict(zero_stage=4), "0 to 3"),
-        (dict(zero_stage=1, process_group=None), "process group"),
+        (dict(placement=_Sharded(), process_group=None), "process group"),
         (dict(training=False), "eval StepPlan"),
     ):
         with pytest.raises(ValueError, match=words):
@@ -478,6 +479,14 @@ def test_records_check_the_invariants_they_state():
     captured = plan.captured
     with pytest.raises(ValueError, match="num_written"):
         dataclasses.replace(captured, num_written=captured.num_user_outputs + 1)
+    with pytest.raises(ValueError, match="1 to 3"):
+        RowPlacement(4, group=object())
+    with pytest.raises(ValueError, match="process group"):
+        RowPlacement(1, group=None)
+
+
+class _Sharded(Placement):
+    sharded = True
 
 
 def test_every_package_is_in_the_distribution():
@@ -650,6 +659,48 @@ def test_fp8_is_named_only_by_its_modules_and_its_registrations():
         if p.suffix in (".py", ".md") and re.search("fp8", p.read_text(), re.IGNORECASE)
     }
     assert naming == _FP8_FEATURE | _FP8_DECLARED | _FP8_PUBLIC | _FP8_REGISTRATIONS
+
+
+# ZeRO's code: the sharding package and its step component. Outside them, the modules that read
+# its settings and the ones that import the package, each for the reason given; a stage, the
+# runner or the plan doing either is the feature leaking out (they ask the plan's placement and
+# the components' hooks instead).
+_ZERO_SETTINGS = ("zero_stage", "zero_reshard_after_forward")
+_ZERO_SETTING_READERS = {
+    "config.py": "enable_zero sets them",
+    "records/settings.py": "the ConfigSnapshot declares them",
+    "step/components/zero.py": "the component",
+    "integrations/transformers.py": "the Trainer's fsdp arguments become enable_zero",
+}
+_SHARDING_IMPORTERS = {
+    "__init__.py": "gathered_parameters, public",
+    "graph.py": "a fully_shard wrap recognised at registration",
+    "runtime/calls.py": "the wrap taken over at the first call",
+    "capture/root.py": "a DTensor that is not graphamp's shard refused",
+    "pipeline/stages.py": "the group the parameters are shards over, for the plan",
+    "step/components/zero.py": "the component",
+    "integrations/lightning.py": "gathered_parameters for the loop's eager forwards",
+    "integrations/transformers.py": "gathered_parameters for the loop's eager forwards",
+}
+
+
+def test_zero_is_read_only_by_its_component_its_package_and_its_settings():
+    readers, importers = set(), set()
+    for path in PACKAGE.glob("**/*.py"):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name.startswith("sharding/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in _ZERO_SETTINGS:
+                readers.add(name)
+            if isinstance(node, ast.keyword) and node.arg in _ZERO_SETTINGS:
+                readers.add(name)
+            if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) in _ZERO_SETTINGS:
+                readers.add(name)
+            if isinstance(node, ast.ImportFrom) and "sharding" in (node.module or "").split("."):
+                importers.add(name)
+    assert readers == set(_ZERO_SETTING_READERS)
+    assert importers == set(_SHARDING_IMPORTERS)
 
 
 def test_the_step_phases_are_the_components_methods():

@@ -345,6 +345,18 @@ def test_enable_zero_needs_a_process_group():
         g.config.enable_zero(stage=2, reshard_after_forward=False)
 
 
+def test_zero_refuses_a_traced_update_and_gradient_code_on_every_rank_and_changes_nothing():
+    """ZeRO updates rows with graphamp's own update math, on the whole batch's gradients: an
+    optimizer whose own step() is traced (Adagrad) and build() code that reads ``.grad`` are
+    refused by name at the first call on both ranks, with the model and optimizer as they
+    were; the same objects then train in a data-parallel Graph (zero_refusals_worker.py)."""
+    stderr = torchrun(os.path.join(HERE, "zero_refusals_worker.py"), nproc=2, timeout=200)
+    lines = [line for line in stderr.splitlines() if line.startswith("refused: ")]
+    assert len(lines) == 4, stderr[-2000:]  # two refusals, each on both ranks
+    assert sum("Adagrad's own step() is traced whole" in line for line in lines) == 2
+    assert sum("build() reads or writes .grad" in line for line in lines) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 2, 3, "fully_shard"])
 def test_a_data_parallel_step_loads_from_the_step_cache_on_every_rank(stage, tmp_path):

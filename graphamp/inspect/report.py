@@ -181,18 +181,12 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
         ops_low=sum(r["colour"] in ("allow", *FINER_COLOURS) for r in rows),
         ops_total=sum(r["colour"] in ("allow", "deny", "fp32", *FINER_COLOURS) for r in rows),
         ops_finer=_finer_counts(rows),
-        kept_fp32_where_faster=_kept_fp32(amp.stats) if amp else {},
+        kept_fp32_where_faster=dict(amp.kept_fp32_timings) if amp else {},
         unknown_ops=dict(amp.unknown_ops) if amp else {},
         autocast=autocast_counts(program, trace) if trace is not None else None,
         timings=dict(program.timings),
         recomputed_regions=tuple(sorted(r for r in regions if r)),
     )
-
-
-def _kept_fp32(stats: dict) -> dict[str, tuple[float, float]]:
-    found = stats.get("fp32_where_faster") or {}
-    timings = found.get("timings_ms", {})
-    return {name: tuple(timings[name]) for name in found.get("kept_fp32", ())}
 
 
 def _finer_counts(rows: list[dict[str, str]]) -> dict[str, int]:

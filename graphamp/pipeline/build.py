@@ -2,7 +2,7 @@
 
     GraphSpec + inputs ─capture─▶ Captured ─amp_passes─▶ Passed ─plan─▶ StepPlan
       ─examples─▶ example inputs ─(choices)─▶ step_cache ─▶ StepGraph loaded, or
-      assemble ─▶ recompute ─▶ outline ─▶ [place_collectives] ─▶ save_step ─▶ StepGraph
+      assemble ─▶ recompute ─▶ outline ─▶ [components' rewrites] ─▶ save_step ─▶ StepGraph
       ─compile─▶ Runner ─▶ Program
 
 ``_Stages`` runs each one: it times it, logs its INFO line and turns whatever torch raised into
@@ -26,8 +26,7 @@ from ..records.guards import BuildRequest, Guards, StateSize
 from ..records.inputs import FlatInputs
 from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
 from ..records.state import SharedState
-from ..sharding.sharded_params import shard_parameters
-from ..step import count_block_updates
+from ..step import count_block_updates, prepare_model_for_components, step_rewrites
 from ..torchkit.rank_store import RankLink
 from ..torchkit.shapes import fake_batch, new_fake_mode, shape_guard
 from . import stages
@@ -77,11 +76,8 @@ def _build_on_every_rank(ctx: BuildContext) -> Program:
     if not ctx.state.broadcast_done:
         stages_.worded("capture", distributed.broadcast_state, spec.name, ctx.root, group, link)
         ctx.state.broadcast_done = True
-    # kept as shards from here on; a fully_shard model's FSDP2 shards become graphamp's, in
-    # an eval Graph too (nothing else could gather them)
-    if spec.config.zero_stage == 3 and (spec.training or spec.config.fully_shard is not None):
-        optimizers = [slot.optimizer for slot in spec.optimizers]
-        stages_.worded("capture", shard_parameters, spec.name, ctx.root, optimizers, group)
+    # the components' changes to how the model holds its state, on every rank before capture
+    stages_.worded("capture", prepare_model_for_components, spec, ctx.root, group)
     ctx = dataclasses.replace(ctx, process_group=group)
     return distributed.build_on_every_rank(
         spec.name,
@@ -189,8 +185,8 @@ def _assembled_step(
         step = run("recompute", stages.recompute, ctx, step, captured.regions, describe=_size)
     if choices.outline:
         step = run("outline", stages.outline, step, describe=_outline_line)
-    if plan.zero_stage == 3:  # last: it places collectives around the calls outlining made
-        step = run("place_collectives", stages.place_collectives, step, describe=_size)
+    for c in step_rewrites(plan):  # last: a rewrite sees the calls outlining made
+        step = run(str(c.rewrite_stage), stages.rewrite, c, plan, step, describe=_size)
     # as the backend takes it (eager: as traced), so that a step loaded later needs no change
     if ctx.spec.config.backend != "eager":
         views_as_reshapes(step.gm)

@@ -44,6 +44,7 @@ from ..runner.host_memory import keep_freed_memory
 from ..sharding.sharded_params import shard_group
 from ..step import (
     OutlineResult,
+    StepComponent,
     assemble_step,
     block_specs,
     block_updates_pay,
@@ -54,7 +55,6 @@ from ..step import (
     outline_blocks,
     outlining_cost_words,
     outlining_pays,
-    place_shard_collectives,
     recompute_checkpointed,
     set_kernel_backend,
 )
@@ -117,7 +117,7 @@ def capture(ctx: BuildContext) -> Captured:
         config.amp_active,
         ctx.request.lifted,
         ctx.request.lifted_inputs,
-        ctx.process_group if not config.zero_stage else None,
+        ctx.process_group,  # the gradients build() reads are averaged over it
     )
     pins = {}
     if config.amp_active:
@@ -411,10 +411,10 @@ def outline(step: StepGraph) -> StepGraph:
     return StepGraph.of(outlined, recomputes, outline=result)
 
 
-def place_collectives(step: StepGraph) -> StepGraph:
-    """ZeRO-3: each block's all-gather where the block runs and again before its backward,
-    each block's reduce-scatter after its last gradient (in place on ``step.gm``)."""
-    place_shard_collectives(step.gm)
+def rewrite(component: StepComponent, plan: StepPlan, step: StepGraph) -> StepGraph:
+    """A step component's rewrite of the assembled step, in place on ``step.gm``
+    (``StepComponent.rewrite_step``: ZeRO-3 places each block's gathers and scatters)."""
+    component.rewrite_step(plan, step.gm)
     return step
 
 

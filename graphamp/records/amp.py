@@ -64,6 +64,8 @@ class AmpContext:
     # filled by the passes
     stats: dict[str, Any] = field(default_factory=dict)
     unknown_ops: dict[str, int] = field(default_factory=dict)
+    # the ops speed_check kept fp32: node name -> (low-precision ms, fp32 ms) as timed
+    kept_fp32_timings: dict[str, tuple[float, float]] = field(default_factory=dict)
     hoisted: list[tuple[str, torch.dtype]] = field(default_factory=list)
     # state tensors a pass gave the forward (ForwardLayout.pass_state), after the parameter copies
     pass_state: list[PassState] = field(default_factory=list)

@@ -26,6 +26,7 @@ from .guards import AttributeRead, Guards, LiftedValue
 from .inputs import FlatInputs, InputSignature
 from .layouts import ForwardLayout, PassState, StepLayout
 from .optimizers import OptimizerPlan
+from .placement import WHOLE, Placement
 from .probes import ProbeTable
 from .replays import StateReplay
 from .settings import ConfigSnapshot
@@ -288,17 +289,9 @@ class StepPlan:
     direct_use: set[int] = field(default_factory=set)
     acc_steps: int = 1  # gradient accumulation: micro-batches per step (>= 1)
     process_group: Any = None  # data parallel: gradients averaged over this group
-    zero_stage: int = (
-        0  # ZeRO (step/components/zero.py): 0 off; 1, 2 optimizer state sharded; 3 parameters too
-    )
-    # ZeRO-3: the modules a user wrapped with fully_shard, each gathered as one block
-    # (sharding.cuts.block_of); empty: graphamp's own blocks
-    gather_blocks: tuple[str, ...] = ()
-    # ZeRO-3: False keeps every block's gathered parameters from its forward to its backward
-    # (enable_zero(reshard_after_forward=False)); kept_blocks, those of fully_shard wraps that
-    # ask for it
-    reshard_after_forward: bool = True
-    kept_blocks: tuple[str, ...] = ()
+    # where the parameters and their optimizer state live: whole (WHOLE), or a component's
+    # placement (rows across ranks: sharding/row_placement.py); the runner and the examples ask it
+    placement: Placement = WHOLE
     # overflow tracing: the values the step measures (None: tracing off, or an eval graph)
     probes: ProbeTable | None = None
     # the state tensors the AMP passes gave the forward (after the parameter copies)
@@ -309,12 +302,10 @@ class StepPlan:
             raise ValueError(f"StepPlan.trainable names a parameter twice: {self.trainable}")
         if self.acc_steps < 1:
             raise ValueError(f"StepPlan.acc_steps must be at least 1, got {self.acc_steps}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"StepPlan.zero_stage must be 0 to 3, got {self.zero_stage}")
         if not self.training and (self.optimizers or self.scaler is not None):
             raise ValueError("an eval StepPlan (training=False) has no optimizer and no scaler")
-        if self.zero_stage and self.process_group is None:
-            raise ValueError("a ZeRO StepPlan needs the process group it shards over")
+        if self.placement.sharded and self.process_group is None:
+            raise ValueError("a StepPlan over sharded tensors needs the process group")
 
     @property
     def eager_outputs(self) -> int:

@@ -22,7 +22,6 @@ from ..records.optimizers import OptimizerPlan
 from ..records.replays import apply_replays
 from ..records.spec import StepFn, StepPlan
 from ..records.state import SharedState
-from ..sharding.step_inputs import parameter_input, state_is_row, state_row, track_state_rows
 from . import momentum
 from .cudagraph import CudaGraphsBySize, CudaGraphStep
 
@@ -88,11 +87,11 @@ class Runner:
         ]
         # the forward's state from the AMP passes, shared by the graph's steps
         self.pass_state = state.pass_state_tensors(plan.pass_state, device)
-        # the step components' input groups (the scaler's state, the history, the ZeRO rank,
+        # the step components' input groups (the scaler's state, the history, this rank's number,
         # the overflow record): their live tensors, made by the components
         # (``step/components/``), fed to every call as they are
         self.component_inputs = component_inputs
-        track_state_rows(plan)
+        plan.placement.track(plan.optimizers)
         # overflow tracing: this step's own record (its probes are its own)
         self.forensics = (
             ForensicsState(plan.probes, self.component_inputs["forensics"])
@@ -166,9 +165,10 @@ class Runner:
         return [t.clone() if t.untyped_storage().data_ptr() in storages else t for t in inputs]
 
     def _params(self) -> list[torch.Tensor]:
-        """The parameters as the step takes them: the user's, or under ZeRO-3 the rows their
-        shards view (``sharding/sharded_params.py``)."""
-        return [parameter_input(self.plan, d[k]) for d, k in self.param_slots]
+        """The parameters as the step takes them (``plan.placement``: the user's, or the rows
+        their shards view)."""
+        parameter = self.plan.placement.parameter
+        return [parameter(d[k]) for d, k in self.param_slots]
 
     def _optimizer_state_edited(self) -> bool:
         for optimizer, state in self._state_dicts:
@@ -336,7 +336,7 @@ def materialize_optimizer_state(plan: StepPlan):
         for p, key in opt.state_slots():
             existing = opt.optimizer.state.get(p, {}).get(key)
             t = existing
-            if state_is_row(plan, key):
+            if plan.placement.state_is_row(key):
                 t = _state_row(plan, opt, key, p, existing)
             elif t is None:
                 t = opt.initial_state(p, key)
@@ -372,7 +372,7 @@ def _traced_state(opt: OptimizerPlan, key: str, p: torch.Tensor, t: Any) -> torc
 
 def _state_row(plan: StepPlan, opt: OptimizerPlan, key: str, p: torch.Tensor, existing):
     try:
-        return state_row(plan, opt, key, p, existing)
+        return plan.placement.state_row(opt, key, p, existing)
     except ValueError as e:
         raise CaptureError(
             f"optimizer {opt.index}: {e}: the loaded optimizer state does not "

@@ -6,7 +6,6 @@ traces the forward and gradients (``gradients.py``), each optimizer's update
 (``components/``, which lists them), into one graph.
 """
 
-from ..sharding.shard_gathers import place_collectives as place_shard_collectives
 from .assemble import assemble_step
 from .block_update import (
     block_devices,
@@ -18,7 +17,12 @@ from .block_update import (
     unmade_specs,
 )
 from .block_work import block_updates_pay, outlining_cost_words, outlining_pays
-from .components import component_examples
+from .components import (
+    StepComponent,
+    component_examples,
+    prepare_model_for_components,
+    step_rewrites,
+)
 from .examples import example_inputs
 from .outline import OutlineResult, outline_blocks
 from .plan import build_plan
@@ -27,6 +31,7 @@ from .recompute import RecomputeResult, recompute_checkpointed
 __all__ = [
     "OutlineResult",
     "RecomputeResult",
+    "StepComponent",
     "assemble_step",
     "block_devices",
     "block_example",
@@ -40,8 +45,9 @@ __all__ = [
     "block_updates_pay",
     "outlining_cost_words",
     "outlining_pays",
-    "place_shard_collectives",
+    "prepare_model_for_components",
     "recompute_checkpointed",
     "set_kernel_backend",
+    "step_rewrites",
     "unmade_specs",
 ]

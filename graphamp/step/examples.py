@@ -4,7 +4,7 @@ Assembly traces the step on fake copies of them and the backend compiles for the
 installed in the user's optimizer. Where the live tensor exists already it is the example: the
 parameters and buffers, the optimizer state a checkpoint or eager steps left, the scaler's and
 the history's device state and the graph's shared step counters (their first call makes them
-here). What the runtime makes for each compiled step (hyperparameter tensors, the ZeRO rank,
+here). What the runtime makes for each compiled step (hyperparameter tensors, this rank's number,
 the overflow record, optimizer state graphamp creates) is made here with the same shape, dtype
 and device. Detached: the step runs under no_grad, and a backend that saw an input requiring
 grad would compile it for autograd.
@@ -19,7 +19,6 @@ import torch.nn as nn
 
 from ..records.spec import StepPlan
 from ..records.state import SharedState
-from ..sharding.step_inputs import parameter_input, state_is_row, state_row_example
 from .components import component_examples
 
 
@@ -41,7 +40,7 @@ def example_inputs(
     ]
     return plan.layout.flatten(
         {
-            "params": [parameter_input(plan, params[n]).detach() for n in cap.param_names],
+            "params": [plan.placement.parameter(params[n]).detach() for n in cap.param_names],
             "buffers": [buffers[n] for n in cap.buffer_names],
             "opt_state": _optimizer_state(plan),
             "hyper": hyper,
@@ -65,8 +64,8 @@ def _optimizer_state(plan: StepPlan) -> list[Any]:
     for opt in plan.optimizers:
         for p, key in opt.state_slots():
             existing = opt.optimizer.state.get(p, {}).get(key)
-            if state_is_row(plan, key):
-                out.append(state_row_example(plan, p))
+            if plan.placement.state_is_row(key):
+                out.append(plan.placement.state_row_example(p))
             elif isinstance(existing, torch.Tensor) and (key != "step" or opt.path.traced):
                 out.append(existing)
             else:

@@ -18,9 +18,13 @@ from ..records.optimizers import GroupPlan, OptimizerPlan
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
 from ..records.update_paths import checked_path
 from ..torchkit.fxutil import warn_at_user_line
-from .components import Planning, component_inputs, component_plan_fields
-from .components.zero import check_update_path
-from .traced_optimizer import probe_initial_state
+from .components import (
+    Planning,
+    check_optimizer_for_components,
+    component_inputs,
+    component_plan_fields,
+)
+from .traced_optimizer import initial_state_by_eager_step
 
 
 def build_plan(
@@ -48,7 +52,7 @@ def build_plan(
     param_casts = [(index[name], dtype) for name, dtype in hoisted]
     direct_use = {i for i, node in enumerate(params) if node.users}
     _check_losses(spec, captured)
-    _check_gradient_code(spec, captured, process_group)
+    _check_gradient_code(spec, captured)
     plans = _optimizer_plans(spec, captured, {pid: i for i, pid in enumerate(param_ids)})
     trainable = [i for opt in plans for i in opt.forward_positions]
     if spec.training and not trainable:
@@ -81,25 +85,18 @@ def build_plan(
     return dataclasses.replace(plan, layout=_layout(plan))
 
 
-def _check_gradient_code(spec: GraphSpec, captured: CapturedForward, process_group) -> None:
+def _check_gradient_code(spec: GraphSpec, captured: CapturedForward) -> None:
     """Gradient code in build() (``GradientCode``) runs once per step, on the whole batch's
     gradients (averaged over data parallel's ranks first, as DDP's backward() does): not yet
-    per micro-batch, nor on ZeRO's gradient shards."""
+    per micro-batch (a component may refuse it too: ``plan_fields``)."""
     if not (spec.training and captured.gradient_code.present):
         return
-    clash = (
-        "gradient accumulation (set_gradient_accumulation_steps)"
-        if spec.config.grad_acc_steps > 1
-        else "ZeRO"
-        if process_group is not None and spec.config.zero_stage
-        else None
-    )
-    if clash is not None:
+    if spec.config.grad_acc_steps > 1:
         raise CaptureError(
             f"{spec.name}.build() reads or writes .grad, or changes parameters in place, and "
-            f"the Graph uses {clash}: graphamp does not combine the two yet. Fix: train this "
-            "step in one process without accumulation, or move the gradient code to "
-            "add_optimizer's clip_grad_max_norm where it is clipping"
+            "the Graph uses gradient accumulation (set_gradient_accumulation_steps): graphamp "
+            "does not combine the two yet. Fix: train this step without accumulation, or move "
+            "the gradient code to add_optimizer's clip_grad_max_norm where it is clipping"
         )
 
 
@@ -129,8 +126,8 @@ def _optimizer_plans(
     for k, slot in enumerate(spec.optimizers):
         opt = slot.optimizer
         path = checked_path(opt, slot.eager)
-        if spec.config.zero_stage:  # before the probe step below: nothing is run for nothing
-            check_update_path(spec, opt, path)
+        # the components' refusals before the eager step below: nothing is run for nothing
+        check_optimizer_for_components(spec, opt, path)
         groups, updated = [], []
         for g, group in enumerate(opt.param_groups):
             positions, mine = [], []
@@ -143,7 +140,7 @@ def _optimizer_plans(
             flags = path.flags(opt, group)
             plan = GroupPlan(positions, flags, path.state_keys(dict(flags)))
             if path.traced:  # its state, found by one eager step on copies
-                plan.initial = probe_initial_state(opt, g, mine)
+                plan.initial = initial_state_by_eager_step(opt, g, mine)
                 plan.param_keys = [tuple(first) for first in plan.initial]
             groups.append(plan)
         plans.append(

@@ -15,7 +15,7 @@ overflow flag and written back, as for the built-in updates.
 
 An optimizer creates its state at its first step. Its first values are found once, eagerly, by
 one step of the shadow on a copy of each parameter, with NaN gradients, recording what each
-state key is first set to (``probe_initial_state``): a value that holds NaN depends on the
+state key is first set to (``initial_state_by_eager_step``): a value that holds NaN depends on the
 gradient, and such an optimizer is refused, as is state that is not a tensor (a Python step
 count would be baked into the step).
 """
@@ -39,10 +39,15 @@ from ..torchkit.process_state import compiling
 
 # group options set for the traced step: the capturable single-tensor form, no fused kernels
 TRACE_OPTIONS = {"capturable": True, "foreach": False, "fused": False, "differentiable": False}
-_PROBE_OPTIONS = {"capturable": False, "foreach": False, "fused": False, "differentiable": False}
+_EAGER_STEP_OPTIONS = {
+    "capturable": False,
+    "foreach": False,
+    "fused": False,
+    "differentiable": False,
+}
 
 
-def probe_initial_state(
+def initial_state_by_eager_step(
     optimizer: torch.optim.Optimizer, group_index: int, params: list[torch.Tensor]
 ) -> list[dict[str, InitialState]]:
     """Per parameter, the state the optimizer creates at its first step (module docstring)."""
@@ -56,7 +61,9 @@ def probe_initial_state(
         work = p.detach().clone()
         work.grad = torch.full_like(work, float("nan"))
         state: collections.defaultdict = collections.defaultdict(FirstValues)
-        shadow = _shadow(optimizer, {**group, **_options(group, _PROBE_OPTIONS)}, [work], state)
+        shadow = _shadow(
+            optimizer, {**group, **_options(group, _EAGER_STEP_OPTIONS)}, [work], state
+        )
         with torch.no_grad():
             type(optimizer).step(shadow)  # not an instance attribute (a scheduler wraps one)
         out.append(_initial(optimizer, state[work].first))

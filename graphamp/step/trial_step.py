@@ -3,10 +3,10 @@
 A traced ``step()`` is a snapshot of one run of its Python code: a Python number it reads is
 baked in, a Python object it writes is written once, at assembly, on a shadow. That is exact
 only for an update that is tensor arithmetic on its tensor state. Before an optimizer outside
-graphamp's own updates is traced, one step of a deep copy of it runs (gradients NaN, as the
-first-state probe feeds them; the same options the trace uses: capturable, single-tensor,
-``torch.compiler.is_compiling()`` true), and everything it did outside its tensors is compared
-with what the trace could reproduce:
+graphamp's own updates is traced, one step of a deep copy of it runs (gradients NaN, as
+``traced_optimizer.initial_state_by_eager_step`` feeds them; the same options the trace uses:
+capturable, single-tensor, ``torch.compiler.is_compiling()`` true), and everything it did
+outside its tensors is compared with what the trace could reproduce:
 - a Python value it wrote: into a param group (``group["step"] += 1``: every
   ``pytorch_optimizer`` optimizer, timm's Lamb), into its own attributes, or as state (a Python
   ``step`` count, CAME's float ``RMS``);

@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn as nn
 
-from ...records.spec import StepPlan
+from ...records.spec import GraphSpec, StepPlan
 from ...records.state import SharedState
+from ...records.update_paths import UpdatePath
 from .clipping import Clipping
 from .component import OptimizerUpdate, Phase, Planning, StepComponent, StepContext
 from .data_parallel import DataParallel
@@ -49,6 +51,24 @@ def component_plan_fields(planning: Planning) -> dict[str, Any]:
             raise ValueError(f"StepPlan fields {sorted(twice)} are set by two components")
         fields.update(mine)
     return fields
+
+
+def check_optimizer_for_components(spec: GraphSpec, optimizer: Any, path: UpdatePath) -> None:
+    """Every component's refusal of ``optimizer`` (``StepComponent.check_optimizer``)."""
+    for c in COMPONENTS:
+        c.check_optimizer(spec, optimizer, path)
+
+
+def prepare_model_for_components(spec: GraphSpec, root: nn.Module, group: Any) -> None:
+    """Every component's change to how the model holds its state, made on every rank of a
+    data-parallel build before capture (``StepComponent.prepare_model``)."""
+    for c in COMPONENTS:
+        c.prepare_model(spec, root, group)
+
+
+def step_rewrites(plan: StepPlan) -> list[StepComponent]:
+    """The active components that rewrite the assembled step, in registration order."""
+    return [c for c in active_components(plan) if c.rewrites(plan)]
 
 
 def active_components(plan: StepPlan) -> list[StepComponent]:
@@ -107,10 +127,13 @@ __all__ = [
     "StepComponent",
     "StepContext",
     "active_components",
+    "check_optimizer_for_components",
     "checked_component_state",
     "component_examples",
     "component_inputs",
     "component_plan_fields",
     "load_component_state",
+    "prepare_model_for_components",
     "saved_component_state",
+    "step_rewrites",
 ]

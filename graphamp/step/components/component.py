@@ -3,9 +3,10 @@
 The training step is the forward and backward (``gradients.py``) and the optimizers' updates
 (``optimizer_update.py``); every feature around them (``components/__init__.COMPONENTS``) is
 a ``StepComponent``: it says which plans it acts in (``active``), which group of the step's
-inputs it owns (``group`` and ``input_names``; it reads them with ``own``), the StepPlan fields it
-decides (``plan_fields``), the state ``Graph.state_dict()`` saves for it (``saved_key``) and
-what it traces at each ``Phase``.
+inputs it owns (``group`` and ``input_names``; it reads them with ``own``), the optimizers it
+refuses (``check_optimizer``), the StepPlan fields it decides (``plan_fields``: ZeRO's is the
+plan's ``placement``), the state ``Graph.state_dict()`` saves for it (``saved_key``), what it
+traces at each ``Phase``, and its rewrite of the assembled step (``rewrite_stage``).
 Assembly (``assemble.py``) runs the phases in order and, within a phase, the components in the
 order ``components/__init__.py`` registers them. A component keeps what it needs between phases
 on the ``StepContext`` of the one trace.
@@ -19,11 +20,13 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from ...records.layouts import StepInputs
 from ...records.optimizers import OptimizerPlan
 from ...records.spec import CapturedForward, GraphSpec, StepPlan
 from ...records.state import SharedState
+from ...records.update_paths import UpdatePath
 
 
 class Phase(Enum):
@@ -78,6 +81,7 @@ class StepContext:
     reduce_each: Callable[[list], list] | None = None  # each micro-batch's gradients reduced
     observer: Any = None  # sees every forward value and its gradient (overflow probes)
     norm_of: Callable | None = None  # the gradients' total norm where they are shards
+    grads_reduced: bool = False  # a component reduces the gradients over the ranks itself
     whole_updates: bool = True  # the update sees whole parameters (block kernels may run)
     # made by the forward and the phases
     fwd: Any = None  # gradients.ForwardResult
@@ -109,6 +113,9 @@ class StepComponent:
 
     # its key in ``Graph.state_dict()``, where it keeps state from step to step (None: none)
     saved_key: str | None = None
+    # the pipeline stage (``pipeline/stage_errors.py`` words its errors) that runs
+    # ``rewrite_step`` on the assembled step, after outlining (None: it rewrites nothing)
+    rewrite_stage: str | None = None
 
     def active(self, plan: StepPlan) -> bool:
         """Does this plan use the component?"""
@@ -128,6 +135,26 @@ class StepComponent:
         """Load what ``checked_saved`` returned into the graph's state (in place where a
         compiled step holds it)."""
         raise NotImplementedError(f"{type(self).__name__} saves no state")
+
+    def check_optimizer(  # noqa: B027 - a hook: most components refuse no optimizer
+        self, spec: GraphSpec, optimizer: Any, path: UpdatePath
+    ) -> None:
+        """Refuse an optimizer (or its update path) this component cannot run with, before
+        the planner runs anything for it (every component is asked, active or not)."""
+
+    def prepare_model(  # noqa: B027 - a hook: most components leave the model as it is
+        self, spec: GraphSpec, root: nn.Module, group: Any
+    ) -> None:
+        """Change how the model holds its state before capture, on every rank of a
+        data-parallel build over ``group`` (every component is asked)."""
+
+    def rewrites(self, plan: StepPlan) -> bool:  # noqa: ARG002 - overridden
+        """Does it rewrite ``plan``'s assembled step (``rewrite_step``, when active)?"""
+        return False
+
+    def rewrite_step(self, plan: StepPlan, gm: fx.GraphModule) -> None:
+        """Rewrite the assembled step in place, at ``rewrite_stage``."""
+        raise NotImplementedError(f"{type(self).__name__} rewrites no step")
 
     def plan_fields(self, planning: Planning) -> dict[str, Any]:  # noqa: ARG002 - overridden
         """The StepPlan fields this component decides (checked: a refusal raises here, before

@@ -1,6 +1,7 @@
 """Data parallel: the gradients averaged over the ranks (one coalesced functional all-reduce, as
-DDP), and the ranks' agreement on whether the step overflowed, so every rank skips alike (under
-ZeRO too, whose gradient reduction is its own reduce-scatter: ``zero.py``).
+DDP), and the ranks' agreement on whether the step overflowed, so every rank skips alike (also
+where a component reduces the gradients itself, ``StepContext.grads_reduced``: a sharded
+update's reduce-scatter).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class DataParallel(StepComponent):
         return plan.training and plan.process_group is not None
 
     def gradients(self, ctx: StepContext) -> None:
-        if ctx.plan.zero_stage:  # sharded: reduced by ZeRO's reduce-scatter
+        if ctx.grads_reduced:  # by a component of its own
             return
         with NodeTagger(Subgraph.DATA_PARALLEL.tag()):
             ctx.grads = average_over_ranks(ctx.grads, ctx.plan.process_group)

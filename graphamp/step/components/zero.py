@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
+import torch.nn as nn
 
 from ...errors import CaptureError, ConfigError, UnsupportedOptimizerError
 from ...records.optimizers import OptimizerPlan
@@ -34,7 +35,9 @@ from ...records.state import SharedState
 from ...records.subgraphs import Subgraph
 from ...records.update_paths import UpdatePath
 from ...sharding.cuts import block_of, chunk_of
-from ...sharding.shard_gathers import GATHER, KEEP_GATHERED, SCATTER
+from ...sharding.row_placement import RowPlacement
+from ...sharding.shard_gathers import GATHER, KEEP_GATHERED, SCATTER, place_collectives
+from ...sharding.sharded_params import shard_parameters
 from ...torchkit.fxutil import NodeTagger
 from ..gradients import cast_for_forward
 from .component import OptimizerUpdate, Planning, StepComponent, StepContext
@@ -143,6 +146,25 @@ def _zero_stage(planning: Planning) -> tuple[int, Any]:
     return 3, planning.shard_group
 
 
+def _placement(plan: StepPlan) -> RowPlacement:
+    """The plan's placement, ZeRO's wherever the component is active."""
+    assert isinstance(plan.placement, RowPlacement), plan.placement
+    return plan.placement
+
+
+def _check_gradient_code(planning: Planning) -> None:
+    """Gradient code in build() (``GradientCode``) runs on the whole batch's gradients, not
+    on this rank's shards of them."""
+    spec = planning.spec
+    if spec.training and planning.captured.gradient_code.present:
+        raise CaptureError(
+            f"{spec.name}.build() reads or writes .grad, or changes parameters in place, and "
+            "the Graph uses ZeRO: graphamp does not combine the two yet. Fix: train this "
+            "step without ZeRO (data parallel keeps gradient code), or move the gradient code "
+            "to add_optimizer's clip_grad_max_norm where it is clipping"
+        )
+
+
 def _check_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
     """ZeRO flattens each optimizer's parameters into one bucket: one dtype per optimizer."""
     for opt in plans:
@@ -155,9 +177,9 @@ def _check_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
             )
 
 
-def check_update_path(spec: GraphSpec, optimizer: Any, path: UpdatePath) -> None:
+def _check_update_path(spec: GraphSpec, optimizer: Any, path: UpdatePath) -> None:
     """ZeRO updates rows: only an update of graphamp's own multi-tensor math can run on them."""
-    if not path.multi_tensor:
+    if spec.config.zero_stage and not path.multi_tensor:
         how = "is traced whole" if path.traced else "runs in Python on whole gradients"
         raise UnsupportedOptimizerError(
             f"{spec.name}: ZeRO shards the state of graphamp's own SGD, Adam and AdamW "
@@ -171,33 +193,56 @@ class Zero(StepComponent):
     (one reduce-scatter per optimizer; stage 2 under accumulation reduces each micro-batch's)
     and the whole parameters are all-gathered after the update. Stage 3: the step's parameter
     inputs are the rows; the forward and backward read wholes gathered block by block
-    (``sharding/shard_gathers.place_collectives`` moves each gather to where it is read), and the
-    optimizer updates the rows. The clipping norm is the norm over every rank's rows."""
+    (``sharding/shard_gathers.place_collectives`` moves each gather to where it is read, the
+    component's rewrite of the assembled step), and the optimizer updates the rows. The
+    clipping norm is the norm over every rank's rows. The plan's ``placement`` is ZeRO's
+    (``sharding/row_placement.RowPlacement``): the component decides it and reads its settings."""
 
     name = "zero"
     part = "ZeRO's sharded update"
     group = "shard"
     inputs = ("zero_rank",)
 
+    rewrite_stage = "place_collectives"  # after outlining: it moves gathers around its calls
+
     def active(self, plan: StepPlan) -> bool:
-        return plan.zero_stage > 0
+        return isinstance(plan.placement, RowPlacement)
+
+    def check_optimizer(self, spec: GraphSpec, optimizer: Any, path: UpdatePath) -> None:
+        _check_update_path(spec, optimizer, path)
+
+    def prepare_model(self, spec: GraphSpec, root: nn.Module, group: Any) -> None:
+        # ZeRO-3 keeps the parameters as shards from here on; a fully_shard model's FSDP2
+        # shards become graphamp's, in an eval Graph too (nothing else could gather them)
+        if spec.config.zero_stage == 3 and (spec.training or spec.config.fully_shard is not None):
+            optimizers = [slot.optimizer for slot in spec.optimizers]
+            shard_parameters(spec.name, root, optimizers, group)
 
     def plan_fields(self, planning: Planning) -> dict[str, Any]:
         spec = planning.spec
         stage, group = _zero_stage(planning)
         if not stage:
             return {}
+        _check_gradient_code(planning)
         _check_buckets(spec, planning.optimizers)
         wrap = spec.config.fully_shard
-        return {
-            "zero_stage": stage,
-            "process_group": group,  # an eval graph over shards gathers them: it needs one too
+        placement = RowPlacement(
+            stage,
+            group,
             # ZeRO-3's gather plan: a fully_shard wrap's blocks and the ones it keeps gathered
             # from the forward to the backward, or enable_zero's setting for every block
-            "gather_blocks": wrap.blocks if wrap is not None else (),
-            "reshard_after_forward": spec.config.zero_reshard_after_forward,
-            "kept_blocks": wrap.kept if wrap is not None else (),
-        }
+            gather_blocks=wrap.blocks if wrap is not None else (),
+            reshard_after_forward=spec.config.zero_reshard_after_forward,
+            kept_blocks=wrap.kept if wrap is not None else (),
+        )
+        # an eval graph over shards gathers them: it needs the group too
+        return {"placement": placement, "process_group": group}
+
+    def rewrites(self, plan: StepPlan) -> bool:
+        return _placement(plan).stage == 3
+
+    def rewrite_step(self, plan: StepPlan, gm: fx.GraphModule) -> None:  # noqa: ARG002
+        place_collectives(gm)
 
     def example_inputs(
         self,
@@ -209,15 +254,16 @@ class Zero(StepComponent):
         return [torch.tensor(rank, dtype=torch.int64, device=device)]
 
     def start(self, ctx: StepContext) -> None:
-        plan = ctx.plan
-        if plan.zero_stage == 3:
+        plan, placement = ctx.plan, _placement(ctx.plan)
+        if placement.stage == 3:
             rows = ctx.inputs.params
             with NodeTagger(Subgraph.ZERO.tag()):
                 whole, ctx.copies = _gather_shards(plan, ctx.fwd_gm, rows)
             ctx.inputs, ctx.rows = dataclasses.replace(ctx.inputs, params=whole), rows
         if not plan.training:
             return
-        if plan.zero_stage >= 2 and plan.acc_steps > 1:
+        ctx.grads_reduced = True  # by the reduce-scatter, not data parallel's all-reduce
+        if placement.stage >= 2 and plan.acc_steps > 1:
             ctx.reduce_each = lambda grads: _scatter_per_optimizer(plan, grads)
         ctx.norm_of = lambda grads, norm_type: global_norm(grads, norm_type, plan.process_group)
         ctx.whole_updates = False
@@ -248,12 +294,12 @@ def _scatter_per_optimizer(plan: StepPlan, grads: list[torch.Tensor]) -> list[to
     of each optimizer's parameters, which ``sharding/shard_gathers.place_collectives`` moves to just
     after the block's last gradient, so a block's whole gradients die as its backward ends."""
     position = {p: j for j, p in enumerate(plan.trainable)}
-    names = plan.captured.param_names
+    names, placement = plan.captured.param_names, _placement(plan)
     out = list(grads)
     buckets: dict[tuple[int, str], list[int]] = {}
     for k, opt in enumerate(plan.optimizers):
         for i in opt.forward_positions:
-            block = block_of(names[i], plan.gather_blocks) if plan.zero_stage == 3 else ""
+            block = block_of(names[i], placement.gather_blocks) if placement.stage == 3 else ""
             buckets.setdefault((k, block), []).append(position[i])
     with NodeTagger(Subgraph.ZERO.tag()):
         for number, js in enumerate(buckets.values()):
@@ -276,14 +322,15 @@ def _gather_shards(plan: StepPlan, fwd_gm: fx.GraphModule, rows: list[torch.Tens
     placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
     shapes = [node.meta["val"].shape for node in plan.forward_layout.split(placeholders).params]
     cast_only = {i: dtype for i, dtype in plan.param_casts if i not in plan.direct_use}
+    placement = _placement(plan)
     # block -> [(i, the dtype its row travels in)], in parameter order
     buckets: dict[str, list[tuple[int, torch.dtype]]] = {}
     for i, (name, row) in enumerate(zip(plan.captured.param_names, rows)):
         dtype = cast_only.get(i, row.dtype)
-        buckets.setdefault(block_of(name, plan.gather_blocks), []).append((i, dtype))
+        buckets.setdefault(block_of(name, placement.gather_blocks), []).append((i, dtype))
     gathered: dict[int, torch.Tensor] = {}
     for number, (block, members) in enumerate(buckets.items()):
-        keep = not plan.reshard_after_forward or block in plan.kept_blocks
+        keep = not placement.reshard_after_forward or block in placement.kept_blocks
         # the casts too: they move with the gather
         with NodeTagger({GATHER: number, **({KEEP_GATHERED: True} if keep else {})}):
             pieces = [rows[i].to(dtype) for i, dtype in members]
