@@ -608,6 +608,22 @@ def test_the_step_components_are_the_ones_the_architecture_page_draws():
     assert _documented_components() == registered
 
 
+def test_every_component_declares_its_skipped_step_and_its_ranks_as_the_page_draws():
+    """Each component says what a skipped step does with what it keeps and what the ranks
+    agree on ("nothing" included); the page's table is those declarations, in order."""
+    from graphamp.step.components import COMPONENTS
+
+    page = ARCHITECTURE_PAGE.read_text()
+    table = page.split("| component | on a skipped step | across ranks |", 1)[1]
+    rows = [
+        tuple(c.strip() for c in row.strip().strip("|").split("|"))
+        for row in table.split("\n\n", 1)[0].splitlines()[2:]
+    ]
+    declared = [(f"`{c.name}`", c.on_skip, c.across_ranks) for c in COMPONENTS]
+    assert all(c.on_skip and c.across_ranks for c in COMPONENTS)
+    assert rows == declared
+
+
 def test_every_state_group_of_the_step_belongs_to_one_component():
     """A step input group is the forward's, the optimizers', or one component's (which names
     its placeholders and makes its example tensors)."""
@@ -675,9 +691,8 @@ _ZERO_SETTING_READERS = {
 _SHARDING_IMPORTERS = {
     "__init__.py": "gathered_parameters, public",
     "graph.py": "a fully_shard wrap recognised at registration",
-    "runtime/calls.py": "the wrap taken over at the first call",
-    "capture/root.py": "a DTensor that is not graphamp's shard refused",
-    "pipeline/stages.py": "the group the parameters are shards over, for the plan",
+    "pipeline/build.py": "a fully_shard wrap taken over at the first build",
+    "pipeline/stages.py": "foreign DTensors refused; the group the parameters are shards over",
     "step/components/zero.py": "the component",
     "integrations/lightning.py": "gathered_parameters for the loop's eager forwards",
     "integrations/transformers.py": "gathered_parameters for the loop's eager forwards",

@@ -9,7 +9,6 @@ from .root import (
     BuildRoot,
     check_devices,
     check_module_paths,
-    check_not_fsdp,
     checkpointed_paths,
     fake_copy,
     pinned_paths,
@@ -25,5 +24,4 @@ __all__ = [
     "check_module_paths",
     "pinned_paths",
     "checkpointed_paths",
-    "check_not_fsdp",
 ]

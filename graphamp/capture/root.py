@@ -17,7 +17,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..errors import CaptureError, ConfigError, InputError
 from ..records.inputs import FlatInputs
 from ..records.model_pins import model_fp32_pins
-from ..sharding.rows import is_shard
 
 log = logging.getLogger("graphamp")
 
@@ -47,28 +46,6 @@ class BuildRoot(nn.Module):
         out = self._build(*args, **kwargs)
         # Read the buffers while the traced values are swapped in: these are the updated ones.
         return out, [self.get_buffer(n) for n in buffer_names]
-
-
-def check_not_fsdp(graph_name: str, root: BuildRoot) -> None:
-    """Refuse DTensor parameters that are not graphamp's shards (tensor parallel, or a wrap
-    put on after registration): their collectives run outside any graph, which make_fx cannot
-    trace through (measured on torch 2.14, gloo: "'FunctionalTensor' object has no attribute
-    '_local_tensor'"). A ``fully_shard`` wrap registered on the Graph was taken over already,
-    before the build (sharding/fsdp_adopt.py)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return
-    for name, p in root.named_parameters():
-        if isinstance(p, DTensor) and not is_shard(p):
-            raise ConfigError(
-                f"{graph_name}: parameter {name!r} is a DTensor that graphamp did not shard "
-                "(tensor parallel, or fully_shard applied after the model was registered), "
-                "which graphamp cannot capture. Wrap with fully_shard before registering the "
-                "model (graphamp takes the wrap over), or register the plain model and call "
-                "self.config.enable_zero(stage=3): it shards the parameters, gradients and "
-                "optimizer state inside the compiled step, as DTensors in FSDP2's layout"
-            )
 
 
 def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch.device:

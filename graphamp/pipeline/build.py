@@ -26,6 +26,7 @@ from ..records.guards import BuildRequest, Guards, StateSize
 from ..records.inputs import FlatInputs
 from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
 from ..records.state import SharedState
+from ..sharding.fsdp_adopt import adopt_at_first_build
 from ..step import count_block_updates, prepare_model_for_components, step_rewrites
 from ..torchkit.rank_store import RankLink
 from ..torchkit.shapes import fake_batch, new_fake_mode, shape_guard
@@ -50,6 +51,8 @@ def build_program(
     state capture settled on the user's objects (``capture/steady_state.py``) is put back on
     any failure."""
     with _one_build_at_a_time(spec.name):
+        # a fully_shard wrap, accepted at registration, checked and taken over (once)
+        adopt_at_first_build(spec.name, spec.modules, spec.config)
         fake_mode = new_fake_mode()
         ctx = BuildContext(
             spec=spec,

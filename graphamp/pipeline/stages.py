@@ -28,7 +28,6 @@ from ..capture import (
     capture_forward,
     check_devices,
     check_module_paths,
-    check_not_fsdp,
     checkpointed_paths,
     pinned_paths,
 )
@@ -41,6 +40,7 @@ from ..records.spec import CapturedForward, GraphSpec, PassRecord, StepFn, StepP
 from ..records.state import SharedState
 from ..runner import Runner
 from ..runner.host_memory import keep_freed_memory
+from ..sharding.fsdp_adopt import refuse_foreign_dtensors
 from ..sharding.sharded_params import shard_group
 from ..step import (
     OutlineResult,
@@ -103,7 +103,7 @@ def capture(ctx: BuildContext) -> Captured:
             f"{spec.name}: gradient accumulation splits a training step into "
             "micro-batches, but the graph has no optimizer"
         )
-    check_not_fsdp(spec.name, ctx.root)
+    refuse_foreign_dtensors(spec.name, ctx.root)
     device = check_devices(spec.name, ctx.root, ctx.inputs)
     traced = ctx.batch
     if config.grad_acc_steps > 1:

@@ -36,7 +36,6 @@ from ..records.inputs import (
 )
 from ..records.spec import GraphSpec, OptimizerSlot, Program
 from ..records.state import SharedState
-from ..sharding.fsdp_adopt import adopt_at_first_call
 from ..torchkit.rank_store import raise_if_a_peer_failed
 from . import ambient, interrupts, schedulers
 from .lifting import Lifting
@@ -222,7 +221,6 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple) -> Program:
     """No cached step serves this call: say why, choose the dimensions to make symbolic, build
     one (the Graph's pipeline) and keep it."""
     check_arity(run.build, inputs.args, inputs.kwargs, run.name)
-    adopt_at_first_call(run.name, run.modules, run.config.snapshot())
     names = inputs.names(run.build)
     change = run.programs.why_rebuilt(key, inputs, names)
     config = run.config

@@ -11,7 +11,7 @@ registered, graphamp takes the wrap over:
 - ``MixedPrecisionPolicy.param_dtype`` must be AMP's dtype (checked at the first call, when the
   settings are final: ``check_policy``): graphamp gathers a parameter read only through its
   cast in that dtype, as FSDP2 does, but decides each op's precision from its lists;
-- at the first call, once every check passed (``adopt_at_first_call``), FSDP2's hooks and
+- at the first build, once every check passed (``adopt_at_first_build``), FSDP2's hooks and
   module classes are removed, so the model is a plain module whose parameters are still
   FSDP2's DTensor shards; the build then copies each rank's local shard into graphamp's row
   (``sharding/sharded_params.py``; no collective: the layouts are the same) and points the
@@ -29,7 +29,7 @@ step does what they did.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,7 @@ from ..errors import ConfigError, GraphDefinitionError
 from ..records.fully_shard import FullyShardWrap
 from ..records.settings import ConfigSnapshot
 from ..torchkit.compat import fully_shard_state, remove_fully_shard
+from .rows import is_shard
 
 log = logging.getLogger("graphamp")
 
@@ -60,7 +61,7 @@ def fully_shard_wrap(graph_name: str, name: str, module: nn.Module) -> FullyShar
     """What the ``fully_shard`` wraps inside ``module`` (registered as ``name``) ask for, after
     refusing what graphamp cannot do the same way; None when nothing in it is wrapped. Changes
     nothing but resharding a module left unsharded (FSDP2's state between steps):
-    ``adopt_at_first_call`` removes the wrap, once every check passed."""
+    ``adopt_at_first_build`` removes the wrap, once every check passed."""
     wrapped = _wrapped_modules(module)
     if not wrapped:
         return None
@@ -103,15 +104,15 @@ def check_policy(graph_name: str, config: ConfigSnapshot) -> None:
         )
 
 
-def adopt_at_first_call(
-    graph_name: str, modules: dict[str, nn.Module], config: ConfigSnapshot
+def adopt_at_first_build(
+    graph_name: str, modules: Iterable[tuple[str, nn.Module]], config: ConfigSnapshot
 ) -> None:
     """Before a build: the registered models' fully_shard wraps, accepted at registration,
     checked against the final settings and then removed (nothing to do once they are)."""
     if config.fully_shard is None:
         return
     check_policy(graph_name, config)
-    for name, module in modules.items():
+    for name, module in modules:
         take_over(graph_name, name, module)
 
 
@@ -177,3 +178,25 @@ def _ranks(group) -> tuple[int, ...]:
     import torch.distributed as dist
 
     return tuple(dist.get_process_group_ranks(group))
+
+
+def refuse_foreign_dtensors(graph_name: str, root: nn.Module) -> None:
+    """Refuse DTensor parameters that are not graphamp's shards (tensor parallel, or a wrap
+    put on after registration): their collectives run outside any graph, which make_fx cannot
+    trace through (measured on torch 2.14, gloo: "'FunctionalTensor' object has no attribute
+    '_local_tensor'"). A ``fully_shard`` wrap registered on the Graph was taken over already,
+    before the build (``adopt_at_first_build``)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return
+    for name, p in root.named_parameters():
+        if isinstance(p, DTensor) and not is_shard(p):
+            raise ConfigError(
+                f"{graph_name}: parameter {name!r} is a DTensor that graphamp did not shard "
+                "(tensor parallel, or fully_shard applied after the model was registered), "
+                "which graphamp cannot capture. Wrap with fully_shard before registering the "
+                "model (graphamp takes the wrap over), or register the plain model and call "
+                "self.config.enable_zero(stage=3): it shards the parameters, gradients and "
+                "optimizer state inside the compiled step, as DTensors in FSDP2's layout"
+            )

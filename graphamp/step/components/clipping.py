@@ -18,6 +18,8 @@ from .component import OptimizerUpdate, StepComponent, StepContext
 class Clipping(StepComponent):
     name = "clipping"
     part = "gradient clipping"
+    on_skip = "nothing of its own: with a scaler, a non-finite total norm skips the step"
+    across_ranks = "the total norm is over every rank's gradients: the same on every rank"
 
     def active(self, plan: StepPlan) -> bool:
         return any(opt.clip_max_norm is not None for opt in plan.optimizers)

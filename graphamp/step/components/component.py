@@ -5,8 +5,10 @@ The training step is the forward and backward (``gradients.py``) and the optimiz
 a ``StepComponent``: it says which plans it acts in (``active``), which group of the step's
 inputs it owns (``group`` and ``input_names``; it reads them with ``own``), the optimizers it
 refuses (``check_optimizer``), the StepPlan fields it decides (``plan_fields``: ZeRO's is the
-plan's ``placement``), the state ``Graph.state_dict()`` saves for it (``saved_key``), what it
-traces at each ``Phase``, and its rewrite of the assembled step (``rewrite_stage``).
+plan's ``placement``), the state ``Graph.state_dict()`` saves for it (``saved_key``), what a
+skipped step does with what it keeps and what the ranks agree on (``on_skip``,
+``across_ranks``), what it traces at each ``Phase``, and its rewrite of the assembled step
+(``rewrite_stage``).
 Assembly (``assemble.py``) runs the phases in order and, within a phase, the components in the
 order ``components/__init__.py`` registers them. A component keeps what it needs between phases
 on the ``StepContext`` of the one trace.
@@ -113,6 +115,11 @@ class StepComponent:
 
     # its key in ``Graph.state_dict()``, where it keeps state from step to step (None: none)
     saved_key: str | None = None
+    # what a skipped step (an overflow) does with what it keeps, and what the ranks of a
+    # data-parallel step agree on: every component says, "nothing" included
+    # (docs/architecture.md draws them; tests/test_architecture.py checks the page)
+    on_skip = ""
+    across_ranks = ""
     # the pipeline stage (``pipeline/stage_errors.py`` words its errors) that runs
     # ``rewrite_step`` on the assembled step, after outlining (None: it rewrites nothing)
     rewrite_stage: str | None = None

@@ -21,6 +21,11 @@ from .component import StepComponent, StepContext
 class DataParallel(StepComponent):
     name = "data_parallel"
     part = "the gradients' all-reduce"
+    on_skip = "nothing of its own"
+    across_ranks = (
+        "the gradients are averaged over the ranks, and the overflow flags all-reduced (max): every"
+        " rank skips alike"
+    )
 
     def active(self, plan: StepPlan) -> bool:
         return plan.training and plan.process_group is not None

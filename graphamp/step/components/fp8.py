@@ -33,6 +33,8 @@ from .component import StepComponent, StepContext
 class Fp8Histories(StepComponent):
     name = "fp8"
     part = "the fp8 amax histories"
+    on_skip = "the amax histories are kept as they were (column 0 starts afresh the next step)"
+    across_ranks = "this step's amaxes are all-reduced (max) before they enter the histories"
     saved_key = "fp8_histories"  # name -> (3, history) float32: without column 0, the scratch
 
     def active(self, plan: StepPlan) -> bool:

@@ -18,6 +18,10 @@ from .component import OptimizerUpdate, StepComponent, StepContext
 class GradientCode(StepComponent):
     name = "gradient_code"
     part = "the gradient code of build()"
+    on_skip = "the parameters build() changed in place get their old values back"
+    across_ranks = (
+        "it reads the gradients after data parallel averaged them: the same on every rank"
+    )
 
     def active(self, plan: StepPlan) -> bool:
         code = plan.captured.gradient_code

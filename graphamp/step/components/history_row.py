@@ -18,6 +18,10 @@ class History(StepComponent):
     part = "the step's history row"
     group = "history"
     inputs = ("history_step", "history_table")
+    on_skip = "its row is written, with skipped = 1"
+    across_ranks = (
+        "the step, scale, skip and norm are the same on every rank; the loss is the rank's own"
+    )
 
     def active(self, plan: StepPlan) -> bool:
         return plan.training

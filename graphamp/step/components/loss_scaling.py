@@ -33,6 +33,8 @@ class LossScaling(StepComponent):
     part = "unscaling, the overflow check or the scale update"
     group = "scaler"
     inputs = tuple(f"scaler_{n}" for n in STATE_NAMES)
+    on_skip = "its state is updated: the scale backs off and the growth count restarts"
+    across_ranks = "the same on every rank: it reads the agreed overflow flags"
 
     def active(self, plan: StepPlan) -> bool:
         return plan.training and plan.scaler is not None

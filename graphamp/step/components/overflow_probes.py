@@ -388,6 +388,11 @@ class OverflowProbes(StepComponent):
     part = "the overflow probes"
     group = "forensics"
     inputs = ("forensics_count", "forensics_ring", "forensics_ranges")
+    on_skip = "its record is written: a skipped step is what it records"
+    across_ranks = (
+        "its probe vector is made the same on every rank (each probe's largest magnitude) before it"
+        " is written"
+    )
 
     def active(self, plan: StepPlan) -> bool:
         return plan.probes is not None

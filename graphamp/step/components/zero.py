@@ -202,6 +202,14 @@ class Zero(StepComponent):
     part = "ZeRO's sharded update"
     group = "shard"
     inputs = ("zero_rank",)
+    on_skip = (
+        "nothing of its own: the masked update leaves the rows, and the wholes gathered from them, "
+        "as they were"
+    )
+    across_ranks = (
+        "each rank updates its own rows; the all-gather makes the whole parameters equal on every "
+        "rank"
+    )
 
     rewrite_stage = "place_collectives"  # after outlining: it moves gathers around its calls
 
