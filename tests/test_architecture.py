@@ -468,6 +468,7 @@ def test_records_check_the_invariants_they_state():
     )
     g(torch.randn(4, 256), torch.randint(0, 10, (4,)))
     plan = g._programs.last().plan
+    assert all(type(k) is str for k in g._programs.last().timings)  # torch.load reads them
     for change, words in (
         (dict(trainable=[0, 0]), "twice"),
         (dict(acc_steps=0), "at least 1"),
@@ -716,6 +717,31 @@ def test_zero_is_read_only_by_its_component_its_package_and_its_settings():
                 importers.add(name)
     assert readers == set(_ZERO_SETTING_READERS)
     assert importers == set(_SHARDING_IMPORTERS)
+
+
+def test_stages_are_named_through_the_enum_and_each_has_its_words():
+    """The build's stages are ``records.stage_names.Stage`` members: the pipeline runs them by
+    member (no string literal names a stage), each has its words in ``stage_errors.py``, and a
+    component that rewrites the assembled step names its stage."""
+    from graphamp.pipeline.stage_errors import _STAGE_WORDS
+    from graphamp.records.stage_names import Stage
+    from graphamp.step.components import COMPONENTS, StepComponent
+
+    assert set(_STAGE_WORDS) == set(Stage)
+    problems = []
+    for path in (PACKAGE / "pipeline").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            name = ast.unparse(node.func).rsplit(".", 1)[-1]
+            first = node.args[0]
+            if name in ("run", "worded", "stage_error") and isinstance(first, ast.Constant):
+                problems.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:60]}")
+    assert not problems, "\n".join(problems)
+    for c in COMPONENTS:
+        rewrites = type(c).rewrites is not StepComponent.rewrites
+        assert rewrites == (c.rewrite_stage is not None), c.name
+        assert c.rewrite_stage is None or isinstance(c.rewrite_stage, Stage)
 
 
 def test_the_step_phases_are_the_components_methods():

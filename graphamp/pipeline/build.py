@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar, cast
 
 from ..backend import distributed
 from ..backend.compile import views_as_reshapes
@@ -25,6 +25,7 @@ from ..capture import BuildRoot, autocast_forward
 from ..records.guards import BuildRequest, Guards, StateSize
 from ..records.inputs import FlatInputs
 from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
+from ..records.stage_names import Stage
 from ..records.state import SharedState
 from ..sharding.fsdp_adopt import adopt_at_first_build
 from ..step import count_block_updates, prepare_model_for_components, step_rewrites
@@ -72,15 +73,15 @@ def _build_on_every_rank(ctx: BuildContext) -> Program:
     """Data parallel: the model's state broadcast from rank 0 once, then every rank builds and
     all agree that they built the same step (``backend/distributed.py``)."""
     spec, stages_ = ctx.spec, _Stages(ctx.spec)
-    group = stages_.worded("capture", distributed.process_group, spec.name, spec.config)
+    group = stages_.worded(Stage.CAPTURE, distributed.process_group, spec.name, spec.config)
     if ctx.state.rank_link is None:
         ctx.state.rank_link = RankLink.open(spec.name, group)
     link = ctx.state.rank_link
     if not ctx.state.broadcast_done:
-        stages_.worded("capture", distributed.broadcast_state, spec.name, ctx.root, group, link)
+        stages_.worded(Stage.CAPTURE, distributed.broadcast_state, spec.name, ctx.root, group, link)
         ctx.state.broadcast_done = True
     # the components' changes to how the model holds its state, on every rank before capture
-    stages_.worded("capture", prepare_model_for_components, spec, ctx.root, group)
+    stages_.worded(Stage.CAPTURE, prepare_model_for_components, spec, ctx.root, group)
     ctx = dataclasses.replace(ctx, process_group=group)
     return distributed.build_on_every_rank(
         spec.name,
@@ -93,7 +94,7 @@ def _build_on_every_rank(ctx: BuildContext) -> Program:
 def _build(ctx: BuildContext) -> Program:
     run = _Stages(ctx.spec)
     captured = run(
-        "capture", stages.capture, ctx, describe=lambda c: f"{nodes(c.forward.gm)} nodes"
+        Stage.CAPTURE, stages.capture, ctx, describe=lambda c: f"{nodes(c.forward.gm)} nodes"
     )
     try:
         return _build_after_capture(ctx, run, captured)
@@ -104,14 +105,16 @@ def _build(ctx: BuildContext) -> Program:
 
 
 def _build_after_capture(ctx: BuildContext, run: _Stages, captured: Captured) -> Program:
-    capture_seconds = run.timings["capture"]
-    passed = run("amp_passes", stages.amp_passes, ctx, captured, capture_seconds, describe=_passes)
-    plan = run("plan", stages.plan, ctx, captured, passed)
-    example = run("examples", stages.examples, ctx, plan, captured.device)
+    capture_seconds = run.timings[Stage.CAPTURE.value]
+    passed = run(
+        Stage.AMP_PASSES, stages.amp_passes, ctx, captured, capture_seconds, describe=_passes
+    )
+    plan = run(Stage.PLAN, stages.plan, ctx, captured, passed)
+    example = run(Stage.EXAMPLES, stages.examples, ctx, plan, captured.device)
     step = _step_graph(ctx, run, captured, passed, plan, example)
     try:
         compiled = run(
-            "compile",
+            Stage.COMPILE,
             stages.compile,
             ctx,
             plan,
@@ -154,7 +157,7 @@ def _step_graph(
     key = None
     if choices.cache:
         what = (ctx, captured, passed, plan, example, choices)
-        found = run("step_cache", stages.look_up, *what, describe=lambda f: f.note)
+        found = run(Stage.STEP_CACHE, stages.look_up, *what, describe=lambda f: f.note)
         if found.step is not None:
             return found.step
         key = found.key
@@ -163,7 +166,7 @@ def _step_graph(
     try:
         step = _assembled_step(ctx, run, captured, passed, plan, example, choices)
         if key is not None:
-            run("save_step", stages.save_step, ctx, key, step, describe=str)
+            run(Stage.SAVE_STEP, stages.save_step, ctx, key, step, describe=str)
             # saved or not: compile notes its key under it
             step = dataclasses.replace(step, key=key, side=side)
     except BaseException:
@@ -183,13 +186,13 @@ def _assembled_step(
     choices: stages.Choices,
 ) -> StepGraph:
     """Assembled, recomputed, outlined, as the backend takes it."""
-    step = run("assemble", stages.assemble, plan, passed, example, choices, describe=_assembled)
+    step = run(Stage.ASSEMBLE, stages.assemble, plan, passed, example, choices, describe=_assembled)
     if choices.recompute:
-        step = run("recompute", stages.recompute, ctx, step, captured.regions, describe=_size)
+        step = run(Stage.RECOMPUTE, stages.recompute, ctx, step, captured.regions, describe=_size)
     if choices.outline:
-        step = run("outline", stages.outline, step, describe=_outline_line)
+        step = run(Stage.OUTLINE, stages.outline, step, describe=_outline_line)
     for c in step_rewrites(plan):  # last: a rewrite sees the calls outlining made
-        step = run(str(c.rewrite_stage), stages.rewrite, c, plan, step, describe=_size)
+        step = run(cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=_size)
     # as the backend takes it (eager: as traced), so that a step loaded later needs no change
     if ctx.spec.config.backend != "eager":
         views_as_reshapes(step.gm)
@@ -205,18 +208,19 @@ class _Stages:
 
     def run(
         self,
-        name: str,
+        name: Stage,
         fn: Callable[..., T],
         *args: Any,
         describe: Callable[[T], str] | None = None,
     ) -> T:
         start = time.perf_counter()
         result = self.worded(name, fn, *args)
-        self.timings[name] = seconds = time.perf_counter() - start
+        # plain strings: timings are user-facing (CompiledStep.timings) and saved with torch.save
+        self.timings[name.value] = seconds = time.perf_counter() - start
         log_stage(self.spec.name, name, seconds, describe(result) if describe else "")
         return result
 
-    def worded(self, name: str, fn: Callable[..., T], *args: Any) -> T:
+    def worded(self, name: Stage, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, what it raises worded as stage ``name``'s failure (the one place)."""
         try:
             return fn(*args)
@@ -313,5 +317,5 @@ def trace_autocast(program: Program) -> AutocastTrace:
         raise ValueError("trace_autocast needs a program built with AMP")
     with _one_build_at_a_time(spec.name):
         return _Stages(spec).worded(
-            "capture", autocast_forward, root, example, amp.dtype, program.device
+            Stage.CAPTURE, autocast_forward, root, example, amp.dtype, program.device
         )

@@ -14,58 +14,59 @@ import torch
 
 from ..errors import CaptureError, CompileError, GraphampError
 from ..records.spec import GraphSpec
+from ..records.stage_names import Stage
 from ..step.components import COMPONENTS
 from ..torchkit.fxutil import user_frame_of_exception
 
 PASS_THROUGH = (GraphampError, MemoryError, torch.OutOfMemoryError)
 
 # stage -> (what was being done, what to try)
-_STAGE_WORDS = {
-    "capture": (
+_STAGE_WORDS: dict[Stage, tuple[str, str]] = {
+    Stage.CAPTURE: (
         "capturing {name}.build()",
         "build() runs eagerly first? If it does, the failing call is one graphamp cannot "
         "trace on fake tensors: move it out of build() or report it",
     ),
-    "amp_passes": (
+    Stage.AMP_PASSES: (
         "the AMP passes on {name}",
         "keep the module involved in fp32 (config.pin_fp32) or turn AMP off to check, "
         "and report it with g.dump(path)",
     ),
-    "plan": (
+    Stage.PLAN: (
         "planning the training step of {name}",
         "check the optimizers' param groups; if they are ordinary, report it",
     ),
-    "assemble": (
+    Stage.ASSEMBLE: (
         "assembling the training step of {name}",
         "report it with g.dump(path)",
     ),
-    "examples": (
+    Stage.EXAMPLES: (
         "making the example inputs of {name}'s step",
         "report it with g.dump(path)",
     ),
-    "step_cache": (
+    Stage.STEP_CACHE: (
         "looking the step of {name} up in the step cache",
         "config.set_step_cache(False) builds the step without it; please report it",
     ),
-    "recompute": (
+    Stage.RECOMPUTE: (
         "copying the activation-checkpointed regions of {name}",
         "config.enable_activation_checkpointing() with no argument builds the step without "
         "recomputation; please report it with g.dump(path)",
     ),
-    "outline": (
+    Stage.OUTLINE: (
         "outlining the repeated blocks of {name}",
         "config.set_outline_blocks(False) builds the step inlined; please report it",
     ),
-    "place_collectives": (
+    Stage.PLACE_COLLECTIVES: (
         "placing the ZeRO-3 gathers and scatters of {name}'s step",
         "config.enable_zero(stage=2) trains without sharded parameters; please report it "
         "with g.dump(path)",
     ),
-    "save_step": (
+    Stage.SAVE_STEP: (
         "saving the step of {name} in the step cache",
         "check that the cache directory is writable, or config.set_step_cache(False)",
     ),
-    "compile": (
+    Stage.COMPILE: (
         "compiling the step of {name} with the {backend!r} backend",
         "try config.set_backend('aot_eager') or 'eager' to see whether the backend is "
         "at fault, and report it to torch with the step graph (g.dump(path))",
@@ -73,16 +74,16 @@ _STAGE_WORDS = {
 }
 
 
-def stage_error(spec: GraphSpec, stage: str, error: Exception) -> GraphampError:
+def stage_error(spec: GraphSpec, stage: Stage, error: Exception) -> GraphampError:
     """The graphamp error for ``error``, raised by ``stage`` of the build of ``spec``."""
     doing, fix = _STAGE_WORDS[stage]
     doing = doing.format(name=spec.name, backend=spec.config.backend)
     frame = user_frame_of_exception(error)
     at = f" at {frame}" if frame is not None else ""
-    if stage == "assemble":
+    if stage is Stage.ASSEMBLE:
         doing += _step_part(error)
         fix = _assembly_fix(error, frame is not None)
-    kind = CompileError if stage == "compile" else CaptureError
+    kind = CompileError if stage is Stage.COMPILE else CaptureError
     return kind(f"{doing} failed{at}: {type(error).__name__}: {error}. {fix}")
 
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 from ...records.layouts import StepInputs
 from ...records.optimizers import OptimizerPlan
 from ...records.spec import CapturedForward, GraphSpec, StepPlan
+from ...records.stage_names import Stage
 from ...records.state import SharedState
 from ...records.update_paths import UpdatePath
 
@@ -122,7 +123,7 @@ class StepComponent:
     across_ranks = ""
     # the pipeline stage (``pipeline/stage_errors.py`` words its errors) that runs
     # ``rewrite_step`` on the assembled step, after outlining (None: it rewrites nothing)
-    rewrite_stage: str | None = None
+    rewrite_stage: Stage | None = None
 
     def active(self, plan: StepPlan) -> bool:
         """Does this plan use the component?"""

@@ -31,6 +31,7 @@ import torch.nn as nn
 from ...errors import CaptureError, ConfigError, UnsupportedOptimizerError
 from ...records.optimizers import OptimizerPlan
 from ...records.spec import GraphSpec, StepPlan
+from ...records.stage_names import Stage
 from ...records.state import SharedState
 from ...records.subgraphs import Subgraph
 from ...records.update_paths import UpdatePath
@@ -211,7 +212,7 @@ class Zero(StepComponent):
         "rank"
     )
 
-    rewrite_stage = "place_collectives"  # after outlining: it moves gathers around its calls
+    rewrite_stage = Stage.PLACE_COLLECTIVES  # after outlining: it moves gathers around its calls
 
     def active(self, plan: StepPlan) -> bool:
         return isinstance(plan.placement, RowPlacement)
