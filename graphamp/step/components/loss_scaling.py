@@ -33,7 +33,9 @@ class LossScaling(StepComponent):
     part = "unscaling, the overflow check or the scale update"
     group = "scaler"
     inputs = tuple(f"scaler_{n}" for n in STATE_NAMES)
-    on_skip = "its state is updated: the scale backs off and the growth count restarts"
+    on_skip = (
+        "its state goes through GradScaler.update_scale (backoff, hysteresis; a static scale stays)"
+    )
     across_ranks = "the same on every rank: it reads the agreed overflow flags"
 
     def active(self, plan: StepPlan) -> bool:
