@@ -6,7 +6,7 @@ parameters shards and gathering them for eager use (``sharded_params``); the opt
 held by rows and torch's format for ``state_dict()`` (``zero_state``); taking over a model the
 user wrapped with FSDP2's ``fully_shard`` (``fsdp_adopt``); ZeRO's placement, the plan's
 answer to how the step takes each parameter and state tensor (this rank's row), which the
-runner and the example inputs ask alike (``placement``); and where the step's gathers and
+runner and the example inputs ask alike (``row_placement``); and where the step's gathers and
 reduce-scatters run (``shard_gathers``, the ZeRO component's rewrite of the assembled step).
 What the step does with them is the ZeRO step component (``step/components/zero.py``); the
 settings are ``config.enable_zero`` and the ``records/fully_shard.FullyShardWrap`` record.

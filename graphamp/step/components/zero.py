@@ -148,8 +148,12 @@ def _zero_stage(planning: Planning) -> tuple[int, Any]:
 
 
 def _placement(plan: StepPlan) -> RowPlacement:
-    """The plan's placement, ZeRO's wherever the component is active."""
-    assert isinstance(plan.placement, RowPlacement), plan.placement
+    """The plan's placement, ZeRO's wherever the component is active (``Zero.active``)."""
+    if not isinstance(plan.placement, RowPlacement):
+        raise TypeError(
+            f"graphamp's ZeRO component ran on a plan whose placement is "
+            f"{type(plan.placement).__name__}, not RowPlacement: please report it"
+        )
     return plan.placement
 
 
@@ -176,17 +180,6 @@ def _check_buckets(spec: GraphSpec, plans: list[OptimizerPlan]) -> None:
                 f"bucket, but optimizer {opt.index} holds {sorted(map(str, dtypes))}: give "
                 "parameters of each dtype their own optimizer (add_optimizer twice)"
             )
-
-
-def _check_update_path(spec: GraphSpec, optimizer: Any, path: UpdatePath) -> None:
-    """ZeRO updates rows: only an update of graphamp's own multi-tensor math can run on them."""
-    if spec.config.zero_stage and not path.multi_tensor:
-        how = "is traced whole" if path.traced else "runs in Python on whole gradients"
-        raise UnsupportedOptimizerError(
-            f"{spec.name}: ZeRO shards the state of graphamp's own SGD, Adam and AdamW "
-            f"updates; {type(optimizer).__name__}'s own step() {how}, not by rows. Use one of "
-            "those three, or leave ZeRO off (data parallel without it keeps any optimizer)"
-        )
 
 
 class Zero(StepComponent):
@@ -218,7 +211,14 @@ class Zero(StepComponent):
         return isinstance(plan.placement, RowPlacement)
 
     def check_optimizer(self, spec: GraphSpec, optimizer: Any, path: UpdatePath) -> None:
-        _check_update_path(spec, optimizer, path)
+        """ZeRO updates rows: only an update of graphamp's own multi-tensor math can run on them."""
+        if spec.config.zero_stage and not path.multi_tensor:
+            how = "is traced whole" if path.traced else "runs in Python on whole gradients"
+            raise UnsupportedOptimizerError(
+                f"{spec.name}: ZeRO shards the state of graphamp's own SGD, Adam and AdamW "
+                f"updates; {type(optimizer).__name__}'s own step() {how}, not by rows. Use one of "
+                "those three, or leave ZeRO off (data parallel without it keeps any optimizer)"
+            )
 
     def prepare_model(self, spec: GraphSpec, root: nn.Module, group: Any) -> None:
         # ZeRO-3 keeps the parameters as shards from here on; a fully_shard model's FSDP2
