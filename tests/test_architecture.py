@@ -587,7 +587,7 @@ def _documented_components() -> list[tuple[str, str, list[str], str]]:
     for row in rows.splitlines()[2:]:
         name, module, phases, group = (c.strip() for c in row.strip().strip("|").split("|"))
         out.append(
-            (name.strip("`"), module.strip("`"), [p.strip() for p in phases.split(",")], group)
+            (name.strip("`"), module.strip("`"), [p.strip() for p in phases.split(",") if p], group)
         )
     return out
 

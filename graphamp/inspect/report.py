@@ -169,7 +169,7 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
     same forward), autocast's counts beside graphamp's."""
     amp = program.amp
     copies = []  # a step without checkpointing need not be read (a restart's may not be loaded)
-    if program.step.recomputes:
+    if program.plan.recomputes:
         copies = [n for n in program.step_gm.graph.nodes if subgraph_of(n) == Subgraph.RECOMPUTE]
     rows = report_rows(program.forward, frozenset(n.meta.get("fwd_node") for n in copies))
     regions = {n.meta.get("recompute_region", "") for n in copies}

@@ -2,7 +2,7 @@
 
     GraphSpec + inputs ─capture─▶ Captured ─amp_passes─▶ Passed ─plan─▶ StepPlan
       ─examples─▶ example inputs ─(choices)─▶ step_cache ─▶ StepGraph loaded, or
-      assemble ─▶ recompute ─▶ outline ─▶ [components' rewrites] ─▶ save_step ─▶ StepGraph
+      assemble ─▶ [rewrites: recompute] ─▶ outline ─▶ [rewrites: place_collectives] ─▶ save_step
       ─compile─▶ Runner ─▶ Program
 
 ``_Stages`` runs each one: it times it, logs its INFO line and turns whatever torch raised into
@@ -164,7 +164,7 @@ def _step_graph(
     # the blocks' kernels compiled beside the step: the child imports torch while this assembles
     side = stages.side_compile(ctx, choices, captured.device) if key is not None else None
     try:
-        step = _assembled_step(ctx, run, captured, passed, plan, example, choices)
+        step = _assembled_step(ctx, run, passed, plan, example, choices)
         if key is not None:
             run(Stage.SAVE_STEP, stages.save_step, ctx, key, step, describe=str)
             # saved or not: compile notes its key under it
@@ -179,7 +179,6 @@ def _step_graph(
 def _assembled_step(
     ctx: BuildContext,
     run: _Stages,
-    captured: Captured,
     passed: Passed,
     plan: StepPlan,
     example: list,
@@ -187,12 +186,17 @@ def _assembled_step(
 ) -> StepGraph:
     """Assembled, recomputed, outlined, as the backend takes it."""
     step = run(Stage.ASSEMBLE, stages.assemble, plan, passed, example, choices, describe=_assembled)
-    if choices.recompute:
-        step = run(Stage.RECOMPUTE, stages.recompute, ctx, step, captured.regions, describe=_size)
+    # the components' rewrites, each at its stage: before outlining (activation checkpointing's
+    # copies are outlined with their block) or after it (a rewrite that sees outlining's calls)
+    rewrites = step_rewrites(plan)
+    for c in rewrites:
+        if c.rewrites_before_outlining:
+            run(cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=str)
     if choices.outline:
         step = run(Stage.OUTLINE, stages.outline, step, describe=_outline_line)
-    for c in step_rewrites(plan):  # last: a rewrite sees the calls outlining made
-        step = run(cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=_size)
+    for c in rewrites:
+        if not c.rewrites_before_outlining:
+            run(cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=str)
     # as the backend takes it (eager: as traced), so that a step loaded later needs no change
     if ctx.spec.config.backend != "eager":
         views_as_reshapes(step.gm)

@@ -55,7 +55,6 @@ from ..step import (
     outline_blocks,
     outlining_cost_words,
     outlining_pays,
-    recompute_checkpointed,
     set_kernel_backend,
 )
 from ..torchkit.fxutil import copy_graph_module
@@ -212,6 +211,7 @@ def plan(ctx: BuildContext, captured: Captured, passed: Passed) -> StepPlan:
         list(amp.pass_state) if amp is not None else [],
         ctx.process_group,
         shard_group(ctx.spec.name, ctx.root),
+        captured.regions,
     )
 
 
@@ -231,7 +231,6 @@ class Choices:
     # blocks repeated at least this many times updated by one kernel each (0: the update
     # inline; config.set_block_updates)
     block_updates: int
-    recompute: bool  # activation checkpointing copies its regions before their backward
     cache: bool  # the step cache is looked up (and written after a miss)
 
 
@@ -285,14 +284,13 @@ def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
     # pass's state inputs
     plain = spec.training and not plan.captured.gradient_code.present and not plan.pass_state
     wanted = config.outline_blocks if config.outline_blocks is not None else outline_default
-    recompute = bool(captured.regions) and spec.training
     if config.block_updates is None:
         # measured only there, and only where the blocks do enough work (block_work.py)
         pays = by_default and block_updates_pay(captured.forward.gm)
         repeats = REPEATS_BY_DEFAULT if pays else 0
     else:
         repeats = 2 if config.block_updates else 0
-    return Choices(wanted and plain, repeats if plain else 0, recompute, config.step_cache)
+    return Choices(wanted and plain, repeats if plain else 0, config.step_cache)
 
 
 # -- the step graph: loaded, or assembled (recomputed, outlined) and saved --------------------------
@@ -310,8 +308,8 @@ class StepGraph:
     side: SideCompile | None = None  # a child process for the blocks' kernels (side_compile.py)
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, recomputes: bool = False, **kw: Any) -> StepGraph:
-        return cls(DeferredGraph.ready(gm, recomputes), **kw)
+    def of(cls, gm: fx.GraphModule, **kw: Any) -> StepGraph:
+        return cls(DeferredGraph.ready(gm), **kw)
 
     @property
     def gm(self) -> fx.GraphModule:
@@ -350,19 +348,17 @@ def look_up(
         key = step_key((*what, ctx.spec.training))
     except Uncacheable as e:
         return CacheLookup(None, None, f"not used: {e}")
-    deferred = _deferred(ctx, key, choices)
+    deferred = _deferred(ctx, key, plan)
     if deferred is not None:
         return CacheLookup(key, deferred, f"hit ({key[:12]}): {deferred.graph.nodes} nodes")
     cached = step_cache.load(ctx.spec.name, key, ctx.fake_mode)
     if cached is None:
         return CacheLookup(key, None, f"miss ({key[:12]})")
-    step = StepGraph.of(
-        cached.step_gm, choices.recompute, loaded=True, outline=cached.outline, key=key
-    )
+    step = StepGraph.of(cached.step_gm, loaded=True, outline=cached.outline, key=key)
     return CacheLookup(key, step, f"hit ({key[:12]}): {nodes(step.gm)} nodes")
 
 
-def _deferred(ctx: BuildContext, key: str, choices: Choices) -> StepGraph | None:
+def _deferred(ctx: BuildContext, key: str, plan: StepPlan) -> StepGraph | None:
     """The step under ``key``, authenticated and not unpickled, where the compile may need
     only the note (``noted_step.py``): inductor, static sizes, and nothing that reads the
     graph at every build (checkpointing's count in the report; the blocks' update kernels are
@@ -371,12 +367,12 @@ def _deferred(ctx: BuildContext, key: str, choices: Choices) -> StepGraph | None
     if config.backend != "inductor" or ctx.request.dynamic:
         return None
     note = read_note(ctx.spec.name, key)
-    if choices.recompute or note is None or not noted_step.usable(note):
+    if plan.recomputes or note is None or not noted_step.usable(note):
         return None
     load = step_cache.load_later(ctx.spec.name, key, ctx.fake_mode)
     if load is None:
         return None
-    graph = DeferredGraph(load, note["nodes"], recomputes=False)
+    graph = DeferredGraph(load, note["nodes"])
     return StepGraph(graph, loaded=True, key=key, note=note)
 
 
@@ -386,36 +382,23 @@ def assemble(plan: StepPlan, passed: Passed, example: list, choices: Choices) ->
     )
 
 
-def recompute(ctx: BuildContext, step: StepGraph, regions: frozenset[str]) -> StepGraph:
-    """Checkpointed regions copied before their backward (in place on ``step.gm``)."""
-    recomputed = recompute_checkpointed(step.gm, regions)
-    log.info(
-        "%s: activation checkpointing recomputes %d ops in %d regions",
-        ctx.spec.name,
-        recomputed.copies,
-        len(recomputed.regions),
-    )
-    return dataclasses.replace(step, graph=DeferredGraph.ready(step.gm, recomputes=True))
-
-
 def outline(step: StepGraph) -> StepGraph:
     """Repeated blocks as shared subgraphs, on a copy: if outlining fails, the inlined step is
     compiled (and the INFO line says why)."""
     outlined = copy_graph_module(step.gm)
-    recomputes = step.graph.recomputes
     try:
         result = outline_blocks(outlined)
     except Exception as e:  # outlining is an optimisation; the step is correct without it
         failed = OutlineResult(left_inline=[f"all ({type(e).__name__}: {e})"])
         return dataclasses.replace(step, outline=failed)
-    return StepGraph.of(outlined, recomputes, outline=result)
+    return StepGraph.of(outlined, outline=result)
 
 
-def rewrite(component: StepComponent, plan: StepPlan, step: StepGraph) -> StepGraph:
+def rewrite(component: StepComponent, plan: StepPlan, step: StepGraph) -> str:
     """A step component's rewrite of the assembled step, in place on ``step.gm``
-    (``StepComponent.rewrite_step``: ZeRO-3 places each block's gathers and scatters)."""
-    component.rewrite_step(plan, step.gm)
-    return step
+    (``StepComponent.rewrite_step``), and its words for the stage's INFO line."""
+    words = component.rewrite_step(plan, step.gm)
+    return f"{nodes(step.gm)} nodes" + (f"; {words}" if words else "")
 
 
 def save_step(ctx: BuildContext, key: str, step: StepGraph) -> str:

@@ -17,24 +17,21 @@ import torch.fx as fx
 class DeferredGraph:
     """A graph module, given (``ready``) or loaded by ``load`` at its first read (``gm``).
 
-    ``nodes`` is its node count, known without loading it; ``recomputes`` says whether
-    activation checkpointing copied regions into it (what the precision report counts)."""
+    ``nodes`` is its node count, known without loading it."""
 
     def __init__(
         self,
         load: Callable[[], fx.GraphModule],
         nodes: int,
-        recomputes: bool,
     ) -> None:
         self._load = load
         self._gm: fx.GraphModule | None = None
         self._lock = threading.Lock()
         self.nodes = nodes
-        self.recomputes = recomputes
 
     @classmethod
-    def ready(cls, gm: fx.GraphModule, recomputes: bool = False) -> DeferredGraph:
-        graph = cls(lambda: gm, len(gm.graph.nodes), recomputes)
+    def ready(cls, gm: fx.GraphModule) -> DeferredGraph:
+        graph = cls(lambda: gm, len(gm.graph.nodes))
         graph._gm = gm
         return graph
 

@@ -296,6 +296,9 @@ class StepPlan:
     probes: ProbeTable | None = None
     # the state tensors the AMP passes gave the forward (after the parameter copies)
     pass_state: list[PassState] = field(default_factory=list)
+    # activation checkpointing: the module paths the training step recomputes for the backward,
+    # sorted (empty: none)
+    checkpointed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(set(self.trainable)) != len(self.trainable):
@@ -306,6 +309,12 @@ class StepPlan:
             raise ValueError("an eval StepPlan (training=False) has no optimizer and no scaler")
         if self.placement.sharded and self.process_group is None:
             raise ValueError("a StepPlan over sharded tensors needs the process group")
+
+    @property
+    def recomputes(self) -> bool:
+        """Activation checkpointing: the training step recomputes the forward's checkpointed
+        regions for the backward (``step/components/activation_checkpointing.py``)."""
+        return bool(self.checkpointed)
 
     @property
     def eager_outputs(self) -> int:

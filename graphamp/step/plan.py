@@ -36,6 +36,7 @@ def build_plan(
     pass_state: list[PassState],
     process_group=None,
     shard_group=None,
+    regions: frozenset[str] = frozenset(),
 ) -> StepPlan:
     """The StepPlan for ``captured`` (``forward``: the graph after the AMP passes).
 
@@ -45,14 +46,14 @@ def build_plan(
     state inputs the AMP passes gave the forward (``AmpContext.pass_state``).
     ``process_group``: data parallel's group;
     ``shard_group``: the group the parameters are ZeRO-3 shards over (any graph that reads
-    them, a training one or an eval one, gathers them: the plan is ZeRO-3's)."""
+    them, a training one or an eval one, gathers them: the plan is ZeRO-3's); ``regions``:
+    the modules activation checkpointing recomputes."""
     layout = captured.layout.with_param_copies(len(hoisted)).with_pass_state(len(pass_state))
     params = layout.split([n for n in forward.graph.nodes if n.op == "placeholder"]).params
     index = {node.name: i for i, node in enumerate(params)}
     param_casts = [(index[name], dtype) for name, dtype in hoisted]
     direct_use = {i for i, node in enumerate(params) if node.users}
     _check_losses(spec, captured)
-    _check_gradient_code(spec, captured)
     plans = _optimizer_plans(spec, captured, {pid: i for i, pid in enumerate(param_ids)})
     trainable = [i for opt in plans for i in opt.forward_positions]
     if spec.training and not trainable:
@@ -63,7 +64,7 @@ def build_plan(
     scaler = spec.scaler if spec.training else None
     _warn_about_scaler_dtype(spec, scaler)
     planning = Planning(
-        spec, captured, forward, plans, trainable, param_casts, process_group, shard_group
+        spec, captured, forward, plans, trainable, param_casts, process_group, shard_group, regions
     )
     fields = {
         "process_group": process_group if spec.training else None,
@@ -78,26 +79,10 @@ def build_plan(
         layout=StepLayout({}),  # named below, once the plan says which components it uses
         param_casts=param_casts,
         direct_use=direct_use,
-        acc_steps=spec.config.grad_acc_steps,
         pass_state=list(pass_state),
         **fields,
     )
     return dataclasses.replace(plan, layout=_layout(plan))
-
-
-def _check_gradient_code(spec: GraphSpec, captured: CapturedForward) -> None:
-    """Gradient code in build() (``GradientCode``) runs once per step, on the whole batch's
-    gradients (averaged over data parallel's ranks first, as DDP's backward() does): not yet
-    per micro-batch (a component may refuse it too: ``plan_fields``)."""
-    if not (spec.training and captured.gradient_code.present):
-        return
-    if spec.config.grad_acc_steps > 1:
-        raise CaptureError(
-            f"{spec.name}.build() reads or writes .grad, or changes parameters in place, and "
-            "the Graph uses gradient accumulation (set_gradient_accumulation_steps): graphamp "
-            "does not combine the two yet. Fix: train this step without accumulation, or move "
-            "the gradient code to add_optimizer's clip_grad_max_norm where it is clipping"
-        )
 
 
 def _check_losses(spec: GraphSpec, captured: CapturedForward) -> None:

@@ -19,6 +19,8 @@ import torch.nn as nn
 from ...records.spec import GraphSpec, StepPlan
 from ...records.state import SharedState
 from ...records.update_paths import UpdatePath
+from .accumulation import Accumulation
+from .activation_checkpointing import ActivationCheckpointing
 from .clipping import Clipping
 from .component import OptimizerUpdate, Phase, Planning, StepComponent, StepContext
 from .data_parallel import DataParallel
@@ -38,6 +40,8 @@ COMPONENTS: tuple[StepComponent, ...] = (
     Clipping(),
     History(),
     Fp8Histories(),
+    Accumulation(),
+    ActivationCheckpointing(),
 )
 
 

@@ -59,6 +59,7 @@ class Planning:
     param_casts: list[tuple[int, torch.dtype]]  # StepPlan.param_casts
     process_group: Any  # data parallel's group (None: one process)
     shard_group: Any  # the group the parameters are ZeRO-3 shards over (None: not shards)
+    regions: frozenset[str]  # the module paths activation checkpointing recomputes
 
 
 @dataclass
@@ -122,7 +123,8 @@ class StepComponent:
     on_skip = ""
     across_ranks = ""
     # the pipeline stage (``pipeline/stage_errors.py`` words its errors) that runs
-    # ``rewrite_step`` on the assembled step, after outlining (None: it rewrites nothing)
+    # ``rewrite_step`` on the assembled step (None: it rewrites nothing); a stage the enum
+    # orders before ``Stage.OUTLINE`` rewrites the inlined step, a later one the outlined step
     rewrite_stage: Stage | None = None
 
     def active(self, plan: StepPlan) -> bool:
@@ -160,9 +162,17 @@ class StepComponent:
         """Does it rewrite ``plan``'s assembled step (``rewrite_step``, when active)?"""
         return False
 
-    def rewrite_step(self, plan: StepPlan, gm: fx.GraphModule) -> None:
-        """Rewrite the assembled step in place, at ``rewrite_stage``."""
+    def rewrite_step(self, plan: StepPlan, gm: fx.GraphModule) -> str:
+        """Rewrite the assembled step in place, at ``rewrite_stage``; what it did, in words
+        for the stage's INFO line ("": the step's size says enough)."""
         raise NotImplementedError(f"{type(self).__name__} rewrites no step")
+
+    @property
+    def rewrites_before_outlining(self) -> bool:
+        """Is its rewrite made on the inlined step (its stage comes before outlining's)?"""
+        stages = list(Stage)
+        stage = self.rewrite_stage
+        return stage is not None and stages.index(stage) < stages.index(Stage.OUTLINE)
 
     def plan_fields(self, planning: Planning) -> dict[str, Any]:  # noqa: ARG002 - overridden
         """The StepPlan fields this component decides (checked: a refusal raises here, before

@@ -250,8 +250,9 @@ class Zero(StepComponent):
     def rewrites(self, plan: StepPlan) -> bool:
         return _placement(plan).stage == 3
 
-    def rewrite_step(self, plan: StepPlan, gm: fx.GraphModule) -> None:  # noqa: ARG002
+    def rewrite_step(self, plan: StepPlan, gm: fx.GraphModule) -> str:  # noqa: ARG002
         place_collectives(gm)
+        return ""
 
     def example_inputs(
         self,
