@@ -719,6 +719,52 @@ def test_zero_is_read_only_by_its_component_its_package_and_its_settings():
     assert importers == set(_SHARDING_IMPORTERS)
 
 
+# Where ZeRO and the overflow probes are named at all (code, comments, docs), outside their own
+# code, each file for its reason: the records they declare, the public config, their one
+# registration and the words a user reads. A generic hook names the hook, not its one user.
+_ZERO_CODE = ("sharding/", "step/components/zero.py")
+_ZERO_NAMED_BY = {
+    "records/placement.py": "declares the Placement RowPlacement is one of",
+    "records/settings.py": "declares the settings",
+    "records/fully_shard.py": "declares the fully_shard wrap taken over as ZeRO-3",
+    "records/stage_names.py": "declares its rewrite's stage",
+    "config.py": "public config: enable_zero",
+    "graph.py": "public: a fully_shard wrap recognised at registration",
+    "step/components/__init__.py": "the one registration",
+    "pipeline/stage_errors.py": "the words of its stage's errors",
+    "torchkit/process_state.py": "declares its process-wide cache of shards",
+    "integrations/trainer_checks.py": "the Trainer's fsdp arguments mapped onto enable_zero",
+    "integrations/transformers.py": "the Trainer's fsdp arguments mapped onto enable_zero",
+    "integrations/lightning.py": "Lightning's FSDP2 strategy mapped onto enable_zero",
+}
+_PROBES_CODE = ("forensics/", "step/components/overflow_probes.py")
+_PROBES_NAMED_BY = {
+    "records/probes.py": "declares ProbeTable and OverflowEvent",
+    "records/history.py": "declares the host's overflow events",
+    "records/spec.py": "declares StepPlan.probes",
+    "records/subgraphs.py": "declares its subgraph tag",
+    "step/components/__init__.py": "the one registration",
+    "runner/runner.py": "makes the host's handle on each step's record",
+    "runtime/overflows.py": "reads the record after a call (autofix, debug logging)",
+}
+
+
+def _files_naming(pattern: str, own: tuple[str, ...]) -> set[str]:
+    return {
+        name
+        for p in PACKAGE.glob("**/*")
+        if p.suffix in (".py", ".md")
+        and not (name := p.relative_to(PACKAGE).as_posix()).startswith(own)
+        and re.search(pattern, p.read_text())
+    }
+
+
+def test_zero_and_the_probes_are_named_only_by_their_code_records_config_and_registration():
+    zero = _files_naming(r"ZeRO|zero_stage|Zero\b|RowPlacement|zero_reshard", _ZERO_CODE)
+    assert zero == set(_ZERO_NAMED_BY)
+    assert _files_naming(r"(?i)probe", _PROBES_CODE) == set(_PROBES_NAMED_BY)
+
+
 def test_stages_are_named_through_the_enum_and_each_has_its_words():
     """The build's stages are ``records.stage_names.Stage`` members: the pipeline runs them by
     member (no string literal names a stage), each has its words in ``stage_errors.py``, and a

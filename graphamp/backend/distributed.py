@@ -83,7 +83,7 @@ def broadcast_state(graph_name: str, root: nn.Module, group, link: RankLink) -> 
     src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
     with torch.no_grad():
         for _, tensor in tensors:
-            # ZeRO-3's and FSDP2's shards (DTensors) differ by rank, as they should: a DTensor
+            # sharded parameters (DTensors) differ by rank, as they should: a DTensor
             # is one global value already
             if not isinstance(tensor, DTensor):
                 dist.broadcast(tensor.data, src=src, group=group)

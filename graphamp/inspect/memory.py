@@ -3,7 +3,7 @@
 The step's FX graph runs its nodes in order and frees each value after its last reader (FX's
 generated code drops references; aot_eager and eager backends keep that order). Walking the
 nodes with the sizes recorded at tracing (``meta["val"]``) gives the bytes of intermediate
-values alive at each point: the peak is what activation checkpointing and ZeRO change.
+values alive at each point: the peak is what activation checkpointing and sharding change.
 Inputs (parameters, optimizer state, the batch) are resident and counted apart.
 """
 

@@ -62,7 +62,7 @@ class ForwardLayout:
     ``hoist_parameter_casts`` appends the low-precision parameter copies, and a pass whose ops
     keep state from step to step appends that state (``AmpContext.pass_state``,
     ``StepPlan.forward_layout``).
-    Capture, the planner, the overflow probes, the gradients
+    Capture, the planner, the step components, the gradients
     subgraph and the eval step build and read the forward's inputs through this class only.
     """
 

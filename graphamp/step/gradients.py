@@ -26,14 +26,14 @@ _COPY_META = ("amp_colour", "amp_list", "amp_reason", "nn_module_stack", "user_f
 
 
 class ValueObserver(Protocol):
-    """Sees every value the forward makes (overflow tracing's ``ProbeRecorder``)."""
+    """Sees every value the forward makes (``StepContext.observer``: overflow tracing's)."""
 
     def observe(self, node: fx.Node, value: object) -> None: ...
 
 
 class _ForwardRunner(fx.Interpreter):
     """Runs the AMP forward graph while make_fx records; tags the nodes it produces and shows
-    each value to the overflow probes, if any."""
+    each value to the step's observer, if any."""
 
     def __init__(
         self,
@@ -140,10 +140,10 @@ def forward_and_gradients(
     Plain autograd differentiates the traced forward (``torch.autograd.grad``): the forward's
     ops record their backward as in eager mode, custom autograd Functions included. Gradients
     with respect to a parameter's low-precision copy are cast back, as a cast's backward does.
-    ``reduce_each`` (ZeRO stage 2) maps each micro-batch's gradients, in ``plan.trainable``
+    ``reduce_each`` (``StepContext.reduce_each``) maps each micro-batch's gradients, in ``plan.trainable``
     order, to what is summed over micro-batches (the rank's shards). A ``recorder`` (overflow
-    tracing) measures every probed value and its gradient. ``copies``: the low-precision
-    copies when they are made elsewhere (ZeRO-3 gathers them), else cast from ``s.params``."""
+    tracing) measures every value it observes and its gradient. ``copies``: the low-precision
+    copies when they are made elsewhere (from gathered shards), else cast from ``s.params``."""
     cap = plan.captured
     params = s.params
     copies = copies if copies is not None else parameter_casts(plan, params)

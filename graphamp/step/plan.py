@@ -45,8 +45,8 @@ def build_plan(
     read in low precision, by name, with the dtype (``AmpContext.hoisted``); ``pass_state``: the
     state inputs the AMP passes gave the forward (``AmpContext.pass_state``).
     ``process_group``: data parallel's group;
-    ``shard_group``: the group the parameters are ZeRO-3 shards over (any graph that reads
-    them, a training one or an eval one, gathers them: the plan is ZeRO-3's); ``regions``:
+    ``shard_group``: the group the parameters are shards over (any graph that reads them, a
+    training one or an eval one, gathers them: the plan is a sharded one); ``regions``:
     the modules activation checkpointing recomputes."""
     layout = captured.layout.with_param_copies(len(hoisted)).with_pass_state(len(pass_state))
     params = layout.split([n for n in forward.graph.nodes if n.op == "placeholder"]).params
@@ -68,7 +68,7 @@ def build_plan(
     )
     fields = {
         "process_group": process_group if spec.training else None,
-        **component_plan_fields(planning),  # ZeRO may name another group
+        **component_plan_fields(planning),  # a sharding component may name another group
     }
     plan = StepPlan(
         captured=captured,

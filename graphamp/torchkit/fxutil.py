@@ -152,7 +152,7 @@ def _fake_like(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     """``t`` as a fake tensor of ``mode`` with static sizes, keeping ``requires_grad``."""
     if isinstance(t, FakeTensor):
         return t
-    if is_dtensor(t):  # ZeRO-3's shard: traced as the whole parameter the step gathers
+    if is_dtensor(t):  # a sharded parameter: traced as the whole parameter the step gathers
         with mode:
             fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
         return fake.requires_grad_(t.requires_grad)

@@ -38,7 +38,7 @@ class Clipping(StepComponent):
 
 def clip_grad_norm(grads: list[torch.Tensor], max_norm: float, norm_type: float, norm_of=None):
     """torch.nn.utils.clip_grad_norm_ on values: (clipped grads, total norm). ``norm_of(grads,
-    norm_type)`` computes the total norm where the grads are shards (ZeRO)."""
+    norm_type)`` computes the total norm where the grads are shards (``StepContext.norm_of``)."""
     if not grads:
         return grads, None
     if norm_of is not None:

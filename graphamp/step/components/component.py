@@ -4,8 +4,8 @@ The training step is the forward and backward (``gradients.py``) and the optimiz
 (``optimizer_update.py``); every feature around them (``components/__init__.COMPONENTS``) is
 a ``StepComponent``: it says which plans it acts in (``active``), which group of the step's
 inputs it owns (``group`` and ``input_names``; it reads them with ``own``), the optimizers it
-refuses (``check_optimizer``), the StepPlan fields it decides (``plan_fields``: ZeRO's is the
-plan's ``placement``), the state ``Graph.state_dict()`` saves for it (``saved_key``), what a
+refuses (``check_optimizer``), the StepPlan fields it decides (``plan_fields``: a sharding
+component's is the plan's ``placement``), the state ``Graph.state_dict()`` saves for it (``saved_key``), what a
 skipped step does with what it keeps and what the ranks agree on (``on_skip``,
 ``across_ranks``), what it traces at each ``Phase``, and its rewrite of the assembled step
 (``rewrite_stage``).
@@ -36,14 +36,14 @@ class Phase(Enum):
     """The named points of the training step where components add their part, in step order.
     Each member's value is the ``StepComponent`` method assembly calls."""
 
-    START = "start"  # before the forward: whole parameters, fresh amaxes, probes armed
+    START = "start"  # before the forward: whole parameters, fresh amaxes, an observer set
     GRADIENTS = "gradients"  # every gradient made: observed, reduced across ranks
     OPTIMIZER_GRADIENTS = "optimizer_gradients"  # one optimizer's: unscaled, summed, clipped
     OVERFLOW = "overflow"  # every optimizer's overflow flag known: agreed across ranks
     BEFORE_UPDATE = "before_update"  # one optimizer's tensors to update chosen (a shard)
     AFTER_UPDATE = "after_update"  # one optimizer updated: the whole parameters back
     SKIP = "skip"  # whether the step is skipped decided; what build() changed put back
-    RECORD = "record"  # the step's records (overflow probes, history row, amax histories)
+    RECORD = "record"  # the step's records (overflow record, history row, amax histories)
     FINISH = "finish"  # the scaler's state for the next step
 
 
@@ -58,7 +58,7 @@ class Planning:
     trainable: list[int]  # forward parameter positions that get gradients
     param_casts: list[tuple[int, torch.dtype]]  # StepPlan.param_casts
     process_group: Any  # data parallel's group (None: one process)
-    shard_group: Any  # the group the parameters are ZeRO-3 shards over (None: not shards)
+    shard_group: Any  # the group the parameters are shards over (None: not shards)
     regions: frozenset[str]  # the module paths activation checkpointing recomputes
 
 
@@ -77,13 +77,13 @@ class StepContext:
 
     plan: StepPlan
     fwd_gm: fx.GraphModule
-    inputs: StepInputs  # the step's inputs by group (ZeRO-3: the wholes, after START)
+    inputs: StepInputs  # the step's inputs by group (sharded parameters: the wholes, after START)
     record_origins: bool = False
     # set at START by components that change how the forward runs
     rows: list[torch.Tensor] | None = None  # the parameters' shards the update writes
     copies: list[torch.Tensor] | None = None  # low-precision copies made from gathered wholes
     reduce_each: Callable[[list], list] | None = None  # each micro-batch's gradients reduced
-    observer: Any = None  # sees every forward value and its gradient (overflow probes)
+    observer: Any = None  # sees every forward value and its gradient (overflow tracing)
     norm_of: Callable | None = None  # the gradients' total norm where they are shards
     grads_reduced: bool = False  # a component reduces the gradients over the ranks itself
     whole_updates: bool = True  # the update sees whole parameters (block kernels may run)
