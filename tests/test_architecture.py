@@ -732,7 +732,6 @@ _ZERO_NAMED_BY = {
     "graph.py": "public: a fully_shard wrap recognised at registration",
     "step/components/__init__.py": "the one registration",
     "pipeline/stage_errors.py": "the words of its stage's errors",
-    "torchkit/process_state.py": "declares its process-wide cache of shards",
     "integrations/trainer_checks.py": "the Trainer's fsdp arguments mapped onto enable_zero",
     "integrations/transformers.py": "the Trainer's fsdp arguments mapped onto enable_zero",
     "integrations/lightning.py": "Lightning's FSDP2 strategy mapped onto enable_zero",

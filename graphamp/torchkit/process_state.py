@@ -389,7 +389,7 @@ PROCESS_STATE: tuple[Held, ...] = (
     ),
     Held(
         "graphamp/sharding/rows.py:_ROWS",
-        "ZeRO-3 shards' rows, by storage (StorageWeakRef keys)",
+        "the sharded parameters' rows, by storage (StorageWeakRef keys)",
         "weak: live storages; released ones dropped at each sharding (forget_released_rows)",
         "module.to() and swap_tensors keep the storage but not the parameter's attributes",
     ),
