@@ -158,3 +158,20 @@ def test_outline_cost_runs_each_program_in_a_process_of_its_own(tmp_path):
     assert set(row["minor_faults_per_step"]) == set(outline_cost.PROGRAMS)
     table = open(tmp_path / "outline_cost_smoke.md").read()
     assert "each program in a process of its own" in table
+
+
+def test_paired_steps_pairs_each_variant_with_the_first_in_every_round(tmp_path):
+    """paired_steps.py's smoke mode: the variants built in this process, timed in turns, each
+    ratio taken against the first variant's block of the same round."""
+    import paired_steps
+
+    (row,) = paired_steps.main(
+        ["--smoke", "--variants", "inlined", "outlined", "default", "--out", str(tmp_path)]
+    )
+    assert list(row["ms"]) == ["0:inlined", "1:outlined", "2:default"]
+    assert row["ratio_to_first"]["0:inlined"] == 1.0 and row["rounds"] == 2
+    assert all(v > 0 for v in row["ms"].values())
+    low, high = row["rounds_ratio_range"]["1:outlined"]
+    assert 0 < low <= row["ratio_to_first"]["1:outlined"] <= high
+    table = open(tmp_path / "paired_steps_smoke.md").read()
+    assert "| gpt | outlined |" in table and "Command: `python benchmarks/paired_steps.py" in table
