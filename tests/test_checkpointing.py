@@ -92,6 +92,19 @@ def test_checkpointing_with_gradient_accumulation_recomputes_each_micro_batch_bi
         assert all(order[a] < order[c] for a in c.all_input_nodes)
 
 
+def test_the_recompute_rewrite_is_counted_and_logged_as_its_stage(caplog):
+    """Checkpointing is a step component whose rewrite runs as the ``recompute`` stage: its
+    INFO line says what it recomputed, and the compiled step's node count is the rewritten
+    step's (accumulation keeps the step inlined, so no outlining follows the rewrite)."""
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        _, g = _train(_gpt(), ckpt=(Block,), accumulate=2, backend="eager")
+    (step,) = g.compiled_steps
+    assert step.step_nodes == len(step.step_graph.graph.nodes)
+    assert "recompute" in step.timings
+    line = next(r.getMessage() for r in caplog.records if "recomputes" in r.getMessage())
+    assert "ops in 2 regions" in line and f"{step.step_nodes} nodes" in line
+
+
 def test_recomputed_regions_keep_their_precision_and_are_reported(tmp_path):
     base = _gpt()
     # the eager backend runs the same graph without compiling it (the test reads the graph)

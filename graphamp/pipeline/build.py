@@ -191,12 +191,16 @@ def _assembled_step(
     rewrites = step_rewrites(plan)
     for c in rewrites:
         if c.rewrites_before_outlining:
-            run(cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=str)
+            step, _ = run(
+                cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=_words
+            )
     if choices.outline:
         step = run(Stage.OUTLINE, stages.outline, step, describe=_outline_line)
     for c in rewrites:
         if not c.rewrites_before_outlining:
-            run(cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=str)
+            step, _ = run(
+                cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=_words
+            )
     # as the backend takes it (eager: as traced), so that a step loaded later needs no change
     if ctx.spec.config.backend != "eager":
         views_as_reshapes(step.gm)
@@ -240,6 +244,10 @@ def _passes(passed: Passed) -> str:
     amp = passed.amp
     casts = f"{amp.stats.get('casts', 0)} casts" if amp is not None else "AMP off"
     return f"{nodes(passed.forward)} nodes, {casts}"
+
+
+def _words(rewritten: tuple[StepGraph, str]) -> str:
+    return rewritten[1]
 
 
 def _size(step: StepGraph) -> str:

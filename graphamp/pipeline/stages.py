@@ -394,11 +394,13 @@ def outline(step: StepGraph) -> StepGraph:
     return StepGraph.of(outlined, outline=result)
 
 
-def rewrite(component: StepComponent, plan: StepPlan, step: StepGraph) -> str:
-    """A step component's rewrite of the assembled step, in place on ``step.gm``
-    (``StepComponent.rewrite_step``), and its words for the stage's INFO line."""
+def rewrite(component: StepComponent, plan: StepPlan, step: StepGraph) -> tuple[StepGraph, str]:
+    """A step component's rewrite of the assembled step (``StepComponent.rewrite_step``, in
+    place on ``step.gm``; the step's node count made again), and its words for the stage's
+    INFO line."""
     words = component.rewrite_step(plan, step.gm)
-    return f"{nodes(step.gm)} nodes" + (f"; {words}" if words else "")
+    rewritten = dataclasses.replace(step, graph=DeferredGraph.ready(step.gm))
+    return rewritten, f"{nodes(step.gm)} nodes" + (f"; {words}" if words else "")
 
 
 def save_step(ctx: BuildContext, key: str, step: StepGraph) -> str:
