@@ -130,7 +130,8 @@ def _table(rows: list[dict], command: str) -> str:
         f"Command: `{command}`",
         "",
         "Median ms per step of each variant's blocks; ratio: median over rounds of the block's "
-        "median over the first variant's in the same round; rounds' range: the lowest and the highest round.",
+        "median over the first variant's in the same round; rounds' range: the lowest and the "
+        "highest round.",
         "",
         "| workload | variant | ms | ratio to the first | rounds' range | first call s |",
         "|---|---|---:|---:|---|---:|",

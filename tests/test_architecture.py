@@ -669,12 +669,18 @@ _FP8_REGISTRATIONS = {
 }
 
 
-def test_fp8_is_named_only_by_its_modules_and_its_registrations():
-    naming = {
-        p.relative_to(PACKAGE).as_posix()
+def _files_naming(pattern: str, own: tuple[str, ...]) -> set[str]:
+    return {
+        name
         for p in PACKAGE.glob("**/*")
-        if p.suffix in (".py", ".md") and re.search("fp8", p.read_text(), re.IGNORECASE)
+        if p.suffix in (".py", ".md")
+        and not (name := p.relative_to(PACKAGE).as_posix()).startswith(own)
+        and re.search(pattern, p.read_text())
     }
+
+
+def test_fp8_is_named_only_by_its_modules_and_its_registrations():
+    naming = _files_naming("(?i)fp8", own=())
     assert naming == _FP8_FEATURE | _FP8_DECLARED | _FP8_PUBLIC | _FP8_REGISTRATIONS
 
 
@@ -746,16 +752,6 @@ _PROBES_NAMED_BY = {
     "runner/runner.py": "makes the host's handle on each step's record",
     "runtime/overflows.py": "reads the record after a call (autofix, debug logging)",
 }
-
-
-def _files_naming(pattern: str, own: tuple[str, ...]) -> set[str]:
-    return {
-        name
-        for p in PACKAGE.glob("**/*")
-        if p.suffix in (".py", ".md")
-        and not (name := p.relative_to(PACKAGE).as_posix()).startswith(own)
-        and re.search(pattern, p.read_text())
-    }
 
 
 def test_zero_and_the_probes_are_named_only_by_their_code_records_config_and_registration():

@@ -2,7 +2,8 @@
 
     GraphSpec + inputs ─capture─▶ Captured ─amp_passes─▶ Passed ─plan─▶ StepPlan
       ─examples─▶ example inputs ─(choices)─▶ step_cache ─▶ StepGraph loaded, or
-      assemble ─▶ [rewrites: recompute] ─▶ outline ─▶ [rewrites: place_collectives] ─▶ save_step
+      assemble ─▶ [rewrites: recompute] ─▶ outline ─▶ [rewrites: place_collectives]
+      ─▶ save_step
       ─compile─▶ Runner ─▶ Program
 
 ``_Stages`` runs each one: it times it, logs its INFO line and turns whatever torch raised into
@@ -28,7 +29,12 @@ from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
 from ..records.stage_names import Stage
 from ..records.state import SharedState
 from ..sharding.fsdp_adopt import adopt_at_first_build
-from ..step import count_block_updates, prepare_model_for_components, step_rewrites
+from ..step import (
+    StepComponent,
+    count_block_updates,
+    prepare_model_for_components,
+    step_rewrites,
+)
 from ..torchkit.rank_store import RankLink
 from ..torchkit.shapes import fake_batch, new_fake_mode, shape_guard
 from . import stages
@@ -189,18 +195,10 @@ def _assembled_step(
     # the components' rewrites, each at its stage: before outlining (activation checkpointing's
     # copies are outlined with their block) or after it (a rewrite that sees outlining's calls)
     rewrites = step_rewrites(plan)
-    for c in rewrites:
-        if c.rewrites_before_outlining:
-            step, _ = run(
-                cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=_words
-            )
+    step = _rewritten(run, plan, step, [c for c in rewrites if c.rewrites_before_outlining])
     if choices.outline:
         step = run(Stage.OUTLINE, stages.outline, step, describe=_outline_line)
-    for c in rewrites:
-        if not c.rewrites_before_outlining:
-            step, _ = run(
-                cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=_words
-            )
+    step = _rewritten(run, plan, step, [c for c in rewrites if not c.rewrites_before_outlining])
     # as the backend takes it (eager: as traced), so that a step loaded later needs no change
     if ctx.spec.config.backend != "eager":
         views_as_reshapes(step.gm)
@@ -244,6 +242,15 @@ def _passes(passed: Passed) -> str:
     amp = passed.amp
     casts = f"{amp.stats.get('casts', 0)} casts" if amp is not None else "AMP off"
     return f"{nodes(passed.forward)} nodes, {casts}"
+
+
+def _rewritten(
+    run: _Stages, plan: StepPlan, step: StepGraph, components: list[StepComponent]
+) -> StepGraph:
+    """``step`` after each of ``components``' rewrites, each run as its stage."""
+    for c in components:
+        step, _ = run(cast(Stage, c.rewrite_stage), stages.rewrite, c, plan, step, describe=_words)
+    return step
 
 
 def _words(rewritten: tuple[StepGraph, str]) -> str:

@@ -4,7 +4,8 @@ optimizer (``path_of``) and asked, never tested by name, by everything downstrea
 
 - ``SGD``, ``ADAM``: graphamp's own multi-tensor updates of torch's SGD, Adam and AdamW
   (``step/update_math.py``; an Adam group built with ``fused=True`` runs torch's fused kernel
-  as one op of the step), their state in torch's format, by rows where the plan's placement shards it, and
+  as one op of the step), their state in torch's format, by rows where the plan's placement
+  shards it, and
   updated block by block where blocks repeat (``step/block_update.py``);
 - ``TRACED_STEP``: any other optimizer's own ``step()``, traced into the step
   (``step/traced_optimizer.py``);

@@ -240,8 +240,8 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple) -> Program:
     program = _compile(run, inputs, request)
     log_pinned(run.name, program, names)
     # the build may have changed the user's objects (capture settled build()'s first-call
-    # state; a step component's prepare_model made the parameters shards): the program is kept under the objects' new
-    # structure, which the next call sees
+    # state; a step component's prepare_model made the parameters shards): the program is kept
+    # under the objects' new structure, which the next call sees
     key, program = _settled(run, inputs, program)
     if sibling is not None and program.amp is not None and sibling.amp is not None:
         differ = precision_differences(sibling, program)
@@ -327,8 +327,8 @@ def _key(run: GraphRuntime, inputs: FlatInputs) -> Key:
 def _settled(run: GraphRuntime, inputs: FlatInputs, program: Program) -> tuple[Key, Program]:
     """The build left the user's objects as the calls to come see them (build() set up state
     on its first call, hooks or caches, ``capture/steady_state.py``; a step component
-    sharded the parameters): the program is kept under, and assumes, their structure now, or the next call
-    would not find it."""
+    sharded the parameters): the program is kept under, and assumes, their structure now, or
+    the next call would not find it."""
     key = _key(run, inputs)
     if program.guards is None:
         return key, program

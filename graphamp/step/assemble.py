@@ -145,8 +145,9 @@ def _update_optimizers(
     ctx: StepContext, components: list[StepComponent], block_updates: int
 ) -> None:
     """Each optimizer's update, masked by its own overflow flag, of the tensors the components
-    choose (a sharded step: this rank's rows). ``block_updates``: whole parameters' blocks repeated at
-    least this many times are updated by one kernel each (shards have no blocks)."""
+    choose (a sharded step: this rank's rows). ``block_updates``: whole parameters' blocks
+    repeated at least this many times are updated by one kernel each (shards have no
+    blocks)."""
     plan, s = ctx.plan, ctx.inputs
     by_block = block_updates and ctx.whole_updates
     states, hypers, fresh = iter(s.opt_state), iter(s.hyper), iter(s.momentum_fresh)

@@ -140,10 +140,11 @@ def forward_and_gradients(
     Plain autograd differentiates the traced forward (``torch.autograd.grad``): the forward's
     ops record their backward as in eager mode, custom autograd Functions included. Gradients
     with respect to a parameter's low-precision copy are cast back, as a cast's backward does.
-    ``reduce_each`` (``StepContext.reduce_each``) maps each micro-batch's gradients, in ``plan.trainable``
-    order, to what is summed over micro-batches (the rank's shards). A ``recorder`` (overflow
-    tracing) measures every value it observes and its gradient. ``copies``: the low-precision
-    copies when they are made elsewhere (from gathered shards), else cast from ``s.params``."""
+    ``reduce_each`` (``StepContext.reduce_each``) maps each micro-batch's gradients, in
+    ``plan.trainable`` order, to what is summed over micro-batches (the rank's shards). A
+    ``recorder`` (overflow tracing) measures every value it observes and its gradient.
+    ``copies``: the low-precision copies when they are made elsewhere (from gathered shards),
+    else cast from ``s.params``."""
     cap = plan.captured
     params = s.params
     copies = copies if copies is not None else parameter_casts(plan, params)

@@ -4,7 +4,8 @@ each checkpointed module's forward values instead of keeping them alive.
 Capture finds the regions (``capture.checkpointed_paths``); this component puts them in the
 plan (``StepPlan.checkpointed``) and rewrites the assembled, still inlined step with the pass of
 ``step/recompute.py`` (copies of each region's nodes placed before the first backward node
-that reads them), so that outlining sees the copies inside their block. It keeps no state and adds nothing at the step's phases.
+that reads them), so that outlining sees the copies inside their block. It keeps no state and
+adds nothing at the step's phases.
 """
 
 from __future__ import annotations

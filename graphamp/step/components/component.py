@@ -5,7 +5,8 @@ The training step is the forward and backward (``gradients.py``) and the optimiz
 a ``StepComponent``: it says which plans it acts in (``active``), which group of the step's
 inputs it owns (``group`` and ``input_names``; it reads them with ``own``), the optimizers it
 refuses (``check_optimizer``), the StepPlan fields it decides (``plan_fields``: a sharding
-component's is the plan's ``placement``), the state ``Graph.state_dict()`` saves for it (``saved_key``), what a
+component's is the plan's ``placement``), the state ``Graph.state_dict()`` saves for it
+(``saved_key``), what a
 skipped step does with what it keeps and what the ranks agree on (``on_skip``,
 ``across_ranks``), what it traces at each ``Phase``, and its rewrite of the assembled step
 (``rewrite_stage``).
