@@ -83,7 +83,8 @@ def encode(value: Any) -> Any:
     return ("value", value)
 
 
-def _decode(code: Any, mode: FakeTensorMode) -> Any:
+def decode(code: Any, mode: FakeTensorMode) -> Any:
+    """A value ``encode`` made, as a fake of ``mode`` (symbols: of its ShapeEnv)."""
     kind = code[0]
     if kind == "tensor":
         _, shape, stride, offset, dtype, device, requires_grad = code
@@ -102,7 +103,7 @@ def _decode(code: Any, mode: FakeTensorMode) -> Any:
                     fake = fake.as_strided(shape, stride, offset)
         return fake.requires_grad_(True) if requires_grad else fake
     if kind in ("tuple", "list"):
-        items = [_decode(c, mode) for c in code[1]]
+        items = [decode(c, mode) for c in code[1]]
         return tuple(items) if kind == "tuple" else items
     if kind == "symbol":
         return _symbol(code[1], code[2], mode)
@@ -199,4 +200,4 @@ def put_values(gm: fx.GraphModule, values: list, mode: FakeTensorMode) -> None:
         if (path, name) not in nodes:
             graph = modules[path].graph
             nodes.update({(path, n.name): n for n in graph.nodes})
-        nodes[(path, name)].meta["val"] = _decode(code, mode)
+        nodes[(path, name)].meta["val"] = decode(code, mode)

@@ -23,9 +23,10 @@ from ..backend import distributed
 from ..backend.compile import views_as_reshapes
 from ..backend.progress import log_stage
 from ..capture import BuildRoot, autocast_forward
+from ..records.deferred import DeferredGraph
 from ..records.guards import BuildRequest, Guards, StateSize
 from ..records.inputs import FlatInputs
-from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
+from ..records.spec import AutocastTrace, GraphSpec, Program, StepFn, StepPlan
 from ..records.stage_names import Stage
 from ..records.state import SharedState
 from ..sharding.fsdp_adopt import adopt_at_first_build
@@ -40,6 +41,7 @@ from ..torchkit.shapes import fake_batch, new_fake_mode, shape_guard
 from . import stages
 from .stage_errors import PASS_THROUGH, stage_error
 from .stages import BuildContext, Captured, Passed, StepGraph, nodes
+from .tier_up import Later, TierUp, step_request
 
 log = logging.getLogger("graphamp")
 
@@ -146,6 +148,7 @@ def _build_after_capture(ctx: BuildContext, run: _Stages, captured: Captured) ->
         pass_records=passed.records,
         example_inputs=ctx.inputs.as_meta(),
         guards=_guards(ctx, captured),
+        tier_up=step.tier_up,
     )
 
 
@@ -160,12 +163,22 @@ def _step_graph(
     """The whole step as one graph: loaded from the step cache, or assembled (recomputed,
     outlined) and saved, as ``stages.choose`` decided once."""
     choices = stages.choose(ctx, captured, plan)
+    first = stages.first_choices(ctx, plan, choices, captured.device)
+    later = None
+    if first is not None:  # the chosen step noted by an earlier run, or compiled beside later
+        what = (ctx, captured, passed, plan, example, choices)
+        found = run(Stage.STEP_CACHE, stages.look_up, *what, describe=lambda f: f.note)
+        if found.step is not None:
+            return found.step
+        if found.key is not None:
+            later = _later(ctx, passed, plan, example, choices, found.key)
+            choices = first
     key = None
     if choices.cache:
         what = (ctx, captured, passed, plan, example, choices)
         found = run(Stage.STEP_CACHE, stages.look_up, *what, describe=lambda f: f.note)
         if found.step is not None:
-            return found.step
+            return _then(found.step, ctx, later)
         key = found.key
     # the blocks' kernels compiled beside the step: the child imports torch while this assembles
     side = stages.side_compile(ctx, choices, captured.device) if key is not None else None
@@ -179,7 +192,53 @@ def _step_graph(
         if side is not None:
             side.stop()
         raise
-    return step
+    return _then(step, ctx, later)
+
+
+def _then(step: StepGraph, ctx: BuildContext, later: Later | None) -> StepGraph:
+    """``step``, with the chosen step to take over from it later, if any (``tier_up.py``)."""
+    if later is None:
+        return step
+    return dataclasses.replace(step, tier_up=TierUp(ctx.spec.name, later))
+
+
+def _later(
+    ctx: BuildContext,
+    passed: Passed,
+    plan: StepPlan,
+    example: list,
+    choices: stages.Choices,
+    key: str,
+) -> Later:
+    """How the step of ``choices`` is assembled and saved under ``key``, and made from the
+    note the child writes, after this build (``tier_up.py``)."""
+
+    def prepare() -> bool:
+        with _one_build_at_a_time(ctx.spec.name):
+            env = ctx.fake_mode.shape_env
+            assumed = len(env.guards) if env is not None else 0
+            run = _Stages(ctx.spec)
+            step = _assembled_step(ctx, run, passed, plan, example, choices)
+            if env is not None and len(env.guards) != assumed:
+                # the program's guards were made before: they would not check these
+                raise ValueError("its assembly assumed more of the batch's sizes than the step")
+            return run(Stage.SAVE_STEP, stages.save_step, ctx, key, step, describe=str) == "saved"
+
+    def make() -> tuple[StepFn, DeferredGraph] | None:
+        with _one_build_at_a_time(ctx.spec.name):
+            return stages.made_from_note(ctx, key, example)
+
+    config = ctx.spec.config
+    request = step_request(
+        ctx.spec.name,
+        key,
+        example,
+        ctx.inputs.tensors,
+        ctx.request.dynamic,
+        dict(config.inductor_options),
+    )
+    words = "inlined step" if not choices.outline else "step without block updates"
+    return Later(prepare, make, request, words)
 
 
 def _assembled_step(

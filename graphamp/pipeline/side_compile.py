@@ -36,11 +36,21 @@ import tempfile
 import time
 from functools import partial
 
-from ..backend import noted_step
-from ..backend.aot_key import read_note
+import torch
+
+from ..backend import compile_step, noted_step, step_cache, step_values
+from ..backend.aot_key import read_note, remembered_key
 from ..backend.step_key import step_key
-from ..step import block_devices, block_example, compile_block_kernels, unmade_specs
+from ..step import (
+    block_devices,
+    block_example,
+    block_specs,
+    compile_block_kernels,
+    set_kernel_backend,
+    unmade_specs,
+)
 from ..torchkit.cache_root import graphamp_cache_root, inductor_cache_directory
+from ..torchkit.shapes import fake_batch, new_fake_mode
 
 log = logging.getLogger("graphamp")
 
@@ -79,7 +89,7 @@ class SideCompile:
     def spawn(cls, graph_name: str) -> SideCompile | None:
         """The child, importing what a compile needs and then waiting for its request; None
         where the side compile does not apply."""
-        if not _applies():
+        if not applies():
             return None
         errors = tempfile.TemporaryFile()
         try:
@@ -123,6 +133,24 @@ class SideCompile:
         log.debug("%s: compiling %d block kernel(s) beside the step", graph_name, len(todo))
         return True
 
+    def request_step(self, request: dict) -> bool:
+        """Ask the child to compile a step saved in the step cache (``tier_up.py``); False
+        (the child stopped) where it is gone or the request does not pickle."""
+        stdin = self._proc.stdin
+        try:
+            data = pickle.dumps({"step": request})
+            assert stdin is not None
+            stdin.write(data)
+            stdin.close()
+        except Exception as e:  # an option that does not pickle, the child gone: not beside
+            self.stop()
+            log.debug("%s: the step could not be compiled beside: %s", request["graph"], e)
+            return False
+        return True
+
+    def running(self) -> bool:
+        return self._proc.poll() is None
+
     def finished(self, graph_name: str) -> bool:
         """Wait for the child (at most ``WAIT_S`` from its start); whether it compiled every
         kernel it was asked for."""
@@ -159,7 +187,8 @@ class SideCompile:
         self._errors.close()
 
 
-def _applies() -> bool:
+def applies() -> bool:
+    """Whether a child process may compile beside this one."""
     if os.environ.get("GRAPHAMP_SIDE_COMPILE", "1") == "0":
         return False
     if getattr(sys, "frozen", False) or not sys.executable:  # no Python to start
@@ -178,7 +207,6 @@ def _cores() -> int:
 def context_state() -> dict:
     """This process's settings that AOTAutograd's and inductor's keys read (the compile's
     context), for the child to take: a kernel compiled in another context is not used."""
-    import torch
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -207,7 +235,6 @@ def context_state() -> dict:
 
 def _take_context(state: dict) -> None:
     """The child: this process's settings made the parent's (``context_state``)."""
-    import torch
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
@@ -256,7 +283,35 @@ def child_main() -> int:
     if not data:
         return 0
     request = pickle.loads(data)  # from the parent process, over a pipe
+    if "step" in request:  # the steady step, compiled while the parent trains (tier_up.py)
+        os.nice(10)
+        _take_context(request["step"]["context"])
+        return compile_saved_step(request["step"])
     _take_context(request["context"])
     compiler = partial(compile_noted_kernel, request["graph"])
     compile_block_kernels(request["specs"], False, compiler)
+    return 0
+
+
+def compile_saved_step(request: dict) -> int:
+    """The child: the step saved under the request's key compiled as this process's parent
+    would (its inductor entries and its note written), and its blocks' kernels; 1 where the
+    step cache does not hold it."""
+    name, key = request["graph"], request["key"]
+    mode = new_fake_mode()
+    # the batch's symbols first, made as the parent's build made them: the same names
+    stand_ins = [
+        torch.empty_strided(s, st, dtype=d, device="meta") for s, st, d in request["batch"]
+    ]
+    fake_batch(mode, stand_ins, frozenset(map(tuple, request["dynamic"])))
+    cached = step_cache.load(name, key, mode)
+    if cached is None:
+        return 1
+    example = [step_values.decode(code, mode) for code in request["example"]]
+    gm = cached.step_gm
+    set_kernel_backend(gm, "inductor")
+    specs = block_specs(gm)
+    with remembered_key(gm, key, name, {"block_specs": specs}):
+        compile_step(gm, example, "inductor", request["options"], cached=True)
+    compile_block_kernels(specs, False, partial(compile_noted_kernel, name))
     return 0

@@ -60,6 +60,7 @@ from ..step import (
 from ..torchkit.fxutil import copy_graph_module
 from ..torchkit.pin_match import PinMatch, resolve_pins
 from .side_compile import SideCompile, compile_noted_kernel
+from .side_compile import applies as side_compile_applies
 
 log = logging.getLogger("graphamp")
 
@@ -280,9 +281,7 @@ def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
             spec.name,
             outlining_cost_words(captured.forward.gm),
         )
-    # not tried yet: gradient code in build() (its backward ops are in the forward graph) or a
-    # pass's state inputs
-    plain = spec.training and not plan.captured.gradient_code.present and not plan.pass_state
+    plain = _plain(ctx, plan)
     wanted = config.outline_blocks if config.outline_blocks is not None else outline_default
     if config.block_updates is None:
         # measured only there, and only where the blocks do enough work (block_work.py)
@@ -291,6 +290,38 @@ def choose(ctx: BuildContext, captured: Captured, plan: StepPlan) -> Choices:
     else:
         repeats = 2 if config.block_updates else 0
     return Choices(wanted and plain, repeats if plain else 0, config.step_cache)
+
+
+def _plain(ctx: BuildContext, plan: StepPlan) -> bool:
+    """Whether the step may be outlined and have block updates: not tried yet with gradient
+    code in build() (its backward ops are in the forward graph) or a pass's state inputs."""
+    gradient_code = plan.captured.gradient_code.present
+    return ctx.spec.training and not gradient_code and not plan.pass_state
+
+
+def first_choices(
+    ctx: BuildContext, plan: StepPlan, choices: Choices, device: torch.device
+) -> Choices | None:
+    """The choices whose step compiles fastest (blocks outlined, their updates by one kernel
+    each), where they are not ``choices`` and the step of ``choices`` may be compiled beside
+    training and take over later (``tier_up.py``): the user set neither choice nor asked
+    torch for deterministic algorithms (the two steps may differ in the last bits, and when
+    the take-over happens depends on the machine); a plain CPU step of inductor's with the
+    step cache on; no process group, no recompute (its restart is not made from a note);
+    the side compile applies. None otherwise."""
+    config = ctx.spec.config
+    if config.outline_blocks is not None or config.block_updates is not None:
+        return None
+    if torch.are_deterministic_algorithms_enabled():
+        return None
+    if not (choices.cache and config.backend == "inductor" and device.type == "cpu"):
+        return None
+    if ctx.process_group is not None or plan.recomputes:
+        return None
+    if not (_plain(ctx, plan) and outlined_by_default(device, config.grad_acc_steps)):
+        return None
+    first = Choices(True, REPEATS_BY_DEFAULT, True)
+    return first if first != choices and side_compile_applies() else None
 
 
 # -- the step graph: loaded, or assembled (recomputed, outlined) and saved --------------------------
@@ -306,6 +337,7 @@ class StepGraph:
     key: str | None = None  # the step cache's key it was loaded or saved under
     note: dict | None = None  # loaded and not unpickled: the note it may compile from
     side: SideCompile | None = None  # a child process for the blocks' kernels (side_compile.py)
+    tier_up: Any = None  # the chosen step, to take over from this one later (tier_up.py)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, **kw: Any) -> StepGraph:
@@ -463,6 +495,25 @@ def compile(
         component_inputs=component_examples(plan, ctx.state, device),
     )
     return Compiled(runner, detail)
+
+
+def made_from_note(
+    ctx: BuildContext, key: str, example: list
+) -> tuple[StepFn, DeferredGraph] | None:
+    """The step a child compiled under ``key`` (``tier_up.py``), made from its note and
+    inductor's caches as a restart makes it (its blocks' kernels too), and its graph, read
+    from the step cache when first read; None where the note is missing or does not hold this
+    process's compile (nothing is compiled here then)."""
+    name, options = ctx.spec.name, dict(ctx.spec.config.inductor_options)
+    note = read_note(name, key)
+    load = step_cache.load_later(name, key, ctx.fake_mode)
+    if note is None or not noted_step.usable(note) or load is None:
+        return None
+    made = noted_step.compile_noted(name, note, example, ctx.fake_mode, options)
+    if made is None:
+        return None
+    compile_block_kernels(note["block_specs"], True, partial(compile_noted_kernel, name))
+    return made, DeferredGraph(load, note["nodes"])
 
 
 def _compile_graph(

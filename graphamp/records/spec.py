@@ -344,6 +344,14 @@ class PassRecord:
     modified: bool
 
 
+class PendingStep(Protocol):
+    """A step compiled beside training that takes a program over when it is ready."""
+
+    def on_call(self, program: Program) -> None:
+        """Before each call of ``program``: start compiling, or take over."""
+        ...
+
+
 class StepRunner(Protocol):
     """The runtime side of a Program: runs the compiled step on the live state."""
 
@@ -388,6 +396,8 @@ class Program:
     example_inputs: FlatInputs | None = None  # meta copies, to rerun build() on fakes later
     guards: Guards | None = None  # what it assumes; the runtime checks it before every call
     serial: int = 0  # its number in the Graph's cache (set when it is kept)
+    # the chosen step compiled beside training, to take over from this one (pipeline/tier_up.py)
+    tier_up: PendingStep | None = None
 
     @property
     def dynamic(self) -> frozenset[tuple[int, int]]:
@@ -461,6 +471,9 @@ class CompiledStep:
     forward_nodes: int  # nodes of the forward after the AMP passes
     step_nodes: int  # nodes of the whole compiled step
     calls: int  # how many times it ran (when the view was taken)
+    # the step the cost model chose is compiled beside training and takes over this one when
+    # ready (pipeline/tier_up.py); the view shows the step that runs now
+    taking_over: bool
     forward_graph: fx.GraphModule
     step: DeferredGraph = field(repr=False)  # read through ``step_graph``
 
@@ -483,6 +496,7 @@ class CompiledStep:
             forward_nodes=len(program.forward.graph.nodes),
             step_nodes=program.step.nodes,
             calls=program.runner.calls,
+            taking_over=program.tier_up is not None,
             forward_graph=program.forward,
             step=program.step,
         )

@@ -139,6 +139,8 @@ def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
     program = run.programs.find(key, inputs)
     if program is None:
         program, inputs = _build_lifting(run, args, kwargs, inputs, key)
+    if program.tier_up is not None:  # the chosen step compiled beside: started, or taken over
+        program.tier_up.on_call(program)
     return program.captured.unflatten_outputs(run_step(run, program, inputs))
 
 

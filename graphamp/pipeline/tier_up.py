@@ -1,0 +1,164 @@
+"""The steady step compiled beside training, taking over when it is ready (issue 64).
+
+The cost model (``step/block_work.py``) inlines small repeated blocks and their updates: their
+steady step is faster inlined, by 8-9% on transformers' 6-layer GPT-2 at width 128 (outlined
+1.093, block updates 1.078, ``benchmarks/results/paired_steps_variants_cpu.md``). But inductor
+generates an inlined block's kernels once per block, and that first call took 1.88x
+torch.compile's (``first_call_cpu.md``, round 14), where the outlined step with one update
+kernel per block compiles in about half the time.
+
+So where the chosen step is not the one that compiles fastest, and the user set neither
+``config.set_outline_blocks`` nor ``config.set_block_updates``, the first call compiles the
+fast one (blocks outlined, their updates by one kernel each), and the chosen step is compiled
+in a child process while training runs: once the program has run ``AFTER_CALLS`` times (a
+program called a few times, a test's or a shape's seen once, never repays a second compile),
+this process assembles the chosen step and saves it in the step cache, and a child
+(``side_compile.py``'s, at a lower priority than training) compiles it, writing inductor's
+entries and its note. At the first call after the child is done, this process makes the step
+from the note as a restart would and takes it over. The two steps read the same inputs and
+give the same bits (the outline and block-update tests pin it, with inductor), so when the
+take-over happens changes no result; a restart finds the chosen step noted and starts on it.
+
+Where the child fails, or its compile does not match this process's (another context), the
+program keeps its first step, which is correct and a few percent slower; the reason is logged.
+Only for CPU steps, with the step cache on, inductor, no process group, and where the side
+compile applies (two or more cores, ``GRAPHAMP_SIDE_COMPILE`` not 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..backend import step_values
+from ..records.deferred import DeferredGraph
+from ..records.spec import Program, StepFn
+from .side_compile import SideCompile, context_state
+
+log = logging.getLogger("graphamp")
+
+# the calls a program runs on its first step before the chosen step is compiled beside it
+AFTER_CALLS = 8
+
+# (the step's function, its graph): made from the child's note; None where it cannot be
+Made = tuple[StepFn, DeferredGraph] | None
+
+
+@dataclass(frozen=True)
+class Later:
+    """What the chosen step needs from its build: ``prepare`` assembles and saves it (False:
+    not saved), ``make`` makes it from the note the child wrote; ``request`` is the child's
+    (``step_request``); ``words`` say what the chosen step is, for the log."""
+
+    prepare: Callable[[], bool]
+    make: Callable[[], Made]
+    request: dict
+    words: str
+
+
+class TierUp:
+    """A program's pending take-over: started at its ``AFTER_CALLS``-th call, done at the first
+    call after the child exits (``on_call``), then dropped from the program."""
+
+    _running: set[int] = set()  # ids of the tier-ups whose child runs now: one at a time
+
+    def __init__(self, graph_name: str, later: Later) -> None:
+        self.graph_name = graph_name
+        self.later = later
+        self.calls = 0
+        self.side: SideCompile | None = None
+        self.started = 0.0
+
+    def on_call(self, program: Program) -> None:
+        """Before each call of ``program``: start the child, or take its step over."""
+        self.calls += 1
+        if self.side is None:
+            if self.calls >= AFTER_CALLS and not TierUp._running:
+                self._start(program)
+            return
+        if self.side.running():
+            return
+        self._take_over(program)
+
+    def _start(self, program: Program) -> None:
+        try:
+            saved = self.later.prepare()
+        except Exception as e:  # the first step runs on: it is correct, only slower
+            return self._give_up(program, f"assembling it failed ({type(e).__name__}: {e})")
+        if not saved:
+            return self._give_up(program, "it could not be saved in the step cache")
+        side = SideCompile.spawn(self.graph_name)
+        if side is None:
+            return self._give_up(program, "no child process could be started")
+        if not side.request_step({**self.later.request, "context": context_state()}):
+            return self._give_up(program, "the child could not be given the step")
+        self.side, self.started = side, time.perf_counter()
+        TierUp._running.add(id(self))
+        weakref.finalize(self, _stop, side, id(self))  # the program dropped: the child goes too
+        log.info(
+            "%s: compiling the %s beside training (the first %d calls ran the step that "
+            "compiles fastest)",
+            self.graph_name,
+            self.later.words,
+            self.calls - 1,
+        )
+
+    def _take_over(self, program: Program) -> None:
+        assert self.side is not None
+        compiled_s = time.perf_counter() - self.started
+        finished = self.side.finished(self.graph_name)
+        _stop(self.side, id(self))
+        if not finished:
+            return self._give_up(program, "the child's compile failed (the debug log says why)")
+        start = time.perf_counter()
+        try:
+            made = self.later.make()
+        except Exception as e:
+            return self._give_up(program, f"making it failed ({type(e).__name__}: {e})")
+        if made is None:
+            return self._give_up(program, "the child's compile is not this process's")
+        program.runner.compiled, program.step = made  # type: ignore[attr-defined]
+        program.tier_up = None
+        log.info(
+            "%s: the %s takes over at call %d (compiled beside training in %.1f s, made here "
+            "in %.2f s)",
+            self.graph_name,
+            self.later.words,
+            self.calls,
+            compiled_s,
+            time.perf_counter() - start,
+        )
+
+    def _give_up(self, program: Program, why: str) -> None:
+        program.tier_up = None
+        log.info("%s: the %s does not take over: %s", self.graph_name, self.later.words, why)
+
+
+def _stop(side: SideCompile, ident: int) -> None:
+    side.stop()
+    TierUp._running.discard(ident)
+
+
+def step_request(
+    graph_name: str,
+    key: str,
+    example: list,
+    batch: list,
+    dynamic: frozenset,
+    options: dict[str, Any],
+) -> dict:
+    """What the child needs to compile the step saved under ``key``: its example inputs in the
+    step cache's form (symbolic sizes as expressions over the batch's symbols), the batch's
+    sizes and which of them are symbolic (so that the child makes the same symbols), the
+    user's inductor options."""
+    return {
+        "graph": graph_name,
+        "key": key,
+        "example": [step_values.encode(t) for t in example],
+        "batch": [(tuple(t.shape), tuple(t.stride()), t.dtype) for t in batch],
+        "dynamic": sorted(dynamic),
+        "options": dict(options),
+    }
