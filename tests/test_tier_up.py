@@ -145,14 +145,29 @@ def test_a_step_with_changing_lengths_is_taken_over_too(beside, caplog):
     assert_bitwise(state, model2.state_dict())
 
 
-def test_a_failed_child_leaves_the_first_step_running(beside, monkeypatch, caplog):
-    monkeypatch.setattr(side_compile, "_CHILD", "import sys; sys.exit(3)")
+@pytest.mark.parametrize(
+    "child, wait_s, why",
+    [
+        ("import sys; sys.exit(3)", 3600.0, "the child's compile failed"),
+        pytest.param(
+            "import time; time.sleep(60)",
+            1.0,
+            "the child was still compiling after 1 s",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_a_failed_child_leaves_the_first_step_running(
+    beside, monkeypatch, caplog, child, wait_s, why
+):
+    monkeypatch.setattr(side_compile, "_CHILD", child)
+    monkeypatch.setattr(tier_up, "WAIT_S", wait_s)
     batches = _batches(400)
     g, _, _ = _graph()
     with caplog.at_level(logging.INFO, logger="graphamp"):
         calls = _train_until_taken_over(g, batches)
         losses = [g(x, y).item() for x, y in batches[calls : calls + 2]]
-    assert "does not take over: the child's compile failed" in caplog.text, caplog.text
+    assert f"does not take over: {why}" in caplog.text, caplog.text
     assert _outlined(g) and all(map(math.isfinite, losses))  # trains on, outlined
 
 

@@ -284,7 +284,6 @@ def child_main() -> int:
         return 0
     request = pickle.loads(data)  # from the parent process, over a pipe
     if "step" in request:  # the steady step, compiled while the parent trains (tier_up.py)
-        os.nice(10)
         _take_context(request["step"]["context"])
         return compile_saved_step(request["step"])
     _take_context(request["context"])

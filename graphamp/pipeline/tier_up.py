@@ -10,14 +10,19 @@ kernel per block compiles in about half the time.
 So where the chosen step is not the one that compiles fastest, and the user set neither
 ``config.set_outline_blocks`` nor ``config.set_block_updates``, the first call compiles the
 fast one (blocks outlined, their updates by one kernel each), and the chosen step is compiled
-in a child process while training runs: once the program has run ``AFTER_CALLS`` times (a
-program called a few times, a test's or a shape's seen once, never repays a second compile),
-this process assembles the chosen step and saves it in the step cache, and a child
-(``side_compile.py``'s, at a lower priority than training) compiles it, writing inductor's
-entries and its note. At the first call after the child is done, this process makes the step
-from the note as a restart would and takes it over. The two steps read the same inputs and
-give the same bits (the outline and block-update tests pin it, with inductor), so when the
-take-over happens changes no result; a restart finds the chosen step noted and starts on it.
+in a child process while training runs. Once the program has run ``AFTER_CALLS`` times, this
+process assembles the chosen step and saves it in the step cache, and a child
+(``side_compile.py``'s) compiles it, writing inductor's entries and its note. The child runs
+at training's priority: niced, it got a tenth of a core beside training's two threads (which
+spin between parallel regions) and had not finished after 600 s on a 2-core CPU. At the first
+call after the child is done, this process makes the step from the note as a restart would
+and takes it over; a restart finds the chosen step noted and starts on it.
+
+The two steps read the same inputs, and trained bitwise alike on block stacks; on the
+benchmarks' GPT (3 layers, one thread) the blocks' parameters stayed bitwise alike but the
+embeddings' and the tied output layer's did not, from the first step, so when the take-over
+happens can change the last bits of a run. With ``torch.use_deterministic_algorithms(True)`` there is no take-over: the chosen
+step compiles at the first call (``stages.first_choices``).
 
 Where the child fails, or its compile does not match this process's (another context), the
 program keeps its first step, which is correct and a few percent slower; the reason is logged.
@@ -40,8 +45,12 @@ from .side_compile import SideCompile, context_state
 
 log = logging.getLogger("graphamp")
 
-# the calls a program runs on its first step before the chosen step is compiled beside it
-AFTER_CALLS = 8
+# the calls a program runs on its first step before the chosen step is compiled beside it: a
+# few percent of a step each (8-9% on the small-block GPT-2), against 1-4 s of assembly here
+# and a second compile for a program that may be called no more (a test, an evaluation, a
+# shape seen a few times before the sizes are made symbolic)
+AFTER_CALLS = 20
+WAIT_S = 3600.0  # a child still compiling after this long is stopped, and the first step kept
 
 # (the step's function, its graph): made from the child's note; None where it cannot be
 Made = tuple[StepFn, DeferredGraph] | None
@@ -79,9 +88,11 @@ class TierUp:
             if self.calls >= AFTER_CALLS and not TierUp._running:
                 self._start(program)
             return
-        if self.side.running():
-            return
-        self._take_over(program)
+        if not self.side.running():
+            self._take_over(program)
+        elif time.perf_counter() - self.started > WAIT_S:
+            _stop(self.side, id(self))
+            self._give_up(program, f"the child was still compiling after {WAIT_S:.0f} s")
 
     def _start(self, program: Program) -> None:
         try:
