@@ -72,7 +72,9 @@ class TierUp:
     """A program's pending take-over: started at its ``AFTER_CALLS``-th call, done at the first
     call after the child exits (``on_call``), then dropped from the program."""
 
-    _running: set[int] = set()  # ids of the tier-ups whose child runs now: one at a time
+    # the children compiling now, by their tier-up's id: one at a time (a child whose program
+    # was dropped but not yet collected counts while it runs: it holds a core all the same)
+    _running: dict[int, SideCompile] = {}
 
     def __init__(self, graph_name: str, later: Later) -> None:
         self.graph_name = graph_name
@@ -85,7 +87,7 @@ class TierUp:
         """Before each call of ``program``: start the child, or take its step over."""
         self.calls += 1
         if self.side is None:
-            if self.calls >= AFTER_CALLS and not TierUp._running:
+            if self.calls >= AFTER_CALLS and not _others_running():
                 self._start(program)
             return
         if not self.side.running():
@@ -107,7 +109,7 @@ class TierUp:
         if not side.request_step({**self.later.request, "context": context_state()}):
             return self._give_up(program, "the child could not be given the step")
         self.side, self.started = side, time.perf_counter()
-        TierUp._running.add(id(self))
+        TierUp._running[id(self)] = side
         weakref.finalize(self, _stop, side, id(self))  # the program dropped: the child goes too
         log.info(
             "%s: compiling the %s beside training (the first %d calls ran the step that "
@@ -150,7 +152,15 @@ class TierUp:
 
 def _stop(side: SideCompile, ident: int) -> None:
     side.stop()
-    TierUp._running.discard(ident)
+    TierUp._running.pop(ident, None)
+
+
+def _others_running() -> bool:
+    """Whether a child compiles now (those that have exited are forgotten here)."""
+    for ident, side in list(TierUp._running.items()):
+        if not side.running():
+            TierUp._running.pop(ident, None)
+    return bool(TierUp._running)
 
 
 def step_request(
