@@ -75,6 +75,7 @@ def beside(monkeypatch):
     monkeypatch.setenv("GRAPHAMP_SIDE_COMPILE", "1")
     monkeypatch.setattr(side_compile, "_cores", lambda: 2)
     monkeypatch.setattr(tier_up, "AFTER_CALLS", 1)
+    monkeypatch.setattr(tier_up, "TRAINED_PER_BUILT", 0.0)
 
 
 def _train_until_taken_over(g, batches) -> int:

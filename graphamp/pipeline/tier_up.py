@@ -10,8 +10,9 @@ kernel per block compiles in about half the time.
 So where the chosen step is not the one that compiles fastest, and the user set neither
 ``config.set_outline_blocks`` nor ``config.set_block_updates``, the first call compiles the
 fast one (blocks outlined, their updates by one kernel each), and the chosen step is compiled
-in a child process while training runs. Once the program has run ``AFTER_CALLS`` times, this
-process assembles the chosen step and saves it in the step cache, and a child
+in a child process while training runs. Once the program has run ``AFTER_CALLS`` times and
+been in use as long as its build took (``TRAINED_PER_BUILT``), this process assembles the
+chosen step and saves it in the step cache, and a child
 (``side_compile.py``'s) compiles it, writing inductor's entries and its note. The child runs
 at training's priority: niced, it got a tenth of a core beside training's two threads (which
 spin between parallel regions) and had not finished after 600 s on a 2-core CPU. At the first
@@ -50,6 +51,12 @@ log = logging.getLogger("graphamp")
 # and a second compile for a program that may be called no more (a test, an evaluation, a
 # shape seen a few times before the sizes are made symbolic)
 AFTER_CALLS = 20
+# ... and only once it has been in use at least this many times as long as its build took (a
+# proxy for what the child costs: on a 2-core CPU its compile slowed training 3.7x for 110 s
+# beside a 35 s first call), so that a run too short to repay a second compile does not pay
+# for one: the changing-lengths benchmark's 200 steps took 117 s with the child started at the
+# 20th call against 105 s for torch.compile
+TRAINED_PER_BUILT = 1.0
 WAIT_S = 3600.0  # a child still compiling after this long is stopped, and the first step kept
 
 # (the step's function, its graph): made from the child's note; None where it cannot be
@@ -69,8 +76,8 @@ class Later:
 
 
 class TierUp:
-    """A program's pending take-over: started at its ``AFTER_CALLS``-th call, done at the first
-    call after the child exits (``on_call``), then dropped from the program."""
+    """A program's pending take-over: started once its run is long (``_run_is_long``), done at
+    the first call after the child exits (``on_call``), then dropped from the program."""
 
     # the children compiling now, by their tier-up's id: one at a time (a child whose program
     # was dropped but not yet collected counts while it runs: it holds a core all the same)
@@ -82,12 +89,13 @@ class TierUp:
         self.calls = 0
         self.side: SideCompile | None = None
         self.started = 0.0
+        self.first_call = 0.0  # when the program was first called (its build had just ended)
 
     def on_call(self, program: Program) -> None:
         """Before each call of ``program``: start the child, or take its step over."""
         self.calls += 1
         if self.side is None:
-            if self.calls >= AFTER_CALLS and not _others_running():
+            if self._run_is_long(program) and not _others_running():
                 self._start(program)
             return
         if not self.side.running():
@@ -95,6 +103,15 @@ class TierUp:
         elif time.perf_counter() - self.started > WAIT_S:
             _stop(self.side, id(self))
             self._give_up(program, f"the child was still compiling after {WAIT_S:.0f} s")
+
+    def _run_is_long(self, program: Program) -> bool:
+        now = time.perf_counter()
+        if self.calls == 1:
+            self.first_call = now
+        in_use = now - self.first_call
+        return self.calls >= AFTER_CALLS and in_use >= TRAINED_PER_BUILT * sum(
+            program.timings.values()
+        )
 
     def _start(self, program: Program) -> None:
         try:
