@@ -161,7 +161,9 @@ def _step_graph(
     example: list,
 ) -> StepGraph:
     """The whole step as one graph: loaded from the step cache, or assembled (recomputed,
-    outlined) and saved, as ``stages.choose`` decided once."""
+    outlined) and saved, as ``stages.choose`` decided once. Where the chosen step compiles
+    slowly and is not noted yet, the step that compiles fastest, carrying the chosen one to
+    take over later (``tier_up.py``; it keeps this build's context until then)."""
     choices = stages.choose(ctx, captured, plan)
     first = stages.first_choices(ctx, plan, choices, captured.device)
     later = None
