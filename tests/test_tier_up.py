@@ -95,12 +95,12 @@ def test_the_inlined_step_takes_over_and_trains_bitwise_like_it(beside, caplog):
     g, model, opt = _graph()
     with caplog.at_level(logging.INFO, logger="graphamp"):
         g(*batches[0])
-        assert _outlined(g) and _program(g).tier_up is not None  # the fast compile first
+        assert _outlined(g) and g.compiled_steps[-1].taking_over  # the fast compile first
         calls = 1 + _train_until_taken_over(g, batches[1:])
         for x, y in batches[calls : calls + 3]:
             g(x, y)
     assert "the inlined step takes over at call" in caplog.text, caplog.text
-    assert not _outlined(g)  # the program runs, and shows, the inlined step now
+    assert not _outlined(g) and not g.compiled_steps[-1].taking_over  # the inlined step now
     state = {k: v.clone() for k, v in model.state_dict().items()}
 
     inlined, model2, _ = _graph(
