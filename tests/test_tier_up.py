@@ -90,6 +90,16 @@ def _train_until_taken_over(g, batches) -> int:
         time.sleep(0.05)
 
 
+def _assert_trains_as_the_inlined_step(model, batches) -> None:
+    """``model``'s state is bitwise what the inlined step alone makes of ``batches``."""
+    inlined, alone, _ = _graph(
+        lambda g: (g.config.set_outline_blocks(False), g.config.set_block_updates(False))
+    )
+    for x, y in batches:
+        inlined(x, y)
+    assert_bitwise(model.state_dict(), alone.state_dict())
+
+
 def test_the_inlined_step_takes_over_and_trains_bitwise_like_it(beside, caplog):
     batches = _batches(4000)
     g, model, opt = _graph()
@@ -101,14 +111,7 @@ def test_the_inlined_step_takes_over_and_trains_bitwise_like_it(beside, caplog):
             g(x, y)
     assert "the inlined step takes over at call" in caplog.text, caplog.text
     assert not _outlined(g) and not g.compiled_steps[-1].taking_over  # the inlined step now
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-
-    inlined, model2, _ = _graph(
-        lambda g: (g.config.set_outline_blocks(False), g.config.set_block_updates(False))
-    )
-    for x, y in batches[: calls + 3]:
-        inlined(x, y)
-    assert_bitwise(state, model2.state_dict())
+    _assert_trains_as_the_inlined_step(model, batches[: calls + 3])
 
     # a restart finds the inlined step noted, and starts on it
     restarted, _, _ = _graph()
@@ -141,13 +144,7 @@ def test_a_step_with_changing_lengths_is_taken_over_too(beside, caplog):
     assert "the inlined step takes over at call" in caplog.text, caplog.text
     assert len(g.compiled_steps) == 1
     assert not _outlined(g)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    inlined, model2, _ = _graph(
-        lambda g: (g.config.set_outline_blocks(False), g.config.set_block_updates(False))
-    )
-    for x, y in batches[: calls + 4]:
-        inlined(x, y)
-    assert_bitwise(state, model2.state_dict())
+    _assert_trains_as_the_inlined_step(model, batches[: calls + 4])
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,9 @@ from ..backend import distributed
 from ..backend.compile import views_as_reshapes
 from ..backend.progress import log_stage
 from ..capture import BuildRoot, autocast_forward
-from ..records.deferred import DeferredGraph
 from ..records.guards import BuildRequest, Guards, StateSize
 from ..records.inputs import FlatInputs
-from ..records.spec import AutocastTrace, GraphSpec, Program, StepFn, StepPlan
+from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
 from ..records.stage_names import Stage
 from ..records.state import SharedState
 from ..sharding.fsdp_adopt import adopt_at_first_build
@@ -41,7 +40,7 @@ from ..torchkit.shapes import fake_batch, new_fake_mode, shape_guard
 from . import stages
 from .stage_errors import PASS_THROUGH, stage_error
 from .stages import BuildContext, Captured, Passed, StepGraph, nodes
-from .tier_up import Later, TierUp, step_request
+from .tier_up import Later, Made, TierUp, step_request
 
 log = logging.getLogger("graphamp")
 
@@ -226,7 +225,7 @@ def _later(
                 raise ValueError("its assembly assumed more of the batch's sizes than the step")
             return run(Stage.SAVE_STEP, stages.save_step, ctx, key, step, describe=str) == "saved"
 
-    def make() -> tuple[StepFn, DeferredGraph] | None:
+    def make() -> Made:
         with _one_build_at_a_time(ctx.spec.name):
             return stages.made_from_note(ctx, key, example)
 

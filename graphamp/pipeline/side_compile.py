@@ -137,9 +137,11 @@ class SideCompile:
         """Ask the child to compile a step saved in the step cache (``tier_up.py``); False
         (the child stopped) where it is gone or the request does not pickle."""
         stdin = self._proc.stdin
+        if stdin is None or stdin.closed:
+            self.stop()
+            return False
         try:
             data = pickle.dumps({"step": request})
-            assert stdin is not None
             stdin.write(data)
             stdin.close()
         except Exception as e:  # an option that does not pickle, the child gone: not beside

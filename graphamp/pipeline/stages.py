@@ -61,6 +61,7 @@ from ..torchkit.fxutil import copy_graph_module
 from ..torchkit.pin_match import PinMatch, resolve_pins
 from .side_compile import SideCompile, compile_noted_kernel
 from .side_compile import applies as side_compile_applies
+from .tier_up import Made
 
 log = logging.getLogger("graphamp")
 
@@ -497,9 +498,7 @@ def compile(
     return Compiled(runner, detail)
 
 
-def made_from_note(
-    ctx: BuildContext, key: str, example: list
-) -> tuple[StepFn, DeferredGraph] | None:
+def made_from_note(ctx: BuildContext, key: str, example: list) -> Made:
     """The step a child compiled under ``key`` (``tier_up.py``), made from its note and
     inductor's caches as a restart makes it (its blocks' kernels too), and its graph, read
     from the step cache when first read; None where the note is missing or does not hold this

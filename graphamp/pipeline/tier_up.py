@@ -86,34 +86,31 @@ class TierUp:
     def __init__(self, graph_name: str, later: Later) -> None:
         self.graph_name = graph_name
         self.later = later
-        self.calls = 0
         self.side: SideCompile | None = None
         self.started = 0.0
-        self.first_call = 0.0  # when the program was first called (its build had just ended)
+        self.first_call: float | None = None  # when the program was first called (just built)
 
     def on_call(self, program: Program) -> None:
         """Before each call of ``program``: start the child, or take its step over."""
-        self.calls += 1
-        if self.side is None:
-            if self._run_is_long(program) and not _others_running():
-                self._start(program)
-            return
-        if not self.side.running():
-            self._take_over(program)
+        call = program.runner.calls + 1  # this call's number (the runner counts those done)
+        side = self.side
+        if side is None:
+            if self._run_is_long(program, call) and not _others_running():
+                self._start(program, call)
+        elif not side.running():
+            self._take_over(program, side, call)
         elif time.perf_counter() - self.started > WAIT_S:
-            _stop(self.side, id(self))
+            _stop(side, id(self))
             self._give_up(program, f"the child was still compiling after {WAIT_S:.0f} s")
 
-    def _run_is_long(self, program: Program) -> bool:
+    def _run_is_long(self, program: Program, call: int) -> bool:
         now = time.perf_counter()
-        if self.calls == 1:
+        if self.first_call is None:
             self.first_call = now
         in_use = now - self.first_call
-        return self.calls >= AFTER_CALLS and in_use >= TRAINED_PER_BUILT * sum(
-            program.timings.values()
-        )
+        return call >= AFTER_CALLS and in_use >= TRAINED_PER_BUILT * sum(program.timings.values())
 
-    def _start(self, program: Program) -> None:
+    def _start(self, program: Program, call: int) -> None:
         try:
             saved = self.later.prepare()
         except Exception as e:  # the first step runs on: it is correct, only slower
@@ -133,14 +130,13 @@ class TierUp:
             "compiles fastest)",
             self.graph_name,
             self.later.words,
-            self.calls - 1,
+            call - 1,
         )
 
-    def _take_over(self, program: Program) -> None:
-        assert self.side is not None
+    def _take_over(self, program: Program, side: SideCompile, call: int) -> None:
         compiled_s = time.perf_counter() - self.started
-        finished = self.side.finished(self.graph_name)
-        _stop(self.side, id(self))
+        finished = side.finished(self.graph_name)
+        _stop(side, id(self))
         if not finished:
             return self._give_up(program, "the child's compile failed (the debug log says why)")
         start = time.perf_counter()
@@ -157,7 +153,7 @@ class TierUp:
             "in %.2f s)",
             self.graph_name,
             self.later.words,
-            self.calls,
+            call,
             compiled_s,
             time.perf_counter() - start,
         )
