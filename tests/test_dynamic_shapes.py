@@ -119,9 +119,17 @@ def test_static_shapes_compile_a_step_per_shape_and_equal_eager():
     assert all(step.dynamic == () for step in g.compiled_steps)
 
 
-def test_dimensions_marked_dynamic_compile_once(caplog):
+def test_dimensions_marked_dynamic_compile_once(caplog, monkeypatch):
+    import graphamp.capture.trace as trace
+
+    traced = []
+    once = trace._capture_once
+    monkeypatch.setattr(trace, "_capture_once", lambda *a, **k: traced.append(1) or once(*a, **k))
     with caplog.at_level(logging.INFO, logger="graphamp"):
         g = _train_lm(LENGTHS, marks=(1,))
+    # build() writes no state: its one symbolic trace is kept, in a fake mode of its own that
+    # the build takes over (two before), and the step's guards admit every later length
+    assert len(traced) == 1
     (only,) = g.compiled_steps
     assert only.dynamic == ((0, 1), (1, 1)) and only.calls == len(LENGTHS)
     said = [r.getMessage() for r in caplog.records if "dynamic (symbolic)" in r.getMessage()]
@@ -382,3 +390,31 @@ def test_python_sizes_in_forward_train_as_eager_over_changing_lengths(branch, ca
     assert_state_close(model, twin)
     # static first length, the dynamic step; with the branch, its other outcome
     assert len(g.compiled_steps) == (3 if branch else 2)
+
+
+def _coloured(colours: dict[str, str]):
+    """A stand-in program whose forward runs ``colours``'s ops (aten names) with those colours."""
+    from types import SimpleNamespace
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    for name, colour in colours.items():
+        x = graph.call_function(getattr(torch.ops.aten, name).default, (x,))
+        x.meta["amp_colour"] = colour
+    graph.output(x)
+    return SimpleNamespace(forward=torch.fx.GraphModule(torch.nn.Module(), graph))
+
+
+def test_an_op_only_one_trace_records_is_no_precision_difference():
+    """A symbolic trace keeps a slice of a whole dimension that a static one leaves out (the
+    padded GPT-2's dynamic build logged "aten.slice: allow" as a difference); an op both run,
+    given another precision, is one."""
+    from graphamp.runtime.programs import precision_differences
+
+    static = _coloured({"relu": "allow", "tanh": "deny"})
+    dynamic = _coloured({"relu": "allow", "alias": "allow", "tanh": "deny"})
+    assert precision_differences(static, dynamic) == []
+    changed = _coloured({"relu": "deny", "alias": "allow", "tanh": "deny"})
+    assert precision_differences(static, changed) == [
+        "aten.relu in build(): allow before, deny now"
+    ]

@@ -70,6 +70,7 @@ def capture_forward(
     lifted: tuple[AttributeRead, ...] = (),
     lifted_inputs: frozenset[int] = frozenset(),
     grad_group: Any = None,
+    may_move: bool = False,
 ) -> CapturedForward:
     """Trace ``root``'s build() on fake copies of its state and ``inputs``.
 
@@ -88,15 +89,25 @@ def capture_forward(
     When build() changes Python state on the user's objects, that state is settled as eager's
     first call leaves it and build() is traced again on it (``steady_state.py``); the settled
     state stays (``CapturedForward.undo_writes`` removes it).
+
+    Sizes symbolic: what a trace of the state before the first call assumes of them must not
+    become the build's guards, so the first trace runs on a copy of the batch in a fake mode of
+    its own. Where build() wrote nothing, that trace is the one kept: with ``may_move`` it is
+    returned as it is and ``CapturedForward.moved_to`` holds the copy, whose fake mode the
+    caller takes for the rest of the build (one symbolic trace instead of two); without it,
+    build() is traced again on ``inputs``.
     """
     symbolic = any(is_symbolic(t) for t in inputs.tensors)
-    # sizes symbolic: what a trace of the state before the first call assumes of them must not
-    # reach the build's guards, so that trace runs on a copy of the batch in a ShapeEnv of its own
     first = inputs.with_tensors(scratch_batch(inputs.tensors)) if symbolic else inputs
     once = (graph_name, device, amp, lifted, lifted_inputs, grad_group)
     captured, written = _capture_once(root, first, *once)
     if not written:
-        return _capture_once(root, inputs, *once)[0] if symbolic else captured
+        if not symbolic:
+            return captured
+        if may_move:
+            captured.moved_to = first
+            return captured
+        return _capture_once(root, inputs, *once)[0]
     params, buffers = list(root.parameters()), list(root.buffers())
     settled = settle(
         graph_name,

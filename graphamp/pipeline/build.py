@@ -103,6 +103,7 @@ def _build(ctx: BuildContext) -> Program:
     captured = run(
         Stage.CAPTURE, stages.capture, ctx, describe=lambda c: f"{nodes(c.forward.gm)} nodes"
     )
+    ctx = stages.on_traced_batch(ctx, captured)
     try:
         return _build_after_capture(ctx, run, captured)
     except BaseException:

@@ -59,6 +59,7 @@ from ..step import (
 )
 from ..torchkit.fxutil import copy_graph_module
 from ..torchkit.pin_match import PinMatch, resolve_pins
+from ..torchkit.shapes import is_symbolic
 from .side_compile import SideCompile, compile_noted_kernel
 from .side_compile import applies as side_compile_applies
 from .tier_up import Made
@@ -68,7 +69,9 @@ log = logging.getLogger("graphamp")
 
 @dataclass(frozen=True)
 class BuildContext:
-    """What every stage of one build may read: the request, made once, before capture."""
+    """What every stage of one build may read: the request, made once, before capture; where
+    capture kept a trace of a copy of the batch in a fake mode of its own, the build goes on in
+    that mode (``on_traced_batch``)."""
 
     spec: GraphSpec
     inputs: FlatInputs  # the call's real inputs
@@ -119,6 +122,7 @@ def capture(ctx: BuildContext) -> Captured:
         ctx.request.lifted,
         ctx.request.lifted_inputs,
         ctx.process_group,  # the gradients build() reads are averaged over it
+        may_move=traced is ctx.batch,  # micro-batches: the whole batch's mode is the build's
     )
     pins = {}
     if config.amp_active:
@@ -132,6 +136,17 @@ def capture(ctx: BuildContext) -> Captured:
         ctx.root, config.checkpoint_module_types, config.checkpoint_module_names
     )
     return Captured(forward, device, pins, frozenset(regions), settings)
+
+
+def on_traced_batch(ctx: BuildContext, captured: Captured) -> BuildContext:
+    """``ctx`` in the fake mode of the batch capture's kept trace ran on: a symbolic batch is
+    traced first on a copy in a mode of its own, and where build() wrote no state that trace is
+    the build's (``capture_forward``'s ``may_move``), its symbols those of every later stage."""
+    moved = captured.forward.moved_to
+    if moved is None:
+        return ctx
+    mode = next(t.fake_mode for t in moved.tensors if is_symbolic(t))
+    return dataclasses.replace(ctx, fake_mode=mode, batch=moved)
 
 
 # -- the AMP passes ------------------------------------------------------------------------------

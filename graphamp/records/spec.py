@@ -211,6 +211,9 @@ class CapturedForward:
         LiftedValue, ...
     ] = ()  # Python floats fed as inputs (their holders lead constants)
     gradient_code: GradientCode = field(default_factory=GradientCode)
+    # the batch the kept trace ran on (records.inputs.FlatInputs) where it is not the one
+    # capture was given: a copy in a fake mode of its own (capture/trace.py, ``may_move``)
+    moved_to: Any = None
 
     def __post_init__(self) -> None:
         if len(self.loss_grad_given) != len(self.loss_frames):

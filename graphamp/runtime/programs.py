@@ -13,7 +13,7 @@ traced as a symbol from then on.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -181,21 +181,27 @@ def _in_family(guards: Guards | None, key: Key) -> bool:
 
 
 def precision_differences(old: Program, new: Program) -> list[str]:
-    """The precision decisions of ``new``'s forward that ``old``'s does not make (op, module,
-    colour, counted), for low-precision and fp32-forced ops: empty when the two agree. A
-    dynamic step is traced from the same build(), so this should be empty: sizes must not
-    decide precision."""
+    """The ops both forwards run in the same module that ``new`` gives other precisions than
+    ``old`` (low precision or fp32): empty when the two agree. A dynamic step is traced from
+    the same build(), so this should be empty: sizes must not decide precision. An op only one
+    of them has is no difference: sizes decide which ops a trace records (a slice of a whole
+    dimension is left out of a static trace and kept in a symbolic one)."""
     before, after = _decisions(old), _decisions(new)
-    differ = sorted((after - before) + (before - after))
-    return [f"{op} in {module or 'build()'}: {colour}" for op, module, colour in differ]
+    return [
+        f"{op} in {module or 'build()'}: {'/'.join(sorted(before[op, module]))} before, "
+        f"{'/'.join(sorted(after[op, module]))} now"
+        for op, module in sorted(before.keys() & after.keys())
+        if before[op, module] != after[op, module]
+    ]
 
 
-def _decisions(program: Program) -> Counter:
-    return Counter(
-        (op_name(n), module_path(n), n.meta["amp_colour"])
-        for n in program.forward.graph.nodes
-        if is_compute_node(n) and n.meta.get("amp_colour") in ("allow", "deny")
-    )
+def _decisions(program: Program) -> dict[tuple[str, str], set[str]]:
+    """(op, module) -> the colours its nodes got in ``program``'s forward."""
+    colours: dict[tuple[str, str], set[str]] = {}
+    for n in program.forward.graph.nodes:
+        if is_compute_node(n) and n.meta.get("amp_colour") in ("allow", "deny"):
+            colours.setdefault((op_name(n), module_path(n) or ""), set()).add(n.meta["amp_colour"])
+    return colours
 
 
 def marked_dynamic(tensors: list) -> frozenset[tuple[int, int]]:
