@@ -88,26 +88,12 @@ def capture_forward(
 
     When build() changes Python state on the user's objects, that state is settled as eager's
     first call leaves it and build() is traced again on it (``steady_state.py``); the settled
-    state stays (``CapturedForward.undo_writes`` removes it).
-
-    Sizes symbolic: what a trace of the state before the first call assumes of them must not
-    become the build's guards, so the first trace runs on a copy of the batch in a fake mode of
-    its own. Where build() wrote nothing, that trace is the one kept: with ``may_move`` it is
-    returned as it is and ``CapturedForward.moved_to`` holds the copy, whose fake mode the
-    caller takes for the rest of the build (one symbolic trace instead of two); without it,
-    build() is traced again on ``inputs``.
+    state stays (``CapturedForward.undo_writes`` removes it). Sizes symbolic: ``_first_trace``.
     """
-    symbolic = any(is_symbolic(t) for t in inputs.tensors)
-    first = inputs.with_tensors(scratch_batch(inputs.tensors)) if symbolic else inputs
     once = (graph_name, device, amp, lifted, lifted_inputs, grad_group)
-    captured, written = _capture_once(root, first, *once)
+    captured, written = _first_trace(root, inputs, once, may_move)
     if not written:
-        if not symbolic:
-            return captured
-        if may_move:
-            captured.moved_to = first
-            return captured
-        return _capture_once(root, inputs, *once)[0]
+        return captured
     params, buffers = list(root.parameters()), list(root.buffers())
     settled = settle(
         graph_name,
@@ -130,6 +116,27 @@ def capture_forward(
         ", ".join(w.place.describe() for w in written[:3]) + (", ..." if len(written) > 3 else ""),
     )
     return captured
+
+
+def _first_trace(
+    root: BuildRoot, inputs: FlatInputs, once: tuple, may_move: bool
+) -> tuple[CapturedForward, list[WrittenValue]]:
+    """build()'s first trace, and what it wrote. Sizes symbolic: what a trace of the state
+    before the first call assumes of them must not become the build's guards, so it runs on a
+    copy of the batch in a fake mode of its own. Where build() wrote nothing, that trace is the
+    one kept: with ``may_move`` as it is, ``CapturedForward.moved_to`` holding the copy, whose
+    fake mode the caller takes for the rest of the build (one symbolic trace instead of two);
+    without it, build() is traced again on ``inputs``."""
+    if not any(is_symbolic(t) for t in inputs.tensors):
+        return _capture_once(root, inputs, *once)
+    copy = inputs.with_tensors(scratch_batch(inputs.tensors))
+    captured, written = _capture_once(root, copy, *once)
+    if written:
+        return captured, written
+    if may_move:
+        captured.moved_to = copy
+        return captured, written
+    return _capture_once(root, inputs, *once)[0], []
 
 
 def _reads_not_written(
