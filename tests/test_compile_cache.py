@@ -362,3 +362,19 @@ def test_a_failure_the_retry_repeats_is_raised_and_out_of_memory_is_not_retried(
     with pytest.raises(torch.OutOfMemoryError):
         rebuild_if_cache_unreadable("G", out_of_memory)
     assert len(calls) == 1
+
+
+def test_the_compile_line_counts_each_cache_s_events():
+    from graphamp.backend.inductor_cache import cache_words
+
+    changes = {
+        "autograd_cache_miss": 1,
+        "autograd_cache_saved": 1,
+        "fxgraph_cache_hit": 2,
+        "fxgraph_cache_miss": 1,
+        "fxgraph_cache_bypass": 0,  # unchanged: not named
+    }
+    assert cache_words(changes) == (
+        "AOTAutograd's cache: 1 miss, 1 saved; the FX-graph cache: 2 hits, 1 miss"
+    )
+    assert cache_words({}) == ""
