@@ -1,9 +1,10 @@
 """The build's stages, each a function from records to a record.
 
-Every stage reads the ``BuildContext`` (what the runtime asked for, made once before capture and
-never changed) and the records earlier stages returned, and returns its own: a stage's signature
-is everything it reads and makes. ``build.py`` calls them in order, times and logs them, and
-words what they raise (``stage_errors.py``).
+Every stage reads the ``BuildContext`` (what the runtime asked for, made once before capture;
+after it, only its fake mode may change, to the one capture's kept trace ran in) and the
+records earlier stages returned, and returns its own: a stage's signature is everything it
+reads and makes. ``build.py`` calls them in order, times and logs them, and words what they
+raise (``stage_errors.py``).
 """
 
 from __future__ import annotations
