@@ -126,11 +126,12 @@ class TierUp:
         TierUp._running[id(self)] = side
         weakref.finalize(self, _stop, side, id(self))  # the program dropped: the child goes too
         log.info(
-            "%s: compiling the %s beside training (the first %d calls ran the step that "
-            "compiles fastest)",
+            "%s: compiling the %s beside training (%d call%s so far on the step that compiles "
+            "fastest)",
             self.graph_name,
             self.later.words,
             call - 1,
+            "" if call == 2 else "s",
         )
 
     def _take_over(self, program: Program, side: SideCompile, call: int) -> None:
