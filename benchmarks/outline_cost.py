@@ -50,7 +50,10 @@ PEERS = ("compile", "compile-fused", "compile-optstep")
 # made in the peer's code. Not counted among the peers a user picks (a user would have to know
 # it); measured so that each table shows how much of graphamp's lead that choice is.
 BY_HAND = "compile-fused-fp32-attention"
-PROGRAMS = ("outlined", "inlined", *PEERS, BY_HAND)
+# graphamp's step with attention by torch's kernels only (fp32 or low precision, as timed):
+# the step before attention could be written as matmuls (fp32_where_faster.py), for an A/B
+KERNELS_ONLY = "kernel-attention"
+PROGRAMS = ("outlined", "inlined", *PEERS, BY_HAND, KERNELS_ONLY)
 FUSED_PROGRAMS = ("outlined", "multi-tensor", "compile")  # --fused
 TARGET = 1.02  # outlined / inlined at most this (issue 40's "within 2%")
 
@@ -118,6 +121,8 @@ def make_step(
     opt = make_opt(model, fused=wants_fused or None)
     if program == BY_HAND:
         _attention_in_fp32()
+    if program == KERNELS_ONLY:
+        _attention_by_kernels_only()
     if program.startswith("compile"):
         net = torch.compile(model, backend=backend)
         if program == "compile-optstep":
@@ -180,6 +185,16 @@ def _attention_in_fp32() -> None:
     F.scaled_dot_product_attention = fp32_attention
 
 
+def _attention_by_kernels_only() -> None:
+    """graphamp's timed choice of attention form without the matmul form in this process."""
+    from graphamp.passes import fp32_where_faster
+
+    choose = fp32_where_faster.fastest_form
+    fp32_where_faster.fastest_form = lambda ms: choose(
+        {form: t for form, t in ms.items() if form != fp32_where_faster.MATMULS}
+    )
+
+
 def _block_class(model) -> type:
     import torch.nn as nn
 
@@ -224,9 +239,11 @@ def measure(
             worker.stop()
     ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
     best = min((p for p in ms if p in PEERS), key=ms.__getitem__, default=names[1])
-    by_hand = (
-        {f"outlined/{BY_HAND}": round(ms["outlined"] / ms[BY_HAND], 3)} if BY_HAND in ms else {}
-    )
+    by_hand = {
+        f"outlined/{p}": round(ms["outlined"] / ms[p], 3)
+        for p in (BY_HAND, KERNELS_ONLY)
+        if p in ms
+    }
     return {
         "workload": workload if kind == "plain" else f"{workload} ({kind})",
         "ms": {p: round(v, 3) for p, v in ms.items()},
@@ -366,14 +383,16 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         "with fused=True (compile-fused) or compiled (compile-optstep); the best peer is the "
         f"fastest of those measured. {BY_HAND}: compile-fused with its attention made fp32 by "
         "hand (graphamp's set_fp32_where_faster choice written into the peer's code; not a "
-        "peer a user would pick, so not counted as one).",
+        f"peer a user would pick, so not counted as one). {KERNELS_ONLY}: graphamp's default "
+        "with attention by torch's kernels only (fp32 or low precision, as timed), the step "
+        "before attention could be written as matmuls.",
         "",
         f"| workload | {' | '.join(f'{_label(p, first)} ms' for p in names)} | "
         f"{first} / {other} | best peer | {first} / best peer | {first} / compile | "
-        f"{first} / {BY_HAND} | "
+        f"{first} / {BY_HAND} | {first} / {KERNELS_ONLY} | "
         f"first call s ({', '.join(_label(p, first) for p in names)}; not cold) | "
         f"page faults per step ({', '.join(_label(p, first) for p in names)}) |",
-        "|---|" + "---:|" * (len(names) + 5) + "---|---|",
+        "|---|" + "---:|" * (len(names) + 6) + "---|---|",
     ]
     for r in rows:
         ms, fc = r["ms"], r["first_call_s"]
@@ -384,6 +403,7 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
             f"{r[f'outlined/{other}']:.3f} | {best} | "
             f"**{r['outlined/best_peer']:.3f}** | "
             f"{r.get('outlined/compile', '-')} | {r.get(f'outlined/{BY_HAND}', '-')} | "
+            f"{r.get(f'outlined/{KERNELS_ONLY}', '-')} | "
             f"{', '.join(str(fc.get(p, '-')) for p in names)} | "
             f"{', '.join(str(pf.get(p, '-')) for p in names)} |"
         )

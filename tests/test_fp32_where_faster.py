@@ -22,16 +22,18 @@ SDPA_OP = "graphamp.scaled_dot_product_attention"
 
 @pytest.fixture
 def timings(monkeypatch):
-    """The timings the pass sees: ``timings.low`` and ``timings.fp32`` in ms; each call is
-    recorded in ``timings.calls`` (what was timed)."""
+    """The timings the pass sees: ``timings.low``, ``timings.fp32`` and ``timings.matmuls``
+    in ms; each call is recorded in ``timings.calls`` (what was timed, the low dtype, the
+    forms timed)."""
 
     class Given:
-        low, fp32 = 2.0, 0.5
+        low, fp32, matmuls = 2.0, 0.5, 4.0
         calls: list = []
 
     def fake(timed, low_dtype):
-        Given.calls.append((timed.key, low_dtype))
-        return Given.low, Given.fp32
+        Given.calls.append((timed.key, low_dtype, timed.forms))
+        ms = {"low": Given.low, "fp32": Given.fp32, "matmuls": Given.matmuls}
+        return {form: ms[form] for form in timed.forms}
 
     monkeypatch.setattr(speed, "_timings", fake)
     monkeypatch.setattr(speed, "MIN_TIMED_MACS", 0)  # TinyGPT's attention is below it
@@ -50,6 +52,12 @@ def _gpt_graph(configure=None, train=True, dtype=torch.bfloat16):
     return g, loss
 
 
+def _ms(timed, low, fp32, matmuls):
+    """Given timings of the forms ``timed`` runs in."""
+    ms = {"low": low, "fp32": fp32, "matmuls": matmuls}
+    return {form: ms[form] for form in timed.forms}
+
+
 def _attention_rows(g):
     rows = g.precision_report(with_autocast=False).rows
     found = [r for r in rows if r["op"] == SDPA_OP]
@@ -65,7 +73,8 @@ def test_attention_runs_fp32_where_fp32_measured_faster_and_the_report_says_why(
     assert all("faster in fp32 than in bf16 on this machine" in r["why"] for r in rows)
     # both blocks' attention has the same sizes: one timing (the real one is cached per size)
     assert len(timings.calls) == 2 and timings.calls[0][0] == timings.calls[1][0]
-    assert timings.calls[0][0][-1] is True  # a training graph: forward and backward timed
+    # a training graph: forward and backward timed; aot_eager runs the matmul form uncompiled
+    assert timings.calls[0][0][-2:] == (True, False)
     summary = g.precision_report(with_autocast=False).summary()
     assert (
         "2 attention ops kept fp32, faster there on this machine (1.00 ms against 4.00 ms"
@@ -107,12 +116,12 @@ def test_attention_too_small_to_time_reliably_is_not_timed(timings, monkeypatch)
 
 def test_an_eval_graph_times_the_forward_only(timings):
     _gpt_graph(train=False)
-    assert timings.calls and all(key[-1] is False for key, _ in timings.calls)
+    assert timings.calls and all(key[-2] is False for key, *_ in timings.calls)
 
 
 def test_fp16_is_timed_against_fp16(timings):
     _gpt_graph(dtype=torch.float16)
-    assert {low for _, low in timings.calls} == {torch.float16}
+    assert {low for _, low, _ in timings.calls} == {torch.float16}
 
 
 def test_the_fp32_attention_step_trains_as_eager_with_fp32_attention(timings):
@@ -165,17 +174,18 @@ def test_set_fp32_where_faster_checks_its_argument():
 
 
 def test_real_timings_are_positive_and_kept_per_size(monkeypatch):
-    """The timing on real kernels: both precisions give a finite time, and a size is timed
-    once per process."""
+    """The timing on real kernels: every form gives a finite time, and a size is timed once
+    per process."""
     monkeypatch.setattr(speed, "MIN_TIMED_MACS", 0)
     speed._TIMINGS.clear()
     torch.manual_seed(0)
     g, _ = _gpt_graph()
     assert len(speed._TIMINGS) == 1  # the two blocks' attention: one size
-    ((key, (low_ms, fp32_ms)),) = speed._TIMINGS.items()
-    assert key[-1] == torch.bfloat16
-    assert 0 < low_ms < math.inf and 0 < fp32_ms < math.inf
-    assert list(json.load(open(speed._record_path())).values()) == [[low_ms, fp32_ms]]
+    ((key, ms),) = speed._TIMINGS.items()
+    assert key[-2] == torch.bfloat16 and key[-1] == ("low", "fp32", "matmuls")
+    assert all(0 < ms[form] < math.inf for form in key[-1])
+    recorded = list(json.load(open(speed._record_path())).values())
+    assert recorded == [[ms[form] for form in key[-1]]]
 
 
 def test_a_later_run_reads_the_machines_recorded_timings_and_makes_the_same_choice(monkeypatch):
@@ -183,15 +193,17 @@ def test_a_later_run_reads_the_machines_recorded_timings_and_makes_the_same_choi
     reads the record instead of timing again, so noise cannot give it another step."""
     monkeypatch.setattr(speed, "MIN_TIMED_MACS", 0)
     speed._TIMINGS.clear()
-    monkeypatch.setattr(speed, "_time_both", lambda timed, low: (2.0, 0.5))
+    monkeypatch.setattr(speed, "_time_forms", lambda timed, low: _ms(timed, 2.0, 0.5, 4.0))
     g, _ = _gpt_graph()
     assert {r["colour"] for r in _attention_rows(g)} == {"deny"}
     record = json.load(open(speed._record_path()))
-    assert list(record.values()) == [[2.0, 0.5]]
+    assert list(record.values()) == [[2.0, 0.5, 4.0]]
 
     speed._TIMINGS.clear()  # as in a new process
     timed_again = []
-    monkeypatch.setattr(speed, "_time_both", lambda timed, low: timed_again.append(1) or (0.5, 2.0))
+    monkeypatch.setattr(
+        speed, "_time_forms", lambda timed, low: timed_again.append(1) or _ms(timed, 0.5, 2, 4)
+    )
     g, _ = _gpt_graph()
     assert timed_again == [] and {r["colour"] for r in _attention_rows(g)} == {"deny"}
 
@@ -204,28 +216,29 @@ def test_a_malformed_record_is_timed_again_and_rewritten(monkeypatch, content):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write(content)
-    monkeypatch.setattr(speed, "_time_both", lambda timed, low: (0.5, 2.0))
+    monkeypatch.setattr(speed, "_time_forms", lambda timed, low: _ms(timed, 0.5, 2.0, 4.0))
     g, _ = _gpt_graph()
     assert {r["colour"] for r in _attention_rows(g)} == {"allow"}
-    assert [0.5, 2.0] in json.load(open(path)).values()
+    assert [0.5, 2.0, 4.0] in json.load(open(path)).values()
+
+
+class _Attend(torch.nn.Module):
+    """nn.MultiheadAttention: it reaches the CPU attention kernel by a name capture does not
+    see, so the forward holds the kernel itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.mha(x, x, x, need_weights=False)[0].mean(1))
 
 
 def test_the_cpu_kernel_capture_records_for_multihead_attention_is_timed_too(timings):
-    """nn.MultiheadAttention reaches the CPU attention kernel by a name capture does not see, so
-    the forward holds the kernel itself; it is timed and kept fp32 the same way."""
-    import torch.nn as nn
-
-    class Attend(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
-            self.head = nn.Linear(32, 10)
-
-        def forward(self, x):
-            return self.head(self.mha(x, x, x, need_weights=False)[0].mean(1))
-
+    """The kernel's node is timed and kept fp32 as graphamp's own attention op is."""
     torch.manual_seed(0)
-    model = Attend()
+    model = _Attend()
     g = make_graph(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
                    amp=torch.bfloat16)  # fmt: skip
     g(torch.randn(2, 16, 32), torch.randint(0, 10, (2,)))
@@ -233,3 +246,163 @@ def test_the_cpu_kernel_capture_records_for_multihead_attention_is_timed_too(tim
     kernel = [r for r in rows if r["op"] == "aten._scaled_dot_product_flash_attention_for_cpu"]
     assert kernel and {r["colour"] for r in kernel} == {"deny"}
     assert timings.calls and timings.calls[0][0][1] == (2, 4, 16, 8)  # (B, H, T, D)
+
+
+def test_the_cpu_kernel_is_replaced_by_the_matmul_form_where_that_is_fastest(timings):
+    """The kernel's node (output, logsumexp), of which only the output is read, is replaced
+    by one ``sdpa_as_matmuls`` node; the step trains as eager autocast does."""
+    timings.low, timings.fp32, timings.matmuls = 2.0, 1.5, 0.5
+    torch.manual_seed(0)
+    model, ref = _Attend(), _Attend()
+    ref.load_state_dict(model.state_dict())
+    g = make_graph(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                   amp=torch.bfloat16)  # fmt: skip
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(2, 16, 32, generator=gen), torch.randint(0, 10, (2,), generator=gen)
+        got = g(x, y)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = F.cross_entropy(ref(x), y)
+        want.backward()
+        opt.step()
+        assert abs(float(got) - float(want)) < 2e-2, (float(got), float(want))
+    ops = [r["op"] for r in g.precision_report(with_autocast=False).rows]
+    assert "graphamp.sdpa_as_matmuls" in ops
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" not in ops
+
+
+# -- attention written as low-precision matmuls around an fp32 softmax -----------------------------
+
+
+def test_attention_is_written_as_matmuls_where_that_measured_fastest(timings):
+    timings.low, timings.fp32, timings.matmuls = 2.0, 1.5, 0.5
+    g, _ = _gpt_graph()
+    rows = g.precision_report(with_autocast=False).rows
+    found = [r for r in rows if r["op"] == "graphamp.sdpa_as_matmuls"]
+    assert len(found) == 2 and not [r for r in rows if r["op"] == SDPA_OP]
+    assert {r["colour"] for r in found} == {"allow"} and {r["dtype"] for r in found} == {"bfloat16"}
+    assert all("written as bf16 matmuls around an fp32 softmax: faster than" in r["why"]
+               for r in found)  # fmt: skip
+    assert timings.calls[0][2] == ("low", "fp32", "matmuls")
+    summary = g.precision_report(with_autocast=False).summary()
+    assert (
+        "2 attention ops written as bfloat16 matmuls around an fp32 softmax, faster there on "
+        "this machine (1.00 ms against 4.00 ms for the bfloat16 kernel and 3.00 ms for the "
+        "fp32 one, timed)" in summary
+    )
+
+
+@pytest.mark.parametrize(
+    ("low", "fp32", "matmuls", "form", "kernels_only"),
+    [
+        (2.0, 1.5, 0.5, "matmuls", "fp32"),  # fastest by the margin over both
+        (2.0, 0.5, 0.45, "fp32", "fp32"),  # beats fp32 by less than the margin: fp32, exacter
+        (2.0, 3.0, 1.8, "low", "low"),  # beats the kernel by less than the margin
+        (2.0, 1.0, 3.0, "fp32", "fp32"),
+        (1.0, 1.1, 1.05, "low", "low"),
+    ],
+)
+def test_the_fastest_form_needs_the_margin_over_every_other(low, fp32, matmuls, form, kernels_only):
+    assert speed.fastest_form({"low": low, "fp32": fp32, "matmuls": matmuls}) == form
+    assert speed.fastest_form({"low": low, "fp32": fp32}) == kernels_only
+
+
+def test_attention_with_a_mask_is_not_timed_as_matmuls(timings):
+    """``sdpa_as_matmuls`` takes no mask (a wholly masked row is the kernels' business): a
+    masked attention is timed in the kernel's two precisions only."""
+    import torch.nn as nn
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+            self.head = nn.Linear(32, 10)
+            mask = torch.rand(2, 1, 16, 16) > 0.3
+            mask[..., 0] = True  # no wholly masked row
+            self.register_buffer("mask", mask)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 16, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+            return self.head(y.transpose(1, 2).reshape(2, 16, 32).mean(1))
+
+    timings.low, timings.fp32, timings.matmuls = 2.0, 1.5, 0.5
+    torch.manual_seed(0)
+    model = Masked()
+    g = make_graph(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                   amp=torch.bfloat16)  # fmt: skip
+    g(torch.randn(2, 16, 32), torch.randint(0, 10, (2,)))
+    assert timings.calls and all(forms == ("low", "fp32") for *_, forms in timings.calls)
+    ops = {r["op"] for r in g.precision_report(with_autocast=False).rows}
+    assert "graphamp.sdpa_as_matmuls" not in ops
+
+
+@pytest.mark.parametrize(
+    ("causal", "scale", "gqa"), [(False, None, False), (True, None, False), (True, 0.3, True)]
+)
+def test_the_matmul_form_computes_what_the_attention_kernel_does(causal, scale, gqa):
+    """In fp32 the two agree to rounding; in bf16 they agree as two bf16 kernels do."""
+    from graphamp.torchkit.ops import sdpa_as_matmuls
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 12, 8, generator=gen)
+    k, v = (torch.randn(2, 2 if gqa else 4, 12, 8, generator=gen) for _ in range(2))
+    kwargs = {"is_causal": causal, "scale": scale, "enable_gqa": gqa}
+    want = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    got = sdpa_as_matmuls(q, k, v, None, 0.0, causal, scale, gqa)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    low = [t.bfloat16() for t in (q, k, v)]
+    got_low = sdpa_as_matmuls(*low, None, 0.0, causal, scale, gqa)
+    assert got_low.dtype == torch.bfloat16
+    torch.testing.assert_close(got_low.float(), want, rtol=0.05, atol=0.02)
+
+
+def test_the_matmul_attention_step_trains_as_eager_autocast(timings):
+    """The step with attention written as matmuls against eager autocast (bf16 attention
+    kernel): the same precision, so the losses agree as two bf16 runs do."""
+    timings.low, timings.fp32, timings.matmuls = 2.0, 1.5, 0.5
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = TinyGPT()
+    ref.load_state_dict(model.state_dict())
+    g = make_graph(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                   amp=torch.bfloat16)  # fmt: skip
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        idx = torch.randint(0, 64, (2, 17), generator=gen)
+        got = g(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = lm_loss(ref(idx[:, :-1]), idx[:, 1:])
+        want.backward()
+        opt.step()
+        assert abs(float(got) - float(want)) < 2e-2, (float(got), float(want))
+    ops = {r["op"] for r in g.precision_report(with_autocast=False).rows}
+    assert "graphamp.sdpa_as_matmuls" in ops
+
+
+def test_the_matmul_form_is_timed_as_inductor_compiles_it():
+    """With inductor as the step's backend the matmul form is timed compiled (its casts and
+    softmax fused, as in the step): the compiled forward and backward give eager's gradients."""
+    from graphamp.torchkit.ops import sdpa_as_matmuls
+
+    gen = torch.Generator().manual_seed(0)
+    qkv = [torch.randn(2, 2, 16, 8, generator=gen).bfloat16() for _ in range(3)]
+    grad = torch.randn(2, 2, 16, 8, generator=gen).bfloat16()
+    joint = speed._joint(sdpa_as_matmuls, None, (0.0, True, None, False))
+    got = speed._compiled(joint, [*qkv, grad])(*qkv, grad)
+    for g_got, g_want in zip(got, joint(*qkv, grad), strict=True):
+        torch.testing.assert_close(g_got.float(), g_want.float(), rtol=0.02, atol=0.02)
+
+
+def test_the_matmul_form_is_timed_compiled_where_the_step_is_compiled_by_inductor():
+    g, _ = _gpt_graph(lambda self: self.config.set_backend("eager"))
+    args = ("g", True, lambda paths, setter: None)
+    for backend, compiled in (("eager", False), ("aot_eager", False), ("inductor", True)):
+        g.config.set_backend(backend)
+        config = g.config.snapshot()
+        check = speed.speed_settings(config, torch.device("cpu"), *args)["speed_check"]
+        assert check.compiled is compiled

@@ -63,6 +63,9 @@ class PrecisionReport:
     # node -> (low-precision ms, fp32 ms): ops kept fp32 where fp32 measured faster
     # (passes/fp32_where_faster.py)
     kept_fp32_where_faster: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # node -> (low-precision kernel ms, fp32 kernel ms, matmuls ms): attention written as
+    # low-precision matmuls around an fp32 softmax where that measured fastest
+    matmul_attention: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
     def summary(self) -> str:
         text = (
@@ -83,6 +86,8 @@ class PrecisionReport:
                 f"; {n} attention op{'s' if n != 1 else ''} kept fp32, faster there on this "
                 f"machine ({fp32:.2f} ms against {low:.2f} ms in {self.dtype}, timed)"
             )
+        if self.matmul_attention:
+            text += "; " + _matmul_attention_words(self.matmul_attention, self.dtype)
         if self.unknown_ops:
             names = ", ".join(sorted(self.unknown_ops))
             n = sum(self.unknown_ops.values())
@@ -123,6 +128,18 @@ class PrecisionReport:
 
     def __repr__(self) -> str:
         return f"PrecisionReport({self.summary()})"
+
+
+def _matmul_attention_words(timings: dict[str, tuple[float, float, float]], dtype: Any) -> str:
+    """The summary's clause on attention written as matmuls, with the summed timings."""
+    n = len(timings)
+    low, fp32, matmuls = (sum(t[i] for t in timings.values()) for i in range(3))
+    return (
+        f"{n} attention op{'s' if n != 1 else ''} written as {_short_dtype(dtype)} matmuls "
+        f"around an fp32 softmax, faster there on this machine ({matmuls:.2f} ms against "
+        f"{low:.2f} ms for the {_short_dtype(dtype)} kernel and {fp32:.2f} ms for the fp32 "
+        "one, timed)"
+    )
 
 
 def report_rows(
@@ -182,6 +199,7 @@ def precision_report(program: Program, trace: AutocastTrace | None = None) -> Pr
         ops_total=sum(r["colour"] in ("allow", "deny", "fp32", *FINER_COLOURS) for r in rows),
         ops_finer=_finer_counts(rows),
         kept_fp32_where_faster=dict(amp.kept_fp32_timings) if amp else {},
+        matmul_attention=dict(amp.matmul_attention_timings) if amp else {},
         unknown_ops=dict(amp.unknown_ops) if amp else {},
         autocast=autocast_counts(program, trace) if trace is not None else None,
         timings=dict(program.timings),

@@ -119,7 +119,8 @@ class Classifier:
                 return "deny", f"inside fp32-pinned module {pinned}" + (
                     f": {self.ctx.pin_reasons[pinned]}" if pinned in self.ctx.pin_reasons else ""
                 )
-        return category, why
+        form = node.meta.get("amp_form")  # a pass chose how the op runs (fp32_where_faster)
+        return category, f"{why}; {form}" if form else why
 
 
 def output_values(output: fx.Node) -> list[fx.Node]:

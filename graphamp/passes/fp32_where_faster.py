@@ -1,5 +1,6 @@
 """fp32_where_faster: an op the lists put in low precision stays fp32 where, on this machine and
-at this op's sizes, its fp32 kernel measured faster.
+at this op's sizes, its fp32 kernel measured faster; attention is written as low-precision
+matmuls around an fp32 softmax where that measured faster than both kernels.
 
 The lists say which ops *may* run in low precision; they assume the low-precision kernel is
 the fast one, which holds for matmuls on a GPU but not for every kernel on the CPU. torch's
@@ -11,8 +12,23 @@ an x86 CPU with AMX: forward and backward of causal (B, H, T, D) = (2, 4, 64, 32
 bf16 is the faster one. So the pass times each such op, as it will run (forward, and backward
 in a training graph), in both precisions, with random tensors of its sizes, and keeps it fp32
 where fp32 took at most 1/``MARGIN`` of the low-precision time. fp32 is never the less
-accurate choice, so the only thing this can cost is speed. The margin keeps near-ties in low
-precision, ops too small to time reliably are not timed, and the timings are recorded on
+accurate choice, so the only thing this can cost is speed.
+
+A third form is timed for attention without a mask: ``graphamp.sdpa_as_matmuls``, the two
+products in low precision (fp32 accumulation, as the kernels' own) around an fp32 softmax,
+which inductor compiles with the casts and the scale fused into the softmax; where the step
+is compiled by inductor it is timed so (compiled once per size, a second or more), elsewhere
+op by op, as it will run. At ViT-Ti's sizes ((4, 3, 197, 64), bf16, one thread, forward and
+backward, as this pass timed them on the machine above) it took 2.5 ms against 4.9 ms for
+the fp32 kernel and 7.4 ms for the bf16 one. It rounds as the
+low-precision kernel does (bf16 operands, the probabilities rounded to bf16 before the second
+product), so it is what the lists allow; it is chosen where it took at most 1/``MARGIN`` of
+both other forms' time. It keeps the attention matrix for the backward, which the kernels
+do not; the size window below bounds that (at most ``MAX_TIMED_MACS`` / the head size
+elements a call).
+
+The margin keeps near-ties in low precision, ops too small to time reliably are not timed,
+and the timings are recorded on
 disk (``fp32_where_faster.json`` under graphamp's cache root, per torch version, CPU and thread
 count): noise that flipped the choice between runs would give each run a different step (and
 the step cache a different key), so a machine times each size once and every later run reads
@@ -22,8 +38,9 @@ It is on by default for AMP on the CPU (``config.set_fp32_where_faster``), never
 the low-precision kernels (flash attention) are the fast ones, and off where the user names the
 op in ``override_amp_lists`` (their choice stands), at opt level O3, and in a process group of
 more than one rank (every rank must trace the same graph; timings differ between ranks). The
-precision report says why each op kept fp32 here is; the timings are in the AMP stats
-(``fp32_where_faster``), not in the node's metadata, which the step cache's key reads.
+precision report says why each op kept fp32 here is, and its summary counts the attention
+written as matmuls; the timings are in the AMP context (``kept_fp32_timings``,
+``matmul_attention_timings``), not in the node's metadata, which the step cache's key reads.
 """
 
 from __future__ import annotations
@@ -34,6 +51,7 @@ import functools
 import json
 import logging
 import math
+import operator
 import os
 import platform
 import time
@@ -43,11 +61,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch import ops
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..records.amp import SpeedCheck
 from ..records.settings import ConfigSnapshot
+from ..torchkit.backends import call_backend
 from ..torchkit.cache_root import graphamp_cache_root, write_atomically
-from ..torchkit.ops import SDPA, sdpa_reference
+from ..torchkit.ops import SDPA, SDPA_AS_MATMULS, sdpa_as_matmuls, sdpa_reference
 from ..torchkit.process_state import BoundedCache
 from ..torchkit.shapes import size_hint
 from .base import AmpContext, CheckPaths, PassResult, packet_of
@@ -66,13 +87,20 @@ MAX_TIMED_MACS = 1e9
 RUNS = 5  # timed runs of each precision, alternating, after one warm-up each; the best counts
 
 
+# The forms an attention op can run in: the kernel in the low-precision dtype (the lists'
+# choice), the kernel in fp32, and sdpa_as_matmuls in the low-precision dtype.
+LOW, FP32, MATMULS = "low", "fp32", "matmuls"
+
+
 @dataclass(frozen=True)
 class _Timed:
-    """One op at its sizes: ``run(dtype)`` runs it once on fresh inputs (forward, and backward
-    if training) and returns the seconds the op took, its inputs' making left out."""
+    """One op at its sizes: ``run(form, low dtype)`` runs it once in that form on fresh inputs
+    (forward, and backward if training) and returns the seconds the op took, its inputs'
+    making left out. ``forms``: the forms it may run in."""
 
     key: tuple
-    run: Callable[[torch.dtype], float]
+    run: Callable[[str, torch.dtype], float]
+    forms: tuple[str, ...] = (LOW, FP32)
 
 
 def speed_settings(
@@ -90,74 +118,167 @@ def speed_settings(
         return {}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return {}
-    return {"speed_check": SpeedCheck(training=training)}
+    compiled = config.backend == "inductor"
+    return {"speed_check": SpeedCheck(training=training, compiled=compiled)}
 
 
 def keep_fp32_where_faster(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
-    """Pin (``ctx.pinned_nodes``) each timed op whose fp32 kernel measured faster."""
+    """Pin (``ctx.pinned_nodes``) each timed op whose fp32 kernel measured faster; retarget
+    to ``graphamp.sdpa_as_matmuls`` each attention op whose matmul form measured faster."""
     if ctx.speed_check is None:
         return PassResult(gm, False)
-    pins, timings = {}, {}
-    for node in gm.graph.nodes:
+    pins, kept_fp32, as_matmuls = {}, {}, {}
+    for node in list(gm.graph.nodes):  # the matmul form may replace a node
         if node.op != "call_function" or node.target not in _ATTENTION_OPS:
             continue
         if node.name in ctx.pinned_nodes or packet_of(node) in ctx.lists.overridden:
             continue
-        timed = _attention(node, ctx.speed_check.training)
+        timed = _attention(node, ctx.speed_check)
         if timed is None:
             continue
-        low_ms, fp32_ms = timings[node.name] = _timings(timed, ctx.dtype)
-        if fp32_ms * MARGIN <= low_ms:
+        ms = _timings(timed, ctx.dtype)
+        form = fastest_form(ms)
+        if form == FP32:
             # no figures in the reason: it is node metadata, which the step cache's key reads
             pins[node.name] = (
                 f"faster in fp32 than in {_short(ctx.dtype)} on this machine at these sizes "
                 f"({'forward and backward' if ctx.speed_check.training else 'forward'} timed "
                 "once per size and recorded; config.set_fp32_where_faster)"
             )
+            kept_fp32[node.name] = (ms[LOW], ms[FP32])
+        elif form == MATMULS:
+            written = _as_matmuls(node)
+            written.meta["amp_form"] = (
+                f"written as {_short(ctx.dtype)} matmuls around an fp32 softmax: faster than "
+                "either attention kernel on this machine at these sizes (timed once per size "
+                "and recorded; config.set_fp32_where_faster)"
+            )
+            as_matmuls[written.name] = (ms[LOW], ms[FP32], ms[MATMULS])
     if pins:
         ctx.pinned_nodes = {**ctx.pinned_nodes, **pins}
-    # (low ms, fp32 ms) of each op kept fp32, for the precision report's summary
-    ctx.kept_fp32_timings = {name: timings[name] for name in sorted(pins)}
-    return PassResult(gm, False)  # the graph is unchanged: colouring reads the pins
+    # the timings of each op moved off the lists' kernel, for the precision report's summary
+    ctx.kept_fp32_timings = dict(sorted(kept_fp32.items()))
+    ctx.matmul_attention_timings = dict(sorted(as_matmuls.items()))
+    return PassResult(gm, bool(as_matmuls))  # pins change no node: colouring reads them
+
+
+def _as_matmuls(node: fx.Node) -> fx.Node:
+    """``node`` run as ``graphamp.sdpa_as_matmuls`` (the lists allow it as they do attention):
+    graphamp's op retargeted (the same schema), or the CPU kernel's node, whose output alone is
+    read (``_writable_as_matmuls``), replaced by one. The kernel's output has its query's
+    layout ((T, B, H, D) memory under ``nn.MultiheadAttention``), and the captured code after
+    it may view it as such without a copy, so the matmuls' output is copied into that layout:
+    permuted to its memory order, made contiguous, permuted back."""
+    if node.target is SDPA:
+        node.target = SDPA_AS_MATMULS
+        return node
+    (output,) = node.users  # the kernel's (output, logsumexp)[0]
+    val = output.meta["val"]
+    order = _memory_order(val)
+    back = sorted(range(len(order)), key=order.__getitem__)
+    written = val.contiguous()
+    steps: list[tuple[Any, tuple, dict, torch.Tensor]] = [
+        (SDPA_AS_MATMULS, _sdpa_arguments(node), {}, written)
+    ]
+    if not val.is_contiguous():
+        turned = written.permute(order).contiguous()
+        steps += [
+            (ops.aten.permute.default, (order,), {}, written.permute(order)),
+            (ops.aten.clone.default, (), {"memory_format": torch.contiguous_format}, turned),
+            (ops.aten.permute.default, (back,), {}, turned.permute(back)),
+        ]
+    graph, meta = node.graph, {k: v for k, v in node.meta.items() if k != "val"}
+    made: list[fx.Node] = []
+    with graph.inserting_before(node):
+        for target, args, kwargs, step_val in steps:
+            made.append(graph.call_function(target, (*made[-1:], *args), kwargs))
+            made[-1].meta = {**meta, "val": step_val}
+    output.replace_all_uses_with(made[-1])
+    graph.erase_node(output)
+    graph.erase_node(node)
+    return made[0]
+
+
+def _memory_order(val: torch.Tensor) -> list[int]:
+    """``val``'s dimensions from the outermost in memory to the innermost."""
+    strides = val.stride()
+    return sorted(range(val.dim()), key=lambda d: -strides[d])
+
+
+def _writable_as_matmuls(node: fx.Node, mask: Any) -> bool:
+    """Can ``node`` run as ``sdpa_as_matmuls``? Not with a mask (it takes none: a wholly masked
+    row is the kernels' business), nor where a CPU kernel's logsumexp is read or its output's
+    layout is symbolic or not a permutation of a contiguous one (``_as_matmuls`` copies into
+    it)."""
+    if mask is not None:
+        return False
+    if node.target is SDPA:
+        return True
+    users = list(node.users)
+    if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
+        return False
+    val = users[0].meta.get("val")
+    if not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.stride()):
+        return False  # symbolic strides: comparing them would add guards
+    order = _memory_order(val)
+    return val.contiguous().permute(order).contiguous().stride() == tuple(
+        val.stride(d) for d in order
+    )
+
+
+def fastest_form(ms: dict[str, float]) -> str:
+    """The form to run: the low-precision kernel unless another took at most 1 / MARGIN of
+    its time; the matmul form only where it beats the fp32 kernel by that margin too (fp32 is
+    the more accurate of the two)."""
+    form = FP32 if ms[FP32] * MARGIN <= ms[LOW] else LOW
+    if MATMULS in ms and ms[MATMULS] * MARGIN <= min(ms[LOW], ms[FP32]):
+        form = MATMULS
+    return form
 
 
 def _short(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
-# (what was timed, the low dtype) -> (low ms, fp32 ms): each size is timed once per process
-_TIMINGS: BoundedCache[tuple, tuple[float, float]] = BoundedCache(1024)
+# (what was timed, the low dtype, the forms) -> ms of each form: each size timed once a process
+_TIMINGS: BoundedCache[tuple, dict[str, float]] = BoundedCache(1024)
 RECORD_FILE = "fp32_where_faster.json"  # under graphamp's cache root: timings kept across runs
 MAX_RECORDED = 4096  # sizes kept in the file, the oldest dropped
 
 
-def _timings(timed: _Timed, low: torch.dtype) -> tuple[float, float]:
-    """(low ms, fp32 ms) of ``timed``: from this process, else from the machine's record of
-    earlier runs, else timed now and recorded. The record makes the choice once per machine:
-    every later run gets the same step (and its step cache entry) whatever its timing noise."""
-    key = (*timed.key, low)
+def _timings(timed: _Timed, low: torch.dtype) -> dict[str, float]:
+    """The ms of each of ``timed``'s forms: from this process, else from the machine's record
+    of earlier runs, else timed now and recorded. The record makes the choice once per
+    machine: every later run gets the same step (and its step cache entry) whatever its
+    timing noise."""
+    key = (*timed.key, low, timed.forms)
     found = _TIMINGS.get(key)
     if found is not None:
         return found
     text = repr((_machine(), key))
     record = _read_record()
-    if text in record:
-        low_ms, fp32_ms = record[text]
+    if len(record.get(text, ())) == len(timed.forms):
+        ms = dict(zip(timed.forms, record[text]))
     else:
-        low_ms, fp32_ms = _time_both(timed, low)
-        _write_record({**record, text: [low_ms, fp32_ms]})
-    _TIMINGS[key] = (low_ms, fp32_ms)
-    return low_ms, fp32_ms
+        log.info(
+            "timing attention at %s in %s (once per size on this machine: recorded in %s)",
+            "x".join(map(str, timed.key[1])), ", ".join(timed.forms), _record_path(),
+        )  # fmt: skip
+        ms = _time_forms(timed, low)
+        _write_record({**record, text: [ms[form] for form in timed.forms]})
+    _TIMINGS[key] = ms
+    return ms
 
 
-def _time_both(timed: _Timed, low: torch.dtype) -> tuple[float, float]:
-    best = {low: math.inf, torch.float32: math.inf}
-    for dtype in best:  # warm-up: first calls allocate and pick kernels
-        timed.run(dtype)
+def _time_forms(timed: _Timed, low: torch.dtype) -> dict[str, float]:
+    """The best of RUNS alternating runs of each form, after a warm-up run of each, in ms."""
+    best = dict.fromkeys(timed.forms, math.inf)
+    for form in best:  # warm-up: first calls allocate and pick kernels
+        timed.run(form, low)
     for _ in range(RUNS):
-        for dtype in best:
-            best[dtype] = min(best[dtype], timed.run(dtype))
-    return best[low] * 1e3, best[torch.float32] * 1e3
+        for form in best:
+            best[form] = min(best[form], timed.run(form, low))
+    return {form: seconds * 1e3 for form, seconds in best.items()}
 
 
 def _machine() -> str:
@@ -193,7 +314,7 @@ def _read_record() -> dict[str, list[float]]:
     return {
         k: v
         for k, v in record.items()
-        if isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v)
+        if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)
     }
 
 
@@ -225,9 +346,9 @@ def _sdpa_arguments(node: fx.Node) -> tuple:
 _ATTENTION_OPS = (SDPA, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
 
 
-def _attention(node: fx.Node, training: bool) -> _Timed | None:
+def _attention(node: fx.Node, check: SpeedCheck) -> _Timed | None:
     """How to run the attention of ``node`` at its sizes (None: not timed: an unknown or large
-    size, or a mask that is not a plain tensor)."""
+    size, or a mask that is not a plain tensor), in the forms it can take."""
     query, key, value, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(node)
     shapes = [_sizes(v) for v in (query, key, value)]
     mask_val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
@@ -241,22 +362,53 @@ def _attention(node: fx.Node, training: bool) -> _Timed | None:
     if mask_sizes is None:
         return None
     mask_spec = None if mask_val is None else (tuple(mask_sizes), mask_val.dtype)
+    forms = (LOW, FP32, MATMULS) if _writable_as_matmuls(node, mask) else (LOW, FP32)
+    arguments = (dropout_p, is_causal, scale, gqa)
+    compiled: dict[torch.dtype, Callable] = {}  # the matmul form compiled, per low dtype
 
-    def run(dtype: torch.dtype) -> float:
+    def run(form: str, low: torch.dtype) -> float:
+        dtype = torch.float32 if form == FP32 else low
         gen = torch.Generator().manual_seed(0)
-        qt, kt, vt = (
-            torch.randn(s, generator=gen).to(dtype).requires_grad_(training) for s in (q, k, v)
-        )
+        qkv = [torch.randn(s, generator=gen).to(dtype) for s in (q, k, v)]
         m = None if mask_spec is None else _mask(mask_spec, dtype)
-        grad = torch.ones((*q[:-1], v[-1]), dtype=dtype) if training else None
-        with torch.enable_grad() if training else torch.no_grad():
-            start = time.perf_counter()
-            out = sdpa_reference(qt, kt, vt, m, dropout_p, is_causal, scale, gqa)
-            if grad is not None:
-                out.backward(grad)
-            return time.perf_counter() - start
+        grad = [torch.ones((*q[:-1], v[-1]), dtype=dtype)] if check.training else []
+        if form == MATMULS and check.compiled:
+            if low not in compiled:
+                compiled[low] = _compiled(_joint(sdpa_as_matmuls, None, arguments), qkv + grad)
+            call = compiled[low]
+        else:
+            attention = sdpa_as_matmuls if form == MATMULS else sdpa_reference
+            call = _joint(attention, m, arguments)
+        start = time.perf_counter()
+        call(*qkv, *grad)
+        return time.perf_counter() - start
 
-    return _Timed(("sdpa", q, k, v, mask_spec, dropout_p, is_causal, scale, gqa, training), run)
+    key = ("sdpa", q, k, v, mask_spec, *arguments, check.training, check.compiled)
+    return _Timed(key, run, forms)
+
+
+def _joint(attention: Callable, mask: torch.Tensor | None, arguments: tuple) -> Callable:
+    """``f(q, k, v[, grad])``: the attention's output, or with ``grad`` its inputs'
+    gradients (forward and backward)."""
+
+    def joint(*tensors: torch.Tensor) -> Any:
+        qkv, grad = tensors[:3], tensors[3:]
+        if not grad:
+            with torch.no_grad():
+                return attention(*qkv, mask, *arguments)
+        qkv = tuple(t.detach().requires_grad_(True) for t in qkv)
+        with torch.enable_grad():
+            out = attention(*qkv, mask, *arguments)
+            return torch.autograd.grad(out, qkv, grad[0])
+
+    return joint
+
+
+def _compiled(fn: Callable, example: list[torch.Tensor]) -> Callable:
+    """``fn`` traced to one aten graph and compiled by inductor, as the step's own code is:
+    what the matmul form costs in the step is what inductor makes of it (the casts, the scale
+    and the softmax fused), not its eager ops one by one."""
+    return call_backend(make_fx(fn, tracing_mode="fake")(*example), example, "inductor")
 
 
 def _mask(spec: tuple, dtype: torch.dtype) -> torch.Tensor:

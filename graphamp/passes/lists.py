@@ -63,8 +63,10 @@ tests/test_amp.py):
    precision, move it with ``override_amp_lists``).
 11. On the CPU, scaled-dot-product attention stays fp32 where its fp32 kernel measured faster
    than its low-precision one at the op's sizes (``fp32_where_faster.py``: torch's bf16 CPU
-   attention backward is several times slower than fp32 at small sequence lengths). Autocast
-   always runs it in low precision; ``config.set_fp32_where_faster(False)`` does the same here.
+   attention backward is several times slower than fp32 at small sequence lengths), and is
+   written as low-precision matmuls around an fp32 softmax (``graphamp.sdpa_as_matmuls``, an
+   allow op) where that measured faster than both. Autocast always runs the low-precision
+   kernel; ``config.set_fp32_where_faster(False)`` does the same here.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ ALLOW = packets(
     "rnn_relu",
     # attention (graphamp keeps SDPA whole; the raw kernels in case user code calls them)
     "graphamp.scaled_dot_product_attention",
+    "graphamp.sdpa_as_matmuls",  # its low-precision form (fp32_where_faster.py)
     "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",

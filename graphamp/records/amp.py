@@ -41,6 +41,9 @@ class SpeedCheck:
     faster (``config.set_fp32_where_faster``, ``passes/fp32_where_faster.py``)."""
 
     training: bool  # time forward and backward (a training graph), or the forward only
+    # the step is compiled by inductor: time the attention written as matmuls as inductor
+    # compiles it (its elementwise work fused), not op by op
+    compiled: bool = False
 
 
 @dataclass
@@ -66,6 +69,8 @@ class AmpContext:
     unknown_ops: dict[str, int] = field(default_factory=dict)
     # the ops speed_check kept fp32: node name -> (low-precision ms, fp32 ms) as timed
     kept_fp32_timings: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # the attention it wrote as low-precision matmuls: node name -> (low, fp32, matmuls) ms
+    matmul_attention_timings: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     hoisted: list[tuple[str, torch.dtype]] = field(default_factory=list)
     # state tensors a pass gave the forward (ForwardLayout.pass_state), after the parameter copies
     pass_state: list[PassState] = field(default_factory=list)

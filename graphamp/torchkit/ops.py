@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function_unary
 
-from ..errors import ConfigError
+from ..errors import ConfigError, GraphampError
 from . import fp8_numerics, fused_update, op_repairs
 from .fp8_numerics import fp8_matmul, fp8_matmul_delayed
 from .fxutil import NodeTagger
@@ -130,9 +130,54 @@ def capture_sdpa(
     )
 
 
+@torch.library.custom_op("graphamp::sdpa_as_matmuls", mutates_args=())
+def _sdpa_as_matmuls_op(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    return sdpa_as_matmuls(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+@_sdpa_as_matmuls_op.register_fake
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ARG001 - the op's schema
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+def sdpa_as_matmuls(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+) -> Tensor:
+    """Attention written as two matmuls in the inputs' dtype around an fp32 softmax: what
+    ``passes/fp32_where_faster.py`` picks where it measured faster than either attention
+    kernel (small sizes on the CPU). Without a mask only (the pass's rule), so no row is
+    wholly masked; ``is_causal`` masks the upper triangle, aligned top-left as torch's does."""
+    if attn_mask is not None:
+        raise GraphampError("graphamp.sdpa_as_matmuls takes no attention mask")
+    if enable_gqa and key.size(-3) != query.size(-3):
+        repeats = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(repeats, dim=-3)
+        value = value.repeat_interleave(repeats, dim=-3)
+    scale = query.size(-1) ** -0.5 if scale is None else scale
+    scores = (query @ key.transpose(-2, -1)).float() * scale  # scaled in fp32: no overflow
+    if is_causal:
+        length, keys = scores.shape[-2:]
+        visible = torch.ones(length, keys, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
+    return probs.to(value.dtype) @ value
+
+
 LOW_PRECISION_HINT = torch.ops.graphamp.low_precision.default
 FULL_PRECISION_HINT = torch.ops.graphamp.full_precision.default
 SDPA = torch.ops.graphamp.scaled_dot_product_attention.default
+SDPA_AS_MATMULS = torch.ops.graphamp.sdpa_as_matmuls.default
 
 
 # -- recurrent layers, kept whole -----------------------------------------------------------------
@@ -485,6 +530,7 @@ CAPTURE_REWRITES = {
 # are identities).
 EXPANSIONS = {
     SDPA: sdpa_reference,
+    SDPA_AS_MATMULS: sdpa_as_matmuls,
     LOW_PRECISION_HINT: lambda x: x,
     FULL_PRECISION_HINT: lambda x: x,
     torch.ops.graphamp.rnn.default: _expand_rnn,
