@@ -171,9 +171,9 @@ class GraphConfig:
         most 5/6 of the time; calls too small to time reliably, or so large that timing would
         cost seconds, are not timed. The precision report says why. fp32 is never less
         accurate. Attention without a mask is timed a third way, written as low-precision
-        matmuls around an fp32 softmax (``graphamp.sdpa_as_matmuls``; compiled by inductor
-        where the step is, since that fuses its softmax and casts: a second or more of the
-        first build per size), and runs so where that took at most 5/6 of both kernels' time
+        matmuls around an fp32 softmax (``graphamp.sdpa_as_matmuls``; where the step is
+        compiled by inductor, which fuses its casts into the softmax, its products and
+        softmax are what is timed), and runs so where that took at most 5/6 of both kernels' time
         (it rounds as the low-precision kernel does). Ops named in ``override_amp_lists``
         keep the user's choice; off at opt level O3 and across more than one rank (ranks must
         trace the same graph). ``False``: the lists alone decide, as torch.autocast does."""

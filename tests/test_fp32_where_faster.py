@@ -384,21 +384,21 @@ def test_the_matmul_attention_step_trains_as_eager_autocast(timings):
     assert "graphamp.sdpa_as_matmuls" in ops
 
 
-def test_the_matmul_form_is_timed_as_inductor_compiles_it():
-    """With inductor as the step's backend the matmul form is timed compiled (its casts and
-    softmax fused, as in the step): the compiled forward and backward give eager's gradients."""
-    from graphamp.torchkit.ops import sdpa_as_matmuls
-
+@pytest.mark.parametrize("heads_kv", [4, 2])
+def test_the_matmul_form_is_timed_by_its_kernels_where_inductor_fuses_the_rest(heads_kv):
+    """With inductor as the step's backend the matmul form's time is its products' and
+    softmax's (the casts and the scale fuse into the softmax there): finite for the forward
+    and for forward and backward, grouped-query heads included, and nothing is compiled."""
     gen = torch.Generator().manual_seed(0)
-    qkv = [torch.randn(2, 2, 16, 8, generator=gen).bfloat16() for _ in range(3)]
-    grad = torch.randn(2, 2, 16, 8, generator=gen).bfloat16()
-    joint = speed._joint(sdpa_as_matmuls, None, (0.0, True, None, False))
-    got = speed._compiled(joint, [*qkv, grad])(*qkv, grad)
-    for g_got, g_want in zip(got, joint(*qkv, grad), strict=True):
-        torch.testing.assert_close(g_got.float(), g_want.float(), rtol=0.02, atol=0.02)
+    q = torch.randn(2, 4, 16, 8, generator=gen).bfloat16()
+    k, v = (torch.randn(2, heads_kv, 16, 8, generator=gen).bfloat16() for _ in range(2))
+    grad = torch.ones(2, 4, 16, 8, dtype=torch.bfloat16)
+    forward = speed._matmul_kernels(q, k, v)
+    both = speed._matmul_kernels(q, k, v, grad)
+    assert 0 < forward < math.inf and 0 < both < math.inf
 
 
-def test_the_matmul_form_is_timed_compiled_where_the_step_is_compiled_by_inductor():
+def test_the_matmul_form_is_timed_by_its_kernels_where_the_step_is_compiled_by_inductor():
     g, _ = _gpt_graph(lambda self: self.config.set_backend("eager"))
     args = ("g", True, lambda paths, setter: None)
     for backend, compiled in (("eager", False), ("aot_eager", False), ("inductor", True)):

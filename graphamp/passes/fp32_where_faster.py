@@ -17,10 +17,12 @@ accurate choice, so the only thing this can cost is speed.
 A third form is timed for attention without a mask: ``graphamp.sdpa_as_matmuls``, the two
 products in low precision (fp32 accumulation, as the kernels' own) around an fp32 softmax,
 which inductor compiles with the casts and the scale fused into the softmax; where the step
-is compiled by inductor it is timed so (compiled once per size, a second or more), elsewhere
-op by op, as it will run. At ViT-Ti's sizes ((4, 3, 197, 64), bf16, one thread, forward and
-backward, as this pass timed them on the machine above) it took 2.5 ms against 4.9 ms for
-the fp32 kernel and 7.4 ms for the bf16 one. It rounds as the
+is compiled by inductor its time is its kernels' (``_matmul_kernels``: the products and the
+softmax each way, the fused work left out, nothing compiled to time it), elsewhere its ops'
+one by one, as it will run. At ViT-Ti's sizes ((4, 3, 197, 64), bf16, one thread, forward and
+backward, on the machine above) the form compiled whole took 2.5-2.7 ms, its kernels as this
+pass times them 3.8 ms, against 5.1 ms for the fp32 kernel and 7.1 ms for the bf16 one: the
+kernels' time is the conservative one (fresh tensors each run). It rounds as the
 low-precision kernel does (bf16 operands, the probabilities rounded to bf16 before the second
 product), so it is what the lists allow; it is chosen where it took at most 1/``MARGIN`` of
 both other forms' time. It keeps the attention matrix for the backward, which the kernels
@@ -62,11 +64,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import ops
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..records.amp import SpeedCheck
 from ..records.settings import ConfigSnapshot
-from ..torchkit.backends import call_backend
 from ..torchkit.cache_root import graphamp_cache_root, write_atomically
 from ..torchkit.ops import SDPA, SDPA_AS_MATMULS, sdpa_as_matmuls, sdpa_reference
 from ..torchkit.process_state import BoundedCache
@@ -364,7 +364,6 @@ def _attention(node: fx.Node, check: SpeedCheck) -> _Timed | None:
     mask_spec = None if mask_val is None else (tuple(mask_sizes), mask_val.dtype)
     forms = (LOW, FP32, MATMULS) if _writable_as_matmuls(node, mask) else (LOW, FP32)
     arguments = (dropout_p, is_causal, scale, gqa)
-    compiled: dict[torch.dtype, Callable] = {}  # the matmul form compiled, per low dtype
 
     def run(form: str, low: torch.dtype) -> float:
         dtype = torch.float32 if form == FP32 else low
@@ -373,12 +372,9 @@ def _attention(node: fx.Node, check: SpeedCheck) -> _Timed | None:
         m = None if mask_spec is None else _mask(mask_spec, dtype)
         grad = [torch.ones((*q[:-1], v[-1]), dtype=dtype)] if check.training else []
         if form == MATMULS and check.compiled:
-            if low not in compiled:
-                compiled[low] = _compiled(_joint(sdpa_as_matmuls, None, arguments), qkv + grad)
-            call = compiled[low]
-        else:
-            attention = sdpa_as_matmuls if form == MATMULS else sdpa_reference
-            call = _joint(attention, m, arguments)
+            return _matmul_kernels(*qkv, *grad)
+        attention = sdpa_as_matmuls if form == MATMULS else sdpa_reference
+        call = _joint(attention, m, arguments)
         start = time.perf_counter()
         call(*qkv, *grad)
         return time.perf_counter() - start
@@ -404,11 +400,47 @@ def _joint(attention: Callable, mask: torch.Tensor | None, arguments: tuple) -> 
     return joint
 
 
-def _compiled(fn: Callable, example: list[torch.Tensor]) -> Callable:
-    """``fn`` traced to one aten graph and compiled by inductor, as the step's own code is:
-    what the matmul form costs in the step is what inductor makes of it (the casts, the scale
-    and the softmax fused), not its eager ops one by one."""
-    return call_backend(make_fx(fn, tracing_mode="fake")(*example), example, "inductor")
+def _matmul_kernels(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, grad: torch.Tensor | None = None
+) -> float:
+    """Seconds of what inductor runs for ``sdpa_as_matmuls`` on these (B, H, T, D) inputs
+    (forward, and backward with ``grad``): its products as matmul kernels and its softmax as
+    one loop each way. The casts, the scale, the causal mask and dropout, which inductor fuses
+    into the softmax's loops, are left out of the time, and so is compiling the form (seconds
+    a size on a machine with a cold inductor cache). At ViT-Ti's sizes the sum was 2.6 ms
+    against 2.5-2.7 ms for the form compiled whole (bf16, one thread, forward and backward)."""
+    if key.size(-3) != query.size(-3):  # grouped-query attention: the heads repeated
+        repeats = query.size(-3) // key.size(-3)
+        key, value = (t.repeat_interleave(repeats, dim=-3) for t in (key, value))
+    q, k, v = (t.flatten(0, -3) for t in (query, key, value))
+    clock = _Clock()
+    with torch.enable_grad():
+        scores = clock(torch.bmm, q, k.transpose(1, 2)).float().requires_grad_(grad is not None)
+        probs = clock(torch.softmax, scores, -1)
+    low = probs.detach().to(v.dtype)
+    clock(torch.bmm, low, v)
+    if grad is not None:
+        g = grad.flatten(0, -3)
+        d_probs = clock(torch.bmm, g, v.transpose(1, 2)).float()
+        clock(torch.bmm, low.transpose(1, 2), g)
+        (d_scores,) = clock(torch.autograd.grad, probs, scores, d_probs)
+        d_scores = d_scores.to(q.dtype)
+        clock(torch.bmm, d_scores, k)
+        clock(torch.bmm, d_scores.transpose(1, 2), q)
+    return clock.seconds
+
+
+class _Clock:
+    """Calls a function and adds the seconds it took to ``seconds``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self, fn: Callable, *args: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(*args)
+        self.seconds += time.perf_counter() - start
+        return out
 
 
 def _mask(spec: tuple, dtype: torch.dtype) -> torch.Tensor:

@@ -41,8 +41,8 @@ class SpeedCheck:
     faster (``config.set_fp32_where_faster``, ``passes/fp32_where_faster.py``)."""
 
     training: bool  # time forward and backward (a training graph), or the forward only
-    # the step is compiled by inductor: time the attention written as matmuls as inductor
-    # compiles it (its elementwise work fused), not op by op
+    # the step is compiled by inductor: the attention written as matmuls is timed by its
+    # products and softmax (inductor fuses the rest into them), not op by op
     compiled: bool = False
 
 
