@@ -124,9 +124,10 @@ def test_fp16_is_timed_against_fp16(timings):
     assert {low for _, low, _ in timings.calls} == {torch.float16}
 
 
-def test_the_fp32_attention_step_trains_as_eager_with_fp32_attention(timings):
-    """The step with attention kept fp32 against eager autocast whose attention runs outside
-    autocast on fp32 inputs: the same computation, so the losses agree closely."""
+def _trains_as_eager_autocast(eager_attention=None):
+    """Three SGD steps of TinyGPT's graph against eager autocast on a copy (its attention
+    ``eager_attention`` where given): the losses agree as two runs of the same precision do.
+    Returns the graph."""
     torch.manual_seed(0)
     model = TinyGPT()
     ref = TinyGPT()
@@ -135,17 +136,12 @@ def test_the_fp32_attention_step_trains_as_eager_with_fp32_attention(timings):
                    amp=torch.bfloat16)  # fmt: skip
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     plain = F.scaled_dot_product_attention
-
-    def fp32_attention(q, k, v, *args, **kwargs):
-        with torch.autocast("cpu", enabled=False):
-            return plain(q.float(), k.float(), v.float(), *args, **kwargs).to(q.dtype)
-
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
         idx = torch.randint(0, 64, (2, 17), generator=gen)
         got = g(idx[:, :-1], idx[:, 1:])
         opt.zero_grad()
-        F.scaled_dot_product_attention = fp32_attention
+        F.scaled_dot_product_attention = eager_attention or plain
         try:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 want = lm_loss(ref(idx[:, :-1]), idx[:, 1:])
@@ -154,6 +150,19 @@ def test_the_fp32_attention_step_trains_as_eager_with_fp32_attention(timings):
         want.backward()
         opt.step()
         assert abs(float(got) - float(want)) < 2e-2, (float(got), float(want))
+    return g
+
+
+def test_the_fp32_attention_step_trains_as_eager_with_fp32_attention(timings):
+    """The step with attention kept fp32 against eager autocast whose attention runs outside
+    autocast on fp32 inputs: the same computation, so the losses agree closely."""
+    plain = F.scaled_dot_product_attention
+
+    def fp32_attention(q, k, v, *args, **kwargs):
+        with torch.autocast("cpu", enabled=False):
+            return plain(q.float(), k.float(), v.float(), *args, **kwargs).to(q.dtype)
+
+    _trains_as_eager_autocast(fp32_attention)
 
 
 def test_the_settings_turn_off_across_ranks_and_off_the_cpu(monkeypatch):
@@ -363,23 +372,7 @@ def test_the_matmul_attention_step_trains_as_eager_autocast(timings):
     """The step with attention written as matmuls against eager autocast (bf16 attention
     kernel): the same precision, so the losses agree as two bf16 runs do."""
     timings.low, timings.fp32, timings.matmuls = 2.0, 1.5, 0.5
-    torch.manual_seed(0)
-    model = TinyGPT()
-    ref = TinyGPT()
-    ref.load_state_dict(model.state_dict())
-    g = make_graph(model, lm_loss, torch.optim.SGD(model.parameters(), lr=0.1),
-                   amp=torch.bfloat16)  # fmt: skip
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        idx = torch.randint(0, 64, (2, 17), generator=gen)
-        got = g(idx[:, :-1], idx[:, 1:])
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            want = lm_loss(ref(idx[:, :-1]), idx[:, 1:])
-        want.backward()
-        opt.step()
-        assert abs(float(got) - float(want)) < 2e-2, (float(got), float(want))
+    g = _trains_as_eager_autocast()
     ops = {r["op"] for r in g.precision_report(with_autocast=False).rows}
     assert "graphamp.sdpa_as_matmuls" in ops
 

@@ -68,7 +68,13 @@ from torch import ops
 from ..records.amp import SpeedCheck
 from ..records.settings import ConfigSnapshot
 from ..torchkit.cache_root import graphamp_cache_root, write_atomically
-from ..torchkit.ops import SDPA, SDPA_AS_MATMULS, sdpa_as_matmuls, sdpa_reference
+from ..torchkit.ops import (
+    SDPA,
+    SDPA_AS_MATMULS,
+    repeat_kv_heads,
+    sdpa_as_matmuls,
+    sdpa_reference,
+)
 from ..torchkit.process_state import BoundedCache
 from ..torchkit.shapes import size_hint
 from .base import AmpContext, CheckPaths, PassResult, packet_of
@@ -409,9 +415,7 @@ def _matmul_kernels(
     into the softmax's loops, are left out of the time, and so is compiling the form (seconds
     a size on a machine with a cold inductor cache). At ViT-Ti's sizes the sum was 2.6 ms
     against 2.5-2.7 ms for the form compiled whole (bf16, one thread, forward and backward)."""
-    if key.size(-3) != query.size(-3):  # grouped-query attention: the heads repeated
-        repeats = query.size(-3) // key.size(-3)
-        key, value = (t.repeat_interleave(repeats, dim=-3) for t in (key, value))
+    key, value = repeat_kv_heads(query, key, value)  # grouped-query attention
     q, k, v = (t.flatten(0, -3) for t in (query, key, value))
     clock = _Clock()
     with torch.enable_grad():

@@ -85,25 +85,6 @@ def full_precision(x: Tensor) -> Tensor:
     return x
 
 
-@torch.library.custom_op("graphamp::scaled_dot_product_attention", mutates_args=())
-def _sdpa_op(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-) -> Tensor:
-    return sdpa_reference(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-@_sdpa_op.register_fake
-def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ARG001 - the op's schema
-    return query.new_empty((*query.shape[:-1], value.shape[-1]))
-
-
 def sdpa_reference(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ) -> Tensor:
@@ -130,25 +111,6 @@ def capture_sdpa(
     )
 
 
-@torch.library.custom_op("graphamp::sdpa_as_matmuls", mutates_args=())
-def _sdpa_as_matmuls_op(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-) -> Tensor:
-    return sdpa_as_matmuls(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-@_sdpa_as_matmuls_op.register_fake
-def _(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ARG001 - the op's schema
-    return query.new_empty((*query.shape[:-1], value.shape[-1]))
-
-
 def sdpa_as_matmuls(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ) -> Tensor:
@@ -158,10 +120,8 @@ def sdpa_as_matmuls(
     wholly masked; ``is_causal`` masks the upper triangle, aligned top-left as torch's does."""
     if attn_mask is not None:
         raise GraphampError("graphamp.sdpa_as_matmuls takes no attention mask")
-    if enable_gqa and key.size(-3) != query.size(-3):
-        repeats = query.size(-3) // key.size(-3)
-        key = key.repeat_interleave(repeats, dim=-3)
-        value = value.repeat_interleave(repeats, dim=-3)
+    if enable_gqa:
+        key, value = repeat_kv_heads(query, key, value)
     scale = query.size(-1) ** -0.5 if scale is None else scale
     scores = (query @ key.transpose(-2, -1)).float() * scale  # scaled in fp32: no overflow
     if is_causal:
@@ -172,6 +132,42 @@ def sdpa_as_matmuls(
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p)
     return probs.to(value.dtype) @ value
+
+
+def repeat_kv_heads(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """``key`` and ``value`` with their heads repeated to ``query``'s (grouped-query
+    attention); as they are where the head counts already agree."""
+    if key.size(-3) == query.size(-3):
+        return key, value
+    repeats = query.size(-3) // key.size(-3)
+    return key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
+
+
+def _attention_op(name: str, attention: Callable[..., Tensor]) -> None:
+    """Registers ``graphamp::name``, an op with F.scaled_dot_product_attention's arguments
+    that runs ``attention`` (graphamp's attention ops share the schema, so the AMP pass can
+    retarget a node from one to the other)."""
+
+    def run(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+    ) -> Tensor:
+        return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    def shape(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ARG001 - the op's schema
+        return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+    torch.library.custom_op(f"graphamp::{name}", mutates_args=())(run).register_fake(shape)
+
+
+_attention_op("scaled_dot_product_attention", sdpa_reference)
+_attention_op("sdpa_as_matmuls", sdpa_as_matmuls)
 
 
 LOW_PRECISION_HINT = torch.ops.graphamp.low_precision.default
