@@ -43,8 +43,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKLOADS = ("hf-gpt2", "gpt", "vit-tiny", "resnet18", "hf-gpt2-small", "gpt-small")
 # torch.compile(model) + autocast with the optimizer's step as a user who cares about speed
 # runs it (issue 64): eager (the old peer, kept as a row), fused=True (torch's fused kernel, the
-# transformers Trainer's default on the CPU too), or compiled (torch.compile(opt.step))
-PEERS = ("compile", "compile-fused", "compile-optstep")
+# transformers Trainer's default on the CPU too), or compiled (torch.compile(opt.step)); and
+# compile-fused without autocast, all fp32: what that user runs on a CPU without bf16
+# instructions, where autocast's bf16 products take tens of times fp32's
+FP32_PEER = "compile-fused-fp32"
+PEERS = ("compile", "compile-fused", "compile-optstep", FP32_PEER)
 # compile-fused with its attention made fp32 by hand (autocast off around it, inputs upcast):
 # graphamp's choice on the CPU where fp32 attention measured faster (set_fp32_where_faster),
 # made in the peer's code. Not counted among the peers a user picks (a user would have to know
@@ -53,7 +56,11 @@ BY_HAND = "compile-fused-fp32-attention"
 # graphamp's step with attention by torch's kernels only (fp32 or low precision, as timed):
 # the step before attention could be written as matmuls (fp32_where_faster.py), for an A/B
 KERNELS_ONLY = "kernel-attention"
-PROGRAMS = ("outlined", "inlined", *PEERS, BY_HAND, KERNELS_ONLY)
+# graphamp's step with its matrix products and convolutions left in low precision, as the lists
+# put them (none timed: dense_ops.py), the step before they were timed, for an A/B
+LISTS_PRODUCTS = "lists-products"
+AB = (BY_HAND, KERNELS_ONLY, LISTS_PRODUCTS)  # rows of graphamp's lead, not peers
+PROGRAMS = ("outlined", "inlined", *PEERS, *AB)
 FUSED_PROGRAMS = ("outlined", "multi-tensor", "compile")  # --fused
 TARGET = 1.02  # outlined / inlined at most this (issue 40's "within 2%")
 
@@ -117,12 +124,20 @@ def make_step(
 
     import graphamp
 
-    wants_fused = (fused and program != "multi-tensor") or program in ("compile-fused", BY_HAND)
+    wants_fused = (fused and program != "multi-tensor") or program in (
+        "compile-fused",
+        BY_HAND,
+        FP32_PEER,
+    )
     opt = make_opt(model, fused=wants_fused or None)
     if program == BY_HAND:
         _attention_in_fp32()
     if program == KERNELS_ONLY:
         _attention_by_kernels_only()
+    if program == LISTS_PRODUCTS:
+        from graphamp.passes import dense_ops
+
+        dense_ops.MIN_MACS = float("inf")  # no product or convolution is timed
     if program.startswith("compile"):
         net = torch.compile(model, backend=backend)
         if program == "compile-optstep":
@@ -130,7 +145,7 @@ def make_step(
 
         def step(x, y):
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=program != FP32_PEER):
                 loss = loss_fn(net(x), y)
             loss.backward()
             opt.step()
@@ -239,11 +254,7 @@ def measure(
             worker.stop()
     ms = {p: statistics.median(t) * 1e3 for p, t in times.items()}
     best = min((p for p in ms if p in PEERS), key=ms.__getitem__, default=names[1])
-    by_hand = {
-        f"outlined/{p}": round(ms["outlined"] / ms[p], 3)
-        for p in (BY_HAND, KERNELS_ONLY)
-        if p in ms
-    }
+    by_hand = {f"outlined/{p}": round(ms["outlined"] / ms[p], 3) for p in AB if p in ms}
     return {
         "workload": workload if kind == "plain" else f"{workload} ({kind})",
         "ms": {p: round(v, 3) for p, v in ms.items()},
@@ -380,19 +391,22 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
         "and warm starts in fresh processes).",
         "",
         "Peers: torch.compile(model) + autocast with the optimizer's step eager (compile), "
-        "with fused=True (compile-fused) or compiled (compile-optstep); the best peer is the "
+        "with fused=True (compile-fused) or compiled (compile-optstep), and compile-fused in "
+        f"fp32 without autocast ({FP32_PEER}); the best peer is the "
         f"fastest of those measured. {BY_HAND}: compile-fused with its attention made fp32 by "
         "hand (graphamp's set_fp32_where_faster choice written into the peer's code; not a "
         f"peer a user would pick, so not counted as one). {KERNELS_ONLY}: graphamp's default "
         "with attention by torch's kernels only (fp32 or low precision, as timed), the step "
-        "before attention could be written as matmuls.",
+        f"before attention could be written as matmuls. {LISTS_PRODUCTS}: graphamp's default "
+        "with its matrix products and convolutions in low precision as the lists put them "
+        "(not timed), the step before they were.",
         "",
         f"| workload | {' | '.join(f'{_label(p, first)} ms' for p in names)} | "
         f"{first} / {other} | best peer | {first} / best peer | {first} / compile | "
-        f"{first} / {BY_HAND} | {first} / {KERNELS_ONLY} | "
+        f"{' | '.join(f'{first} / {p}' for p in AB)} | "
         f"first call s ({', '.join(_label(p, first) for p in names)}; not cold) | "
         f"page faults per step ({', '.join(_label(p, first) for p in names)}) |",
-        "|---|" + "---:|" * (len(names) + 6) + "---|---|",
+        "|---|" + "---:|" * (len(names) + 4 + len(AB)) + "---|---|",
     ]
     for r in rows:
         ms, fc = r["ms"], r["first_call_s"]
@@ -402,8 +416,8 @@ def write_table(path: str, rows: list[dict], meta: dict) -> None:
             f"| {r['workload']} | {' | '.join(f'{ms[p]:.2f}' if p in ms else '-' for p in names)} | "
             f"{r[f'outlined/{other}']:.3f} | {best} | "
             f"**{r['outlined/best_peer']:.3f}** | "
-            f"{r.get('outlined/compile', '-')} | {r.get(f'outlined/{BY_HAND}', '-')} | "
-            f"{r.get(f'outlined/{KERNELS_ONLY}', '-')} | "
+            f"{r.get('outlined/compile', '-')} | "
+            f"{' | '.join(str(r.get(f'outlined/{p}', '-')) for p in AB)} | "
             f"{', '.join(str(fc.get(p, '-')) for p in names)} | "
             f"{', '.join(str(pf.get(p, '-')) for p in names)} |"
         )

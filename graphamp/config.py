@@ -163,9 +163,12 @@ class GraphConfig:
     def set_fp32_where_faster(self, mode: bool = True) -> None:
         """Keep an op fp32 where its fp32 kernel measured faster than its low-precision one on
         this machine, at the op's sizes (on by default; CPU steps only). Scaled-dot-product
-        attention is the op timed: on the CPU its bf16 backward measured several times slower
-        than fp32 at small language models' sizes (``benchmarks/attention_precision.py``), and
-        faster at long sequences. Each such op is timed once per size on a machine, in both
+        attention, matrix products and convolutions are the ops timed: on the CPU attention's
+        bf16 backward measured several times slower than fp32 at small language models' sizes
+        (``benchmarks/attention_precision.py``), and faster at long sequences; on a CPU
+        without bf16 or fp16 instructions (AVX2 only) every low-precision product is the slow
+        one, by 10-60x (``passes/dense_ops.py``), so there the step runs at fp32's speed where
+        autocast's runs at the slow kernels'. Each such op is timed once per size on a machine, in both
         precisions (the timings are kept in ``fp32_where_faster.json`` under graphamp's cache
         directory, so every later run makes the same choice), and kept fp32 where fp32 took at
         most 5/6 of the time; calls too small to time reliably, or so large that timing would

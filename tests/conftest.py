@@ -25,6 +25,19 @@ def _own_step_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("GRAPHAMP_CACHE_DIR", str(tmp_path_factory.mktemp("graphamp-cache")))
 
 
+@pytest.fixture(autouse=True)
+def _products_by_the_lists(request, monkeypatch):
+    """Matrix products and convolutions in the precision the lists give them, untimed
+    (``passes/dense_ops.py``), except in tests marked ``timed_products``: the suite's other
+    tests assert the lists' decisions, and timing would make them the machine's (a CPU without
+    bf16 instructions keeps every product fp32). In-process builds only: a child process times
+    as users' do."""
+    if request.node.get_closest_marker("timed_products") is None:
+        from graphamp.passes import dense_ops
+
+        monkeypatch.setattr(dense_ops, "MIN_MACS", float("inf"))
+
+
 @pytest.fixture
 def sigint_raises():
     """Ctrl-C raises KeyboardInterrupt in this test, as in an interactive shell, whatever the

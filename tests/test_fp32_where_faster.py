@@ -4,6 +4,7 @@ test (a machine's real timings decide it in use); the timing itself on real kern
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -15,9 +16,13 @@ from helpers import make_graph
 from models import TinyGPT, lm_loss
 
 from graphamp import ConfigError
+from graphamp.passes import dense_ops
 from graphamp.passes import fp32_where_faster as speed
+from graphamp.records.amp import SpeedCheck
 
 SDPA_OP = "graphamp.scaled_dot_product_attention"
+# products and convolutions timed here as users' are (conftest leaves them to the lists elsewhere)
+pytestmark = pytest.mark.timed_products
 
 
 @pytest.fixture
@@ -399,3 +404,177 @@ def test_the_matmul_form_is_timed_by_its_kernels_where_the_step_is_compiled_by_i
         config = g.config.snapshot()
         check = speed.speed_settings(config, torch.device("cpu"), *args)["speed_check"]
         assert check.compiled is compiled
+
+
+# matrix products and convolutions (dense_ops.py): on a CPU without bf16 or fp16 instructions
+# their low-precision kernels are the slow ones
+
+
+class _Wide(torch.nn.Module):
+    """Two linear layers and a convolution, each above dense_ops.MIN_MACS at batch 8."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 16, 3)
+        self.fc1 = torch.nn.Linear(16 * 14 * 14, 256)
+        self.fc2 = torch.nn.Linear(256, 512)  # 8 * 256 * 512 = 1048576 multiply-adds
+        self.head = torch.nn.Linear(512, 4)  # 8 * 512 * 4: too small to time
+
+    def forward(self, x):
+        h = self.conv(x).relu().flatten(1)
+        return self.head(self.fc2(self.fc1(h).relu()))
+
+
+def _wide_graph(configure=None, backend="aot_eager"):
+    torch.manual_seed(0)
+    model = _Wide()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = make_graph(model, F.cross_entropy, opt, amp=torch.bfloat16, configure=configure,
+                   backend=backend)  # fmt: skip
+    return model, opt, g
+
+
+def _wide_batch(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 8, 16, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+
+
+def _rows_of(g, ops):
+    return [r for r in g.precision_report(with_autocast=False).rows if r["op"] in ops]
+
+
+DENSE = ("aten.addmm", "aten.mm", "aten.convolution")
+
+
+def test_matrix_products_and_convolutions_run_fp32_where_fp32_measured_faster(timings):
+    model, opt, g = _wide_graph()
+    g(*_wide_batch())
+    rows = _rows_of(g, DENSE)
+    kept = [r for r in rows if r["colour"] == "deny"]
+    assert {r["op"] for r in kept} == {"aten.addmm", "aten.convolution"} and len(kept) == 3
+    assert all("faster in fp32 than in bf16 on this machine" in r["why"] for r in kept)
+    assert [r["module"] for r in rows if r["colour"] == "allow"] == ["model.head"]  # not timed
+    summary = g.precision_report(with_autocast=False).summary()
+    assert "2 matrix products and 1 convolution kept fp32, faster there on this machine" in (
+        summary
+    )
+    timed = [call[0][0] for call in timings.calls]
+    assert sorted(timed) == ["aten.addmm.default"] * 2 + ["aten.convolution.default"]
+
+
+def test_the_step_with_its_products_kept_fp32_trains_as_eager_does(timings):
+    """Every timed op kept fp32 and the head's product in bf16: the losses of three steps
+    agree with eager autocast on a copy whose timed layers run outside autocast."""
+    model, opt, g = _wide_graph()
+    eager = copy.deepcopy(model)
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    for step in range(3):
+        x, y = _wide_batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+            h = eager.fc2(eager.fc1(eager.conv(x).relu().flatten(1)).relu())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = F.cross_entropy(eager.head(h), y)
+        eager_opt.zero_grad()
+        want.backward()
+        eager_opt.step()
+        got = g(x, y)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_matrix_products_the_user_listed_or_in_fp8_are_not_timed(timings):
+    _, _, g = _wide_graph(lambda self: self.config.override_amp_lists(allow=["addmm"]))
+    g(*_wide_batch())
+    assert [call[0][0] for call in timings.calls] == ["aten.convolution.default"]
+    assert {r["colour"] for r in _rows_of(g, ("aten.addmm",))} == {"allow"}
+
+
+def test_matmuls_the_fp8_pass_rewrites_are_left_to_it(timings):
+    """With enable_fp8 the linear layers' matmuls are the fp8 pass's (the user asked for fp8):
+    not timed, whatever fp32's speed, and left in bf16 for it; the convolution is timed."""
+    configure = lambda self: self.config.enable_fp8(keep_first_last=False)  # noqa: E731
+    _, _, g = _wide_graph(configure)
+    g(*_wide_batch())
+    assert [call[0][0] for call in timings.calls] == ["aten.convolution.default"]
+    rows = g.precision_report(with_autocast=False).rows
+    fc = [r for r in rows if r["module"] in ("model.fc1", "model.fc2") and r["op"] == "aten.addmm"]
+    assert len(fc) == 2 and all(r["colour"] != "deny" for r in fc)
+
+
+def _node_of(fn, *tensors):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn, tracing_mode="fake")(*tensors)
+    return next(n for n in gm.graph.nodes if n.op == "call_function" and dense_ops.is_dense(n))
+
+
+def test_a_large_product_is_timed_on_a_slice_of_its_batch_with_its_layouts(monkeypatch):
+    """A (4096, 1024) x (1024, 2048) product (8.6e9 multiply-adds) is timed on about
+    MAX_MACS of its rows, its weight transposed as in the step; the key is the whole op's."""
+    x, w = torch.randn(4096, 1024), torch.randn(2048, 1024)
+    node = _node_of(lambda x, w: torch.ops.aten.mm.default(x, w.t()), x, w)
+    key, _ = dense_ops.dense_timing(node, SpeedCheck(training=True))
+    assert key[1] == (((4096, 1024), (0, 1)), ((1024, 2048), (1, 0)))
+    seen = []
+
+    def spy(a, b):  # the product, seeing what it is given
+        seen.append((a.shape, b.shape, b.stride(), a.dtype, a.requires_grad))
+        return a @ b
+
+    monkeypatch.setitem(dense_ops._DENSE, spy, dense_ops._DENSE[torch.ops.aten.mm.default])
+    node.target = spy
+    _, run = dense_ops.dense_timing(node, SpeedCheck(training=True))
+    assert 0 < run("fp32", torch.bfloat16) < math.inf
+    rows = 4096 * dense_ops.MAX_MACS // (4096 * 1024 * 2048)
+    assert seen == [((rows, 1024), (1024, 2048), (1, 1024), torch.float32, True)]
+    run("low", torch.bfloat16)
+    assert seen[-1][3] == torch.bfloat16
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_convolution_is_timed_in_both_precisions_on_real_kernels(training):
+    x, w, b = torch.randn(2, 8, 32, 32), torch.randn(16, 8, 3, 3), torch.randn(16)
+    conv = torch.ops.aten.convolution.default
+    node = _node_of(
+        lambda x, w, b: conv(x, w, b, [1, 1], [0, 0], [1, 1], False, [0, 0], 1), x, w, b
+    )
+    key, run = dense_ops.dense_timing(node, SpeedCheck(training=training))
+    assert key[0] == "aten.convolution.default" and key[-1] is training
+    assert all(0 < run(form, torch.bfloat16) < math.inf for form in ("low", "fp32"))
+
+
+def test_small_products_are_not_timed():
+    x, w = torch.randn(8, 64), torch.randn(64, 64)
+    assert dense_ops.dense_timing(_node_of(torch.mm, x, w), SpeedCheck(True)) is None
+
+
+@pytest.mark.parametrize("low, fp32, runs", [(100.0, 1.0, 4), (1.0, 100.0, 4), (1.0, 1.1, 12)])
+def test_a_decisive_first_run_ends_the_timing(low, fp32, runs):
+    """One form DECISIVE times faster after a run of each: no more runs (the slow kernel on
+    a CPU without its instructions costs the build seconds a run); a close call: all runs."""
+    calls = []
+
+    def run(form, dtype):
+        calls.append(form)
+        return {"low": low, "fp32": fp32}[form] / 1e3
+
+    ms = speed._time_forms(speed._Timed(("k",), run), torch.bfloat16)
+    assert len(calls) == runs and ms == {"low": low, "fp32": fp32}
+
+
+def test_real_timings_of_products_decide_as_recorded():
+    """On this machine's real kernels: each timed op runs fp32 exactly where its recorded
+    fp32 time was at most 1 / MARGIN of its low-precision time."""
+    speed._TIMINGS.clear()
+    _, _, g = _wide_graph()
+    g(*_wide_batch())
+    record = json.load(open(speed._record_path()))
+    found = {"conv": "convolution", "fc1": "(3136, 256)", "fc2": "(256, 512)"}
+    assert len(record) == len(found)
+    rows = {r["module"].removeprefix("model."): r for r in _rows_of(g, DENSE)}
+    for module, text in found.items():
+        ((low, fp32),) = [ms for key, ms in record.items() if text in key]
+        assert 0 < low < math.inf and 0 < fp32 < math.inf
+        assert (rows[module]["colour"] == "deny") == (fp32 * speed.MARGIN <= low)
+    assert rows["head"]["colour"] == "allow"

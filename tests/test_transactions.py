@@ -278,3 +278,37 @@ def test_ctrl_c_during_the_first_call_leaves_the_model_as_it_was():
     assert interrupted >= 3, (interrupted, completed)
     g(x, y)  # a Graph that was never interrupted trains on from there
     assert g.step_count == 1 and sch.last_epoch == completed + 1
+
+
+def test_an_interrupt_that_leaves_torchs_dispatch_state_half_set_is_put_right(monkeypatch, caplog):
+    """A Ctrl-C landing inside one of torch's context managers during a build once left the
+    Python dispatcher's key included without its state, and every later tensor op of the
+    process raised an internal assert: the call puts torch's dispatch state back as it was
+    at its entry, says so, and the process and the Graph go on working."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphamp.pipeline import stages
+
+    model, opt, sch, g = _setup("aot_eager")
+    x, y = torch.randn(32, 64), torch.randint(0, 8, (32,))
+    before = _state(model, opt)
+    plan = stages.plan
+
+    def interrupted_half_way(*args, **kwargs):
+        FakeTensorMode().__enter__()  # entered, never left
+        torch._C._dispatch_tls_set_dispatch_key_included(
+            torch._C.DispatchKey.PythonDispatcher, True
+        )
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stages, "plan", interrupted_half_way)
+    with pytest.raises(KeyboardInterrupt), caplog.at_level("WARNING", logger="graphamp"):
+        g(x, y)
+    assert "PythonDispatcher not included" in caplog.text and "fake mode unset" in caplog.text
+    assert not torch._C._dispatch_tls_is_dispatch_key_included(
+        torch._C.DispatchKey.PythonDispatcher
+    )
+    assert all(torch.equal(a, b.clone()) for a, b in zip(before, _state(model, opt)))
+    monkeypatch.setattr(stages, "plan", plan)
+    g(x, y)
+    assert g.step_count == 1 and sch.last_epoch == 1

@@ -6,6 +6,7 @@ import csv
 import io
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,11 +80,10 @@ class PrecisionReport:
                 "start of the step)"
             )
         if self.kept_fp32_where_faster:
-            n = len(self.kept_fp32_where_faster)
             low = sum(t[0] for t in self.kept_fp32_where_faster.values())
             fp32 = sum(t[1] for t in self.kept_fp32_where_faster.values())
             text += (
-                f"; {n} attention op{'s' if n != 1 else ''} kept fp32, faster there on this "
+                f"; {self._kept_fp32_kinds()} kept fp32, faster there on this "
                 f"machine ({fp32:.2f} ms against {low:.2f} ms in {self.dtype}, timed)"
             )
         if self.matmul_attention:
@@ -104,6 +104,16 @@ class PrecisionReport:
                 f"low precision, {self.autocast['casts']} casts)"
             )
         return text
+
+    def _kept_fp32_kinds(self) -> str:
+        """'2 attention ops and 36 matrix products': the ops fp32_where_faster kept, by kind."""
+        ops = {r["node"]: r["op"] for r in self.rows}
+        kinds = Counter(_timed_kind(ops.get(name, "")) for name in self.kept_fp32_where_faster)
+        words = [
+            f"{n} {kind}{'s' if n != 1 else ''}"
+            for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1])
+        ]
+        return " and ".join([", ".join(words[:-1]), words[-1]] if len(words) > 1 else words)
 
     def to_csv(self) -> str:
         buf = io.StringIO()
@@ -128,6 +138,15 @@ class PrecisionReport:
 
     def __repr__(self) -> str:
         return f"PrecisionReport({self.summary()})"
+
+
+def _timed_kind(op: str) -> str:
+    """What fp32_where_faster timed, in words, by the op's name."""
+    if "convolution" in op:
+        return "convolution"
+    if "attention" in op:
+        return "attention op"
+    return "matrix product"
 
 
 def _matmul_attention_words(timings: dict[str, tuple[float, float, float]], dtype: Any) -> str:

@@ -9,7 +9,9 @@ the case measured: in bf16 its backward is several times slower than in fp32 at 
 small language models (``python benchmarks/attention_precision.py``; torch 2.14.1, one thread,
 an x86 CPU with AMX: forward and backward of causal (B, H, T, D) = (2, 4, 64, 32) took
 1.9 ms in bf16 against 0.36 ms in fp32), while at long sequences and in forward-only graphs
-bf16 is the faster one. So the pass times each such op, as it will run (forward, and backward
+bf16 is the faster one. Matrix products and convolutions are the other case: on a CPU without
+bf16 or fp16 instructions every one of them is, tens of times (``dense_ops.py``). So the pass
+times each such op, as it will run (forward, and backward
 in a training graph), in both precisions, with random tensors of its sizes, and keeps it fp32
 where fp32 took at most 1/``MARGIN`` of the low-precision time. fp32 is never the less
 accurate choice, so the only thing this can cost is speed.
@@ -78,6 +80,7 @@ from ..torchkit.ops import (
 from ..torchkit.process_state import BoundedCache
 from ..torchkit.shapes import size_hint
 from .base import AmpContext, CheckPaths, PassResult, packet_of
+from .dense_ops import dense_timing, is_dense
 
 log = logging.getLogger("graphamp")
 
@@ -91,6 +94,7 @@ MARGIN = 1.2
 MIN_TIMED_MACS = 1e6
 MAX_TIMED_MACS = 1e9
 RUNS = 5  # timed runs of each precision, alternating, after one warm-up each; the best counts
+DECISIVE = 4.0  # one form this many times faster than the others after a run each: no more runs
 
 
 # The forms an attention op can run in: the kernel in the low-precision dtype (the lists'
@@ -107,6 +111,7 @@ class _Timed:
     key: tuple
     run: Callable[[str, torch.dtype], float]
     forms: tuple[str, ...] = (LOW, FP32)
+    what: str = ""  # the op and its sizes, in words, for the log line that it is being timed
 
 
 def speed_settings(
@@ -135,11 +140,9 @@ def keep_fp32_where_faster(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
         return PassResult(gm, False)
     pins, kept_fp32, as_matmuls = {}, {}, {}
     for node in list(gm.graph.nodes):  # the matmul form may replace a node
-        if node.op != "call_function" or node.target not in _ATTENTION_OPS:
-            continue
         if node.name in ctx.pinned_nodes or packet_of(node) in ctx.lists.overridden:
             continue
-        timed = _attention(node, ctx.speed_check)
+        timed = _timed(node, ctx)
         if timed is None:
             continue
         ms = _timings(timed, ctx.dtype)
@@ -166,6 +169,25 @@ def keep_fp32_where_faster(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     ctx.kept_fp32_timings = dict(sorted(kept_fp32.items()))
     ctx.matmul_attention_timings = dict(sorted(as_matmuls.items()))
     return PassResult(gm, bool(as_matmuls))  # pins change no node: colouring reads them
+
+
+def _timed(node: fx.Node, ctx: AmpContext) -> _Timed | None:
+    """How to time ``node`` in the forms it may run in, or None where it is not timed: not an
+    attention op, matrix product or convolution, part of a whole op (an RNN layer's pieces),
+    an op a later pass rewrites (``ctx.rewritten_later``), or at sizes that are not timed."""
+    assert ctx.speed_check is not None
+    if node.op != "call_function" or node.meta.get("part_of") is not None:
+        return None
+    if node.target in _ATTENTION_OPS:
+        return _attention(node, ctx.speed_check)
+    if not is_dense(node) or node.target in ctx.rewritten_later:
+        return None
+    found = dense_timing(node, ctx.speed_check)
+    if found is None:
+        return None
+    key, run = found
+    sizes = ", ".join("x".join(map(str, part[0])) for part in key[1] if isinstance(part, tuple))
+    return _Timed(key, run, (LOW, FP32), f"{key[0]} at {sizes}")
 
 
 def _as_matmuls(node: fx.Node) -> fx.Node:
@@ -267,8 +289,8 @@ def _timings(timed: _Timed, low: torch.dtype) -> dict[str, float]:
         ms = dict(zip(timed.forms, record[text]))
     else:
         log.info(
-            "timing attention at %s in %s (once per size on this machine: recorded in %s)",
-            "x".join(map(str, timed.key[1])), ", ".join(timed.forms), _record_path(),
+            "timing %s in %s (once per size on this machine: recorded in %s)",
+            timed.what, ", ".join(timed.forms), _record_path(),
         )  # fmt: skip
         ms = _time_forms(timed, low)
         _write_record({**record, text: [ms[form] for form in timed.forms]})
@@ -277,13 +299,19 @@ def _timings(timed: _Timed, low: torch.dtype) -> dict[str, float]:
 
 
 def _time_forms(timed: _Timed, low: torch.dtype) -> dict[str, float]:
-    """The best of RUNS alternating runs of each form, after a warm-up run of each, in ms."""
+    """The best of RUNS alternating runs of each form, after a warm-up run of each, in ms;
+    after the first run of each, where one form was DECISIVE times faster than every other,
+    that is the answer (a low-precision kernel on a CPU without its instructions takes tens
+    of times fp32's: more runs would cost the build seconds and could not change the choice)."""
     best = dict.fromkeys(timed.forms, math.inf)
     for form in best:  # warm-up: first calls allocate and pick kernels
         timed.run(form, low)
     for _ in range(RUNS):
         for form in best:
             best[form] = min(best[form], timed.run(form, low))
+        fastest = min(best.values())
+        if all(t >= DECISIVE * fastest for t in best.values() if t != fastest):
+            break
     return {form: seconds * 1e3 for form, seconds in best.items()}
 
 
@@ -386,7 +414,7 @@ def _attention(node: fx.Node, check: SpeedCheck) -> _Timed | None:
         return time.perf_counter() - start
 
     key = ("sdpa", q, k, v, mask_spec, *arguments, check.training, check.compiled)
-    return _Timed(key, run, forms)
+    return _Timed(key, run, forms, f"attention at {'x'.join(map(str, q))}")
 
 
 def _joint(attention: Callable, mask: torch.Tensor | None, arguments: tuple) -> Callable:

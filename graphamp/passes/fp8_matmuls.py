@@ -104,7 +104,8 @@ def fp8_settings(
         config.fp8_history,
         config.fp8_margin,
     )
-    return {"fp8": options}
+    # the matmuls are this pass's to rewrite: fp32_where_faster does not time them
+    return {"fp8": options, "rewritten_later": frozenset(_MATMULS)}
 
 
 def _is_bf16(node: fx.Node) -> bool:

@@ -65,8 +65,10 @@ tests/test_amp.py):
    than its low-precision one at the op's sizes (``fp32_where_faster.py``: torch's bf16 CPU
    attention backward is several times slower than fp32 at small sequence lengths), and is
    written as low-precision matmuls around an fp32 softmax (``graphamp.sdpa_as_matmuls``, an
-   allow op) where that measured faster than both. Autocast always runs the low-precision
-   kernel; ``config.set_fp32_where_faster(False)`` does the same here.
+   allow op) where that measured faster than both. Matrix products and convolutions stay fp32
+   where their fp32 kernel measured faster (``dense_ops.py``: on a CPU without bf16 or fp16
+   instructions the low-precision kernels run on a slow path). Autocast always runs the
+   low-precision kernels; ``config.set_fp32_where_faster(False)`` does the same here.
 """
 
 from __future__ import annotations

@@ -64,6 +64,8 @@ class AmpContext:
     user_outputs: int = 0
     fp8: Fp8Options | None = None  # fp8 matmuls (passes/fp8_matmuls.py); None: none
     speed_check: SpeedCheck | None = None  # passes/fp32_where_faster.py; None: the lists only
+    # ops a later pass rewrites in low precision (its settings say so): not timed for fp32
+    rewritten_later: frozenset = frozenset()
     # filled by the passes
     stats: dict[str, Any] = field(default_factory=dict)
     unknown_ops: dict[str, int] = field(default_factory=dict)

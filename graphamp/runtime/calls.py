@@ -36,6 +36,7 @@ from ..records.inputs import (
 )
 from ..records.spec import GraphSpec, OptimizerSlot, Program
 from ..records.state import SharedState
+from ..torchkit import dispatch_state
 from ..torchkit.rank_store import raise_if_a_peer_failed
 from . import ambient, interrupts, schedulers
 from .lifting import Lifting
@@ -116,6 +117,7 @@ def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
     """``g(*args, **kwargs)``: the compiled step for these inputs (built through the pipeline
     on a miss), run as one step; build()'s return value with this step's tensors."""
     neutral = ambient.neutral_modes()  # an ambient autocast or inference mode
+    entry = dispatch_state.snapshot()
     try:
         if neutral is None:
             out = _call(run, args, kwargs)
@@ -123,6 +125,7 @@ def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
             with neutral:
                 out = _call(run, args, kwargs)
     except BaseException as e:
+        _restore_dispatch_state(entry, e)
         link = run.state.rank_link
         if link is not None and not isinstance(e, RankFailedError):
             # data parallel: peers left in this step's collectives can say why
@@ -131,6 +134,17 @@ def call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
     if run.state.rank_link is not None:
         run.state.rank_link.clear_failure()
     return out
+
+
+def _restore_dispatch_state(entry: dispatch_state.DispatchState, error: BaseException) -> None:
+    """torch's dispatch state as at the call's entry, where an interrupt left it half set
+    (``torchkit/dispatch_state.py``): the process goes on working after a Ctrl-C."""
+    repaired = dispatch_state.restore(entry)
+    if repaired:
+        log.warning(
+            "%s during this call left torch's dispatch state changed; put back as it was: %s",
+            type(error).__name__, ", ".join(repaired),
+        )  # fmt: skip
 
 
 def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
