@@ -26,13 +26,15 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from machine import cpu_words  # noqa: E402
+
 # torchvision model, image side, batch
 WORKLOADS = {
     "resnet18-64": ("resnet18", 64, 8),
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # first calls compile here, not from an earlier run's inductor cache
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="conv_layout_"))
     meta = {
-        "machine": f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+        "machine": cpu_words(),
         "torch": torch.__version__,
         "threads": args.threads,
         "command": "python benchmarks/conv_layout.py "

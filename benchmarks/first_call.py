@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -38,6 +37,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from machine import cpu_words  # noqa: E402
+
 ROOT = os.path.dirname(HERE)
 # graphamp as configured by default (on the CPU repeated blocks outlined, and the updates of
 # blocks repeated 3 times or more by one kernel each; on CUDA inlined), with blocks outlined and
@@ -413,9 +415,7 @@ def main(argv=None) -> list[dict]:
     extra = ["--device", args.device, "--dtype", args.dtype]
     extra += (["--smoke"] if args.smoke else []) + (["--fused"] if args.fused else [])
     meta = {
-        "device": torch.cuda.get_device_name()
-        if args.device == "cuda"
-        else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else cpu_words(),
         "torch": torch.__version__,
         "setting": f"{args.dtype}, {'aot_eager' if args.smoke else 'inductor'}",
         "optimizer": "AdamW(fused=True)" if args.fused else "AdamW",

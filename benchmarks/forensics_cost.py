@@ -26,7 +26,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +35,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from machine import cpu_words  # noqa: E402
+
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from models import TinyGPT, lm_loss  # noqa: E402
@@ -245,11 +247,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
-    machine = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
-    )
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_words()
     meta = {
         "machine": machine,
         "device_type": device.type,

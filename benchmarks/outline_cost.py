@@ -34,12 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from machine import cpu_words  # noqa: E402
+
 WORKLOADS = ("hf-gpt2", "gpt", "vit-tiny", "resnet18", "hf-gpt2-small", "gpt-small")
 # torch.compile(model) + autocast with the optimizer's step as a user who cares about speed
 # runs it (issue 64): eager (the old peer, kept as a row), fused=True (torch's fused kernel, the
@@ -468,7 +470,7 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     if args.smoke:
         args.rounds, args.steps = 2, 2
     meta = {
-        "machine": f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
+        "machine": cpu_words(),
         "torch": torch.__version__,
         "threads": args.threads,
         "programs": FUSED_PROGRAMS if args.fused else PROGRAMS,

@@ -1,14 +1,17 @@
 """The chosen step compiled beside training, taking over when ready (``pipeline/tier_up.py``).
 
-The model is a stack of small transformer blocks on float inputs, whose inductor step trains
-bitwise alike outlined and inlined (no embedding: see ``test_outline._BlockStack``), so the
-take-over, whenever it happens, must leave training bitwise as the inlined step alone trains.
+The model is a stack of small transformer blocks on float inputs (no embedding: see
+``test_outline._BlockStack``). The take-over, whenever it happens, must leave training bitwise
+as the outlined step up to it and the inlined step from it train in one process: the two steps'
+kernels are fused differently, and on a CPU without AVX512 (AVX2 only) the two trained apart
+after 8 steps (a layer norm's weight), so only the hand-over itself can be bitwise.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 
 import pytest
@@ -90,17 +93,26 @@ def _train_until_taken_over(g, batches) -> int:
         time.sleep(0.05)
 
 
-def _assert_trains_as_the_inlined_step(model, batches) -> None:
-    """``model``'s state is bitwise what the inlined step alone makes of ``batches``."""
-    inlined, alone, _ = _graph(
-        lambda g: (g.config.set_outline_blocks(False), g.config.set_block_updates(False))
+def _assert_trains_as_the_steps_it_ran(model, batches, log_text: str) -> None:
+    """``model``'s state is bitwise what the outlined step (with block updates, the first one
+    compiled) makes of the batches before the take-over's call and the inlined step of the
+    rest, both built in this process: the hand-over changes nothing."""
+    at = int(re.search(r"takes over at call (\d+)", log_text).group(1))
+    first, alone, opt = _graph(
+        lambda g: (g.config.set_outline_blocks(True), g.config.set_block_updates(True))
     )
-    for x, y in batches:
+    for x, y in batches[: at - 1]:
+        first(x, y)
+    inlined = make_graph(
+        alone, _loss, opt, backend="inductor", amp=torch.bfloat16,
+        configure=lambda g: (g.config.set_outline_blocks(False), g.config.set_block_updates(False)),
+    )  # fmt: skip
+    for x, y in batches[at - 1 :]:
         inlined(x, y)
     assert_bitwise(model.state_dict(), alone.state_dict())
 
 
-def test_the_inlined_step_takes_over_and_trains_bitwise_like_it(beside, caplog):
+def test_the_inlined_step_takes_over_and_training_goes_on_bitwise(beside, caplog):
     batches = _batches(4000)
     g, model, opt = _graph()
     with caplog.at_level(logging.INFO, logger="graphamp"):
@@ -111,7 +123,7 @@ def test_the_inlined_step_takes_over_and_trains_bitwise_like_it(beside, caplog):
             g(x, y)
     assert "the inlined step takes over at call" in caplog.text, caplog.text
     assert not _outlined(g) and not g.compiled_steps[-1].taking_over  # the inlined step now
-    _assert_trains_as_the_inlined_step(model, batches[: calls + 3])
+    _assert_trains_as_the_steps_it_ran(model, batches[: calls + 3], caplog.text)
 
     # a restart finds the inlined step noted, and starts on it
     restarted, _, _ = _graph()
@@ -122,7 +134,7 @@ def test_the_inlined_step_takes_over_and_trains_bitwise_like_it(beside, caplog):
 @pytest.mark.slow  # three cold compiles of a symbolic-size step
 def test_a_step_with_changing_lengths_is_taken_over_too(beside, caplog):
     """The sequence length marked dynamic: the child makes the batch's symbols as this
-    process did, and the take-over serves every length after it, bitwise as the inlined step."""
+    process did, and the take-over serves every length after it, training on bitwise."""
     gen = torch.Generator().manual_seed(2)
     lengths = [8, 5, 11, 7]
     batches = []
@@ -144,7 +156,7 @@ def test_a_step_with_changing_lengths_is_taken_over_too(beside, caplog):
     assert "the inlined step takes over at call" in caplog.text, caplog.text
     assert len(g.compiled_steps) == 1
     assert not _outlined(g)
-    _assert_trains_as_the_inlined_step(model, batches[: calls + 4])
+    _assert_trains_as_the_steps_it_ran(model, batches[: calls + 4], caplog.text)
 
 
 @pytest.mark.parametrize(
