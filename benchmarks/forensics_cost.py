@@ -35,9 +35,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from machine import cpu_words  # noqa: E402
-
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from models import TinyGPT, lm_loss  # noqa: E402
@@ -45,6 +42,7 @@ from models import TinyGPT, lm_loss  # noqa: E402
 import graphamp  # noqa: E402
 
 sys.path.insert(0, HERE)
+from machine import cpu_words  # noqa: E402
 from workloads import WORKLOADS  # noqa: E402
 
 

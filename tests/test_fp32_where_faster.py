@@ -514,7 +514,7 @@ def test_a_large_product_is_timed_on_a_slice_of_its_batch_with_its_layouts(monke
     MAX_MACS of its rows, its weight transposed as in the step; the key is the whole op's."""
     x, w = torch.randn(4096, 1024), torch.randn(2048, 1024)
     node = _node_of(lambda x, w: torch.ops.aten.mm.default(x, w.t()), x, w)
-    key, _ = dense_ops.dense_timing(node, SpeedCheck(training=True))
+    key = dense_ops.dense_timing(node, SpeedCheck(training=True)).key
     assert key[1] == (((4096, 1024), (0, 1)), ((1024, 2048), (1, 0)))
     seen = []
 
@@ -524,7 +524,7 @@ def test_a_large_product_is_timed_on_a_slice_of_its_batch_with_its_layouts(monke
 
     monkeypatch.setitem(dense_ops._DENSE, spy, dense_ops._DENSE[torch.ops.aten.mm.default])
     node.target = spy
-    _, run = dense_ops.dense_timing(node, SpeedCheck(training=True))
+    run = dense_ops.dense_timing(node, SpeedCheck(training=True)).run
     assert 0 < run("fp32", torch.bfloat16) < math.inf
     rows = 4096 * dense_ops.MAX_MACS // (4096 * 1024 * 2048)
     assert seen == [((rows, 1024), (1024, 2048), (1, 1024), torch.float32, True)]
@@ -539,7 +539,7 @@ def test_a_convolution_is_timed_in_both_precisions_on_real_kernels(training):
     node = _node_of(
         lambda x, w, b: conv(x, w, b, [1, 1], [0, 0], [1, 1], False, [0, 0], 1), x, w, b
     )
-    key, run = dense_ops.dense_timing(node, SpeedCheck(training=training))
+    key, run, _ = dense_ops.dense_timing(node, SpeedCheck(training=training))
     assert key[0] == "aten.convolution.default" and key[-1] is training
     assert all(0 < run(form, torch.bfloat16) < math.inf for form in ("low", "fp32"))
 

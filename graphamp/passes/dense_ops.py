@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, cast
+from typing import Any, Callable, NamedTuple, cast
 
 import torch
 import torch.fx as fx
 
 from ..records.amp import SpeedCheck
-from ..torchkit.shapes import size_hint
+from ..torchkit.shapes import inverse_permutation, memory_order, size_hint
 
 aten = torch.ops.aten
 
@@ -50,12 +50,15 @@ def is_dense(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _DENSE
 
 
-def dense_timing(
-    node: fx.Node, check: SpeedCheck
-) -> tuple[tuple, Callable[[str, torch.dtype], float]] | None:
-    """(the key of ``node``'s op at its sizes, ``run(form, low dtype)`` -> seconds of one run
-    of it in that form on fresh inputs), or None where it is not timed: a size that is not
-    known, too small, or too large to slice."""
+class DenseTiming(NamedTuple):
+    key: tuple  # the op at its sizes and layouts, as the record keys it
+    run: Callable[[str, torch.dtype], float]  # (form, low dtype) -> seconds of one run
+    what: str  # the op and its sizes in words, for the log line
+
+
+def dense_timing(node: fx.Node, check: SpeedCheck) -> DenseTiming | None:
+    """How to time ``node``'s op at its sizes, on fresh inputs in either form, or None where
+    it is not timed: a size that is not known, too small, or too large to slice."""
     specs = [_spec(a) for a in node.args]
     out = node.meta.get("val")
     if any(s is _UNKNOWN for s in specs) or not isinstance(out, torch.Tensor):
@@ -88,7 +91,8 @@ def dense_timing(
 
     kwargs = tuple(sorted(node.kwargs.items()))
     key = (str(node.target), tuple(_key_part(s) for s in specs), kwargs, check.training)
-    return key, run
+    sizes = ", ".join("x".join(map(str, s[0])) for s in specs if isinstance(s, tuple))
+    return DenseTiming(key, run, f"{node.target} at {sizes}")
 
 
 # an argument: a tensor's (sizes, memory order) as a tuple, any other value as it is, or
@@ -104,11 +108,9 @@ def _spec(arg: Any) -> Spec:
     if not isinstance(val, torch.Tensor) or not val.dtype.is_floating_point:
         return _UNKNOWN
     sizes = [size_hint(s) for s in val.shape]
-    strides = [size_hint(s) for s in val.stride()]
     if not all(sizes):
         return _UNKNOWN
-    order = sorted(range(val.dim()), key=lambda d: -strides[d])  # type: ignore[operator]
-    return (tuple(sizes), tuple(order))
+    return (tuple(sizes), tuple(memory_order([size_hint(s) for s in val.stride()])))
 
 
 def _key_part(spec: Spec) -> Any:
@@ -148,4 +150,4 @@ def _made(spec: tuple, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.
     it)."""
     sizes, order = spec
     t = torch.randn([sizes[d] for d in order], generator=gen).to(dtype)
-    return t, sorted(range(len(order)), key=order.__getitem__)
+    return t, inverse_permutation(order)

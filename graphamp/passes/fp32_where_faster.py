@@ -78,7 +78,7 @@ from ..torchkit.ops import (
     sdpa_reference,
 )
 from ..torchkit.process_state import BoundedCache
-from ..torchkit.shapes import size_hint
+from ..torchkit.shapes import inverse_permutation, memory_order, size_hint
 from .base import AmpContext, CheckPaths, PassResult, packet_of
 from .dense_ops import dense_timing, is_dense
 
@@ -136,13 +136,14 @@ def speed_settings(
 def keep_fp32_where_faster(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     """Pin (``ctx.pinned_nodes``) each timed op whose fp32 kernel measured faster; retarget
     to ``graphamp.sdpa_as_matmuls`` each attention op whose matmul form measured faster."""
-    if ctx.speed_check is None:
+    check = ctx.speed_check
+    if check is None:
         return PassResult(gm, False)
     pins, kept_fp32, as_matmuls = {}, {}, {}
     for node in list(gm.graph.nodes):  # the matmul form may replace a node
         if node.name in ctx.pinned_nodes or packet_of(node) in ctx.lists.overridden:
             continue
-        timed = _timed(node, ctx)
+        timed = _timed(node, check, ctx.rewritten_later)
         if timed is None:
             continue
         ms = _timings(timed, ctx.dtype)
@@ -151,7 +152,7 @@ def keep_fp32_where_faster(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
             # no figures in the reason: it is node metadata, which the step cache's key reads
             pins[node.name] = (
                 f"faster in fp32 than in {_short(ctx.dtype)} on this machine at these sizes "
-                f"({'forward and backward' if ctx.speed_check.training else 'forward'} timed "
+                f"({'forward and backward' if check.training else 'forward'} timed "
                 "once per size and recorded; config.set_fp32_where_faster)"
             )
             kept_fp32[node.name] = (ms[LOW], ms[FP32])
@@ -171,23 +172,18 @@ def keep_fp32_where_faster(gm: fx.GraphModule, ctx: AmpContext) -> PassResult:
     return PassResult(gm, bool(as_matmuls))  # pins change no node: colouring reads them
 
 
-def _timed(node: fx.Node, ctx: AmpContext) -> _Timed | None:
+def _timed(node: fx.Node, check: SpeedCheck, rewritten_later: frozenset) -> _Timed | None:
     """How to time ``node`` in the forms it may run in, or None where it is not timed: not an
     attention op, matrix product or convolution, part of a whole op (an RNN layer's pieces),
-    an op a later pass rewrites (``ctx.rewritten_later``), or at sizes that are not timed."""
-    assert ctx.speed_check is not None
+    an op a later pass rewrites (``AmpContext.rewritten_later``), or at sizes not timed."""
     if node.op != "call_function" or node.meta.get("part_of") is not None:
         return None
     if node.target in _ATTENTION_OPS:
-        return _attention(node, ctx.speed_check)
-    if not is_dense(node) or node.target in ctx.rewritten_later:
+        return _attention(node, check)
+    if not is_dense(node) or node.target in rewritten_later:
         return None
-    found = dense_timing(node, ctx.speed_check)
-    if found is None:
-        return None
-    key, run = found
-    sizes = ", ".join("x".join(map(str, part[0])) for part in key[1] if isinstance(part, tuple))
-    return _Timed(key, run, (LOW, FP32), f"{key[0]} at {sizes}")
+    found = dense_timing(node, check)
+    return None if found is None else _Timed(found.key, found.run, (LOW, FP32), found.what)
 
 
 def _as_matmuls(node: fx.Node) -> fx.Node:
@@ -202,8 +198,8 @@ def _as_matmuls(node: fx.Node) -> fx.Node:
         return node
     (output,) = node.users  # the kernel's (output, logsumexp)[0]
     val = output.meta["val"]
-    order = _memory_order(val)
-    back = sorted(range(len(order)), key=order.__getitem__)
+    order = memory_order(val.stride())
+    back = inverse_permutation(order)
     written = val.contiguous()
     steps: list[tuple[Any, tuple, dict, torch.Tensor]] = [
         (SDPA_AS_MATMULS, _sdpa_arguments(node), {}, written)
@@ -227,12 +223,6 @@ def _as_matmuls(node: fx.Node) -> fx.Node:
     return made[0]
 
 
-def _memory_order(val: torch.Tensor) -> list[int]:
-    """``val``'s dimensions from the outermost in memory to the innermost."""
-    strides = val.stride()
-    return sorted(range(val.dim()), key=lambda d: -strides[d])
-
-
 def _writable_as_matmuls(node: fx.Node, mask: Any) -> bool:
     """Can ``node`` run as ``sdpa_as_matmuls``? Not with a mask (it takes none: a wholly masked
     row is the kernels' business), nor where a CPU kernel's logsumexp is read or its output's
@@ -248,7 +238,7 @@ def _writable_as_matmuls(node: fx.Node, mask: Any) -> bool:
     val = users[0].meta.get("val")
     if not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.stride()):
         return False  # symbolic strides: comparing them would add guards
-    order = _memory_order(val)
+    order = memory_order(val.stride())
     return val.contiguous().permute(order).contiguous().stride() == tuple(
         val.stride(d) for d in order
     )

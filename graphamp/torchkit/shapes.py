@@ -19,7 +19,7 @@ from __future__ import annotations
 
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
 #   torch._dynamo, torch._subclasses
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -123,6 +123,17 @@ def _expr(size: Any) -> Any:
     import sympy
 
     return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+
+
+def memory_order(strides: Sequence[int]) -> list[int]:
+    """The dimensions of a tensor of these strides from the outermost in memory to the
+    innermost."""
+    return sorted(range(len(strides)), key=lambda d: -strides[d])
+
+
+def inverse_permutation(order: Sequence[int]) -> list[int]:
+    """The permutation that undoes ``permute(order)``."""
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 def size_hint(n: Any) -> int:
