@@ -310,12 +310,21 @@ def test_views_split_from_one_value_are_rebuilt_outside_and_nothing_is_copied():
 @pytest.mark.slow
 @pytest.mark.inductor
 @pytest.mark.parametrize("name, calls", [("block_stack", 6), ("fused_qkv_stack", 6)])
-def test_outlined_step_is_bitwise_the_inlined_one_with_inductor(name, calls):
+def test_outlined_step_trains_as_the_inlined_one_with_inductor(name, calls):
     """3-block stacks, two bf16 AMP steps with inductor (no embedding: see _BlockStack); with
-    q, k and v split from one projection, the views rebuilt outside the calls."""
+    q, k and v split from one projection, the views rebuilt outside the calls.
+
+    Not bitwise on every CPU: inductor fuses a reduction of the backward (a bias's or the
+    positional table's gradient, summed over the batch) with what is beside it in the graph
+    it compiles, and an outlined block's backward is compiled apart from its caller. On an
+    AVX512 CPU the two kernels summed in the same order (bitwise, CI until 2026-12); on an
+    AVX2 CPU (8 floats a vector, and ``cpp.simdlen = 256`` here reproduces it) they do not:
+    4e-9 in ``pos``'s gradient after one step, one float32 ulp of 1.0 in a LayerNorm weight
+    after two. A cast or a region outlined wrongly moves bf16 results by 1e-3 and more, so
+    the bound below still catches it; aot_eager's tests above stay bitwise."""
     inlined = _train(name, outline=False, backend="inductor")
     outlined = _train(name, outline=True, backend="inductor")
-    _assert_bitwise(inlined, outlined)
+    torch.testing.assert_close(outlined[1:], inlined[1:], rtol=1e-5, atol=1e-6)
     assert len(_calls(outlined[0])) == calls
 
 
