@@ -358,7 +358,7 @@ def test_attention_with_a_mask_is_not_timed_as_matmuls(timings):
 )
 def test_the_matmul_form_computes_what_the_attention_kernel_does(causal, scale, gqa):
     """In fp32 the two agree to rounding; in bf16 they agree as two bf16 kernels do."""
-    from graphamp.torchkit.ops import sdpa_as_matmuls
+    from graphamp.torchkit.op_math import sdpa_as_matmuls
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 12, 8, generator=gen)

@@ -38,7 +38,7 @@ from ..records.frames import SOURCE_LINE_META, UserFrame
 from ..records.layouts import StepLayout
 from ..records.optimizers import OptimizerPlan
 from ..records.update_paths import MULTI_TENSOR
-from ..torchkit.ops import FunctionCall
+from ..torchkit.function_calls import FunctionCall
 
 FORMAT = "graphamp-step-1"
 

@@ -19,8 +19,9 @@ from typing import Any, Iterator
 import torch
 from torch.utils.checkpoint import CheckpointFunction, check_backward_validity
 
+from ..torchkit.function_calls import _ORIGINAL_APPLY, FunctionCall
 from ..torchkit.fxutil import current_user_frame, last_node, nodes_after, tracing_graph
-from ..torchkit.ops import _ORIGINAL_APPLY, AUTOGRAD_FUNCTION, FunctionCall
+from ..torchkit.ops import AUTOGRAD_FUNCTION
 from ..torchkit.process_state import SharedPatch
 
 _active = threading.local()  # .calls: the FunctionCalls of the capture running in this thread

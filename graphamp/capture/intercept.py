@@ -29,6 +29,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.overrides import TorchFunctionMode
 
 from ..errors import CaptureError
+from ..torchkit.capture_rewrites import CAPTURE_REWRITES
 from ..torchkit.fxutil import (
     UserFrame,
     current_user_frame,
@@ -36,7 +37,6 @@ from ..torchkit.fxutil import (
     nodes_after,
     tracing_graph,
 )
-from ..torchkit.ops import CAPTURE_REWRITES
 from ..torchkit.process_state import module_forward_hooks
 from .dtype_checks import mixed_dtypes
 from .gradient_book import GradientBook

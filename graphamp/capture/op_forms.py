@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CaptureError
-from ..torchkit.ops import capture_sdpa
+from ..torchkit.capture_rewrites import capture_sdpa
 
 aten = torch.ops.aten
 

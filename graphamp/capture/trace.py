@@ -25,13 +25,13 @@ from ..records.guards import AttributeRead, LiftedValue
 from ..records.inputs import FlatInputs
 from ..records.layouts import ForwardLayout
 from ..records.spec import TENSOR, CapturedForward, GradientCode
+from ..torchkit.function_calls import FunctionCall
 from ..torchkit.fxutil import (
     drop_profiler_markers,
     rename_placeholders,
     trace_functional,
     user_frame_of_exception,
 )
-from ..torchkit.ops import FunctionCall
 from ..torchkit.process_state import compiling
 from ..torchkit.shapes import is_symbolic, scratch_batch
 from .cleanup import (

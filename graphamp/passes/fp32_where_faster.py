@@ -70,13 +70,8 @@ from torch import ops
 from ..records.amp import SpeedCheck
 from ..records.settings import ConfigSnapshot
 from ..torchkit.cache_root import graphamp_cache_root, write_atomically
-from ..torchkit.ops import (
-    SDPA,
-    SDPA_AS_MATMULS,
-    repeat_kv_heads,
-    sdpa_as_matmuls,
-    sdpa_reference,
-)
+from ..torchkit.op_math import repeat_kv_heads, sdpa_as_matmuls, sdpa_reference
+from ..torchkit.ops import SDPA, SDPA_AS_MATMULS
 from ..torchkit.process_state import BoundedCache
 from ..torchkit.shapes import inverse_permutation, memory_order, size_hint
 from .base import AmpContext, CheckPaths, PassResult, packet_of

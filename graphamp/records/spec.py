@@ -35,7 +35,7 @@ from .update_paths import UpdatePath, path_of, tensor_version
 if TYPE_CHECKING:  # records of other stages, typed only
     from ..forensics.device_record import ForensicsState
     from ..scaler import GradScaler
-    from ..torchkit.ops import FunctionCall
+    from ..torchkit.function_calls import FunctionCall
     from .amp import AmpContext
 
 __all__ = [

@@ -346,7 +346,7 @@ PROCESS_STATE: tuple[Held, ...] = (
         "the op is registered in torchkit, its math lives in the step layer",
     ),
     Held(
-        "graphamp/torchkit/ops.py:_CALLS",
+        "graphamp/torchkit/function_calls.py:_CALLS",
         "the custom autograd Function calls captured, by key (WeakValueDictionary)",
         "weak: the calls live captured forwards hold",
         "the graphamp::autograd_function op finds its call by an int key in the graph",
