@@ -779,3 +779,23 @@ def test_an_entry_never_holds_a_real_tensor():
     with pytest.raises(pickle.PicklingError, match="holds a tensor constant"):
         step_unpickler.dumps({"index": torch.tensor([0, 2])})
     assert step_unpickler.dumps({"n": 3})  # what is no tensor pickles as before
+
+
+def test_an_entry_holding_symbolic_sizes_loads():
+    """A dynamic step's sizes are sympy expressions over torch's own functions and numbers: a
+    mean over a symbolic length divides by ``ToFloat(s0*4)``, a view's size may be a
+    ``FloorDiv``, a symbol's range ends at ``int_oo``. The unpickler builds them (it refused
+    ``ToFloat`` once, so no dynamic step with a mean loss ever loaded from the cache)."""
+    import pickle
+
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv, ToFloat
+    from torch.utils._sympy.numbers import int_oo
+
+    s0 = sympy.Symbol("s0", integer=True, positive=True)
+    for size in (2.5 * ToFloat(4 * s0), FloorDiv(s0, 4), int_oo):
+        assert step_unpickler.loads(step_unpickler.dumps(size), FakeTensorMode()) == size
+    # the list stays a list: a module beside them that builds no size is still refused
+    payload = pickle.dumps(pickle.loads)
+    with pytest.raises(pickle.UnpicklingError, match="may not build"):
+        step_unpickler.loads(payload, FakeTensorMode())

@@ -47,6 +47,9 @@ _CLASS_MODULES = frozenset(
         "torch.utils._ordered_set",
         "torch.utils._pytree",
         "torch.utils._sympy.value_ranges",
+        # torch's sympy functions and numbers in symbolic sizes (ToFloat, FloorDiv, int_oo)
+        "torch.utils._sympy.functions",
+        "torch.utils._sympy.numbers",
         "torch.utils._traceback",
     }
 )
