@@ -799,3 +799,29 @@ def test_an_entry_holding_symbolic_sizes_loads():
     payload = pickle.dumps(pickle.loads)
     with pytest.raises(pickle.UnpicklingError, match="may not build"):
         step_unpickler.loads(payload, FakeTensorMode())
+
+
+@pytest.mark.unloadable_step
+def test_a_step_the_loader_would_refuse_is_refused_when_saved(monkeypatch, caplog):
+    """The pickler checks every class and function it writes by name against the unpickler's
+    list, so an entry that could never load is never written: the save says which name (a
+    WARNING: the two halves of one list disagreeing is graphamp's bug), not each restart."""
+    import sympy
+    from torch.utils._sympy.functions import ToFloat
+
+    size = 2.5 * ToFloat(4 * sympy.Symbol("s0", integer=True, positive=True))
+    refused = step_unpickler._CLASS_MODULES - {"torch.utils._sympy.functions"}
+    monkeypatch.setattr(step_unpickler, "_CLASS_MODULES", refused)
+    with pytest.raises(step_unpickler.UnloadableGlobal, match="utils._sympy.functions.ToFloat"):
+        step_unpickler.dumps({"size": size})
+    # a step whose graph holds it is not saved, with the name in a warning
+    monkeypatch.setattr(
+        step_unpickler, "dumps", lambda obj: step_unpickler._check_loadable(ToFloat)
+    )
+    torch.manual_seed(0)
+    model = seed_mlp()
+    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    with caplog.at_level(logging.INFO, logger="graphamp"):
+        g(torch.randn(8, 256), torch.randint(0, 10, (8,)))
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "ToFloat" in r.message]
+    assert warned and "not saved" in warned[0].message, caplog.text

@@ -152,6 +152,9 @@ def save(graph_name: str, key: str, step: CachedStep) -> bool:
         values = [(path, name, step_values.encode(meta["val"])) for path, name, _, meta in taken]
         entry = replace(step, values=values, shape_guards=guards)
         payload = step_unpickler.dumps(entry)
+    except step_unpickler.UnloadableGlobal as e:  # the two halves of one list disagree
+        log.warning("%s: step cache: not saved: %s", graph_name, e)
+        return False
     except Exception as e:  # a graph the pickler does not support is not cached
         log.info("%s: step cache: not saved (%s: %s)", graph_name, type(e).__name__, e)
         return False

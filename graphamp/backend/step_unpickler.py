@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import io
 import pickle
+import types
 from typing import Any
 
 import torch
@@ -94,7 +95,10 @@ class _PlainGraphPickler(pickle.Pickler):
             )
         # GraphPickler's own reduction, run on this pickler (it reads only the fields
         # __init__ copied from one)
-        return graph_pickler.GraphPickler.reducer_override(self, obj)  # type: ignore[arg-type]
+        reduced = graph_pickler.GraphPickler.reducer_override(self, obj)  # type: ignore[arg-type]
+        if reduced is NotImplemented and _by_name(obj):
+            _check_loadable(obj)
+        return reduced
 
     def __init__(self, file: io.BytesIO, options: Any) -> None:
         super().__init__(file)
@@ -132,14 +136,39 @@ class _StepUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("a step entry may not name other persistent objects")
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name == "getattr":
-            return _pickle_data_getattr
-        if module == "logging" and name == "getLogger":
-            return _torch_logger
+        substitute = _SUBSTITUTES.get((module, name))
+        if substitute is not None:
+            return substitute
         found = super().find_class(module, name)
         if _allowed(module, name, found):
             return found
         raise pickle.UnpicklingError(f"a step entry may not build {module}.{name}")
+
+
+def _by_name(obj: Any) -> bool:
+    """Whether the pickler writes ``obj`` as a global (module and qualified name): a class or
+    function; a builtin only where it is a module's (a bound one is pickled as getattr)."""
+    if isinstance(obj, types.BuiltinFunctionType):
+        return obj.__self__ is None or isinstance(obj.__self__, types.ModuleType)
+    return isinstance(obj, (type, types.FunctionType))
+
+
+def _check_loadable(obj: Any) -> None:
+    """The writer's half of the list: a class or function the unpickler would refuse is refused
+    when the step is saved, by name, so that no entry is written that can never load (an entry
+    that cannot load costs every restart a full build, and said so only when read)."""
+    name = obj.__qualname__
+    module = getattr(obj, "__module__", None) or pickle.whichmodule(obj, name)
+    if (module, name) in _SUBSTITUTES or _allowed(module, name, obj):
+        return
+    raise UnloadableGlobal(
+        f"the step holds {module}.{name}, which the step cache's loader does not build "
+        "(a graphamp bug: please report it)"
+    )
+
+
+class UnloadableGlobal(pickle.PicklingError):
+    """A step names a class or function the unpickler's list leaves out (``_check_loadable``)."""
 
 
 def _allowed(module: str, name: str, found: Any) -> bool:
@@ -175,3 +204,10 @@ def _torch_logger(name: str) -> Any:
     if name != "torch" and not name.startswith("torch."):
         raise pickle.UnpicklingError(f"a step entry may not get the logger {name!r}")
     return logging.getLogger(name)
+
+
+# globals GraphPickler writes that the unpickler answers with narrower stand-ins
+_SUBSTITUTES = {
+    ("builtins", "getattr"): _pickle_data_getattr,
+    ("logging", "getLogger"): _torch_logger,
+}
