@@ -351,10 +351,11 @@ def test_zero_refuses_a_traced_update_and_gradient_code_on_every_rank_and_change
     refused by name at the first call on both ranks, with the model and optimizer as they
     were; the same objects then train in a data-parallel Graph (zero_refusals_worker.py)."""
     stderr = torchrun(os.path.join(HERE, "zero_refusals_worker.py"), nproc=2, timeout=200)
-    lines = [line for line in stderr.splitlines() if line.startswith("refused: ")]
-    assert len(lines) == 4, stderr[-2000:]  # two refusals, each on both ranks
-    assert sum("Adagrad's own step() is traced whole" in line for line in lines) == 2
-    assert sum("build() reads or writes .grad" in line for line in lines) == 2
+    # counted in the whole stream: the two ranks share stderr, and a refusal's message spans
+    # lines, so one rank's line may run on into the other's (seen once in the default lane)
+    assert stderr.count("refused: ") == 4, stderr[-2000:]  # two refusals, each on both ranks
+    assert stderr.count("Adagrad's own step() is traced whole") == 2, stderr[-2000:]
+    assert stderr.count("build() reads or writes .grad") == 2, stderr[-2000:]
 
 
 @pytest.mark.slow
