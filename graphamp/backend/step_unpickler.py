@@ -158,7 +158,9 @@ def _check_loadable(obj: Any) -> None:
     when the step is saved, by name, so that no entry is written that can never load (an entry
     that cannot load costs every restart a full build, and said so only when read)."""
     name = obj.__qualname__
-    module = getattr(obj, "__module__", None) or pickle.whichmodule(obj, name)
+    module = getattr(obj, "__module__", None)
+    if module is None:  # the pickler then looks for it, as here
+        module = pickle.whichmodule(obj, name)  # type: ignore[attr-defined]
     if (module, name) in _SUBSTITUTES or _allowed(module, name, obj):
         return
     raise UnloadableGlobal(
