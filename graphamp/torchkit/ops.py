@@ -109,40 +109,15 @@ SDPA_AS_MATMULS = torch.ops.graphamp.sdpa_as_matmuls.default
 # -- recurrent layers, kept whole -----------------------------------------------------------------
 
 
-@torch.library.custom_op("graphamp::rnn", mutates_args=())
-def _rnn_op(
-    mode: str,
-    input: Tensor,
-    hx: list[Tensor],
-    params: list[Tensor],
-    has_biases: bool,
-    num_layers: int,
-    dropout: float,
-    train: bool,
-    bidirectional: bool,
-    batch_first: bool,
-) -> list[Tensor]:
-    return rnn_reference(
-        mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first
-    )
+# the kernel is the reference itself (its signature is the op's schema); the fake runs it on
+# the fake tensors, for the shapes torch's own kernel gives (nothing runs)
+_rnn_op = torch.library.custom_op("graphamp::rnn", rnn_reference, mutates_args=())
 
 
 @_rnn_op.register_fake
-def _(mode, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    # the shapes torch's own kernel gives, computed on the fake tensors (nothing runs)
+def _(*args: Any) -> list[Tensor]:
     with torch.no_grad():
-        return rnn_reference(
-            mode,
-            input,
-            hx,
-            params,
-            has_biases,
-            num_layers,
-            dropout,
-            train,
-            bidirectional,
-            batch_first,
-        )
+        return rnn_reference(*args)
 
 
 def _register_rnn_autocast() -> None:
