@@ -387,6 +387,60 @@ def test_deny_ops_widen_fp16_inputs_so_reductions_do_not_overflow(dtype):
     assert rms.item() == 300.0  # the squared error 90,000 is out of fp16's range
 
 
+class MaskedScores(nn.Module):
+    """DeBERTa's attention mask: ``masked_fill`` with the smallest value of the query's dtype.
+    Capture runs in fp32, so the value is fp32's, which neither low dtype holds."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.q, self.k, self.head = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, 4)
+
+    def forward(self, x, mask):
+        q, k = self.q(x), self.k(x)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~mask, torch.finfo(q.dtype).min)
+        return self.head(scores.softmax(-1) @ x).mean(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_an_op_whose_scalar_the_low_dtype_cannot_hold_stays_fp32(dtype):
+    torch.manual_seed(0)
+    model = MaskedScores()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(2, 8, 32), torch.randint(0, 4, (2,))
+    mask = torch.ones(2, 8, 8, dtype=torch.bool).tril()
+
+    def build(g, x, y):
+        loss = nn.functional.cross_entropy(g.model(x, mask), y)
+        loss.backward()
+        return loss
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = graphamp.GradScaler() if dtype == torch.float16 else None
+    g = make_graph(model, None, opt, amp=dtype, scaler=scaler, build=build)
+    loss = g(x, y)  # in low precision the fill raised: -3.4e38 is beyond fp16 and bf16
+    ref_loss = autocast_loss(lambda: nn.functional.cross_entropy(ref(x, mask), y), dtype)
+    assert abs(loss.item() - ref_loss.item()) <= 2e-2 * abs(ref_loss.item())
+    fill = next(r for r in g.precision_report().rows if r["op"] == "aten.masked_fill")
+    assert fill["dtype"] == "float32" and "-3.403e+38 is beyond" in fill["why"], fill
+    matmuls = [r for r in g.precision_report().rows if r["op"] in ("aten.bmm", "aten.addmm")]
+    assert matmuls and all(r["dtype"] == str(dtype)[6:] for r in matmuls)
+
+
+def test_only_number_arguments_beyond_the_low_dtype_keep_an_op_fp32():
+    # 1e5 is beyond fp16 (65,504) but within bf16; a size of 70,000 is not a number argument
+    scaled = _eval_graph(lambda x: (x.view(70000, 1) @ torch.ones(1, 2)) * 1e5, torch.float16)
+    scaled(torch.ones(70000))
+    report = scaled.precision_report()
+    mul = next(r for r in report.rows if r["op"] == "aten.mul")
+    assert mul["dtype"] == "float32" and "1e+05 is beyond float16" in mul["why"]
+    view = next(r for r in report.rows if r["op"] in ("aten.view", "aten._unsafe_view"))
+    assert "beyond" not in view["why"]
+    bf16 = _eval_graph(lambda x: (x.view(70000, 1) @ torch.ones(1, 2)) * 1e5, torch.bfloat16)
+    bf16(torch.ones(70000))
+    mul = next(r for r in bf16.precision_report().rows if r["op"] == "aten.mul")
+    assert "beyond" not in mul["why"]
+
+
 class RnnLM(nn.Module):
     def __init__(self, cell, vocab=50, dim=32):
         super().__init__()

@@ -107,6 +107,23 @@ MODELS = {
         _hf_loss,
         _tokens,
     ),
+    # its attention masks with torch.finfo(query.dtype).min: fp32's value at capture
+    "hf_deberta": (
+        lambda: transformers.DebertaV2ForMaskedLM(
+            _hf_config(
+                transformers.DebertaV2Config,
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=32,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        ),
+        _hf_loss,
+        _tokens,
+    ),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
 #   torch._ops
+import math
 from typing import Any, Callable
 
 import torch
@@ -119,8 +120,48 @@ class Classifier:
                 return "deny", f"inside fp32-pinned module {pinned}" + (
                     f": {self.ctx.pin_reasons[pinned]}" if pinned in self.ctx.pin_reasons else ""
                 )
+        wide = scalar_beyond(node, self.ctx.dtype)
+        if wide is not None and self.ctx.opt_level != "O3":
+            return "deny", (
+                f"its scalar {wide:.4g} is beyond {str(self.ctx.dtype)[6:]}'s range: kept fp32"
+            )
         form = node.meta.get("amp_form")  # a pass chose how the op runs (fp32_where_faster)
         return category, f"{why}; {form}" if form else why
+
+
+def scalar_beyond(node: fx.Node, dtype: torch.dtype) -> float | None:
+    """A finite number argument of ``node`` that ``dtype`` cannot hold, if any.
+
+    Capture runs build() in fp32, so a value it derived from a tensor's dtype was derived from
+    fp32: ``scores.masked_fill(mask, torch.finfo(q.dtype).min)`` (DeBERTa's attention) holds
+    -3.4e38, where eager autocast, whose ``q`` is bf16, computes bf16's smallest. Run in low
+    precision, the op would raise (eager kernels refuse the conversion) or write -inf (a
+    compiled one). Kept fp32, it computes the value build() wrote, whatever the precision of
+    its neighbours. Only numbers given where the schema takes a number or a tensor count
+    (``masked_fill``'s value, ``x * 1e5``'s operand): sizes and dims are ints in their own
+    right."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    limit = torch.finfo(dtype).max
+    schema = target._schema.arguments
+    given = [
+        *zip(schema, node.args),
+        *((a, node.kwargs[a.name]) for a in schema if a.name in node.kwargs),
+    ]
+    for arg, value in given:
+        kind = arg.type
+        if isinstance(kind, torch.OptionalType):
+            kind = kind.getElementType()
+        if (
+            isinstance(kind, (torch.NumberType, torch.TensorType))
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and abs(value) > limit
+        ):
+            return float(value)
+    return None
 
 
 def output_values(output: fx.Node) -> list[fx.Node]:
