@@ -131,6 +131,36 @@ def test_the_optimizer_trains_like_eager_in_fp32(name):
     assert ("its own step() in Python" in str(g)) == (how == "eager")
 
 
+@pytest.mark.parametrize("name", ["Kron", "Gravity"])
+def test_an_optimizer_that_draws_random_numbers_draws_what_eager_draws(name):
+    # PSGD's Kron draws torch.randn_like and np.random in its step; Gravity its first state.
+    # The trial step on a copy drew them too, and the real run then drew other numbers than
+    # eager with the same seed; the generators are now put back after it
+    import random
+
+    import numpy as np
+
+    def seeded(factory):
+        torch.manual_seed(7), np.random.seed(7), random.seed(7)
+        return factory()
+
+    model, twin = _mlp(), _mlp()
+    opt = seeded(lambda: getattr(po, name)(model.parameters(), lr=1e-2))
+    states = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    g = make_graph(model, F.mse_loss, opt, backend="eager")
+    assert torch.equal(states[0], torch.get_rng_state())
+    assert (states[1] == np.random.get_state()[1]).all() and states[2] == random.getstate()
+    for x, y in _batches(5):
+        g(x, y)
+    eager_opt = seeded(lambda: getattr(po, name)(twin.parameters(), lr=1e-2))
+    for x, y in _batches(5):
+        eager_opt.zero_grad()
+        F.mse_loss(twin(x), y).backward()
+        eager_opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+
+
 class _CountsInGroups(torch.optim.Optimizer):
     """Keeps its step count in its param groups, as every pytorch_optimizer optimizer does, and
     branches on it in Python (Lookahead's sync every k steps)."""

@@ -35,6 +35,7 @@ from ..errors import UnsupportedOptimizerError
 from ..records.optimizers import InitialState
 from ..records.subgraphs import Subgraph, subgraph_of
 from ..torchkit.fxutil import drop_profiler_markers
+from ..torchkit.host_generators import kept_host_generators
 from ..torchkit.process_state import compiling
 
 # group options set for the traced step: the capturable single-tensor form, no fused kernels
@@ -64,7 +65,7 @@ def initial_state_by_eager_step(
         shadow = _shadow(
             optimizer, {**group, **_options(group, _EAGER_STEP_OPTIONS)}, [work], state
         )
-        with torch.no_grad():
+        with kept_host_generators(), torch.no_grad():
             type(optimizer).step(shadow)  # not an instance attribute (a scheduler wraps one)
         out.append(_initial(optimizer, state[work].first))
     return out

@@ -18,7 +18,7 @@ outside its tensors is compared with what the trace could reproduce:
 Any of these, and ``step()`` runs as eager runs it, in Python after the compiled step
 (``records.update_paths.PYTHON_STEP``), with the gradients the step computed; ``trial_step`` returns
 the reason, which ``print(g)`` and the INFO line give. Nothing of the user's is touched: the
-trial runs on the copy.
+trial runs on the copy, and the random generators it drew from are put back.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..torchkit.host_generators import kept_host_generators
 from ..torchkit.process_state import compiling
 from .traced_optimizer import TRACE_OPTIONS, FirstValues
 
@@ -73,8 +74,8 @@ def trial_step(optimizer: torch.optim.Optimizer) -> str | None:
     groups_before = [_snapshot(g, skip={"params"}) for g in twin.param_groups]
     attributes_before = _snapshot(vars(twin), skip={"param_groups", "state", *_HOOKS})
     reads = _HostReads()
-    try:
-        with compiling(), torch.no_grad(), reads:
+    try:  # the generators are the user's: a step that draws leaves them as they were
+        with kept_host_generators(), compiling(), torch.no_grad(), reads:
             type(twin).step(twin)
     except Exception as e:  # its own code, on NaN gradients: eager runs it on real ones
         return f"its step() raised on a trial step ({type(e).__name__}: {_first_line(e)})"
