@@ -306,6 +306,49 @@ def test_a_closure_variable_rebound_after_the_first_call_is_honoured(caplog):
     )
 
 
+@dataclasses.dataclass
+class _Output(collections.OrderedDict):
+    """The output class of diffusers (``BaseOutput``) and transformers (``ModelOutput``): a
+    dataclass that is also a dict, whose ``__post_init__`` fills the dict from its fields and
+    reads ``self`` in a generator (a closure variable of the generator's frame)."""
+
+    sample: torch.Tensor
+    extra: torch.Tensor | None = None
+
+    def __post_init__(self):
+        others_none = all(getattr(self, f.name) is None for f in dataclasses.fields(self)[1:])
+        if others_none:
+            self["sample"] = self.sample
+
+
+class _WithOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Output(sample=self.lin(x))
+
+
+def test_an_output_record_made_in_forward_holding_a_traced_tensor_is_not_a_setting():
+    # the generator's read of `self` (an _Output holding a traced tensor, its dict still empty)
+    # was kept as a guard: a deep copy of the traced tensor, which torch refuses
+    model, twin = _WithOutput(), _WithOutput()
+    twin.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = make_graph(model, lambda out, y: F.mse_loss(out.sample, y), opt)
+    eager_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for _ in range(3):
+        x, y = torch.randn(2, 4), torch.randn(2, 4)
+        loss = g(x, y)
+        eager_opt.zero_grad()
+        eager = F.mse_loss(twin(x).sample, y)
+        eager.backward()
+        eager_opt.step()
+        torch.testing.assert_close(loss, eager.detach())
+    assert len(g.compiled_steps) == 1
+
+
 def test_a_value_changed_back_reuses_the_first_step():
     reset = _globals()
     try:

@@ -58,6 +58,9 @@ def items_of(value: Any) -> list[tuple[Any, Any]] | None:
     """(key, value) of a container's entries (``None`` keys for a sequence or set); None for
     anything that is not a mapping (a dict, a subclass of dict, ``os.environ``), list, tuple,
     set, dataclass object or namespace."""
+    if is_record(value):  # first: a dataclass that is also a dict (transformers' ModelOutput,
+        # diffusers' BaseOutput) holds its fields, tensors included, before its entries
+        return list(fields_of(value).items())
     if isinstance(value, dict):  # an OrderedDict, an attribute dict of hyperparameters too
         return list(value.items())
     if isinstance(value, collections.abc.Mapping) and not _is_torch_object(value):
@@ -67,8 +70,6 @@ def items_of(value: Any) -> list[tuple[Any, Any]] | None:
             return None
     if type(value) in (list, set, tuple, frozenset):
         return [(None, v) for v in value]
-    if is_record(value):
-        return list(fields_of(value).items())
     return None
 
 

@@ -230,13 +230,12 @@ class ScopeReads:
     def _read_free(self, frame: types.FrameType, name: str, attribute: str | None) -> None:
         if name == "__class__":  # the cell zero-argument super() reads
             return
+        if self._defined_in_traced_code(frame, name):
+            return  # made by build() itself (traced values among them): not a setting
         value = frame.f_locals.get(name, MISSING)
-        if not self._defined_in_traced_code(frame, name):
-            self._record_code_settings(value, name)  # a helper a closure holds: its defaults
+        self._record_code_settings(value, name)  # a helper a closure holds: its defaults
         read_off = attribute if isinstance(value, type) else None  # Config.kl_weight
         if value is MISSING or not (read_off or _is_setting(value)):
-            return
-        if self._defined_in_traced_code(frame, name):
             return
         if read_off is not None:  # kept on the class (the class itself is code, not a setting)
             record_class_read(value, read_off)
