@@ -15,12 +15,13 @@ have set the dtypes; ops fake tensors cannot run take their repaired forms (``op
 from __future__ import annotations
 
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
-#   torch._C._nn, torch._VF
+#   torch._C._nn, torch._VF, torch.utils._pytree
 import functools
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .fxutil import NodeTagger
@@ -95,33 +96,16 @@ def promote_floating_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     them (fp64 ignored, as autocast's promote policy does)."""
     tensors = [
         t
-        for t in _tensor_leaves((args, kwargs))
-        if t.dtype.is_floating_point and t.dtype != torch.float64
+        for t in pytree.tree_leaves((args, kwargs))
+        if isinstance(t, Tensor) and t.dtype.is_floating_point and t.dtype != torch.float64
     ]
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) < 2:
         return args, kwargs
     widest = functools.reduce(torch.promote_types, dtypes)
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, Tensor):
-            return x.to(widest) if x.dtype in dtypes else x
-        if isinstance(x, (list, tuple)):
-            return type(x)(cast(v) for v in x)
-        return x
-
-    return cast(args), {k: cast(v) for k, v in kwargs.items()}
-
-
-def _tensor_leaves(x: Any):
-    if isinstance(x, Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            yield from _tensor_leaves(v)
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _tensor_leaves(v)
+    return pytree.tree_map_only(
+        Tensor, lambda t: t.to(widest) if t.dtype in dtypes else t, (args, kwargs)
+    )
 
 
 # Functions on autocast's promote list whose kernels or fake kernels reject mixed floating dtypes
