@@ -349,6 +349,79 @@ def test_an_output_record_made_in_forward_holding_a_traced_tensor_is_not_a_setti
     assert len(g.compiled_steps) == 1
 
 
+METRICS: dict = {}  # a global dict build() fills for logging, read after every call
+
+
+class _Scaled(nn.Module):
+    """Reads a table of constants from a global dict it fills on first use (a memo: a rotary or
+    mask cache keyed by size), and fills a scratch dict it reads back in the same call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        table = _MEMO.setdefault(x.shape[-1], torch.linspace(0.5, 1.5, x.shape[-1]))
+        _SCRATCH["h"] = self.lin(x) * table
+        return _SCRATCH["h"].tanh()
+
+
+_MEMO: dict = {}
+_SCRATCH: dict = {}
+
+
+def test_dict_entries_build_sets_in_globals_and_closures_hold_each_calls_tensors_as_in_eager():
+    # they were put back after capture (an INFO line said so): METRICS stayed empty, silently,
+    # where eager leaves each call's values there
+    parts: dict = {}
+
+    def build(self, x, y):
+        out = self.model(x)
+        loss = F.mse_loss(out, y)
+        reg = out.pow(2).mean()
+        METRICS["loss"] = loss.detach()
+        parts["reg"] = reg.detach()  # a closure variable's dict
+        (loss + 0.1 * reg).backward()
+        return loss
+
+    def run(graph: bool):
+        torch.manual_seed(0)
+        model = _Scaled()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = make_graph(model, None, opt, build=build) if graph else None
+        seen = []
+        for _ in range(3):
+            x, y = torch.randn(2, 4), torch.randn(2, 4)
+            if graph:
+                g(x, y)
+            else:
+                opt.zero_grad()
+
+                class Self:  # build's self, eagerly
+                    pass
+
+                me = Self()
+                me.model = model
+                build(me, x, y)
+                opt.step()
+            seen.append((METRICS["loss"].clone(), parts["reg"].clone(), _SCRATCH["h"].clone()))
+        return seen, model, g
+
+    eager, eager_model, _ = run(graph=False)
+    METRICS.clear(), _MEMO.clear(), _SCRATCH.clear()
+    graphed, model, g = run(graph=True)
+    for (a, b, c), (d, e, f) in zip(eager, graphed):
+        torch.testing.assert_close(a, d), torch.testing.assert_close(b, e)
+        torch.testing.assert_close(c, f)
+    for p, q in zip(eager_model.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q)
+    assert len(g.compiled_steps) == 1
+    table = _MEMO[4]  # the memo holds a real tensor, made once, as eager's first call made it
+    assert not isinstance(table, torch._subclasses.FakeTensor)
+    torch.testing.assert_close(table, torch.linspace(0.5, 1.5, 4))
+    METRICS.clear(), _MEMO.clear(), _SCRATCH.clear()
+
+
 def test_a_value_changed_back_reuses_the_first_step():
     reset = _globals()
     try:

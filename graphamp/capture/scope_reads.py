@@ -30,8 +30,11 @@ function defined while build() runs is a local of the traced code, not a setting
 Writes are the other half: a global that build() assigns (``STORE_GLOBAL``; a step counter) is
 handed to the state-write machinery with its value before and after (``state_changes``), which
 replays a value that settles after the first call and refuses one that changes on every call,
-as for attributes (``steady_state.py``). A ``nonlocal`` variable of a closure that build()
-assigns is refused by name.
+as for attributes (``steady_state.py``). So is an entry build() sets to a tensor of the trace
+in a dict a global or closure variable holds (``metrics["ce"] = ce.detach()``): eager leaves
+that call's tensor there, and so does the runtime after every call. A list or set they hold
+that build() adds such a tensor to is refused (``_refuse_traced_contents``). A ``nonlocal``
+variable of a closure that build() assigns is refused by name.
 
 A trace function another tool installed (a debugger, coverage) keeps receiving its events: it
 is called for every frame as before and its local trace function gets every event but the
@@ -41,7 +44,7 @@ opcode events this module asks for.
 from __future__ import annotations
 
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
-#   torch._subclasses
+#   torch._subclasses, torch.utils._pytree
 import contextlib
 import dis
 import functools
@@ -56,6 +59,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
@@ -121,6 +125,8 @@ class ScopeReads:
         self.refused: CaptureError | None = None
         self._previous: Callable | None = None
         self._started: set[int] = set()  # frames of user code with cells, begun while tracing
+        self._entries_before: dict[int, dict] = {}  # id of a dict read -> its entries then
+        self._entries: list[tuple[Place, Any]] = []  # dict entries build() set, and before
 
     # -- the trace function ----------------------------------------------------------------
     def _global_trace(self, frame: types.FrameType, event: str, arg: Any) -> Callable | None:
@@ -201,6 +207,7 @@ class ScopeReads:
             read = _read(label, namespace, name, value)
             if read is not None:
                 self.reads[key] = read
+                self._keep_entries(value)
             if value is os.getenv:  # from os import getenv
                 self._read_library_data(os, "getenv")
             self._record_code_settings(value, name)
@@ -250,6 +257,7 @@ class ScopeReads:
         read = _read(label, CellNamespace(cell), name, value)
         if read is not None:
             self.reads[key] = read
+            self._keep_entries(value)
 
     def _refuse_nonlocal_write(self, frame: types.FrameType, name: str) -> None:
         if self._defined_in_traced_code(frame, name):
@@ -273,12 +281,33 @@ class ScopeReads:
             outer = outer.f_back
         return False
 
+    def _keep_entries(self, value: Any) -> None:
+        """A dict a global or closure variable holds, as it is before build() writes it (read
+        first, written after): what ``state_changes`` finds an entry was."""
+        if type(value) is dict and id(value) not in self._entries_before:
+            self._entries_before[id(value)] = dict(value)
+
     # -- results ---------------------------------------------------------------------------
     def state_changes(self) -> list[Change]:
-        """The globals build() assigned, as state changes (value before and now)."""
+        """The globals build() assigned, and the entries it set to tensors of the trace in a
+        dict a global or closure variable holds (``metrics["ce"] = ce.detach()``, a cache a
+        helper fills), as state changes (value before and now): eager leaves that call's
+        tensors there, so the step outputs them and the runtime puts them there after every
+        call (``steady_state.py``). Called inside the trace; ``restoring`` puts them back."""
         changes = []
         for place, before, where in self.written.values():
             changes.append(Change(place, before, place.read(), where))
+        for read in self.reads.values():
+            table = read.current()
+            before = self._entries_before.get(id(table))
+            if before is None:
+                continue
+            for key, value in table.items():
+                if any(map(_traced, pytree.tree_leaves(value))):
+                    owner = getattr(read.namespace, "owner", read.namespace)
+                    place = Place(owner, read.name, "entry", key, read.label, read.namespace)
+                    self._entries.append((place, before.get(key, MISSING)))
+                    changes.append(Change(place, before.get(key, MISSING), value))
         return changes
 
     def recorded(self) -> list[AttributeRead]:
@@ -298,6 +327,8 @@ class ScopeReads:
             yield
         finally:
             for place, before, _ in self.written.values():
+                place.write(before)
+            for place, before in reversed(self._entries):
                 place.write(before)
 
     @contextlib.contextmanager
@@ -332,13 +363,9 @@ def _refuse_traced_contents(graph_name: str, read: AttributeRead) -> None:
     """A list or set that a global or closure variable holds, now holding a tensor of the
     trace (``LOG.append(out)`` in build(), a hook collecting activations): the compiled step
     would never add its real values there, and eager's adds them every call. Such tensors are
-    taken out again (the container is as before) and the capture is refused. A dict entry build()
-    sets to such a tensor (a scratch dict a helper fills and build() reads back) is put back as
-    it was: build()'s own reads of it are traced, the compiled step does not write it."""
+    taken out again (the container is as before) and the capture is refused. (A dict's entries
+    are state changes, replayed: ``ScopeReads.state_changes``.)"""
     value = read.current()
-    if isinstance(value, dict):
-        _put_back_entries(graph_name, read, value)
-        return
     if not isinstance(value, (list, set)) or not any(map(_traced, value)):
         return
     if isinstance(value, list):
@@ -349,26 +376,11 @@ def _refuse_traced_contents(graph_name: str, read: AttributeRead) -> None:
         f"{graph_name}.build() adds a tensor it computes to {read.label} (a "
         f"{type(value).__name__} outside the Graph and its modules): the compiled step runs "
         "without Python, so that container would keep a placeholder of the capture and never "
-        "this step's values. Return the tensor from build(), or assign it to an attribute of "
-        "the Graph or a registered module (self.last = out, or self.last = [a, b], is put "
-        "back after every call with that call's tensors)"
+        "this step's values. Return the tensor from build(), set it as a dict entry "
+        "(metrics['ce'] = ce), or assign it to an attribute of the Graph or a registered module "
+        "(self.last = out, or self.last = [a, b]): those are put back after every call with "
+        "that call's tensors"
     )
-
-
-def _put_back_entries(graph_name: str, read: AttributeRead, value: dict) -> None:
-    before = read.value if isinstance(read.value, dict) else None
-    for key in [k for k, v in value.items() if _traced(v)]:
-        if before is not None and key in before and not _traced(before[key]):
-            value[key] = before[key]
-        else:
-            del value[key]
-        log.info(
-            "%s: %s[%r] is set in build() to a tensor of the step; the compiled step does not "
-            "write it (return the tensor from build() to have it)",
-            graph_name,
-            read.label,
-            key,
-        )
 
 
 def _traced(value: Any) -> bool:

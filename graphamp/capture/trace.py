@@ -145,7 +145,7 @@ def _reads_not_written(
     """The reads that are guards: an attribute build() writes on every call is replayed after
     each step (or checked to be rewritten with the value it had), and what the trace read of it
     is its own value, not an assumption about the user's objects."""
-    written = {(id(vars(w.place.owner)), w.place.name) for w in again}
+    written = {(id(w.place.holder()), w.place.name) for w in again}
     return tuple(r for r in reads if (id(r.namespace), r.name) not in written)
 
 

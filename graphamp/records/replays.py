@@ -14,7 +14,7 @@ from __future__ import annotations
 
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
 #   torch.utils._pytree
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch.utils._pytree as pytree
@@ -27,21 +27,31 @@ TENSOR_SLOT = object()  # where a replayed value holds a tensor the step compute
 class Place:
     """Where a value lives on a user's object: ``vars(owner)[name]`` ("attribute"), one entry
     ``vars(owner)[name][key]`` of a dict ("entry"), or the whole contents of a list or set
-    ``vars(owner)[name]`` changed in place ("contents")."""
+    ``vars(owner)[name]`` changed in place ("contents"). A global's or a closure variable's
+    dict entry (``metrics["ce"] = ce.detach()`` in build()) has ``namespace``: the module's
+    globals, or the cell as ``guards.CellNamespace``, which hold ``name`` instead of
+    ``vars(owner)`` (``owner`` is then the globals dict or the cell)."""
 
     owner: Any
     name: str
     kind: str  # "attribute" | "entry" | "contents"
     key: Any = None
     label: str = ""  # how the user names the owner ("self.model.corr_block")
+    namespace: Any = field(default=None, compare=False)
 
     def describe(self) -> str:
+        if self.namespace is not None:  # the label names the variable: "global metrics (...)"
+            return f"{self.label}[{self.key!r}]"
         if self.kind == "entry":
             return f"{self.label}.{self.name}[{self.key!r}]"
         return f"{self.label}.{self.name}"
 
+    def holder(self) -> Any:
+        """What holds ``name``: ``vars(owner)``, or the namespace of a global or closure."""
+        return vars(self.owner) if self.namespace is None else self.namespace
+
     def read(self) -> Any:
-        holder = vars(self.owner)
+        holder = self.holder()
         if self.kind == "entry":
             return holder.get(self.name, {}).get(self.key, MISSING)
         value = holder.get(self.name, MISSING)
@@ -53,15 +63,15 @@ class Place:
         """Put ``value`` there as build() did (MISSING deletes), bypassing any ``__setattr__``
         (the snapshot is of ``vars``: a module's routing of tensors to buffers is already
         reflected in which dict holds them)."""
-        holder = vars(self.owner)
+        holder = self.holder()
         if self.kind == "entry":
-            table = holder[self.name]
+            table = holder.get(self.name)
             if value is MISSING:
                 table.pop(self.key, None)
             else:
                 table[self.key] = value
         elif self.kind == "contents":
-            container = holder[self.name]
+            container = holder.get(self.name)
             container.clear()
             if isinstance(container, list):
                 container.extend(value)
