@@ -203,12 +203,29 @@ def test_a_hook_is_refused_by_name_and_nothing_changes(kind, when):
     t.check()
 
 
-def test_legacy_weight_norm_is_refused_with_the_parametrization_to_use():
-    model = _mlp()
-    torch.nn.utils.weight_norm(model[0])  # installs a forward pre-hook
-    g = make_graph(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(CaptureError, match="parametrizations.weight_norm"):
-        g(*_batches(1)[0])
+@pytest.mark.parametrize("legacy", ["weight_norm", "spectral_norm"])
+def test_legacy_weight_and_spectral_norm_hooks_train_as_eager(legacy):
+    # torch.nn.utils.weight_norm and spectral_norm install forward pre-hooks (refused before):
+    # traced, the weight is computed in the step and replayed onto the module, as eager sets it
+    make = getattr(torch.nn.utils, legacy)
+    model, twin = _mlp(), _mlp()
+    for m in (model, twin):  # spectral_norm draws its first power-iteration vectors
+        torch.manual_seed(1)
+        make(m[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt)
+    for x, y in _batches(3):
+        loss = g(x, y)
+        eager_opt.zero_grad()
+        eager = nn.functional.cross_entropy(twin(x), y)
+        eager.backward()
+        eager_opt.step()
+        torch.testing.assert_close(loss, eager.detach())
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)  # weight_g/_orig, and spectral_norm's u, v
+    torch.testing.assert_close(model[0].weight, twin[0].weight)  # the hook's attribute
+    assert len(g.compiled_steps) == 1
 
 
 class LazyCache(nn.Module):

@@ -54,6 +54,12 @@ _TRACEABLE_HOOKS = frozenset(
             "transformers.utils.output_capturing",
             "install_output_capturing_hook.<locals>.output_capturing_hook",
         ),
+        # torch's legacy weight_norm and spectral_norm (audio models: HiFi-GAN, EnCodec): hook
+        # objects that compute the weight from its parameters (spectral_norm: updating its
+        # power-iteration buffers in place) and set it as a plain attribute of the module, a
+        # write the step replays after every call (``steady_state.py``)
+        ("torch.nn.utils.weight_norm", "WeightNorm"),
+        ("torch.nn.utils.spectral_norm", "SpectralNorm"),
     }
 )
 
@@ -90,6 +96,8 @@ def registered_hook_error(graph_name: str, attr: str, where: str, hook: Any) -> 
 
 def _traceable(hook: Any) -> bool:
     target = getattr(hook, "func", hook)  # functools.partial
+    if not hasattr(target, "__qualname__"):  # a callable object: named by its class
+        target = type(target)
     return (
         getattr(target, "__module__", None),
         getattr(target, "__qualname__", None),
@@ -98,19 +106,12 @@ def _traceable(hook: Any) -> bool:
 
 def _hook_error(graph_name: str, kind: str, where: str, hook: Any) -> CaptureError:
     name, defined = _describe_callable(hook)
-    legacy = type(hook).__name__ in ("WeightNorm", "SpectralNorm")
-    fix = (
-        "use torch.nn.utils.parametrizations."
-        + ("weight_norm" if "Weight" in type(hook).__name__ else "spectral_norm")
-        + ", which graphamp captures"
-        if legacy
-        else "remove it (handle.remove()) before the first call and return what it computes from "
-        "build() instead (build() may return any structure of tensors)"
-    )
     return CaptureError(
         f"{graph_name}: module {where} has the {kind} {name}{defined}. graphamp captures build() "
         "once on fake tensors and the compiled step calls no Python hooks, so it would run "
-        f"once, at capture, on fake values, and never again: {fix}"
+        "once, at capture, on fake values, and never again: remove it (handle.remove()) before "
+        "the first call and return what it computes from build() instead (build() may return "
+        "any structure of tensors)"
     )
 
 
