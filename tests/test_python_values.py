@@ -422,6 +422,23 @@ def test_dict_entries_build_sets_in_globals_and_closures_hold_each_calls_tensors
     METRICS.clear(), _MEMO.clear(), _SCRATCH.clear()
 
 
+def test_a_tensor_put_inside_a_container_a_global_dict_already_held_is_refused():
+    # the step can replay an entry of the dict itself, not a change inside the old container
+    state = {"metrics": {}, "counts": collections.defaultdict(list)}
+
+    def build(self, x, y):
+        loss = F.mse_loss(self.model(x), y)
+        state["metrics"]["loss"] = loss.detach()
+        loss.backward()
+        return loss
+
+    model = nn.Linear(4, 4)
+    g = make_graph(model, None, torch.optim.SGD(model.parameters(), lr=0.1), build=build)
+    with pytest.raises(CaptureError, match=r"inside closure variable state .*\['metrics'\]"):
+        g(torch.randn(2, 4), torch.randn(2, 4))
+    assert state["metrics"] == {}  # put back: no placeholder of the capture left behind
+
+
 def test_a_value_changed_back_reuses_the_first_step():
     reset = _globals()
     try:

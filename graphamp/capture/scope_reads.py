@@ -284,7 +284,7 @@ class ScopeReads:
     def _keep_entries(self, value: Any) -> None:
         """A dict a global or closure variable holds, as it is before build() writes it (read
         first, written after): what ``state_changes`` finds an entry was."""
-        if type(value) is dict and id(value) not in self._entries_before:
+        if isinstance(value, dict) and id(value) not in self._entries_before:
             self._entries_before[id(value)] = dict(value)
 
     # -- results ---------------------------------------------------------------------------
@@ -303,11 +303,15 @@ class ScopeReads:
             if before is None:
                 continue
             for key, value in table.items():
-                if any(map(_traced, pytree.tree_leaves(value))):
-                    owner = getattr(read.namespace, "owner", read.namespace)
-                    place = Place(owner, read.name, "entry", key, read.label, read.namespace)
-                    self._entries.append((place, before.get(key, MISSING)))
-                    changes.append(Change(place, before.get(key, MISSING), value))
+                if not any(map(_traced, pytree.tree_leaves(value))):
+                    continue
+                if before.get(key, MISSING) is value:  # a container it held, changed inside
+                    self.refused = self.refused or _nested_write(self.graph_name, read, key)
+                    continue
+                owner = getattr(read.namespace, "owner", read.namespace)
+                place = Place(owner, read.name, "entry", key, read.label, read.namespace)
+                self._entries.append((place, before.get(key, MISSING)))
+                changes.append(Change(place, before.get(key, MISSING), value))
         return changes
 
     def recorded(self) -> list[AttributeRead]:
@@ -385,6 +389,38 @@ def _refuse_traced_contents(graph_name: str, read: AttributeRead) -> None:
 
 def _traced(value: Any) -> bool:
     return isinstance(value, (FakeTensor, FunctionalTensor))
+
+
+def _nested_write(graph_name: str, read: AttributeRead, key: Any) -> CaptureError:
+    """The refusal of a tensor of the trace put inside a container that an entry of a global's
+    or closure's dict already held (``STATE["metrics"]["ce"] = ce``): the step could only replay
+    a new container there, where eager changed the old one. The tensors are taken out again."""
+    _take_out_traced(read.current()[key])
+    return CaptureError(
+        f"{graph_name}.build() puts a tensor it computes inside {read.label}[{key!r}] (a "
+        "container that was there before the call): the compiled step runs without Python and "
+        "can only set entries of the dict itself. Set it as an entry of that dict "
+        "(metrics['ce'] = ce), return it from build(), or assign it to an attribute of the "
+        "Graph. Your objects were put back as they were"
+    )
+
+
+def _take_out_traced(container: Any) -> None:
+    """Remove the tensors of the trace from ``container`` and the dicts, lists and sets in it."""
+    if isinstance(container, dict):
+        for k in [k for k, v in container.items() if _traced(v)]:
+            del container[k]
+        children = list(container.values())
+    elif isinstance(container, list):
+        container[:] = [v for v in container if not _traced(v)]
+        children = list(container)
+    elif isinstance(container, set):
+        container.difference_update([v for v in container if _traced(v)])
+        children = []
+    else:
+        return
+    for child in children:
+        _take_out_traced(child)
 
 
 def _is_setting(value: Any) -> bool:
