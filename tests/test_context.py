@@ -203,13 +203,19 @@ def test_a_hook_is_refused_by_name_and_nothing_changes(kind, when):
     t.check()
 
 
-@pytest.mark.parametrize("legacy", ["weight_norm", "spectral_norm"])
-def test_legacy_weight_and_spectral_norm_hooks_train_as_eager(legacy):
-    # torch.nn.utils.weight_norm and spectral_norm install forward pre-hooks (refused before):
-    # traced, the weight is computed in the step and replayed onto the module, as eager sets it
-    make = getattr(torch.nn.utils, legacy)
+def _pruned(module):
+    torch.nn.utils.prune.l1_unstructured(module, "weight", amount=0.5)
+    torch.nn.utils.prune.random_unstructured(module, "weight", amount=0.2)  # a container
+
+
+@pytest.mark.parametrize("legacy", ["weight_norm", "spectral_norm", "prune"])
+def test_torchs_weight_computing_hooks_train_as_eager(legacy):
+    # torch.nn.utils.weight_norm, spectral_norm and the pruning methods install forward
+    # pre-hooks (refused before): traced, the weight is computed in the step and replayed onto
+    # the module, as eager sets it
+    make = _pruned if legacy == "prune" else getattr(torch.nn.utils, legacy)
     model, twin = _mlp(), _mlp()
-    for m in (model, twin):  # spectral_norm draws its first power-iteration vectors
+    for m in (model, twin):  # spectral_norm and random pruning draw
         torch.manual_seed(1)
         make(m[0])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -223,7 +229,7 @@ def test_legacy_weight_and_spectral_norm_hooks_train_as_eager(legacy):
         eager_opt.step()
         torch.testing.assert_close(loss, eager.detach())
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
-        torch.testing.assert_close(a, b, msg=name)  # weight_g/_orig, and spectral_norm's u, v
+        torch.testing.assert_close(a, b, msg=name)  # weight_g/_orig/_mask, spectral_norm's u, v
     torch.testing.assert_close(model[0].weight, twin[0].weight)  # the hook's attribute
     assert len(g.compiled_steps) == 1
 

@@ -15,6 +15,9 @@ from typing import Any
 
 import torch.nn as nn
 from torch.nn.modules import module as module_globals
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from ..errors import CaptureError
 
@@ -54,14 +57,15 @@ _TRACEABLE_HOOKS = frozenset(
             "transformers.utils.output_capturing",
             "install_output_capturing_hook.<locals>.output_capturing_hook",
         ),
-        # torch's legacy weight_norm and spectral_norm (audio models: HiFi-GAN, EnCodec): hook
-        # objects that compute the weight from its parameters (spectral_norm: updating its
-        # power-iteration buffers in place) and set it as a plain attribute of the module, a
-        # write the step replays after every call (``steady_state.py``)
-        ("torch.nn.utils.weight_norm", "WeightNorm"),
-        ("torch.nn.utils.spectral_norm", "SpectralNorm"),
     }
 )
+
+# torch's hook objects that compute a parameter from others and set it as a plain attribute of
+# the module before each forward: the legacy weight_norm and spectral_norm (audio models:
+# HiFi-GAN, EnCodec; spectral_norm also updates its power-iteration buffers in place) and every
+# pruning method (the weight times its mask). The attribute is a write the step replays after
+# every call (``steady_state.py``), as eager leaves it.
+_TRACEABLE_HOOK_CLASSES = (WeightNorm, SpectralNorm, BasePruningMethod)
 
 
 def refuse_hooks(graph_name: str, modules: list[tuple[str, nn.Module]]) -> None:
@@ -96,8 +100,8 @@ def registered_hook_error(graph_name: str, attr: str, where: str, hook: Any) -> 
 
 def _traceable(hook: Any) -> bool:
     target = getattr(hook, "func", hook)  # functools.partial
-    if not hasattr(target, "__qualname__"):  # a callable object: named by its class
-        target = type(target)
+    if isinstance(target, _TRACEABLE_HOOK_CLASSES):
+        return True
     return (
         getattr(target, "__module__", None),
         getattr(target, "__qualname__", None),
