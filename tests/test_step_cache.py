@@ -143,6 +143,36 @@ def test_the_step_loads_where_datasets_and_dill_are_imported():
     _assert_same(first, second)
 
 
+_WRITTEN: dict = {}  # a global dict build() fills on every call
+
+
+def _writes_state():
+    model = seed_mlp()
+
+    def build(self, x, y):
+        out = self.model(x)
+        self.model.last = out.detach()  # an attribute of a module, replayed
+        loss = nn.functional.cross_entropy(out, y)
+        _WRITTEN["loss"] = loss.detach()  # a global's dict entry, replayed
+        loss.backward()
+        return loss
+
+    return model, None, _adamw, {"amp": torch.bfloat16, "build": build}
+
+
+def test_a_step_whose_writes_are_replayed_loads_and_replays_them():
+    # its replays named the objects that hold the written values (a module, a module's
+    # globals), which the key could not hash: such steps were never saved
+    first = _train(_writes_state, _mlp_batches())
+    assert not _loaded(first[0]) and len(_entries()) == 1
+    loss = _WRITTEN.pop("loss")
+    second = _train(_writes_state, _mlp_batches())
+    assert _loaded(second[0])
+    _assert_same(first, second)
+    torch.testing.assert_close(_WRITTEN.pop("loss"), loss)  # the loaded step replays it too
+    assert isinstance(second[0].model.last, torch.Tensor)
+
+
 @pytest.mark.parametrize(
     "configure",
     [

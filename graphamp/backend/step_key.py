@@ -37,6 +37,7 @@ import torch.nn as nn
 from ..records.frames import SOURCE_LINE_META, UserFrame
 from ..records.layouts import StepLayout
 from ..records.optimizers import OptimizerPlan
+from ..records.replays import Place
 from ..records.update_paths import MULTI_TENSOR
 from ..torchkit.function_calls import FunctionCall
 
@@ -173,6 +174,13 @@ class _Digest:
             isinstance(obj, OptimizerPlan) and obj.path.in_python
         ):
             self._optimizer(obj)
+        elif isinstance(obj, Place):
+            # where the runtime puts a tensor build() wrote (records/replays.py): the step only
+            # outputs it, and the place is this process's capture's, never the cache's; so it
+            # is keyed by how the user names it, not by the object that holds it (a module, a
+            # module's globals), which would make the step uncacheable
+            self._text("place")
+            self.feed((obj.kind, obj.name, repr(obj.key), obj.label))
         elif isinstance(obj, StepLayout):
             self._text("layout")
             self.feed(obj.names)
