@@ -305,13 +305,14 @@ class ScopeReads:
             for key, value in table.items():
                 if not any(map(_traced, pytree.tree_leaves(value))):
                     continue
-                if before.get(key, MISSING) is value:  # a container it held, changed inside
+                was = before.get(key, MISSING)
+                if was is value:  # a container it held, changed inside
                     self.refused = self.refused or _nested_write(self.graph_name, read, key)
                     continue
                 owner = getattr(read.namespace, "owner", read.namespace)
                 place = Place(owner, read.name, "entry", key, read.label, read.namespace)
-                self._entries.append((place, before.get(key, MISSING)))
-                changes.append(Change(place, before.get(key, MISSING), value))
+                self._entries.append((place, was))
+                changes.append(Change(place, was, value))
         return changes
 
     def recorded(self) -> list[AttributeRead]:
@@ -372,10 +373,7 @@ def _refuse_traced_contents(graph_name: str, read: AttributeRead) -> None:
     value = read.current()
     if not isinstance(value, (list, set)) or not any(map(_traced, value)):
         return
-    if isinstance(value, list):
-        value[:] = [v for v in value if not _traced(v)]
-    else:
-        value.difference_update([v for v in value if _traced(v)])
+    _take_out_traced(value)
     raise CaptureError(
         f"{graph_name}.build() adds a tensor it computes to {read.label} (a "
         f"{type(value).__name__} outside the Graph and its modules): the compiled step runs "
