@@ -160,6 +160,6 @@ def refuse_optimizer(optim: Any, error: Exception) -> UnsupportedOptimizerError:
     return UnsupportedOptimizerError(
         f"graphamp's Trainer cannot train with optim={name!r}: {error}. Use an optimizer "
         "whose step is tensor arithmetic: optim='adamw_torch', 'adamw_torch_fused', 'sgd', "
-        "'rmsprop', 'adagrad' (or pass any torch.optim optimizer but LBFGS, SparseAdam and "
+        "'rmsprop', 'adagrad' (or pass any torch.optim optimizer but SparseAdam and "
         "Adafactor through Trainer(optimizers=(optimizer, scheduler)))"
     )

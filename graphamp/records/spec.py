@@ -374,8 +374,16 @@ class StepRunner(Protocol):
         """Run the compiled program on ``gather``'s inputs (it writes the state in place)."""
         ...
 
-    def step_eagerly(self, outputs: list[torch.Tensor]) -> None:
-        """The optimizers whose own step() runs after the program, on its outputs."""
+    def run_again(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The program run again on the call's batch (an optimizer's closure); what counts
+        calls is put back."""
+        ...
+
+    def step_eagerly(
+        self, outputs: list[torch.Tensor], again: Callable[[], list[torch.Tensor]]
+    ) -> None:
+        """The optimizers whose own step() runs after the program, on its outputs; ``again``
+        runs the program again, for an optimizer's closure."""
         ...
 
     def invalidate_optimizer_state(self) -> None: ...

@@ -10,8 +10,10 @@ optimizer (``path_of``) and asked, never tested by name, by everything downstrea
 - ``TRACED_STEP``: any other optimizer's own ``step()``, traced into the step
   (``step/traced_optimizer.py``);
 - ``PYTHON_STEP``: an optimizer whose ``step()`` a trial step showed could not be traced exactly
-  (``step/trial_step.py``): it runs in Python after the compiled step, on the gradients the
-  step computed, skipped on overflow (one host read), as eager's GradScaler.step runs it.
+  (``step/trial_step.py``), or that takes a closure (LBFGS): it runs in Python after the
+  compiled step, on the gradients the step computed, skipped on overflow (one host read), as
+  eager's GradScaler.step runs it; its closure runs the compiled step again
+  (``runner/closure.py``).
 
 Each path owns what differs between them: the float hyperparameters it reads per param group
 (step inputs, so a scheduler never recompiles), the group options baked into the traced update
@@ -197,6 +199,27 @@ MULTI_TENSOR: dict[type, UpdatePath] = {
 }
 
 
+def takes_closure(optimizer: Any) -> bool:
+    """Does ``optimizer.step`` require a closure (LBFGS: a line search evaluates the loss again)?"""
+    step = getattr(type(optimizer), "step", None)
+    try:
+        closure = inspect.signature(step).parameters.get("closure") if step else None
+    except (TypeError, ValueError):  # a step with no signature Python can read
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+CLOSURE_REASON = (
+    "its step(closure) evaluates the loss again (a line search); each evaluation runs the "
+    "compiled step's forward and backward again"
+)
+
+
+def eager_reason(optimizer: Any) -> str | None:
+    """Why ``optimizer``'s step() runs in Python whatever a trial step would say, or None."""
+    return CLOSURE_REASON if takes_closure(optimizer) else None
+
+
 def path_of(optimizer: torch.optim.Optimizer, eager: str | None = None) -> UpdatePath:
     """The path of an optimizer already accepted (``checked_path``); ``eager``: why a trial
     step chose to run its step() in Python, or None."""
@@ -225,13 +248,6 @@ def checked_path(optimizer: Any, eager: str | None = None) -> UpdatePath:
 def refuse_untraceable(optimizer: torch.optim.Optimizer) -> None:
     """UnsupportedOptimizerError for optimizers whose step cannot be one traced update."""
     name = type(optimizer).__name__
-    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        raise UnsupportedOptimizerError(
-            f"{name}.step(closure) evaluates the loss again inside the step (a line search), "
-            "which one traced step cannot do: train it eagerly, or use an optimizer whose "
-            "step takes no closure"
-        )
     if getattr(optimizer, "_step_supports_amp_scaling", False) and not type(
         optimizer
     ).__module__.startswith("torch.optim"):

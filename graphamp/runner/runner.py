@@ -22,7 +22,9 @@ from ..records.optimizers import OptimizerPlan
 from ..records.replays import apply_replays
 from ..records.spec import StepFn, StepPlan
 from ..records.state import SharedState
+from ..records.update_paths import takes_closure
 from . import momentum
+from .closure import LossClosure
 from .cudagraph import CudaGraphsBySize, CudaGraphStep
 
 log = logging.getLogger("graphamp")
@@ -222,12 +224,15 @@ class Runner:
             apply_replays(cap.replays, outputs[end - cap.num_written : end])
         return outputs
 
-    def step_eagerly(self, outputs: list[torch.Tensor]) -> None:
+    def step_eagerly(
+        self, outputs: list[torch.Tensor], again: Callable[[], list[torch.Tensor]]
+    ) -> None:
         """The optimizers whose own step() runs after the compiled one (``records.update_paths.PYTHON_STEP``), on the
         step's outputs that follow build()'s: each parameter's ``.grad`` is the gradient the
         step computed (unscaled, clipped, after build()'s gradient code), step() runs as eager
         runs it, and ``.grad`` is cleared again, as the compiled updates leave it. A step that
-        overflowed skips them: one host read, as ``GradScaler.step``'s."""
+        overflowed skips them: one host read, as ``GradScaler.step``'s. An optimizer whose
+        step() takes a closure gets one that runs the step again (``again``: ``closure.py``)."""
         n = self.plan.eager_outputs
         if not n:
             return
@@ -241,10 +246,33 @@ class Runner:
             for p in opt.params:
                 p.grad = next(grads)
             try:
-                opt.optimizer.step()
+                if takes_closure(opt.optimizer):  # the plan's only optimizer, no scaler
+                    # torch types a closure as returning float; LBFGS's returns the loss tensor
+                    closure = LossClosure(outputs, opt.params, again)
+                    opt.optimizer.step(closure)  # type: ignore[arg-type]
+                else:
+                    opt.optimizer.step()
             finally:
                 for p in opt.params:
                     p.grad = None
+
+    def run_again(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The compiled step run again on the call's batch, for an optimizer's closure
+        (``closure.py``). What counts calls on the device (the optimizers' applied steps, the
+        history's step and its row) is put back after it: a call counts once, whatever number
+        of times its loss is evaluated, and its history row keeps its first loss, the one
+        the call returns."""
+        history = self.component_inputs.get("history") or []
+        counts = [*self.counters, *history[:1]]
+        kept = [t.clone() for t in counts]
+        row = _last_row(*history) if history else None
+        outputs = self.execute(self.gather(inputs))
+        for t, before in zip(counts, kept):
+            t.copy_(before)
+        if row is not None:
+            index, values = row
+            history[1].index_copy_(0, index, values)
+        return outputs
 
     def record_step(self) -> Callable[[], None]:
         """The bookkeeping of a step, done before it runs so that the step itself is the last
@@ -282,6 +310,12 @@ class Runner:
         """The user loaded an optimizer state dict: gather its tensors again at the next call
         (a CUDA graph notices the new addresses and is captured again)."""
         self.opt_state = None
+
+
+def _last_row(step: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, values) of the history row the last step wrote, read on the device."""
+    index = torch.remainder(step - 1, table.shape[0]).reshape(1)
+    return index, table.index_select(0, index)
 
 
 def _hyper_slots(plan: StepPlan, device: torch.device) -> list[HyperSlot]:

@@ -392,7 +392,7 @@ def run_step(run: GraphRuntime, program: Program, inputs: FlatInputs) -> list[to
             raise
         # committed: from here on nothing undoes the step. An optimizer's own step() that
         # raises leaves its parameters as it left them, as in eager
-        runner.step_eagerly(outputs)
+        runner.step_eagerly(outputs, lambda: runner.run_again(inputs.tensors))
         if not early:
             for sch in stepping:
                 sch.step()

@@ -12,11 +12,11 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from ..errors import CaptureError
+from ..errors import CaptureError, UnsupportedOptimizerError
 from ..records.layouts import PassState
 from ..records.optimizers import GroupPlan, OptimizerPlan
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
-from ..records.update_paths import checked_path
+from ..records.update_paths import checked_path, takes_closure
 from ..torchkit.fxutil import warn_at_user_line
 from .components import (
     Planning,
@@ -103,6 +103,33 @@ def _check_losses(spec: GraphSpec, captured: CapturedForward) -> None:
         )
 
 
+def _check_closure_optimizer(spec: GraphSpec, captured: CapturedForward, opt) -> None:
+    """An optimizer whose step() takes a closure (LBFGS) has the compiled step run again for
+    each evaluation of the loss (``runner/closure.py``): nothing else in the step may happen
+    once per call only, and the closure returns build()'s loss."""
+    name = f"{spec.name}: {type(opt).__name__}.step(closure) evaluates the loss again"
+    if len(spec.optimizers) > 1:
+        raise UnsupportedOptimizerError(
+            f"{name} by running the step again, which would update the other optimizers "
+            "again: give it a Graph of its own"
+        )
+    if spec.scaler is not None:
+        raise UnsupportedOptimizerError(
+            f"{name}, but a grad scaler decides once per step whether to skip it (torch's "
+            "GradScaler refuses closures too): train it in bf16 or fp32, without a grad scaler"
+        )
+    if spec.config.grad_acc_steps > 1:
+        raise UnsupportedOptimizerError(
+            f"{name} on the whole batch; with gradient accumulation each evaluation would be "
+            "one micro-batch's: set_gradient_accumulation_steps(1)"
+        )
+    if captured.num_user_outputs - captured.num_written != 1 or not captured.output_spec.is_leaf():
+        raise UnsupportedOptimizerError(
+            f"{name} and reads it from what the closure returns, which is what build() "
+            "returns: return the loss alone (one tensor)"
+        )
+
+
 def _optimizer_plans(
     spec: GraphSpec, captured: CapturedForward, position: dict[int, int]
 ) -> list[OptimizerPlan]:
@@ -111,6 +138,8 @@ def _optimizer_plans(
     for k, slot in enumerate(spec.optimizers):
         opt = slot.optimizer
         path = checked_path(opt, slot.eager)
+        if takes_closure(opt):
+            _check_closure_optimizer(spec, captured, opt)
         # the components' refusals before the eager step below: nothing is run for nothing
         check_optimizer_for_components(spec, opt, path)
         groups, updated = [], []
