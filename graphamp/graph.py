@@ -32,7 +32,7 @@ from .records.history import TrainingHistory
 from .records.optimizers import check_optimizer_slot
 from .records.spec import CompiledStep, GraphSpec, OptimizerSlot, Program
 from .records.state import SharedState
-from .records.update_paths import checked_path, eager_reason
+from .records.update_paths import checked_path
 from .records.validate import check_choice
 from .runtime import schedulers
 from .runtime.calls import GraphRuntime, building_graph, call, graph_spec
@@ -172,10 +172,7 @@ class Graph:
             optimizer, lr_sch, clip_grad_max_norm, clip_grad_norm_type, added
         )
         index = len(added)
-        # a closure optimizer (LBFGS) runs its own step(): no trial step, whose step() has none
-        eager = eager_reason(optimizer) or (
-            pipeline.trial_step(optimizer) if checked_path(optimizer).traced else None
-        )
+        eager = pipeline.python_step(optimizer, checked_path(optimizer).traced)
         if eager is not None:
             log.info(
                 "%s: optimizer %d (%s) runs its own step() in Python after each compiled step: "

@@ -94,7 +94,7 @@ def test_lbfgs_trains_as_eagers_closure_loop_bitwise(kwargs):
     torch.testing.assert_close(rows["loss"], losses, **exact)
     # more than one evaluation per call: the closure ran the step again
     assert opt.state_dict()["state"][0]["func_evals"] > len(batches)
-    assert "its step(closure) evaluates the loss again" in str(g)
+    assert "its own step(closure) in Python after the compiled step" in str(g)
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -178,3 +178,36 @@ def test_lbfgs_compiled_by_inductor_trains_as_eager():
     batches = _batches()
     torch.testing.assert_close(_graph_losses(g, batches), _eager_losses(twin, eager_opt, batches))
     _assert_same_state(model, twin, opt, eager_opt, rtol=1e-4, atol=1e-5)
+
+
+def test_an_optimizer_that_raises_without_a_closure_is_given_one():
+    """pytorch_optimizer's AliG takes ``closure=None`` but raises without one; eager code
+    passes ``lambda: float(loss)`` after backward(). Its trial step raised, a trial with a
+    closure ran: it gets the call's loss, and trains as eager bitwise."""
+    po = pytest.importorskip("pytorch_optimizer")
+    model, twin = _model(), _model()
+    opt = po.AliG(model.parameters(), max_lr=0.1, momentum=0.9)
+    eager_opt = po.AliG(twin.parameters(), max_lr=0.1, momentum=0.9)
+    g = make_graph(model, F.mse_loss, opt)
+    for x, y in _batches():
+        eager_opt.zero_grad()
+        loss = F.mse_loss(twin(x), y)
+        loss.backward()
+        eager_opt.step(lambda loss=loss: float(loss))
+        assert float(g(x, y)) == float(loss)
+    for p, q in zip(model.state_dict().values(), twin.state_dict().values()):
+        assert torch.equal(p, q)
+    assert "its own step(closure)" in str(g)
+
+
+def test_an_optimizer_that_moves_before_it_evaluates_its_closure_is_refused_by_name():
+    """BSAM perturbs the parameters before its first evaluation: the call's own forward and
+    backward cannot stand in for it. Refused at add_optimizer, on a trial copy: nothing of the
+    user's changed."""
+    po = pytest.importorskip("pytorch_optimizer")
+    model = _model()
+    opt = po.BSAM(model.parameters(), num_data=16)
+    before = snapshot(model, opt)
+    with pytest.raises(UnsupportedOptimizerError, match="changes the parameters before it first"):
+        make_graph(model, F.mse_loss, opt)
+    assert_unchanged(before, model, opt)

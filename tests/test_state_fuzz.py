@@ -19,7 +19,7 @@ import state_fuzz
 
 import graphamp.capture.reads as reads
 import graphamp.capture.scope_reads as scope_reads
-import graphamp.pipeline as pipeline
+import graphamp.step.closure_trial as closure_trial
 from graphamp.runtime.lifting import Lifting
 
 _BLOCK = 50
@@ -84,7 +84,7 @@ def test_the_fuzzer_finds_a_function_default_left_unguarded(monkeypatch, tmp_pat
 
 
 def test_the_fuzzer_finds_an_optimizers_python_step_count_traced(monkeypatch, tmp_path):
-    monkeypatch.setattr(pipeline, "trial_step", lambda optimizer: None)
+    monkeypatch.setattr(closure_trial, "trial_step", lambda optimizer: None)
     seeds = _seeds_with(set(), optimizer="Python counts in groups")
     assert _run_seeds(seeds, tmp_path)
 

@@ -8,12 +8,12 @@ inputs, the graph's SharedState and a BuildRequest; it returns a Program, whole.
 the picture and the import rules.
 """
 
+from ..step.closure_trial import python_step
 from ..step.components import (
     checked_component_state,
     load_component_state,
     saved_component_state,
 )
-from ..step.trial_step import trial_step
 from .build import build_program, trace_autocast
 
 __all__ = [
@@ -22,5 +22,5 @@ __all__ = [
     "load_component_state",
     "saved_component_state",
     "trace_autocast",
-    "trial_step",
+    "python_step",
 ]

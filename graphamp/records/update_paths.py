@@ -10,9 +10,11 @@ optimizer (``path_of``) and asked, never tested by name, by everything downstrea
 - ``TRACED_STEP``: any other optimizer's own ``step()``, traced into the step
   (``step/traced_optimizer.py``);
 - ``PYTHON_STEP``: an optimizer whose ``step()`` a trial step showed could not be traced exactly
-  (``step/trial_step.py``), or that takes a closure (LBFGS): it runs in Python after the
+  (``step/trial_step.py``): it runs in Python after the
   compiled step, on the gradients the step computed, skipped on overflow (one host read), as
-  eager's GradScaler.step runs it; its closure runs the compiled step again
+  eager's GradScaler.step runs it;
+- ``CLOSURE_STEP``: as ``PYTHON_STEP``, for an optimizer whose ``step()`` must be given a
+  closure (LBFGS; ``step/closure_trial.py``): the closure runs the compiled step again
   (``runner/closure.py``).
 
 Each path owns what differs between them: the float hyperparameters it reads per param group
@@ -23,7 +25,6 @@ Each path owns what differs between them: the float hyperparameters it reads per
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -57,6 +58,7 @@ class UpdatePath:
     multi_tensor: ClassVar[bool] = False  # graphamp's own update: state by rows, block kernels
     traced: ClassVar[bool] = False  # the optimizer's own step() is traced into the step
     in_python: ClassVar[bool] = False  # the optimizer's own step() runs after the step
+    given_closure: ClassVar[bool] = False  # ... as step(closure), the closure running it again
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise for options this path cannot run the way eager does."""
@@ -188,8 +190,23 @@ class _PythonStep(UpdatePath):
         return f"its own step() in Python after the compiled step ({eager})"
 
 
-SGD, ADAM, TRACED_STEP, PYTHON_STEP = _SGD(), _Adam(), _TracedStep(), _PythonStep()
-PATHS: dict[str, UpdatePath] = {p.name: p for p in (SGD, ADAM, TRACED_STEP, PYTHON_STEP)}
+class _ClosureStep(_PythonStep):
+    name = "closure"  # its step(closure), whose closure runs the compiled step again
+    given_closure = True
+
+    def describe(self, optimizer, eager):
+        return f"its own step(closure) in Python after the compiled step ({eager})"
+
+
+CLOSURE_REASON = (
+    "its step() evaluates a closure; the first evaluation is the call's own forward and "
+    "backward, each later one runs the compiled step again"
+)
+SGD, ADAM, TRACED_STEP = _SGD(), _Adam(), _TracedStep()
+PYTHON_STEP, CLOSURE_STEP = _PythonStep(), _ClosureStep()
+PATHS: dict[str, UpdatePath] = {
+    p.name: p for p in (SGD, ADAM, TRACED_STEP, PYTHON_STEP, CLOSURE_STEP)
+}
 # the optimizers graphamp updates with its own multi-tensor code (exact types: a subclass may
 # change step(), so its own step() is traced)
 MULTI_TENSOR: dict[type, UpdatePath] = {
@@ -199,30 +216,11 @@ MULTI_TENSOR: dict[type, UpdatePath] = {
 }
 
 
-def takes_closure(optimizer: Any) -> bool:
-    """Does ``optimizer.step`` require a closure (LBFGS: a line search evaluates the loss again)?"""
-    step = getattr(type(optimizer), "step", None)
-    try:
-        closure = inspect.signature(step).parameters.get("closure") if step else None
-    except (TypeError, ValueError):  # a step with no signature Python can read
-        return False
-    return closure is not None and closure.default is inspect.Parameter.empty
-
-
-CLOSURE_REASON = (
-    "its step(closure) evaluates the loss again (a line search); each evaluation runs the "
-    "compiled step's forward and backward again"
-)
-
-
-def eager_reason(optimizer: Any) -> str | None:
-    """Why ``optimizer``'s step() runs in Python whatever a trial step would say, or None."""
-    return CLOSURE_REASON if takes_closure(optimizer) else None
-
-
 def path_of(optimizer: torch.optim.Optimizer, eager: str | None = None) -> UpdatePath:
     """The path of an optimizer already accepted (``checked_path``); ``eager``: why a trial
-    step chose to run its step() in Python, or None."""
+    step chose to run its step() in Python (``CLOSURE_REASON``: given a closure), or None."""
+    if eager == CLOSURE_REASON:
+        return CLOSURE_STEP
     if eager is not None:
         return PYTHON_STEP
     return MULTI_TENSOR.get(type(optimizer), TRACED_STEP)

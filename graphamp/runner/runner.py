@@ -22,7 +22,6 @@ from ..records.optimizers import OptimizerPlan
 from ..records.replays import apply_replays
 from ..records.spec import StepFn, StepPlan
 from ..records.state import SharedState
-from ..records.update_paths import takes_closure
 from . import momentum
 from .closure import LossClosure
 from .cudagraph import CudaGraphsBySize, CudaGraphStep
@@ -246,7 +245,7 @@ class Runner:
             for p in opt.params:
                 p.grad = next(grads)
             try:
-                if takes_closure(opt.optimizer):  # the plan's only optimizer, no scaler
+                if opt.path.given_closure:  # the plan's only optimizer, no scaler
                     # torch types a closure as returning float; LBFGS's returns the loss tensor
                     closure = LossClosure(outputs, opt.params, again)
                     opt.optimizer.step(closure)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from ..errors import CaptureError, UnsupportedOptimizerError
 from ..records.layouts import PassState
 from ..records.optimizers import GroupPlan, OptimizerPlan
 from ..records.spec import CapturedForward, GraphSpec, StepLayout, StepPlan
-from ..records.update_paths import checked_path, takes_closure
+from ..records.update_paths import checked_path
 from ..torchkit.fxutil import warn_at_user_line
 from .components import (
     Planning,
@@ -138,7 +138,7 @@ def _optimizer_plans(
     for k, slot in enumerate(spec.optimizers):
         opt = slot.optimizer
         path = checked_path(opt, slot.eager)
-        if takes_closure(opt):
+        if path.given_closure:
             _check_closure_optimizer(spec, captured, opt)
         # the components' refusals before the eager step below: nothing is run for nothing
         check_optimizer_for_components(spec, opt, path)

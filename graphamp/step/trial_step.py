@@ -41,6 +41,7 @@ from ..torchkit.host_generators import kept_host_generators
 from ..torchkit.process_state import compiling
 from .traced_optimizer import TRACE_OPTIONS, FirstValues
 
+RAISED = "its step() raised on a trial step"  # the reason's start (closure_trial.py reads it)
 _HOOKS = frozenset(
     {
         "_optimizer_step_pre_hooks",
@@ -60,7 +61,7 @@ def trial_step(optimizer: torch.optim.Optimizer) -> str | None:
     if inner is not None:
         return f"it wraps another optimizer (.{inner}), whose step() it calls"
     try:
-        twin = _small_copy(optimizer)
+        twin = small_copy(optimizer)
     except Exception as e:  # an optimizer holding something that does not copy
         return f"it cannot be copied for a trial step ({type(e).__name__}: {_first_line(e)})"
     # what each state key is first set to: a NaN there came from the (NaN) gradient
@@ -78,7 +79,7 @@ def trial_step(optimizer: torch.optim.Optimizer) -> str | None:
         with kept_host_generators(), compiling(), torch.no_grad(), reads:
             type(twin).step(twin)
     except Exception as e:  # its own code, on NaN gradients: eager runs it on real ones
-        return f"its step() raised on a trial step ({type(e).__name__}: {_first_line(e)})"
+        return f"{RAISED} ({type(e).__name__}: {_first_line(e)})"
     return (
         _written_groups(twin, groups_before)
         or _written_attributes(twin, attributes_before)
@@ -91,7 +92,7 @@ def trial_step(optimizer: torch.optim.Optimizer) -> str | None:
     )
 
 
-def _small_copy(optimizer: torch.optim.Optimizer) -> Any:
+def small_copy(optimizer: torch.optim.Optimizer) -> Any:
     """A deep copy of the optimizer over one trainable parameter of each group (and its state):
     what its step() does outside its tensors does not depend on how many it updates, and the
     trial then costs one parameter per group, not a copy of the model. Not copy.deepcopy:
