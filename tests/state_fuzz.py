@@ -4,8 +4,9 @@ Each case is a generated Python module (written to a file and imported, as a use
 is): a small model whose ``forward`` and ``build`` read values held in every way Python code
 holds them (globals, closures, module and Graph attributes, class attributes shadowed later,
 containers small and large, dataclasses, namespaces, objects of the user's classes, function
-defaults, partial keywords, ``os.environ``, tensors, optimizer param groups, Python numbers an
-optimizer keeps), of every kind (floats, ints, bools, strings, enums, tensors). A schedule then
+defaults, partial keywords, a module's globals read by name, code compiled from text, a
+function whose code a reload replaces, ``os.environ``, tensors, optimizer param groups, Python
+numbers an optimizer keeps), of every kind (floats, ints, bools, strings, enums, tensors). A schedule then
 changes some of them between calls (in place, rebound, shadowed, changed back, before the
 first call), the same way for a Graph and for an eager copy of the model, and every call's loss
 and the final parameters of the two are compared. A case whose source graphamp may refuse (a
@@ -279,6 +280,41 @@ def _default_argument(i: int, rng: random.Random) -> Source:
     )
 
 
+def _module_getattr(i: int, rng: random.Random) -> Source:
+    v = _float(rng)
+    read = rng.choice([f'getattr(sys.modules[__name__], "GA{i}")', f"sys.modules[__name__].GA{i}"])
+    return Source(
+        "module global read by name",
+        decl=f"GA{i} = {v}",
+        use=f"y = y * {read}",
+        changes=[f"mod.GA{i} = {w}" for w in _floats(rng, v)],
+    )
+
+
+def _text_code(i: int, rng: random.Random) -> Source:
+    v = _float(rng)
+    source = f"def text{i}(y):\\n    return y * T{i}\\n"
+    return Source(
+        "global read by code compiled from text",
+        decl=f'T{i} = {v}\nexec(compile("{source}", "<string>", "exec"), globals())',
+        use=f"y = text{i}(y)",
+        changes=[f"mod.T{i} = {w}" for w in _floats(rng, v)],
+    )
+
+
+def _replaced_code(i: int, rng: random.Random) -> Source:
+    values = [_float(rng), _float(rng), _float(rng)]
+    versions = "\n".join(
+        f"def _code{i}_{k}(y):\n    return y * {w}\n" for k, w in enumerate(values)
+    )
+    return Source(
+        "function whose code is replaced (a reload)",
+        decl=f"{versions}\nswapped{i} = types.FunctionType(_code{i}_0.__code__, globals())",
+        use=f"y = swapped{i}(y)",
+        changes=[f"mod.swapped{i}.__code__ = mod._code{i}_{k}.__code__" for k in (1, 2, 0)],
+    )
+
+
 def _partial_keyword(i: int, rng: random.Random) -> Source:
     v = _float(rng)
     return Source(
@@ -381,6 +417,9 @@ SOURCES: list[Callable[[int, random.Random], Source]] = [
     _user_object,
     _default_argument,
     _partial_keyword,
+    _module_getattr,
+    _text_code,
+    _replaced_code,
     _environment,
     _tensor_attr,
     _int_size,
@@ -505,6 +544,7 @@ import dataclasses
 import enum
 import functools
 import os
+import sys
 import types
 
 import torch

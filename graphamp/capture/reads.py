@@ -22,7 +22,8 @@ What is recorded, and how it is compared at every call (``guard_form``):
   by ``scope_reads`` where the code reads it off a global or closure variable) on the class that
   holds it, and its subclasses are checked not to shadow it;
 - a function, a ``functools.partial`` or a bound method: with the settings it carries
-  (``code_settings``: default arguments, a partial's keywords);
+  (``code_settings``: default arguments and the code of a function of the user's, which a
+  reload replaces in place; a partial's keywords);
 - other objects by identity; an object of a class of the user's (defined outside torch,
   graphamp, installed packages and Python's own library: a hand-written options object) is
   watched too, from the first read that reaches it, so the attributes build() reads on it are
@@ -150,8 +151,12 @@ def code_settings(value: Any, label: str) -> list[AttributeRead]:
             reads += _settings_of(value, ("keywords", "args"), f"{label}.")
             value = value.func
             continue
-        if isinstance(value, types.FunctionType) and _is_users_file(value.__code__.co_filename):
-            reads += _settings_of(value, ("__defaults__", "__kwdefaults__"), f"{label}.")
+        if isinstance(value, types.FunctionType) and is_user_code(
+            value.__code__.co_filename, value.__globals__
+        ):
+            reads += _settings_of(
+                value, ("__code__", "__defaults__", "__kwdefaults__"), f"{label}."
+            )
         break
     return reads
 
@@ -271,6 +276,18 @@ def is_user_module(module: types.ModuleType) -> bool:
     if filename is None:  # __main__ of a notebook or an interactive session; builtins
         return module.__name__ == "__main__"
     return _is_users_file(filename)
+
+
+def is_user_code(filename: str, module_globals: dict) -> bool:
+    """Is code of ``filename``, run with ``module_globals``, the user's? Code compiled from
+    text (``exec``, ``python -c``, a console: ``<string>``, ``<stdin>``) has no file to tell:
+    it is where its globals are a user's module's (``__main__`` included). torch.fx's
+    generated forwards run in globals of their own, and a library's generated methods (a
+    dataclass's ``__init__``) in the library's module: not the user's."""
+    if not filename.startswith("<"):
+        return _is_users_file(filename)
+    module = sys.modules.get(module_globals.get("__name__", ""))
+    return module is not None and vars(module) is module_globals and is_user_module(module)
 
 
 @functools.lru_cache(maxsize=4096)

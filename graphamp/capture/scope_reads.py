@@ -68,12 +68,13 @@ from ..records.frames import UserFrame
 from ..records.guards import AttributeRead, CellNamespace
 from ..records.replays import MISSING, Place
 from ..torchkit.fxutil import is_library_file
-from ..torchkit.process_state import trace_function
+from ..torchkit.process_state import SharedUse, trace_function
 from .reads import (
     INSTALLED,
     PYTHONS_OWN,
     code_settings,
     guard_form,
+    is_user_code,
     is_user_module,
     is_user_object,
     record_class_read,
@@ -92,17 +93,21 @@ _traced_code: weakref.WeakKeyDictionary[types.CodeType, dict[int, _Op] | None] =
 )
 
 
-def _ops_of(code: types.CodeType) -> dict[int, _Op] | None:
+def _ops_of(code: types.CodeType, module_globals: dict) -> dict[int, _Op] | None:
     """{offset: (opname, name, attribute)} of the reads and writes to watch in ``code``; None
     for code that is not the user's. ``attribute``: the name the next instruction reads off the
     variable's value (``Config.kl_weight``), where it does so on every path."""
     ops = _traced_code.get(code, _traced_code)
     if ops is not _traced_code:
         return ops  # type: ignore[return-value]
-    filename = code.co_filename
     ops = None
-    standard = filename.startswith(PYTHONS_OWN) and not filename.startswith(INSTALLED)
-    if not is_library_file(filename) and not standard:
+    filename = code.co_filename
+    if filename.startswith("<"):  # compiled from text: ``exec``, ``python -c``, a console
+        watched = is_user_code(filename, module_globals)
+    else:
+        standard = filename.startswith(PYTHONS_OWN) and not filename.startswith(INSTALLED)
+        watched = not is_library_file(filename) and not standard
+    if watched:
         ops = {}
         instructions = list(dis.get_instructions(code))
         for i, after in zip(instructions, [*instructions[1:], instructions[-1]]):
@@ -131,7 +136,7 @@ class ScopeReads:
     # -- the trace function ----------------------------------------------------------------
     def _global_trace(self, frame: types.FrameType, event: str, arg: Any) -> Callable | None:
         previous = self._previous(frame, event, arg) if self._previous else None
-        ops = _ops_of(frame.f_code)
+        ops = _ops_of(frame.f_code, frame.f_globals)
         if not ops:
             return previous
         if frame.f_code.co_cellvars:  # its functions' closures are locals of traced code
@@ -338,17 +343,69 @@ class ScopeReads:
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[ScopeReads]:
-        """The trace function, on this thread, for the block."""
+        """The trace function, on this thread, for the block; the user's modules record the
+        attribute reads made on them however they are made (``_WATCHED_MODULES``)."""
         self._previous = sys.gettrace()  # chained to (_global_trace)
         tracer = self._global_trace  # one bound method: untraced() compares it by identity
-        with trace_function(tracer):  # process_state: the one place sys.settrace is called
-            _active.tracer = tracer
+        with trace_function(tracer), _WATCHED_MODULES.applied():  # process_state's helpers
+            _active.tracer, _active.scope = tracer, self
             try:
                 yield self
             finally:
-                _active.tracer = None
+                _active.tracer = _active.scope = None
         if self.refused is not None:
             raise self.refused
+
+    def _module_read(self, module: types.ModuleType, name: str) -> None:
+        """``module.name`` read on a user's module by any path (``getattr(config, name)``,
+        ``sys.modules[...]``): recorded as a global of that module, as ``config.name`` is."""
+        if self.refused is None:
+            self._read_in(vars(module), name)
+
+
+class _RecordingModule(types.ModuleType):
+    """The class of a user's module while a capture runs: an attribute read on it, in the
+    capturing thread, is recorded (``ScopeReads._module_read``). The code build() runs reads a
+    module's attributes statically too (``config.kl_weight``: a global, then the attribute),
+    but ``getattr(config, name)`` or a module found in ``sys.modules`` reads no global of it."""
+
+    def __getattribute__(self, name: str) -> Any:
+        value = types.ModuleType.__getattribute__(self, name)
+        scope = getattr(_active, "scope", None)
+        if scope is not None and not name.startswith("__") and sys.gettrace() is _active.tracer:
+            scope._module_read(self, name)
+        return value
+
+
+class _WatchedModules(SharedUse):
+    """Every user's module of ``sys.modules`` (a plain module: not one whose class it set
+    itself) has ``_RecordingModule`` as its class while some capture runs (``applied()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.modules: list[types.ModuleType] = []
+
+    def _install(self) -> None:
+        self.modules = [
+            m
+            for m in list(sys.modules.values())
+            if type(m) is types.ModuleType and is_user_module(m)
+        ]
+        for m in self.modules:
+            _set_class(m, _RecordingModule)
+
+    def _restore(self) -> None:
+        for m in self.modules:
+            if type(m) is _RecordingModule:  # not set to another class meanwhile
+                _set_class(m, types.ModuleType)
+        self.modules = []
+
+
+def _set_class(module: types.ModuleType, cls: type) -> None:
+    module.__class__ = cls
+
+
+_WATCHED_MODULES = _WatchedModules()
 
 
 @contextlib.contextmanager
