@@ -5,7 +5,8 @@ is): a small model whose ``forward`` and ``build`` read values held in every way
 holds them (globals, closures, module and Graph attributes, class attributes shadowed later,
 containers small and large, dataclasses, namespaces, objects of the user's classes, function
 defaults, partial keywords, a module's globals read by name, code compiled from text, a
-function whose code a reload replaces, ``os.environ``, tensors, optimizer param groups, Python
+function whose code a reload replaces, a class attribute read off ``cls`` or ``type(obj)``, a
+NumPy array changed in place, ``os.environ``, tensors, optimizer param groups, Python
 numbers an optimizer keeps), of every kind (floats, ints, bools, strings, enums, tensors). A schedule then
 changes some of them between calls (in place, rebound, shadowed, changed back, before the
 first call), the same way for a Graph and for an eager copy of the model, and every call's loss
@@ -315,6 +316,38 @@ def _replaced_code(i: int, rng: random.Random) -> Source:
     )
 
 
+def _class_through_local(i: int, rng: random.Random) -> Source:
+    v = _float(rng)
+    decl = f"""
+    class Scales{i}:
+        v = {v}
+
+        @classmethod
+        def get(cls):
+            return cls.v
+
+
+    SC{i} = Scales{i}()
+    """
+    use = rng.choice([f"Scales{i}.get()", f"type(SC{i}).v", f"SC{i}.__class__.v"])
+    return Source(
+        "class attribute read off a local (cls, type(obj))",
+        decl=textwrap.dedent(decl),
+        use=f"y = y * {use}",
+        changes=[f"mod.Scales{i}.v = {w}" for w in _floats(rng, v)],
+    )
+
+
+def _numpy_array(i: int, rng: random.Random) -> Source:
+    v = _float(rng)
+    return Source(
+        "numpy array changed in place",
+        decl=f"import numpy\nW{i} = numpy.array([{v}, 0.5], dtype=numpy.float32)",
+        use=f"y = y * float(W{i}[0])",
+        changes=[f"mod.W{i}[0] = {w}" for w in _floats(rng, v)],
+    )
+
+
 def _partial_keyword(i: int, rng: random.Random) -> Source:
     v = _float(rng)
     return Source(
@@ -420,6 +453,8 @@ SOURCES: list[Callable[[int, random.Random], Source]] = [
     _module_getattr,
     _text_code,
     _replaced_code,
+    _class_through_local,
+    _numpy_array,
     _environment,
     _tensor_attr,
     _int_size,

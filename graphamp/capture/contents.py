@@ -44,6 +44,36 @@ def _is_numpy_scalar(value: Any) -> bool:
     return numpy is not None and isinstance(value, numpy.generic)
 
 
+def numpy_values(value: Any) -> ArrayCopy | None:
+    """A copy of a numpy array of numbers, bools or strings (not objects) of at most
+    ``SIZE_LIMIT`` values, kept to compare by value: a NumPy array build() reads
+    (``float(WEIGHTS[k])``) and the loop changes in place; None for anything else."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None or not isinstance(value, numpy.ndarray):
+        return None
+    if value.dtype.hasobject or value.size > SIZE_LIMIT:
+        return None
+    return ArrayCopy(value.copy())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ArrayCopy:
+    """A numpy array's values as recorded: equal to an array of the same dtype and shape that
+    holds the same values (NaN where it held NaN)."""
+
+    array: Any
+    # numpy defers ``array == copy`` to ``ArrayCopy.__eq__`` (instead of comparing elementwise)
+    __array_ufunc__ = None
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        numpy = sys.modules["numpy"]
+        a = self.array
+        if not isinstance(other, numpy.ndarray) or (other.dtype, other.shape) != (a.dtype, a.shape):
+            return False
+        return bool(numpy.array_equal(other, a, equal_nan=a.dtype.kind in "fc"))
+
+
 def is_record(value: Any) -> bool:
     """A dataclass object or a namespace: an object that is its fields."""
     return (dataclasses.is_dataclass(value) and not isinstance(value, type)) or isinstance(

@@ -67,7 +67,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from ..records.guards import ABSENT, AttributeRead, ClassNamespace, ObjectAttributes, SlotNamespace
 from ..torchkit.fxutil import is_library_file
 from ..torchkit.process_state import SharedPatch
-from .contents import Contents, count_entries, fields_of, is_plain, is_record
+from .contents import Contents, count_entries, fields_of, is_plain, is_record, numpy_values
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring
 
@@ -81,6 +81,9 @@ def guard_form(value: Any) -> tuple[Any, bool]:
     compared by identity."""
     if is_plain(value):
         return value, True
+    array = numpy_values(value)
+    if array is not None:
+        return array, True
     counts = count_entries(value)
     if counts is None:  # not a container (or one past contents.SIZE_LIMIT entries)
         return value, False

@@ -115,8 +115,52 @@ def _ops_of(code: types.CodeType, module_globals: dict) -> dict[int, _Op] | None
                 read_off = after is not i and after.opname in _ATTRIBUTE_OPS
                 attribute = after.argval if read_off and not after.is_jump_target else None
                 ops[i.offset] = (i.opname, i.argval, attribute)
+        ops.update(_class_reads_of_locals(instructions))
     _traced_code[code] = ops
     return ops
+
+
+_CALL_OPS = {"PRECALL", "CALL"}  # a call of one argument: 3.11 has both, 3.12 only CALL
+_NAME_LOADS = {"LOAD_FAST", "LOAD_GLOBAL", "LOAD_DEREF"}
+
+
+def _class_reads_of_locals(instructions: list[dis.Instruction]) -> dict[int, _Op]:
+    """The attribute reads off a class that code reaches without naming it: ``cls.scale`` in a
+    classmethod (``CLASS_IN``: a local holding a class), ``type(obj).scale`` and
+    ``obj.__class__.scale`` (``CLASS_OF`` a local, global or closure variable, whose load
+    follows the op's name). A class's own attribute reads go through its metaclass, which
+    capture cannot watch, so these are read when the op runs; ``self.x`` is an object's read
+    (``reads.watch_object``), and ``Config.x`` a global's (``_read_global``)."""
+    ops: dict[int, _Op] = {}
+
+    def read_off(k: int) -> str | None:
+        i = instructions[k] if k < len(instructions) else None
+        good = i is not None and i.opname in _ATTRIBUTE_OPS and not i.is_jump_target
+        return i.argval if good else None  # type: ignore[union-attr]
+
+    for k, i in enumerate(instructions):
+        if i.opname not in _NAME_LOADS:
+            continue
+        first = read_off(k + 1)
+        if first == "__class__" and read_off(k + 2):  # obj.__class__.scale, at __class__
+            ops[instructions[k + 1].offset] = (f"CLASS_OF_{i.opname}", i.argval, read_off(k + 2))
+        elif first is not None and i.opname == "LOAD_FAST" and i.argval != "self":
+            ops[i.offset] = ("CLASS_IN", i.argval, first)
+        elif k and instructions[k - 1].opname == "LOAD_GLOBAL":
+            before = instructions[k - 1]
+            end = k + 1
+            while end < len(instructions) and instructions[end].opname in _CALL_OPS:
+                end += 1
+            if before.argval == "type" and end > k + 1 and read_off(end):  # type(obj).scale
+                ops[before.offset] = (f"CLASS_OF_{i.opname}", i.argval, read_off(end))
+    return ops
+
+
+def _loaded(frame: types.FrameType, load: str, name: str) -> Any:
+    """What ``load`` of ``name`` gives in ``frame`` now (MISSING: unbound)."""
+    if load == "LOAD_GLOBAL":
+        return frame.f_globals.get(name, MISSING)
+    return frame.f_locals.get(name, MISSING)  # locals, cells and free variables
 
 
 class ScopeReads:
@@ -159,7 +203,13 @@ class ScopeReads:
 
     def _on_op(self, frame: types.FrameType, opname: str, name: str, attribute: str | None) -> None:
         try:
-            if opname == "LOAD_GLOBAL":
+            if opname == "CLASS_IN" or opname.startswith("CLASS_OF_"):
+                load = "LOAD_FAST" if opname == "CLASS_IN" else opname.removeprefix("CLASS_OF_")
+                value = _loaded(frame, load, name)
+                cls = value if opname == "CLASS_IN" else type(value)
+                if isinstance(cls, type) and value is not MISSING and attribute is not None:
+                    record_class_read(cls, attribute)
+            elif opname == "LOAD_GLOBAL":
                 self._read_global(frame, name, attribute)
             elif opname == "STORE_GLOBAL":
                 self._write_global(frame, name)
