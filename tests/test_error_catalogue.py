@@ -444,6 +444,33 @@ def test_model_on_two_devices():
     assert_unchanged(before, model[0], opt)
 
 
+def test_a_lazy_module_not_yet_run_names_the_eager_forward_that_makes_its_parameters():
+    """Its parameters come from its first forward's input shape: refused before capture, with
+    the way through, which then trains."""
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt)
+    x, y = _xy()
+    with pytest.raises(CaptureError, match=r"'model.0' \(LazyLinear\) makes its parameters"):
+        g(x, y)
+    assert torch.nn.parameter.is_lazy(model[0].weight)  # nothing was made
+    with torch.no_grad():
+        model(x)  # the way through the message names
+    before = model[0].weight.clone()
+    g(x, y)
+    assert not torch.equal(before, model[0].weight)
+
+
+def test_batchnorm_with_a_cumulative_average_names_its_momentum():
+    model = nn.Sequential(nn.Linear(256, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt)
+    with pytest.raises(CaptureError, match=r"momentum=None.*give it a momentum"):
+        g(*_xy())
+    assert_unchanged(before, model, opt)
+
+
 # -- 3. loading a state: every part checked as its constructor checks it ---------------------------
 
 

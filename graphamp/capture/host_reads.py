@@ -57,7 +57,7 @@ def host_read_error(func, culprit: tuple[str, str] | None) -> CaptureError:
     how = _host_read(func)
     if culprit is not None:
         module, function = culprit
-        hint = _TORCH_READ_WORKAROUNDS.get(
+        hint = _TORCH_READ_WORKAROUNDS.get(culprit) or _TORCH_READ_WORKAROUNDS.get(
             function,
             "look for an argument of that torch API "
             "that gives the value it computes (a hint or flag), "
@@ -114,10 +114,15 @@ def grad_access_error(how: str) -> CaptureError:
 # "not causal" applies the mask as given.
 SAFE_ANSWERS = {"_detect_is_causal_mask": False}
 # Known torch helpers that read values, and how users avoid the read.
-_TORCH_READ_WORKAROUNDS = {
+_TORCH_READ_WORKAROUNDS: dict[object, str] = {
     "_detect_is_causal_mask": "pass is_causal=True with a causal mask (torch then trusts the "
     "flag instead of comparing the mask's values), or build the "
     "mask outside build() and pass is_causal explicitly",
+    # BatchNorm built with momentum=None (a cumulative average) divides by its batch count
+    ("torch.nn.modules.batchnorm", "forward"): "a BatchNorm built with momentum=None keeps a "
+    "cumulative moving average, whose factor 1 / num_batches_tracked it reads on the host at "
+    "every call: give it a momentum (the default 0.1 averages exponentially), or train it "
+    "eagerly",
 }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.nn as nn
 from torch.nn.modules import module as module_globals
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
@@ -76,10 +77,24 @@ def refuse_hooks(graph_name: str, modules: list[tuple[str, nn.Module]]) -> None:
             if not _traceable(hook):
                 raise _hook_error(graph_name, kind, "every module", hook)
     for path, module in modules:
+        _refuse_lazy(graph_name, path, module)
         for attr, kind in _HOOK_KINDS:
             for hook in getattr(module, attr).values():
                 if not _traceable(hook):
                     raise _hook_error(graph_name, kind, repr(path) if path else "the root", hook)
+
+
+def _refuse_lazy(graph_name: str, path: str, module: nn.Module) -> None:
+    """A lazy module (``nn.LazyLinear``) whose parameters its first forward has not made yet:
+    the step's parameters are fixed when it is built, and the shapes come from that forward."""
+    if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        raise CaptureError(
+            f"{graph_name}: module {path!r} ({type(module).__name__}) makes its parameters at "
+            "its first forward, from the input's shape, and the compiled step's parameters are "
+            "fixed when it is built. Run the model once eagerly before the first call, as torch "
+            "advises for lazy modules (with torch.no_grad(): model(example_batch)), then make "
+            "the optimizer over its parameters"
+        )
 
 
 def registered_hook_error(graph_name: str, attr: str, where: str, hook: Any) -> CaptureError | None:
