@@ -471,6 +471,70 @@ def test_batchnorm_with_a_cumulative_average_names_its_momentum():
     assert_unchanged(before, model, opt)
 
 
+class _Propagate(nn.Module):
+    """One graph-convolution step: the adjacency times the features' projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, adj, x):
+        return torch.sparse.mm(adj, self.lin(x))
+
+
+def _adjacency() -> torch.Tensor:
+    edges = torch.tensor([[0, 1, 2, 2], [1, 0, 2, 1]])
+    return torch.sparse_coo_tensor(edges, torch.ones(4), (3, 3)).coalesce()
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_sparse_input_is_refused_by_name_with_the_way_that_traces(layout):
+    model = _Propagate()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+
+    def build(g, adj, x):
+        loss = g.model(adj, x).square().sum()
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, opt, build=build)
+    adj = _adjacency() if layout == "coo" else _adjacency().to_sparse_csr()
+    with pytest.raises(InputError, match=r"the input x is a torch.sparse_\w+ tensor.*inside build"):
+        g(adj, torch.randn(3, 4))
+    assert_unchanged(before, model, opt)
+
+
+def test_a_sparse_tensor_made_inside_build_trains_as_eager():
+    """The way the refusal names: the indices and values passed, the tensor made in build()."""
+    torch.manual_seed(0)
+    model, twin = _Propagate(), _Propagate()
+    twin.load_state_dict(model.state_dict())
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+
+    def loss_of(m, indices, values, x):
+        adj = torch.sparse_coo_tensor(indices, values, (3, 3))
+        return m(adj, x).square().sum()
+
+    def build(g, batch, x):
+        loss = loss_of(g.model, *batch, x)
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, opt, build=build)
+    adj = _adjacency()
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        ours = g((adj.indices(), adj.values()), x)
+        eager_opt.zero_grad()
+        theirs = loss_of(twin, adj.indices(), adj.values(), x)
+        theirs.backward()
+        eager_opt.step()
+        torch.testing.assert_close(ours, theirs.detach())
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
+
+
 # -- 3. loading a state: every part checked as its constructor checks it ---------------------------
 
 

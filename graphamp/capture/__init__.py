@@ -12,6 +12,7 @@ from .root import (
     checkpointed_paths,
     fake_copy,
     pinned_paths,
+    refuse_sparse_tensors,
 )
 from .trace import capture_forward
 
@@ -20,6 +21,7 @@ __all__ = [
     "autocast_forward",
     "capture_forward",
     "check_devices",
+    "refuse_sparse_tensors",
     "fake_copy",
     "check_module_paths",
     "pinned_paths",

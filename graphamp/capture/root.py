@@ -68,6 +68,30 @@ def check_devices(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> torch
     return device or torch.device("cpu")
 
 
+def refuse_sparse_tensors(graph_name: str, root: BuildRoot, inputs: FlatInputs) -> None:
+    """A sparse (or other non-strided) input, parameter or buffer: graphamp traces its step on
+    dense fake tensors, which torch cannot make of a sparse one (its errors say nothing of
+    where). Refused by name, with the way that traces: a sparse tensor made inside build()."""
+    names = inputs.names(root._build)
+    for name, t in zip(names, inputs.tensors):
+        if t.layout != torch.strided:
+            raise InputError(
+                f"{graph_name}(...): the input {name} is a {t.layout} tensor; graphamp traces "
+                f"the step on dense tensors. Pass its parts ({name}.indices(), "
+                f"{name}.values(); for CSR {name}.crow_indices(), {name}.col_indices(), "
+                f"{name}.values()) and make it inside build() with torch.sparse_coo_tensor "
+                f"(torch.sparse_csr_tensor), where it traces; or pass {name}.to_dense()"
+            )
+    for kind, named in (("parameter", root.named_parameters()), ("buffer", root.named_buffers())):
+        for name, t in named:
+            if t.layout != torch.strided:
+                raise CaptureError(
+                    f"{graph_name}: the {kind} {name} is a {t.layout} tensor; graphamp's step "
+                    "keeps its state dense (its gradients and optimizer updates are dense): "
+                    "make it dense (nn.Parameter(p.to_dense())), or train it eagerly"
+                )
+
+
 def refuse_compiled_submodules(graph_name: str, root: BuildRoot) -> None:
     """A torch.compile'd module inside a registered one would run Dynamo inside graphamp's
     trace (registered at the top, the Graph unwraps it itself): refused by name."""

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, TypeVar, cast
 from ..backend import distributed
 from ..backend.compile import views_as_reshapes
 from ..backend.progress import log_stage
-from ..capture import BuildRoot, autocast_forward
+from ..capture import BuildRoot, autocast_forward, refuse_sparse_tensors
 from ..records.guards import BuildRequest, Guards, StateSize
 from ..records.inputs import FlatInputs
 from ..records.spec import AutocastTrace, GraphSpec, Program, StepPlan
@@ -61,6 +61,8 @@ def build_program(
     with _one_build_at_a_time(spec.name):
         # a fully_shard wrap, accepted at registration, checked and taken over (once)
         adopt_at_first_build(spec.name, spec.modules, spec.config)
+        root = BuildRoot(spec.modules, spec.build, spec.owner, spec.own_attributes)
+        refuse_sparse_tensors(spec.name, root, inputs)  # before anything fakes them
         fake_mode = new_fake_mode()
         ctx = BuildContext(
             spec=spec,
@@ -69,7 +71,7 @@ def build_program(
             request=request,
             fake_mode=fake_mode,
             batch=inputs.with_tensors(fake_batch(fake_mode, inputs.tensors, request.dynamic)),
-            root=BuildRoot(spec.modules, spec.build, spec.owner, spec.own_attributes),
+            root=root,
         )
         if not spec.config.data_parallel:
             return _build(ctx)

@@ -25,7 +25,9 @@ TensorKey = tuple  # (shape, dtype, device, stride)
 
 
 def _tensor_key(t: torch.Tensor) -> TensorKey:
-    return (tuple(t.shape), t.dtype, t.device, t.stride())
+    # a sparse tensor has no strides: its layout stands in (refused by name at the build)
+    layout = t.stride() if t.layout == torch.strided else (str(t.layout),)
+    return (tuple(t.shape), t.dtype, t.device, layout)
 
 
 @dataclass(frozen=True)
