@@ -6,7 +6,7 @@ holds them (globals, closures, module and Graph attributes, class attributes sha
 containers small and large, dataclasses, namespaces, objects of the user's classes, function
 defaults, partial keywords, a module's globals read by name, code compiled from text, a
 function whose code a reload replaces, a class attribute read off ``cls`` or ``type(obj)``, a
-NumPy array changed in place, ``os.environ``, tensors, optimizer param groups, Python
+NumPy array changed in place, a container that holds itself, ``os.environ``, tensors, optimizer param groups, Python
 numbers an optimizer keeps), of every kind (floats, ints, bools, strings, enums, tensors). A schedule then
 changes some of them between calls (in place, rebound, shadowed, changed back, before the
 first call), the same way for a Graph and for an eager copy of the model, and every call's loss
@@ -338,6 +338,25 @@ def _class_through_local(i: int, rng: random.Random) -> Source:
     )
 
 
+def _cyclic_container(i: int, rng: random.Random) -> Source:
+    v = _float(rng)
+    decl = rng.choice(
+        [
+            f"CY{i} = {{'k': {v}}}\nCY{i}['self'] = CY{i}",  # a dict that holds itself
+            f"CY{i} = types.SimpleNamespace(k={v}, children=[])\n"  # a tree knowing its parent
+            f"CY{i}.children.append(types.SimpleNamespace(parent=CY{i}))",
+        ]
+    )
+    read = f"CY{i}['k']" if "self" in decl else f"CY{i}.children[0].parent.k"
+    change = f"mod.CY{i}['k'] = {{}}" if "self" in decl else f"mod.CY{i}.k = {{}}"
+    return Source(
+        "container that holds itself",
+        decl=decl,
+        use=f"y = y * {read}",
+        changes=[change.format(w) for w in _floats(rng, v)],
+    )
+
+
 def _numpy_array(i: int, rng: random.Random) -> Source:
     v = _float(rng)
     return Source(
@@ -455,6 +474,7 @@ SOURCES: list[Callable[[int, random.Random], Source]] = [
     _replaced_code,
     _class_through_local,
     _numpy_array,
+    _cyclic_container,
     _environment,
     _tensor_attr,
     _int_size,

@@ -1155,3 +1155,67 @@ def test_a_dataclass_of_data_and_functions_checks_only_the_fields_build_reads():
 
     _, _, g = _train(VAE, change, graph=True, build=build)
     assert len(g.compiled_steps) == 2
+
+
+# a script given to Python as text, the way a console, ``python -`` and ``python -c`` run it
+_TEXT_SCRIPT = """
+import torch, torch.nn as nn, graphamp
+SCALE = 1.0
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+    def forward(self, x):
+        return self.lin(x) * SCALE
+model = Model()
+opt = torch.optim.SGD(model.parameters(), lr=0.0)
+class Train(graphamp.Graph):
+    def __init__(self):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+        self.config.set_backend("eager")
+    def build(self, x):
+        loss = self.model(x).sum()
+        loss.backward()
+        return loss
+g, x = Train(), torch.randn(2, 3)
+first = float(g(x))
+SCALE = 2.0
+print(round(float(g(x)) / first, 4), len(g.compiled_steps))
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "-c"])
+def test_a_script_run_from_text_has_its_globals_watched(how):
+    """Code compiled from text has no file (``<stdin>``, ``<string>``): it is the user's where
+    it runs in the user's ``__main__``, and a global it reads is a setting as a file's is."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-"] if how == "stdin" else [sys.executable, "-c", _TEXT_SCRIPT]
+    stdin = _TEXT_SCRIPT if how == "stdin" else None
+    done = subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2.0", "2"]  # the new value, in a second program
+
+
+def test_code_compiled_from_text_in_a_module_is_watched():
+    """A helper made with exec in this module's globals reads a global: changing it builds the
+    step again, as for a helper written in the file."""
+    namespace = globals()
+    exec(compile("def _scaled(y):\n    return y * _TEXT_SCALE\n", "<string>", "exec"), namespace)
+    namespace["_TEXT_SCALE"] = 1.0
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def build(g, x, y):
+        loss = namespace["_scaled"](g.model(x)).sum()
+        loss.backward()
+        return loss
+
+    g = make_graph(model, None, opt, build=build)
+    x = torch.randn(2, 3)
+    first = float(g(x, x))
+    namespace["_TEXT_SCALE"] = 3.0
+    assert float(g(x, x)) == pytest.approx(3 * first, rel=1e-5)

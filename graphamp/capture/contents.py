@@ -124,14 +124,16 @@ def _is_torch_object(value: Any) -> bool:
 def count_entries(value: Any) -> tuple[int, int] | None:
     """(plain values, other objects) among a container's leaves, nested containers walked;
     None for what is not a container, one with a key that is not plain, or one past
-    ``SIZE_LIMIT`` entries."""
-    return _count(value, SIZE_LIMIT)
+    ``SIZE_LIMIT`` entries. A container that holds itself, or one holding it (a tree whose
+    nodes know their parent), counts the way back as an object (kept by identity)."""
+    return _count(value, SIZE_LIMIT, frozenset())
 
 
-def _count(value: Any, limit: int) -> tuple[int, int] | None:
+def _count(value: Any, limit: int, path: frozenset[int]) -> tuple[int, int] | None:
     items = items_of(value)
     if items is None or len(items) > limit:
         return None
+    path = path | {id(value)}  # the containers from the top to this one
     plain = other = 0
     for key, item in items:
         limit -= 1
@@ -140,7 +142,8 @@ def _count(value: Any, limit: int) -> tuple[int, int] | None:
         if is_plain(item):
             plain += 1
             continue
-        inner = _count(item, limit) if items_of(item) is not None else None
+        walk = items_of(item) is not None and id(item) not in path
+        inner = _count(item, limit, path) if walk else None
         if inner is None:
             other += 1
             continue
@@ -156,12 +159,11 @@ class Contents:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, path: frozenset[int] = frozenset()) -> None:
         self.kind = type(value)
         items = items_of(value) or []
-        self.items = [
-            (k, Contents(v) if items_of(v) is not None and not is_plain(v) else v) for k, v in items
-        ]
+        path = path | {id(value)}  # a way back up (a cycle) is kept by identity
+        self.items = [(k, Contents(v, path) if _walked(v, path) else v) for k, v in items]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Contents):
@@ -190,6 +192,10 @@ class Contents:
             return "{" + ", ".join(repr(v) for _, v in self.items) + "}"
         fields = ", ".join(f"{k}={v!r}" for k, v in self.items)
         return f"{self.kind.__name__}({fields})"
+
+
+def _walked(value: Any, path: frozenset[int]) -> bool:
+    return items_of(value) is not None and not is_plain(value) and id(value) not in path
 
 
 def _same(kept: Any, now: Any) -> bool:

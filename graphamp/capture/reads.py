@@ -276,8 +276,8 @@ def is_user_class(cls: type) -> bool:
 def is_user_module(module: types.ModuleType) -> bool:
     """Is ``module`` the user's (as ``is_user_class``)?"""
     filename = getattr(module, "__file__", None)
-    if filename is None:  # __main__ of a notebook or an interactive session; builtins
-        return module.__name__ == "__main__"
+    if filename is None or filename.startswith("<"):  # __main__ of a notebook, a console,
+        return module.__name__ == "__main__"  # ``python -`` (``<stdin>``); builtins
     return _is_users_file(filename)
 
 

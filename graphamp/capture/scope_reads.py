@@ -59,7 +59,6 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
@@ -358,7 +357,7 @@ class ScopeReads:
             if before is None:
                 continue
             for key, value in table.items():
-                if not any(map(_traced, pytree.tree_leaves(value))):
+                if not _holds_traced(value):
                     continue
                 was = before.get(key, MISSING)
                 if was is value:  # a container it held, changed inside
@@ -490,6 +489,24 @@ def _refuse_traced_contents(graph_name: str, read: AttributeRead) -> None:
         "(self.last = out, or self.last = [a, b]): those are put back after every call with "
         "that call's tensors"
     )
+
+
+def _holds_traced(value: Any) -> bool:
+    """Is ``value``, or anything the dicts, lists, tuples and sets in it hold, a tensor of the
+    trace? Each container is walked once: a dict that holds itself is no endless walk."""
+    stack, seen = [value], set()
+    while stack:
+        item = stack.pop()
+        if _traced(item):
+            return True
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+    return False
 
 
 def _traced(value: Any) -> bool:
