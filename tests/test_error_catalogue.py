@@ -471,6 +471,54 @@ def test_batchnorm_with_a_cumulative_average_names_its_momentum():
     assert_unchanged(before, model, opt)
 
 
+class _WithConstant(nn.Module):
+    """A model whose forward gives a tensor attribute to an op: F.batch_norm's running
+    statistics, or F.cosine_similarity's second argument (which it normalises in place)."""
+
+    def __init__(self, op: str, as_buffer: bool):
+        super().__init__()
+        self.op = op
+        self.lin = nn.Linear(256, 10)
+        value = torch.zeros(10) if op == "batch_norm" else torch.randn(8, 10)
+        if as_buffer:
+            self.register_buffer("held", value, persistent=False)
+        else:
+            self.held = value
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.op == "batch_norm":
+            return F.batch_norm(y, self.held, torch.ones(10), training=True)
+        return y * F.cosine_similarity(y, self.held).unsqueeze(1)
+
+
+@pytest.mark.parametrize("op", ["batch_norm", "cosine_similarity"])
+def test_a_plain_tensor_attribute_an_op_changes_in_place_names_the_buffer_to_make(op):
+    """Functionalization cannot trace an op changing a constant of the step in place (its
+    message was an INTERNAL ASSERT of torch's); as a buffer, the same model trains as eager."""
+    model = _WithConstant(op, as_buffer=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = snapshot(model, opt)
+    g = make_graph(model, nn.CrossEntropyLoss(), opt)
+    with pytest.raises(CaptureError, match=r"passes the tensor 'model.held' \(a plain attribute"):
+        g(*_xy())
+    assert_unchanged(before, model, opt)
+    torch.manual_seed(0)
+    model = _WithConstant(op, as_buffer=True)
+    twin = copy.deepcopy(model)
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    g = make_graph(model, nn.CrossEntropyLoss(), opt)
+    for _ in range(2):
+        x, y = _xy()
+        ours = g(x, y)
+        eager_opt.zero_grad()
+        theirs = F.cross_entropy(twin(x), y)
+        theirs.backward()
+        eager_opt.step()
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.held, twin.held)
+
+
 class _Propagate(nn.Module):
     """One graph-convolution step: the adjacency times the features' projection."""
 

@@ -126,9 +126,9 @@ class CaptureMode(TorchFunctionMode):
             self._stack.pop()
             self._stack_meta = {p: (p, t) for p, t in self._stack}
 
-    def _real_tensor_write_error(self, func, args, kwargs) -> CaptureError:
-        target = kwargs.get("out", args[0] if args else None)
-        owner = next(
+    def _owner_of(self, target: Any) -> str | None:
+        """The module attribute path that holds ``target`` (a plain tensor attribute), if any."""
+        return next(
             (
                 f"{path}.{k}" if path else k
                 for m, path in self._modules_by_id.values()
@@ -137,6 +137,31 @@ class CaptureMode(TorchFunctionMode):
             ),
             None,
         )
+
+    def _changed_by_op_error(self, func, args, kwargs) -> CaptureError:
+        """An op given a real tensor (a plain attribute: a constant of the step) changes it in
+        place (``F.batch_norm``'s running statistics) or a tensor it computes from it
+        (``F.cosine_similarity``): functionalization refuses to trace either."""
+        real = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        real = [t for t in real if _is_real(t)]
+        owners = [o for o in map(self._owner_of, real) if o]
+        what = (
+            f"the tensor {owners[0]!r} (a plain attribute, not a buffer)"
+            if owners
+            else "a tensor that is neither a parameter, a buffer nor an argument"
+        )
+        return CaptureError(
+            f"build() passes {what} to {getattr(func, '__name__', func)}"
+            f"{where_in_user_code(current_user_frame())}, which changes it, or a tensor it "
+            "computes from it, in place. It is a constant of the compiled step, which the step "
+            "cannot trace such changes of: register it as a buffer (module.register_buffer("
+            "name, tensor), persistent=False if it is not state to save), which the step "
+            "traces and updates where the op does (BatchNorm's running statistics)"
+        )
+
+    def _real_tensor_write_error(self, func, args, kwargs) -> CaptureError:
+        target = kwargs.get("out", args[0] if args else None)
+        owner = self._owner_of(target)
         what = (
             f"the tensor {owner!r} (a plain attribute, not a buffer)"
             if owner
@@ -171,16 +196,24 @@ class CaptureMode(TorchFunctionMode):
             return self._record_autograd_backward(*args, **kwargs)
         graph = tracing_graph()
         marker = last_node(graph) if graph is not None else None
-        try:
-            with untraced():  # torch's work: no user code to watch (scope_reads.py)
-                out = self._call(func, args, kwargs)
-        except VALUE_DEPENDENT as e:  # an op that needs values: name the function called
-            mark_torch_function(e, func)
-            raise
+        out = self._run(func, args, kwargs)
         if graph is not None and marker is not None:
             self._tag(graph, marker, func in _GRADIENT_CUTS)
             self._mark_parameter_version(func, args, graph, marker)
         return out
+
+    def _run(self, func, args: tuple, kwargs: dict) -> Any:
+        """``func`` traced, its failures that name something of the user's worded so."""
+        try:
+            with untraced():  # torch's work: no user code to watch (scope_reads.py)
+                return self._call(func, args, kwargs)
+        except VALUE_DEPENDENT as e:  # an op that needs values: name the function called
+            mark_torch_function(e, func)
+            raise
+        except RuntimeError as e:  # an op changed a real tensor it was given, in place
+            if "mutating a non-functional tensor" in str(e):
+                raise self._changed_by_op_error(func, args, kwargs) from e
+            raise
 
     def _set_data(self, target: torch.Tensor, value: torch.Tensor) -> None:
         """``target.data = value`` (SAM's restore): the traced tensor takes ``value``'s
