@@ -7,6 +7,8 @@
 - ``F.rrelu`` in training: its backward reads the slopes its forward draws; gradients equal
   eager's for the same slopes (plain, in place, checkpointed by torch or by graphamp).
 - An op fake tensors cannot run is named as such, not as a host read.
+- ``F.gaussian_nll_loss`` (``nn.GaussianNLLLoss``): its check of the variance's values is a
+  host read; captured without it, equal to eager in value and gradient on every variance shape.
 """
 
 from __future__ import annotations
@@ -409,3 +411,61 @@ def test_an_op_whose_output_shape_depends_on_values_is_named_not_a_host_read():
     message = str(info.value)
     assert "fake tensors cannot run" in message and "num_classes" in message
     assert "torch.where" not in message and "value of a tensor in Python" not in message
+
+
+# -- Gaussian negative log likelihood -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "var_shape, full, reduction",
+    [((8, 3), False, "mean"), ((8,), True, "sum"), ((8, 1), False, "none"), ((1, 3), True, "mean")],
+)
+def test_gaussian_nll_loss_form_equals_torchs(var_shape, full, reduction):
+    """graphamp's form of the loss against torch's, forward and gradients, with a variance
+    below eps (clamped, its gradient passed through as torch passes it)."""
+    from graphamp.capture.op_forms import gaussian_nll_loss
+
+    gen = torch.Generator().manual_seed(0)
+    mean, target = torch.randn(8, 3, generator=gen), torch.randn(8, 3, generator=gen)
+    var = torch.rand(var_shape, generator=gen) + 0.1
+    var.view(-1)[0] = 1e-9
+    outs = []
+    for fn in (F.gaussian_nll_loss, gaussian_nll_loss):
+        m, v = mean.clone().requires_grad_(), var.clone().requires_grad_()
+        loss = fn(m, target, v, full=full, reduction=reduction)
+        loss.sum().backward()
+        outs.append((loss, m.grad, v.grad))
+    for ours, theirs in zip(outs[1], outs[0]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_gaussian_nll_loss_trains_as_eager():
+    """nn.GaussianNLLLoss with a predicted variance: captured (its variance check reads values,
+    which failed the capture), trained as eager."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    twin = copy.deepcopy(model)
+    criterion = nn.GaussianNLLLoss()
+
+    def loss_of(m, x, y):
+        out = m(x)
+        return criterion(out[:, :1], y, out[:, 1:].exp())
+
+    def build(g, x, y):
+        loss = loss_of(g.model, x, y)
+        loss.backward()
+        return loss
+
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    g = make_graph(model, None, opt, build=build)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+        ours = g(x, y)
+        eager_opt.zero_grad()
+        theirs = loss_of(twin, x, y)
+        theirs.backward()
+        eager_opt.step()
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-6, atol=1e-7)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

@@ -50,7 +50,13 @@ from .host_reads import (
     where_in_user_code,
 )
 from .op_errors import VALUE_DEPENDENT, mark_torch_function
-from .op_forms import functional_batch_norm, native_dropout, scaled_grad, sdpa_with_autocast_policy
+from .op_forms import (
+    functional_batch_norm,
+    gaussian_nll_loss,
+    native_dropout,
+    scaled_grad,
+    sdpa_with_autocast_policy,
+)
 from .scaler_refusal import called_from_torch_grad_scaler, torch_grad_scaler_error
 from .scope_reads import untraced
 
@@ -308,6 +314,8 @@ class CaptureMode(TorchFunctionMode):
             return functional_batch_norm(*args, **kwargs)
         if func is F.dropout:
             return native_dropout(*args, **kwargs)
+        if func is F.gaussian_nll_loss:
+            return gaussian_nll_loss(*args, **kwargs)
         if func is F.scaled_dot_product_attention and self.sdpa_policy is not None:
             return sdpa_with_autocast_policy(self.sdpa_policy, *args, **kwargs)
         if func in CAPTURE_REWRITES:

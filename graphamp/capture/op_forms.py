@@ -1,6 +1,7 @@
 """The forms capture records in place of some of the user's calls (``CaptureMode``): gradients
 build() takes itself, scaled by the loss scale; BatchNorm with its running statistics updated
-where functionalization sees it; dropout as one op; attention kept whole under AMP."""
+where functionalization sees it; dropout as one op; attention kept whole under AMP; the
+Gaussian negative log likelihood without its check of the variance's values."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 #   torch.autograd._unsafe_preserve_version_counter, torch.ops.aten._native_batch_norm_legit,
 #   torch.ops.aten._native_batch_norm_legit_functional,
 #   torch.ops.aten._native_batch_norm_legit_no_training
+import math
+
 import torch
 
 from ..errors import CaptureError
@@ -15,7 +18,13 @@ from ..torchkit.capture_rewrites import capture_sdpa
 
 aten = torch.ops.aten
 
-__all__ = ["functional_batch_norm", "native_dropout", "scaled_grad", "sdpa_with_autocast_policy"]
+__all__ = [
+    "functional_batch_norm",
+    "gaussian_nll_loss",
+    "native_dropout",
+    "scaled_grad",
+    "sdpa_with_autocast_policy",
+]
 
 
 def scaled_grad(scale: torch.Tensor, outputs, inputs, grad_outputs=None, *args, **kwargs):
@@ -100,3 +109,41 @@ def native_dropout(
         input.copy_(out)
         return input
     return out
+
+
+def gaussian_nll_loss(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    var: torch.Tensor | float,
+    full: bool = False,
+    eps: float = 1e-6,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.gaussian_nll_loss`` (``nn.GaussianNLLLoss``) as torch defines it, but for its check
+    that no entry of a tensor ``var`` is negative: that check reads values, which a compiled step
+    cannot (eager raises ValueError there; here such an entry is clamped to ``eps`` as small ones
+    are). The variance's shape rules, the clamp that passes gradients through unchanged, the
+    constant term of ``full`` and the reductions are torch's."""
+    if isinstance(var, float):
+        if var < 0:
+            raise ValueError("var has negative entry/entries")
+        var = var * torch.ones_like(input)
+    if var.shape != input.shape:
+        if input.shape[:-1] == var.shape:  # one variance per row: broadcast over the last dim
+            var = var.unsqueeze(-1)
+        elif not (
+            input.dim() == var.dim()
+            and sum(v for i, v in zip(input.shape, var.shape) if i != v) == 1
+        ):  # anything but a single size-1 dimension to broadcast is refused, as torch does
+            raise ValueError("var is of incorrect size")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(reduction + " is not valid")
+    var = var.clone()
+    with torch.no_grad():  # the gradient flows as if unclamped, as in torch
+        var.clamp_(min=eps)
+    loss = 0.5 * (torch.log(var) + (input - target) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    if reduction == "mean":
+        return loss.mean()
+    return loss.sum() if reduction == "sum" else loss
