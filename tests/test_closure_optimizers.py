@@ -176,7 +176,8 @@ def test_lbfgs_compiled_by_inductor_trains_as_eager():
     eager_opt = torch.optim.LBFGS(twin.parameters(), **kwargs)
     g = make_graph(model, F.mse_loss, opt, backend="inductor")
     batches = _batches()
-    torch.testing.assert_close(_graph_losses(g, batches), _eager_losses(twin, eager_opt, batches))
+    ours, theirs = _graph_losses(g, batches), _eager_losses(twin, eager_opt, batches)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     _assert_same_state(model, twin, opt, eager_opt, rtol=1e-4, atol=1e-5)
 
 

@@ -44,7 +44,7 @@ opcode events this module asks for.
 from __future__ import annotations
 
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
-#   torch._subclasses, torch.utils._pytree
+#   torch._subclasses
 import contextlib
 import dis
 import functools
