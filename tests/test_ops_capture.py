@@ -469,3 +469,36 @@ def test_gaussian_nll_loss_trains_as_eager():
         torch.testing.assert_close(ours, theirs.detach(), rtol=1e-6, atol=1e-7)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_loss_whose_traced_graph_drops_its_edge_to_a_parameter_gives_eagers_zero_gradient():
+    """``matrix_power(w, 0)`` is an identity copied: eager's autograd keeps an edge to ``w``
+    and gives it a zero gradient, so weight decay and momentum move it; the traced graph has no
+    edge (assembly failed with graphamp's own-failure message). Trained as eager."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(3, 3))
+    model = nn.ParameterList([w])
+    twin = copy.deepcopy(model)
+
+    def loss_of(m, x):
+        return (torch.linalg.matrix_power(m[0], 0).sum() * x).square().sum()
+
+    def build(g, x, y):
+        loss = loss_of(g.model, x)
+        loss.backward()
+        return loss
+
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.1, momentum=0.9)  # noqa: E731
+    opt, eager_opt = make(model), make(twin)
+    g = make_graph(model, None, opt, build=build)
+    start = w.detach().clone()
+    for _ in range(3):
+        x = torch.randn(4)
+        ours = g(x, x)
+        eager_opt.zero_grad()
+        theirs = loss_of(twin, x)
+        theirs.backward()
+        eager_opt.step()
+        torch.testing.assert_close(ours, theirs.detach())
+    torch.testing.assert_close(model[0], twin[0], rtol=0, atol=0)
+    assert not torch.equal(model[0], start)  # its zero gradient: weight decay and momentum

@@ -276,7 +276,9 @@ def _accumulate_grads(
     groups: dict = {}
     taken = plan.captured.gradient_code.losses_taken  # build() took their gradients itself
     for index, restrict in enumerate(plan.captured.loss_inputs or [None] * len(losses)):
-        if index >= taken:
+        # a loss that reaches no parameter in the traced graph, though eager's autograd kept an
+        # edge (matrix_power(w, 0) copies an identity): eager's gradients there are zeros
+        if index >= taken and losses[index].requires_grad:
             groups.setdefault(restrict, []).append(index)
     for n, (restrict, members) in enumerate(groups.items()):
         chosen = [(i, leaf) for i, leaf in wrt if restrict is None or i in restrict]
