@@ -72,9 +72,9 @@ def refuse_sparse_tensors(graph_name: str, root: BuildRoot, inputs: FlatInputs) 
     """A sparse (or other non-strided) input, parameter or buffer: graphamp traces its step on
     dense fake tensors, which torch cannot make of a sparse one (its errors say nothing of
     where). Refused by name, with the way that traces: a sparse tensor made inside build()."""
-    names = inputs.names(root._build)
-    for name, t in zip(names, inputs.tensors):
+    for i, t in enumerate(inputs.tensors):
         if t.layout != torch.strided:
+            name = inputs.names(root._build)[i]
             raise InputError(
                 f"{graph_name}(...): the input {name} is a {t.layout} tensor; graphamp traces "
                 f"the step on dense tensors. Pass its parts ({name}.indices(), "

@@ -13,7 +13,8 @@ step (``probes.OverflowEvent``, oldest first), filled when the Graph reads the d
 
 from __future__ import annotations
 
-from typing import Any, cast
+import contextlib
+from typing import Any, Iterator, cast
 
 import torch
 
@@ -61,13 +62,30 @@ class TrainingHistory:
             self.step, self.table = step, table
         return [cast(torch.Tensor, self.step), self.table]
 
+    def _last_index(self) -> torch.Tensor:
+        """The table row the last step wrote, on the device."""
+        return torch.remainder(cast(torch.Tensor, self.step) - 1, self.capacity).reshape(1)
+
+    @contextlib.contextmanager
+    def last_step_kept(self) -> Iterator[None]:
+        """The step count and the last step's row as they are now, put back (on the device)
+        after the block: what runs in it (the step run again for an optimizer's closure) leaves
+        the history as one step left it."""
+        if self.table is None or self.step is None:
+            yield
+            return
+        step, index = self.step.clone(), self._last_index()
+        row = self.table.index_select(0, index)
+        yield
+        self.step.copy_(step)
+        self.table.index_copy_(0, index, row)
+
     def latest(self) -> dict[str, torch.Tensor]:
         """The last step's row as 0-dim tensors on the device, read without a host sync (what
         the trainer integrations log); empty before the first step."""
         if self.table is None or self.step is None:
             return {}
-        index = torch.remainder(self.step - 1, self.capacity).reshape(1)
-        row = self.table.index_select(0, index)[0]
+        row = self.table.index_select(0, self._last_index())[0]
         return {c: row[i] for i, c in enumerate(HISTORY_COLUMNS)}
 
     def fetch(self) -> dict[str, list[float]]:

@@ -261,16 +261,11 @@ class Runner:
         history's step and its row) is put back after it: a call counts once, whatever number
         of times its loss is evaluated, and its history row keeps its first loss, the one
         the call returns."""
-        history = self.component_inputs.get("history") or []
-        counts = [*self.counters, *history[:1]]
-        kept = [t.clone() for t in counts]
-        row = _last_row(*history) if history else None
-        outputs = self.execute(self.gather(inputs))
-        for t, before in zip(counts, kept):
+        kept = [t.clone() for t in self.counters]
+        with self.shared.history.last_step_kept():
+            outputs = self.execute(self.gather(inputs))
+        for t, before in zip(self.counters, kept):
             t.copy_(before)
-        if row is not None:
-            index, values = row
-            history[1].index_copy_(0, index, values)
         return outputs
 
     def record_step(self) -> Callable[[], None]:
@@ -309,12 +304,6 @@ class Runner:
         """The user loaded an optimizer state dict: gather its tensors again at the next call
         (a CUDA graph notices the new addresses and is captured again)."""
         self.opt_state = None
-
-
-def _last_row(step: torch.Tensor, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index, values) of the history row the last step wrote, read on the device."""
-    index = torch.remainder(step - 1, table.shape[0]).reshape(1)
-    return index, table.index_select(0, index)
 
 
 def _hyper_slots(plan: StepPlan, device: torch.device) -> list[HyperSlot]:

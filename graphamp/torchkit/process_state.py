@@ -286,6 +286,12 @@ PROCESS_STATE: tuple[Held, ...] = (
         "a class attribute is process-wide; captures in several threads share one patch",
     ),
     Held(
+        "graphamp/capture/scope_reads.py:_WATCHED_MODULES",
+        "the class of the user's plain modules in sys.modules (_RecordingModule: their reads)",
+        "the user's modules at the first capture's start; put back when the last one ends",
+        "a module's class is process-wide; captures in several threads share one swap",
+    ),
+    Held(
         "graphamp/capture/host_randomness.py:_PATCHES",
         "numpy's and random's host generators (host randomness in build() refused)",
         "a fixed list, made at import; installed while any capture runs",
