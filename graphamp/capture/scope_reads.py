@@ -4,7 +4,8 @@ A KL weight annealed by the training loop (``beta = min(1.0, step / 1000)`` read
 loss made by a factory (``lambda out, y: ... * w``), what a ``graphamp.training_step`` function
 closes over: build() reads them as Python values, so the traced step holds their values of the
 first call. While build() is traced, a trace function (``sys.settrace``, opcode events) watches
-the frames of the user's code (not torch's, graphamp's or Python's standard library) and records
+the frames of the user's code (not torch's, graphamp's or Python's standard library: which
+instructions of which code, ``watched_code.py``) and records
 each global (``LOAD_GLOBAL``) and closure variable (``LOAD_DEREF`` of a free variable) they
 read, with its value, as an ``AttributeRead`` of the module's globals or of the closure's cell;
 the program runs only while they hold (``records/guards.py``).
@@ -46,7 +47,6 @@ from __future__ import annotations
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
 #   torch._subclasses
 import contextlib
-import dis
 import functools
 import gc
 import logging
@@ -54,7 +54,6 @@ import os
 import sys
 import threading
 import types
-import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -66,100 +65,21 @@ from ..errors import CaptureError
 from ..records.frames import UserFrame
 from ..records.guards import AttributeRead, CellNamespace
 from ..records.replays import MISSING, Place
-from ..torchkit.fxutil import is_library_file
 from ..torchkit.process_state import SharedUse, trace_function
 from .reads import (
     INSTALLED,
-    PYTHONS_OWN,
     code_settings,
     guard_form,
-    is_user_code,
     is_user_module,
     is_user_object,
     record_class_read,
     watch_object,
 )
 from .state_writes import Change
+from .watched_code import loaded, ops_of
 
 log = logging.getLogger("graphamp")
 _active = threading.local()  # .tracer: the trace function of this thread's capture
-_WATCHED_OPS = {"LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF", "STORE_GLOBAL", "STORE_DEREF"}
-_ATTRIBUTE_OPS = {"LOAD_ATTR", "LOAD_METHOD"}
-_Op = tuple[str, str, "str | None"]  # opname, the variable's name, the attribute read off it
-# per code object, what to watch in it; weak: a notebook cell run again makes new code objects
-_traced_code: weakref.WeakKeyDictionary[types.CodeType, dict[int, _Op] | None] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _ops_of(code: types.CodeType, module_globals: dict) -> dict[int, _Op] | None:
-    """{offset: (opname, name, attribute)} of the reads and writes to watch in ``code``; None
-    for code that is not the user's. ``attribute``: the name the next instruction reads off the
-    variable's value (``Config.kl_weight``), where it does so on every path."""
-    ops = _traced_code.get(code, _traced_code)
-    if ops is not _traced_code:
-        return ops  # type: ignore[return-value]
-    ops = None
-    filename = code.co_filename
-    if filename.startswith("<"):  # compiled from text: ``exec``, ``python -c``, a console
-        watched = is_user_code(filename, module_globals)
-    else:
-        standard = filename.startswith(PYTHONS_OWN) and not filename.startswith(INSTALLED)
-        watched = not is_library_file(filename) and not standard
-    if watched:
-        ops = {}
-        instructions = list(dis.get_instructions(code))
-        for i, after in zip(instructions, [*instructions[1:], instructions[-1]]):
-            if i.opname in _WATCHED_OPS:
-                read_off = after is not i and after.opname in _ATTRIBUTE_OPS
-                attribute = after.argval if read_off and not after.is_jump_target else None
-                ops[i.offset] = (i.opname, i.argval, attribute)
-        ops.update(_class_reads_of_locals(instructions))
-    _traced_code[code] = ops
-    return ops
-
-
-_CALL_OPS = {"PRECALL", "CALL"}  # a call of one argument: 3.11 has both, 3.12 only CALL
-_NAME_LOADS = {"LOAD_FAST", "LOAD_GLOBAL", "LOAD_DEREF"}
-
-
-def _class_reads_of_locals(instructions: list[dis.Instruction]) -> dict[int, _Op]:
-    """The attribute reads off a class that code reaches without naming it: ``cls.scale`` in a
-    classmethod (``CLASS_IN``: a local holding a class), ``type(obj).scale`` and
-    ``obj.__class__.scale`` (``CLASS_OF`` a local, global or closure variable, whose load
-    follows the op's name). A class's own attribute reads go through its metaclass, which
-    capture cannot watch, so these are read when the op runs; ``self.x`` is an object's read
-    (``reads.watch_object``), and ``Config.x`` a global's (``_read_global``)."""
-    ops: dict[int, _Op] = {}
-
-    def read_off(k: int) -> str | None:
-        i = instructions[k] if k < len(instructions) else None
-        good = i is not None and i.opname in _ATTRIBUTE_OPS and not i.is_jump_target
-        return i.argval if good else None  # type: ignore[union-attr]
-
-    for k, i in enumerate(instructions):
-        if i.opname not in _NAME_LOADS:
-            continue
-        first = read_off(k + 1)
-        if first == "__class__" and read_off(k + 2):  # obj.__class__.scale, at __class__
-            ops[instructions[k + 1].offset] = (f"CLASS_OF_{i.opname}", i.argval, read_off(k + 2))
-        elif first is not None and i.opname == "LOAD_FAST" and i.argval != "self":
-            ops[i.offset] = ("CLASS_IN", i.argval, first)
-        elif k and instructions[k - 1].opname == "LOAD_GLOBAL":
-            before = instructions[k - 1]
-            end = k + 1
-            while end < len(instructions) and instructions[end].opname in _CALL_OPS:
-                end += 1
-            if before.argval == "type" and end > k + 1 and read_off(end):  # type(obj).scale
-                ops[before.offset] = (f"CLASS_OF_{i.opname}", i.argval, read_off(end))
-    return ops
-
-
-def _loaded(frame: types.FrameType, load: str, name: str) -> Any:
-    """What ``load`` of ``name`` gives in ``frame`` now (MISSING: unbound)."""
-    if load == "LOAD_GLOBAL":
-        return frame.f_globals.get(name, MISSING)
-    return frame.f_locals.get(name, MISSING)  # locals, cells and free variables
 
 
 class ScopeReads:
@@ -179,7 +99,7 @@ class ScopeReads:
     # -- the trace function ----------------------------------------------------------------
     def _global_trace(self, frame: types.FrameType, event: str, arg: Any) -> Callable | None:
         previous = self._previous(frame, event, arg) if self._previous else None
-        ops = _ops_of(frame.f_code, frame.f_globals)
+        ops = ops_of(frame.f_code, frame.f_globals)
         if not ops:
             return previous
         if frame.f_code.co_cellvars:  # its functions' closures are locals of traced code
@@ -204,7 +124,7 @@ class ScopeReads:
         try:
             if opname == "CLASS_IN" or opname.startswith("CLASS_OF_"):
                 load = "LOAD_FAST" if opname == "CLASS_IN" else opname.removeprefix("CLASS_OF_")
-                value = _loaded(frame, load, name)
+                value = loaded(frame, load, name)
                 cls = value if opname == "CLASS_IN" else type(value)
                 if isinstance(cls, type) and value is not MISSING and attribute is not None:
                     record_class_read(cls, attribute)

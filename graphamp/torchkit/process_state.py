@@ -388,7 +388,7 @@ PROCESS_STATE: tuple[Held, ...] = (
         "asked for every attribute read capture records; the answer never changes",
     ),
     Held(
-        "graphamp/capture/scope_reads.py:_traced_code",
+        "graphamp/capture/watched_code.py:_traced_code",
         "the reads and writes to watch in each code object (WeakKeyDictionary)",
         "weak: code objects alive (a notebook cell run again makes new ones)",
         "the same functions are traced by every capture",
