@@ -50,6 +50,7 @@ from ..step import (
     unmade_specs,
 )
 from ..torchkit.cache_root import graphamp_cache_root, inductor_cache_directory
+from ..torchkit.frame_stack import on_roomy_stack
 from ..torchkit.shapes import fake_batch, new_fake_mode
 
 log = logging.getLogger("graphamp")
@@ -279,6 +280,10 @@ _CHILD = f"import sys; from {__name__} import child_main; sys.exit(child_main())
 def child_main() -> int:
     """The child: import what a compile needs, then compile the kernels of the request on
     stdin, noting each (no request: nothing to do)."""
+    return on_roomy_stack(_child_work)
+
+
+def _child_work() -> int:
     import torch._inductor.compile_fx  # noqa: F401 - imported while the parent assembles
 
     data = sys.stdin.buffer.read()

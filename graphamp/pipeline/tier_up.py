@@ -42,6 +42,7 @@ from typing import Any, Callable
 from ..backend import step_values
 from ..records.deferred import DeferredGraph
 from ..records.spec import Program, StepFn
+from ..torchkit.frame_stack import on_roomy_stack
 from .side_compile import SideCompile, context_state
 
 log = logging.getLogger("graphamp")
@@ -112,7 +113,7 @@ class TierUp:
 
     def _start(self, program: Program, call: int) -> None:
         try:
-            saved = self.later.prepare()
+            saved = on_roomy_stack(self.later.prepare)
         except Exception as e:  # the first step runs on: it is correct, only slower
             return self._give_up(program, f"assembling it failed ({type(e).__name__}: {e})")
         if not saved:
@@ -142,7 +143,7 @@ class TierUp:
             return self._give_up(program, "the child's compile failed (the debug log says why)")
         start = time.perf_counter()
         try:
-            made = self.later.make()
+            made = on_roomy_stack(self.later.make)
         except Exception as e:
             return self._give_up(program, f"making it failed ({type(e).__name__}: {e})")
         if made is None:

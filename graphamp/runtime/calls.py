@@ -37,6 +37,7 @@ from ..records.inputs import (
 from ..records.spec import GraphSpec, OptimizerSlot, Program
 from ..records.state import SharedState
 from ..torchkit import dispatch_state
+from ..torchkit.frame_stack import on_roomy_stack
 from ..torchkit.rank_store import raise_if_a_peer_failed
 from . import ambient, interrupts, schedulers
 from .lifting import Lifting
@@ -298,7 +299,7 @@ def _pipeline(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> P
     _building.name = run.name
     try:
         with ambient.capture_modes():
-            program = build_program(graph_spec(run), inputs, run.state, request)
+            program = on_roomy_stack(build_program, graph_spec(run), inputs, run.state, request)
     finally:
         _building.name = None
     log_program_summary(program)
