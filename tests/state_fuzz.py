@@ -4,7 +4,8 @@ Each case is a generated Python module (written to a file and imported, as a use
 is): a small model whose ``forward`` and ``build`` read values held in every way Python code
 holds them (globals, closures, module and Graph attributes, class attributes shadowed later,
 containers small and large, dataclasses, namespaces, objects of the user's classes, function
-defaults, partial keywords, a module's globals read by name, code compiled from text, a
+defaults, partial keywords, a library's object's attributes and properties (a scheduler's),
+a module's globals read by name, code compiled from text, a
 function whose code a reload replaces, a class attribute read off ``cls`` or ``type(obj)``, a
 NumPy array changed in place, a container that holds itself, ``os.environ``, tensors, optimizer param groups, Python
 numbers an optimizer keeps), of every kind (floats, ints, bools, strings, enums, tensors). A schedule then
@@ -271,6 +272,26 @@ def _user_object(i: int, rng: random.Random) -> Source:
     )
 
 
+def _library_object(i: int, rng: random.Random) -> Source:
+    v = _float(rng)
+    return Source(
+        "attribute of a library's object (a scheduler's, here a logging.Formatter's)",
+        decl="import logging",
+        init=f"self.sched{i} = logging.Formatter()\nself.sched{i}.sigma = {v}",
+        use=f"y = y * self.sched{i}.sigma",
+        changes=[f"for m in models: m.sched{i}.sigma = {w}" for w in _floats(rng, v)],
+    )
+
+
+def _library_property(i: int, rng: random.Random) -> Source:
+    return Source(
+        "property of a library's object (logging.Handler.name)",
+        decl=f"import logging\nHANDLER{i} = logging.Handler()\nHANDLER{i}.name = 'on'",
+        use=f"y = y * (1.5 if HANDLER{i}.name == 'on' else 0.5)",
+        changes=[f"mod.HANDLER{i}.name = {w!r}" for w in ("off", "on", "off")],
+    )
+
+
 def _default_argument(i: int, rng: random.Random) -> Source:
     v = _float(rng)
     return Source(
@@ -467,6 +488,8 @@ SOURCES: list[Callable[[int, random.Random], Source]] = [
     _dataclass_field,
     _namespace_field,
     _user_object,
+    _library_object,
+    _library_property,
     _default_argument,
     _partial_keyword,
     _module_getattr,

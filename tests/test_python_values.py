@@ -1219,3 +1219,96 @@ def test_code_compiled_from_text_in_a_module_is_watched():
     first = float(g(x, x))
     namespace["_TEXT_SCALE"] = 3.0
     assert float(g(x, x)) == pytest.approx(3 * first, rel=1e-5)
+
+
+# -- a library's objects: what the user's code reads on them is a setting; their own code's
+# reads (locks, caches, counters) are not
+
+HANDLER = logging.Handler()  # a library's object held in a global (a scheduler, a tokenizer)
+
+
+class _HandlerStep(graphamp.Graph):
+    """build() reads a library object's attribute and property through ``self`` and through a
+    global, and calls its methods (whose own reads are the library's)."""
+
+    def __init__(self, handler: logging.Handler):
+        super().__init__()
+        self.model = nn.Linear(4, 2)
+        self.handler = handler
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.0))
+        self.config.set_backend("eager")
+        self.config.set_step_cache(False)
+
+    def build(self, x):
+        self.handler.acquire()  # logging's own code reads self.lock
+        self.handler.release()
+        sigma = self.handler.sigma
+        on = 2.0 if HANDLER.name == "on" else 1.0  # a property of the library's class
+        loss = self.model(x).square().mean() * sigma * on
+        loss.backward()
+        return loss
+
+
+def _handler_loss(handler: logging.Handler, model: nn.Linear, x: torch.Tensor) -> float:
+    on = 2.0 if HANDLER.name == "on" else 1.0
+    with torch.no_grad():
+        return float(model(x).square().mean() * handler.sigma * on)
+
+
+def test_a_library_objects_attribute_and_property_the_users_code_reads_are_honoured(caplog):
+    import threading
+
+    handler = logging.Handler()
+    handler.sigma = 1.5
+    HANDLER.name = "on"
+    g = _HandlerStep(handler)
+    x = torch.randn(3, 4)
+    try:
+        with caplog.at_level(logging.INFO, logger="graphamp"):
+            assert float(g(x)) == pytest.approx(_handler_loss(handler, g.model, x))
+            handler.sigma = 0.5  # what a training loop changes (a scheduler's sigma)
+            assert float(g(x)) == pytest.approx(_handler_loss(handler, g.model, x))
+            HANDLER.name = "off"  # through the class's property
+            assert float(g(x)) == pytest.approx(_handler_loss(handler, g.model, x))
+            compiled = len(g.compiled_steps)
+            handler.lock = threading.RLock()  # the library's own state: read by its code only
+            assert float(g(x)) == pytest.approx(_handler_loss(handler, g.model, x))
+        assert compiled == 3 and len(g.compiled_steps) == compiled
+        assert "self.handler.sigma" in caplog.text and "HANDLER.name" in caplog.text
+    finally:
+        HANDLER.name = None
+
+
+def test_a_diffusers_schedulers_config_and_attributes_read_in_build_are_honoured():
+    diffusers = pytest.importorskip("diffusers")
+    sched = diffusers.DDPMScheduler(num_train_timesteps=100)
+
+    class Step(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Linear(4, 2)
+            self.sched = sched
+            self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.0))
+            self.config.set_backend("eager")
+            self.config.set_step_cache(False)
+
+        def build(self, x):
+            n = self.sched.config.num_train_timesteps  # a property, then a FrozenDict's key
+            loss = self.model(x).square().mean() * n * sched.init_noise_sigma
+            loss.backward()
+            return loss
+
+    @torch.no_grad()
+    def eager(model, x):
+        return float(
+            model(x).square().mean() * sched.config.num_train_timesteps * sched.init_noise_sigma
+        )
+
+    g = Step()
+    x = torch.randn(3, 4)
+    assert float(g(x)) == pytest.approx(eager(g.model, x))
+    sched.init_noise_sigma = 2.0
+    assert float(g(x)) == pytest.approx(eager(g.model, x))
+    sched.register_to_config(num_train_timesteps=50)
+    assert float(g(x)) == pytest.approx(eager(g.model, x))
+    assert len(g.compiled_steps) == 3

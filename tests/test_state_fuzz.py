@@ -99,3 +99,13 @@ def test_the_fuzzer_finds_an_annealed_float_demoted_by_an_unrelated_change(monke
     monkeypatch.setattr(Lifting, "blame", blame_all)
     kinds = {"float annealed before every call", "float an op needs as a Python number"}
     assert _run_seeds(_seeds_with(kinds, count=6), tmp_path)
+
+
+def test_the_fuzzer_finds_a_library_objects_attributes_unwatched(monkeypatch, tmp_path):
+    monkeypatch.setattr(reads, "is_library_object", lambda value: False)
+    monkeypatch.setattr(scope_reads, "is_library_object", lambda value: False)
+    for kind in (
+        "attribute of a library's object (a scheduler's, here a logging.Formatter's)",
+        "property of a library's object (logging.Handler.name)",
+    ):
+        assert _run_seeds(_seeds_with({kind}), tmp_path), kind

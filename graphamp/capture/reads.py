@@ -28,7 +28,9 @@ What is recorded, and how it is compared at every call (``guard_form``):
   graphamp, installed packages and Python's own library: a hand-written options object) is
   watched too, from the first read that reaches it, so the attributes build() reads on it are
   recorded as a module's are (its class's ``__getattribute__`` records them until the capture
-  ends).
+  ends); so is an object of a library's class (a diffusers scheduler), except that only the
+  reads the user's own code makes on it are recorded (its methods keep locks, caches and
+  counters no step reads), its properties included where their value compares by value.
 
 Left out, each for a reason:
 - what ``nn.Module.__init__`` itself sets (parameters, buffers, children, hooks, ``training``):
@@ -125,6 +127,13 @@ def _record(obj: Any, name: str, value: Any) -> None:
     label, left_out = watch
     if name in left_out or isinstance(value, nn.Module) or _traced(value):
         return
+    if id(obj) in _local.users_reads_only:
+        # a library's object: its own code keeps caches and counters on it that no step
+        # reads; what the user's code reads (frame 2: the reader, through __getattribute__)
+        if not _read_by_users_code(sys._getframe(2)):
+            return
+        if _record_computed(obj, name, value, label):
+            return
     namespace = _namespace_of(obj, name)
     if namespace is not None and namespace.get(name, _record) is value:
         kept, by_value = guard_form(value)
@@ -137,6 +146,24 @@ def _record(obj: Any, name: str, value: Any) -> None:
         _record_class_attribute(obj, namespace, name, value, label)
     for read in code_settings(value, f"{label}.{name}"):
         _local.reads.setdefault((id(read.namespace.owner), read.name), read)
+
+
+def _record_computed(obj: Any, name: str, value: Any, label: str) -> bool:
+    """A library object's property the user's code read (diffusers' ``scheduler.config``),
+    kept where its value compares by value: read again through the object at every call.
+    False where ``name`` is not computed by a descriptor of its class."""
+    owner = _owner_of(type(obj), name)
+    descriptor = vars(owner).get(name) if owner is not None else None
+    if not isinstance(descriptor, property):
+        return False
+    kept, by_value = guard_form(value)
+    if by_value:
+        _local.reads[(id(obj), name)] = AttributeRead(
+            f"{label}.{name}", ObjectAttributes(obj), name, kept, by_value=True
+        )
+    elif is_library_object(value) or is_user_object(value):
+        watch_object(value, f"{label}.{name}")
+    return True
 
 
 def code_settings(value: Any, label: str) -> list[AttributeRead]:
@@ -308,6 +335,36 @@ def is_user_object(value: Any) -> bool:
     )
 
 
+def is_library_object(value: Any) -> bool:
+    """An object of an installed package's class, or of Python's own library, that keeps its
+    attributes in a ``__dict__`` or slots (a diffusers scheduler, an optimizer, a logger): its
+    attributes that the user's code reads are settings as a user object's are. Not a tensor,
+    module, class, function or container (those are recorded otherwise), nor graphamp's own."""
+    cls = type(value)
+    if isinstance(value, _NOT_LIBRARY_OBJECTS) or is_user_class(cls) or is_plain(value):
+        return False
+    if cls.__module__ == "graphamp" or cls.__module__.startswith("graphamp."):
+        return False
+    return count_entries(value) is None and (_has_dict(value) or _has_slots(cls))
+
+
+_NOT_LIBRARY_OBJECTS = (
+    type,
+    nn.Module,
+    torch.Tensor,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    functools.partial,
+)
+
+
+def _read_by_users_code(frame: types.FrameType | None) -> bool:
+    """Is ``frame`` (the one that made an attribute read) the user's code?"""
+    return frame is not None and is_user_code(frame.f_code.co_filename, frame.f_globals)
+
+
 def _has_slots(cls: type) -> bool:
     return any(
         isinstance(v, types.MemberDescriptorType) for c in cls.__mro__ for v in vars(c).values()
@@ -350,6 +407,9 @@ def watch_object(obj: Any, label: str) -> None:
         watch[id(obj)] = (label, _MODULE_OWN)
     elif is_user_object(obj) and _intercepted(type(obj)):
         watch[id(obj)] = (label, frozenset())
+    elif is_library_object(obj) and _intercepted(type(obj)):
+        watch[id(obj)] = (label, frozenset())
+        _local.users_reads_only.add(id(obj))
 
 
 def _recording(original: Any) -> Any:
@@ -444,11 +504,11 @@ def recording_attribute_reads(
             stack.enter_context(_recording_on(cls))
         # the user's classes whose objects the capture reaches are patched as it goes, on the
         # same stack (``watch_object``)
-        _local.watch, _local.reads = watch, {}
+        _local.watch, _local.reads, _local.users_reads_only = watch, {}, set()
         _local.stack, _local.intercepted = stack, set(classes)
         try:
             yield reads
         finally:
             reads.extend(_local.reads.values())
-            _local.watch, _local.reads = {}, None
+            _local.watch, _local.reads, _local.users_reads_only = {}, None, set()
             _local.stack, _local.intercepted = None, None
