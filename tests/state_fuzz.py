@@ -4,7 +4,7 @@ Each case is a generated Python module (written to a file and imported, as a use
 is): a small model whose ``forward`` and ``build`` read values held in every way Python code
 holds them (globals, closures, module and Graph attributes, class attributes shadowed later,
 containers small and large, dataclasses, namespaces, objects of the user's classes, function
-defaults, partial keywords, a library's object's attributes and properties (a scheduler's),
+defaults, partial keywords, a library's object's attributes and properties (a scheduler's), a ContextVar's value,
 a module's globals read by name, code compiled from text, a
 function whose code a reload replaces, a class attribute read off ``cls`` or ``type(obj)``, a
 NumPy array changed in place, a container that holds itself, ``os.environ``, tensors, optimizer param groups, Python
@@ -292,6 +292,16 @@ def _library_property(i: int, rng: random.Random) -> Source:
     )
 
 
+def _context_variable(i: int, rng: random.Random) -> Source:
+    v = _float(rng)
+    return Source(
+        "value of a contextvars.ContextVar",
+        decl=f"import contextvars\nCV{i} = contextvars.ContextVar('cv{i}', default={v})",
+        use=f"y = y * CV{i}.get()",
+        changes=[f"mod.CV{i}.set({w})" for w in _floats(rng, v)],
+    )
+
+
 def _default_argument(i: int, rng: random.Random) -> Source:
     v = _float(rng)
     return Source(
@@ -490,6 +500,7 @@ SOURCES: list[Callable[[int, random.Random], Source]] = [
     _user_object,
     _library_object,
     _library_property,
+    _context_variable,
     _default_argument,
     _partial_keyword,
     _module_getattr,

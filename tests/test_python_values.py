@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -1312,3 +1313,55 @@ def test_a_diffusers_schedulers_config_and_attributes_read_in_build_are_honoured
     sched.register_to_config(num_train_timesteps=50)
     assert float(g(x)) == pytest.approx(eager(g.model, x))
     assert len(g.compiled_steps) == 3
+
+
+# -- a ContextVar's value, read in forward() through a global and a closure, and in build()
+
+SCALE_VAR = contextvars.ContextVar("scale", default=1.0)
+MODE_VAR = contextvars.ContextVar("mode")
+
+
+def test_a_context_variables_value_read_by_the_step_is_honoured():
+    flag = contextvars.ContextVar("flag", default=False)
+
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            y = super().forward(x) * SCALE_VAR.get()
+            return y * 3.0 if flag.get() else y
+
+    model = Scaled(4, 2)
+
+    class Step(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+            self.config.set_backend("eager")
+            self.config.set_step_cache(False)
+
+        def build(self, x):
+            loss = self.model(x).square().mean()
+            loss = loss * (2.0 if MODE_VAR.get("train") == "eval" else 1.0)
+            loss.backward()
+            return loss
+
+    @torch.no_grad()
+    def eager(x):
+        return float(model(x).square().mean() * (2.0 if MODE_VAR.get("train") == "eval" else 1.0))
+
+    def changes():
+        yield lambda: SCALE_VAR.set(2.0)
+        yield lambda: flag.set(True)
+        yield lambda: MODE_VAR.set("eval")
+
+    context = contextvars.copy_context()  # the module's variables set here stay here
+
+    def run() -> None:
+        g, x = Step(), torch.randn(3, 4)
+        assert float(g(x)) == pytest.approx(eager(x))
+        for change in changes():
+            change()
+            assert float(g(x)) == pytest.approx(eager(x))
+        assert len(g.compiled_steps) == 4
+
+    context.run(run)

@@ -11,6 +11,7 @@ lifted value), it must fail on the cases that need that mechanism.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import random
 
@@ -109,3 +110,13 @@ def test_the_fuzzer_finds_a_library_objects_attributes_unwatched(monkeypatch, tm
         "property of a library's object (logging.Handler.name)",
     ):
         assert _run_seeds(_seeds_with({kind}), tmp_path), kind
+
+
+def test_the_fuzzer_finds_a_context_variables_value_unrecorded(monkeypatch, tmp_path):
+    original = reads.code_settings
+
+    def without_context_values(value, label):
+        return [] if isinstance(value, contextvars.ContextVar) else original(value, label)
+
+    monkeypatch.setattr(scope_reads, "code_settings", without_context_values)
+    assert _run_seeds(_seeds_with({"value of a contextvars.ContextVar"}), tmp_path)

@@ -51,6 +51,7 @@ from __future__ import annotations
 # torch private names read here (checked on torch 2.11.0, 2.14.1, 2.15.0: .ci/run's legs):
 #   torch._subclasses
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import enum
@@ -66,7 +67,14 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from ..records.guards import ABSENT, AttributeRead, ClassNamespace, ObjectAttributes, SlotNamespace
+from ..records.guards import (
+    ABSENT,
+    AttributeRead,
+    ClassNamespace,
+    ContextValue,
+    ObjectAttributes,
+    SlotNamespace,
+)
 from ..torchkit.fxutil import is_library_file
 from ..torchkit.process_state import SharedPatch
 from .contents import Contents, count_entries, fields_of, is_plain, is_record, numpy_values
@@ -167,12 +175,16 @@ def _record_computed(obj: Any, name: str, value: Any, label: str) -> bool:
 
 
 def code_settings(value: Any, label: str) -> list[AttributeRead]:
-    """The settings a callable carries with it, each a read by value: a function's default
+    """The settings a value carries with it, each a read by value: a ``ContextVar``'s value in
+    the running context (``var.get()``); for a callable, a function's default
     arguments (``__defaults__``, ``__kwdefaults__``: what a call that leaves the argument out
     uses; for functions of the user's code), a ``functools.partial``'s keywords and
     arguments and then its function's, a bound method's function's. Changed in place
     (``fn.__defaults__ = (2.5,)``, ``loss.keywords["label_smoothing"] = 0.1``), the program no
     longer serves."""
+    if isinstance(value, contextvars.ContextVar):  # its value, read by ``var.get()``
+        kept, by_value = guard_form(value.get(ABSENT))
+        return [AttributeRead(f"{label}.get()", ContextValue(value), "value", kept, by_value)]
     reads: list[AttributeRead] = []
     for _ in range(8):  # partials of partials, at most this deep
         if isinstance(value, types.MethodType):

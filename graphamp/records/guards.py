@@ -150,6 +150,23 @@ class ObjectAttributes:
         return value
 
 
+class ContextValue:
+    """A ``contextvars.ContextVar``'s value in the running context, as a namespace of one
+    variable (what ``var.get()`` returns where the step is called)."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner  # the ContextVar
+
+    def get(self, _name: str, default: Any = None) -> Any:
+        return self.owner.get(default)
+
+    def __setitem__(self, _name: str, value: Any) -> None:
+        self.owner.set(value)
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        return self.get(name, default)  # a variable's value cannot be unset without its token
+
+
 class CellNamespace:
     """A closure cell as a namespace of one variable."""
 
