@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextvars
+import copy
 import dataclasses
 import functools
 import logging
@@ -1365,3 +1366,44 @@ def test_a_context_variables_value_read_by_the_step_is_honoured():
         assert len(g.compiled_steps) == 4
 
     context.run(run)
+
+
+def test_an_optimizer_read_in_build_is_not_watched_and_trains_as_eager_with_its_scheduler():
+    """An optimizer's param groups change at every scheduler step and are step inputs already:
+    build() reading its lr (to log it) compiles once, and the updates follow the scheduler."""
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+    torch.manual_seed(0)
+    model, twin = nn.Linear(4, 2), None
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sch = schedule(opt)
+
+    class Step(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model, self.opt = model, opt
+            self.add_optimizer(opt, lr_sch=sch)
+            self.config.set_backend("eager")
+            self.config.set_step_cache(False)
+
+        def build(self, x):
+            lr = self.opt.param_groups[0]["lr"]  # as a logging line reads it
+            loss = self.model(x).square().mean() * (1.0 + 0.0 * lr)
+            loss.backward()
+            return loss
+
+    g, x = Step(), torch.randn(3, 4)
+    eager_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    eager_sch = schedule(eager_opt)
+    for _ in range(5):
+        g(x)
+        eager_opt.zero_grad()
+        twin(x).square().mean().backward()
+        eager_opt.step()
+        eager_sch.step()
+    assert len(g.compiled_steps) == 1
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b)

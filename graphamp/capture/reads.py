@@ -349,15 +349,26 @@ def is_user_object(value: Any) -> bool:
 
 def is_library_object(value: Any) -> bool:
     """An object of an installed package's class, or of Python's own library, that keeps its
-    attributes in a ``__dict__`` or slots (a diffusers scheduler, an optimizer, a logger): its
+    attributes in a ``__dict__`` or slots (a diffusers scheduler, a logging handler): its
     attributes that the user's code reads are settings as a user object's are. Not a tensor,
-    module, class, function or container (those are recorded otherwise), nor graphamp's own."""
+    module, class, function or container (those are recorded otherwise), nor graphamp's or
+    torch's own, nor an optimizer's wrapper."""
     cls = type(value)
     if isinstance(value, _NOT_LIBRARY_OBJECTS) or is_user_class(cls) or is_plain(value):
         return False
-    if cls.__module__ == "graphamp" or cls.__module__.startswith("graphamp."):
+    if cls.__module__.split(".")[0] in ("graphamp", "torch") or _holds_param_groups(value):
+        # torch's objects and optimizer wrappers (Lightning's): an optimizer's param groups
+        # change with every scheduler step and are the step's inputs already; watched, a
+        # build() that reads its lr would compile on every call
         return False
     return count_entries(value) is None and (_has_dict(value) or _has_slots(cls))
+
+
+def _holds_param_groups(value: Any) -> bool:
+    try:
+        return "param_groups" in object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return False
 
 
 _NOT_LIBRARY_OBJECTS = (
