@@ -103,8 +103,7 @@ def test_the_fuzzer_finds_an_annealed_float_demoted_by_an_unrelated_change(monke
 
 
 def test_the_fuzzer_finds_a_library_objects_attributes_unwatched(monkeypatch, tmp_path):
-    monkeypatch.setattr(reads, "is_library_object", lambda value: False)
-    monkeypatch.setattr(scope_reads, "is_library_object", lambda value: False)
+    monkeypatch.setattr(reads, "is_library_object", lambda value: False)  # scope_reads' too
     for kind in (
         "attribute of a library's object (a scheduler's, here a logging.Formatter's)",
         "property of a library's object (logging.Handler.name)",

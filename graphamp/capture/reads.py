@@ -81,7 +81,9 @@ from .contents import Contents, count_entries, fields_of, is_plain, is_record, n
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring
 
-_local = threading.local()  # .watch: {id(obj): (label, names left out)}, .reads: {key: read}
+# .watch: {id(obj): (label, names left out, whether only the user's code's reads count)},
+# .reads: {key: read}
+_local = threading.local()
 
 
 def guard_form(value: Any) -> tuple[Any, bool]:
@@ -132,10 +134,10 @@ def _record(obj: Any, name: str, value: Any) -> None:
     watch = _local.watch.get(id(obj))
     if watch is None or name.startswith("__") or (id(obj), name) in _local.reads:
         return
-    label, left_out = watch
+    label, left_out, users_reads_only = watch
     if name in left_out or isinstance(value, nn.Module) or _traced(value):
         return
-    if id(obj) in _local.users_reads_only:
+    if users_reads_only:
         # a library's object: its own code keeps caches and counters on it that no step
         # reads; what the user's code reads (frame 2: the reader, through __getattribute__)
         if not _read_by_users_code(sys._getframe(2)):
@@ -169,7 +171,7 @@ def _record_computed(obj: Any, name: str, value: Any, label: str) -> bool:
         _local.reads[(id(obj), name)] = AttributeRead(
             f"{label}.{name}", ObjectAttributes(obj), name, kept, by_value=True
         )
-    elif is_library_object(value) or is_user_object(value):
+    elif is_watchable(value):
         watch_object(value, f"{label}.{name}")
     return True
 
@@ -364,6 +366,12 @@ def is_library_object(value: Any) -> bool:
     return count_entries(value) is None and (_has_dict(value) or _has_slots(cls))
 
 
+def is_watchable(value: Any) -> bool:
+    """An object whose attribute reads a capture records once a read reaches it: the user's
+    (every read) or a library's (the user's code's reads)."""
+    return is_user_object(value) or is_library_object(value)
+
+
 def _holds_param_groups(value: Any) -> bool:
     try:
         return "param_groups" in object.__getattribute__(value, "__dict__")
@@ -427,12 +435,11 @@ def watch_object(obj: Any, label: str) -> None:
     if watch is None or id(obj) in watch:
         return
     if isinstance(obj, nn.Module):
-        watch[id(obj)] = (label, _MODULE_OWN)
+        watch[id(obj)] = (label, _MODULE_OWN, False)
     elif is_user_object(obj) and _intercepted(type(obj)):
-        watch[id(obj)] = (label, frozenset())
+        watch[id(obj)] = (label, frozenset(), False)
     elif is_library_object(obj) and _intercepted(type(obj)):
-        watch[id(obj)] = (label, frozenset())
-        _local.users_reads_only.add(id(obj))
+        watch[id(obj)] = (label, frozenset(), True)  # only the user's code's reads count
 
 
 def _recording(original: Any) -> Any:
@@ -496,7 +503,7 @@ def held_configs(modules: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 def watched_objects(
     modules: list[tuple[str, nn.Module]], graph: Any, graph_own: frozenset[str] = frozenset()
 ) -> tuple[dict[int, tuple], list[type]]:
-    """({id(obj): (label, names left out)}, the classes to intercept reads on) for the
+    """({id(obj): (label, names left out, False)}, the classes to intercept reads on) for the
     registered modules (``self.<path>``), the Graph (``self``) and the transformers configs the
     modules hold."""
     watch: dict[int, tuple] = {}
@@ -505,11 +512,11 @@ def watched_objects(
     if config_class is not None:
         classes.append(config_class)
     for path, module in modules:
-        watch[id(module)] = (f"self.{path}", _MODULE_OWN)
+        watch[id(module)] = (f"self.{path}", _MODULE_OWN, False)
     for label, config in held_configs([(f"self.{path}", m) for path, m in modules]):
-        watch[id(config)] = (label, frozenset())
+        watch[id(config)] = (label, frozenset(), False)
     if graph is not None and hasattr(graph, "__dict__"):
-        watch[id(graph)] = ("self", graph_own)
+        watch[id(graph)] = ("self", graph_own, False)
         classes.append(type(graph))
     return watch, classes
 
@@ -527,11 +534,11 @@ def recording_attribute_reads(
             stack.enter_context(_recording_on(cls))
         # the user's classes whose objects the capture reaches are patched as it goes, on the
         # same stack (``watch_object``)
-        _local.watch, _local.reads, _local.users_reads_only = watch, {}, set()
+        _local.watch, _local.reads = watch, {}
         _local.stack, _local.intercepted = stack, set(classes)
         try:
             yield reads
         finally:
             reads.extend(_local.reads.values())
-            _local.watch, _local.reads, _local.users_reads_only = {}, None, set()
+            _local.watch, _local.reads = {}, None
             _local.stack, _local.intercepted = None, None

@@ -70,9 +70,8 @@ from .reads import (
     INSTALLED,
     code_settings,
     guard_form,
-    is_library_object,
     is_user_module,
-    is_user_object,
+    is_watchable,
     record_class_read,
     watch_object,
 )
@@ -472,7 +471,7 @@ def _is_setting(value: Any) -> bool:
     every object, at every wrapper."""
     if isinstance(value, (torch.Tensor, nn.Module)):
         return True
-    return guard_form(value)[1] or is_user_object(value) or is_library_object(value)
+    return guard_form(value)[1] or is_watchable(value)
 
 
 def _read(label: str, namespace: Any, name: str, value: Any) -> AttributeRead | None:
@@ -487,7 +486,7 @@ def _read(label: str, namespace: Any, name: str, value: Any) -> AttributeRead | 
     ):
         return AttributeRead(label, namespace, name, value, by_value=False)
     kept, by_value = guard_form(value)
-    if not by_value and (is_user_object(value) or is_library_object(value)):
+    if not by_value and is_watchable(value):
         watch_object(value, name)  # an options object of the user's, a library's scheduler
         return AttributeRead(label, namespace, name, value, by_value=False)
     if not by_value:
