@@ -1368,6 +1368,53 @@ def test_a_context_variables_value_read_by_the_step_is_honoured():
     context.run(run)
 
 
+WEIGHT_VAR = contextvars.ContextVar("weight", default=0.5)
+SHIFT = 0.0
+
+
+def test_an_annealed_context_variable_is_lifted_and_graphamp_leaves_the_context_as_found():
+    """A float ContextVar changed at every call is a step input after its first change (as a
+    global would be); a later build for another change keeps it one, and the trace's stand-in
+    never stays set in the user's context (the fuzzer's seed 1189 compiled on every call after
+    such a build: its guard had recorded the stand-in)."""
+    model = nn.Linear(4, 2)
+
+    class Step(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+            self.config.set_backend("eager")
+            self.config.set_step_cache(False)
+
+        def build(self, x):
+            loss = (self.model(x) + SHIFT).square().mean() * WEIGHT_VAR.get()
+            loss.backward()
+            return loss
+
+    @torch.no_grad()
+    def eager(x):
+        return float((model(x) + SHIFT).square().mean() * WEIGHT_VAR.get())
+
+    def run() -> None:
+        global SHIFT
+        g, x = Step(), torch.randn(3, 4)
+        assert float(g(x)) == pytest.approx(eager(x))
+        assert WEIGHT_VAR not in contextvars.copy_context()  # the trace set nothing
+        for step, weight in enumerate([0.25, 0.125, 0.75, 0.5, 1.5]):
+            WEIGHT_VAR.set(weight)
+            if step == 2:
+                SHIFT = 1.0  # a build that keeps the variable lifted
+            assert float(g(x)) == pytest.approx(eager(x), rel=1e-6)
+            assert WEIGHT_VAR.get() == weight  # the stand-in was taken back
+        assert len(g.compiled_steps) == 3  # the first, the weight's first change, the shift
+
+    try:
+        contextvars.copy_context().run(run)
+    finally:
+        globals()["SHIFT"] = 0.0
+
+
 def test_an_optimizer_read_in_build_is_not_watched_and_trains_as_eager_with_its_scheduler():
     """An optimizer's param groups change at every scheduler step and are step inputs already:
     build() reading its lr (to log it) compiles once, and the updates follow the scheduler."""

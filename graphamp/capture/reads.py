@@ -185,8 +185,12 @@ def code_settings(value: Any, label: str) -> list[AttributeRead]:
     (``fn.__defaults__ = (2.5,)``, ``loss.keywords["label_smoothing"] = 0.1``), the program no
     longer serves."""
     if isinstance(value, contextvars.ContextVar):  # its value, read by ``var.get()``
-        kept, by_value = guard_form(value.get(ABSENT))
-        return [AttributeRead(f"{label}.get()", ContextValue(value), "value", kept, by_value)]
+        namespace = ContextValue(value)
+        current = namespace.get("value", ABSENT)
+        if _traced(current):  # lifted: a step input while build() is traced
+            return []
+        kept, by_value = guard_form(current)
+        return [AttributeRead(f"{label}.get()", namespace, "value", kept, by_value)]
     reads: list[AttributeRead] = []
     for _ in range(8):  # partials of partials, at most this deep
         if isinstance(value, types.MethodType):

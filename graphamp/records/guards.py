@@ -23,6 +23,7 @@ wording every log line and error uses.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -66,6 +67,8 @@ class AttributeRead:
     def describe_change(self) -> str:
         now = self.current()
         if self.value is ABSENT:  # a class attribute's read, now shadowed
+            if isinstance(self.namespace, ContextValue):
+                return f"{self.label} was set to {now!r}"
             on = "subclass" if isinstance(self.namespace, ClassNamespace) else "instance"
             return f"{self.label} was set on the {on} to {now!r}"
         shown = "deleted" if now is ABSENT else f"{now!r}"
@@ -152,19 +155,49 @@ class ObjectAttributes:
 
 class ContextValue:
     """A ``contextvars.ContextVar``'s value in the running context, as a namespace of one
-    variable (what ``var.get()`` returns where the step is called)."""
+    variable: what ``var.get()`` returns where the step is called (the variable's default
+    where the context holds no value).
+
+    A value written here (a lifted value's stand-in while build() is traced) is set with a
+    token, and writing back what ``var.get()`` returned before resets it: the context is left
+    as it was found, holding no value where it held none."""
 
     def __init__(self, owner: Any) -> None:
         self.owner = owner  # the ContextVar
+        self._token: contextvars.Token | None = None  # of the first write not yet undone
 
     def get(self, _name: str, default: Any = None) -> Any:
-        return self.owner.get(default)
+        try:
+            return self.owner.get()
+        except LookupError:  # no value in this context and no default
+            return default
 
     def __setitem__(self, _name: str, value: Any) -> None:
-        self.owner.set(value)
+        if self._token is not None and value is self._before(self._token):
+            self._undo()
+            return
+        token = self.owner.set(value)
+        if self._token is None:
+            self._token = token
 
     def pop(self, name: str, default: Any = None) -> Any:
-        return self.get(name, default)  # a variable's value cannot be unset without its token
+        value = self.get(name, default)
+        if self._token is not None:  # a value cannot be unset but by its token
+            self._undo()
+        return value
+
+    def _before(self, token: contextvars.Token) -> Any:
+        """What ``var.get()`` returned before ``token``'s write."""
+        if token.old_value is not contextvars.Token.MISSING:
+            return token.old_value
+        return contextvars.Context().run(self.get, "", ABSENT)  # the default, in no context
+
+    def _undo(self) -> None:
+        token, self._token = self._token, None
+        try:
+            self.owner.reset(token)
+        except ValueError:  # made in another context: that context keeps its value
+            pass
 
 
 class CellNamespace:
