@@ -479,6 +479,23 @@ def _settling_write(i: int, rng: random.Random) -> Source:
     )
 
 
+def _param_group_entry(i: int, rng: random.Random) -> Source:
+    """build() reads the lr off its optimizer's param groups as a number; the loop (or a
+    scheduler, as here before every call) sets it."""
+    annealed = rng.random() < 0.5
+    return Source(
+        "optimizer's lr read by build() off its param groups",
+        use="loss = loss * (1.0 + holder.the_opt.param_groups[0]['lr'])",
+        in_build=True,
+        changes=[]
+        if annealed
+        else [f"for o in opts: o.param_groups[0]['lr'] = {w}" for w in (0.03, 0.01)],
+        every_call="for o in opts: o.param_groups[0].update(lr=0.01 / ({call} + 1))"
+        if annealed
+        else None,
+    )
+
+
 SOURCES: list[Callable[[int, random.Random], Source]] = [
     _global_float,
     _global_int,
@@ -516,6 +533,7 @@ SOURCES: list[Callable[[int, random.Random], Source]] = [
     _python_number,
     _counter_written,
     _settling_write,
+    _param_group_entry,
 ]
 
 # -- optimizers: one per case, with the changes a loop makes to it
@@ -705,6 +723,7 @@ def _graph(mod: Any, model: torch.nn.Module, opt: torch.optim.Optimizer) -> grap
             super().__init__()
             self.model = model
             self.add_optimizer(opt)
+            self.the_opt = opt
             for name, value in mod.HOLDER_INIT:
                 setattr(self, name, value)
             self.config.set_backend("eager")
@@ -743,6 +762,7 @@ def _run(case: Case, mod: Any) -> Outcome:
     opt, eager_opt = mod.make_optimizer(model.parameters()), mod.make_optimizer(twin.parameters())
     g = _graph(mod, model, opt)
     holder = _Holder()
+    holder.the_opt = eager_opt
     for name, value in mod.HOLDER_INIT:
         setattr(holder, name, value)
     scope = {"mod": mod, "models": [model, twin], "holders": [g, holder], "opts": [opt, eager_opt]}

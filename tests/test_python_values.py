@@ -1415,42 +1415,95 @@ def test_an_annealed_context_variable_is_lifted_and_graphamp_leaves_the_context_
         globals()["SHIFT"] = 0.0
 
 
-def test_an_optimizer_read_in_build_is_not_watched_and_trains_as_eager_with_its_scheduler():
-    """An optimizer's param groups change at every scheduler step and are step inputs already:
-    build() reading its lr (to log it) compiles once, and the updates follow the scheduler."""
+class _GroupReader(graphamp.Graph):
+    """A step whose build() reads its optimizer's lr as a Python number (to log it, to weigh
+    its loss by it) and returns it."""
+
+    def __init__(self, model, opt, sch):
+        super().__init__()
+        self.model, self.opt = model, opt
+        self.add_optimizer(opt, lr_sch=sch)
+        self.config.set_backend("eager")
+        self.config.set_step_cache(False)
+
+    def build(self, x):
+        lr = self.opt.param_groups[0]["lr"]
+        loss = self.model(x).square().mean()
+        loss.backward()
+        return loss, lr, loss * lr
+
+
+def test_an_lr_build_reads_from_the_param_groups_is_this_steps_as_in_eager():
+    """build() reading ``param_groups[0]["lr"]`` as a number got the first call's lr at every
+    step; now it is the step's own (a scheduler's), a lifted step input after its first change
+    (two compiles in all), returned as the Python float eager returns."""
 
     def schedule(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 
     torch.manual_seed(0)
-    model, twin = nn.Linear(4, 2), None
+    model = nn.Linear(4, 2)
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sch = schedule(opt)
-
-    class Step(graphamp.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model, self.opt = model, opt
-            self.add_optimizer(opt, lr_sch=sch)
-            self.config.set_backend("eager")
-            self.config.set_step_cache(False)
-
-        def build(self, x):
-            lr = self.opt.param_groups[0]["lr"]  # as a logging line reads it
-            loss = self.model(x).square().mean() * (1.0 + 0.0 * lr)
-            loss.backward()
-            return loss
-
-    g, x = Step(), torch.randn(3, 4)
+    g, x = _GroupReader(model, opt, schedule(opt)), torch.randn(3, 4)
     eager_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
     eager_sch = schedule(eager_opt)
     for _ in range(5):
-        g(x)
+        loss, lr, weighted = g(x)
         eager_opt.zero_grad()
-        twin(x).square().mean().backward()
+        eager_lr = eager_opt.param_groups[0]["lr"]
+        eager_loss = twin(x).square().mean()
+        eager_loss.backward()
+        assert type(lr) is float and lr == eager_lr
+        torch.testing.assert_close(weighted, eager_loss.detach() * eager_lr)
         eager_opt.step()
         eager_sch.step()
-    assert len(g.compiled_steps) == 1
+    assert len(g.compiled_steps) == 2
     for a, b in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b)
+
+
+def test_an_optimizer_of_the_users_own_class_has_its_group_entries_read_by_build_guarded():
+    class Halving(torch.optim.SGD):  # defined here: the user's class
+        pass
+
+    model = nn.Linear(4, 2)
+    opt = Halving(model.parameters(), lr=0.1)
+    g, x = _GroupReader(model, opt, None), torch.randn(3, 4)
+    assert g(x)[1] == 0.1
+    opt.param_groups[0]["lr"] = 0.05
+    assert g(x)[1] == 0.05
+    opt.param_groups[0]["lr"] = 0.025
+    assert g(x)[1] == 0.025
+    assert len(g.compiled_steps) == 2
+
+
+def test_build_setting_a_param_group_entry_is_refused_with_the_way_through():
+    """The step passes the optimizer its groups before build() runs: a value build() sets
+    would be used a step late and only at capture (it also left the trace's stand-in in the
+    group when the value was a lifted float)."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    class Warmup(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model, self.opt = model, opt
+            self.add_optimizer(opt)
+            self.config.set_backend("eager")
+            self.config.set_step_cache(False)
+            self.lr_now = 0.01
+
+        def build(self, x):
+            for group in self.opt.param_groups:
+                group["lr"] = self.lr_now
+            loss = self.model(x).square().mean()
+            loss.backward()
+            return loss
+
+    with pytest.raises(graphamp.CaptureError, match=r"sets self\.opt\.param_groups\[0\]\['lr'\]"):
+        Warmup()(torch.randn(3, 4))
+    assert opt.param_groups[0]["lr"] == 0.1 and type(opt.param_groups[0]) is dict
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)

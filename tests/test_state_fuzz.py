@@ -111,6 +111,13 @@ def test_the_fuzzer_finds_a_library_objects_attributes_unwatched(monkeypatch, tm
         assert _run_seeds(_seeds_with({kind}), tmp_path), kind
 
 
+def test_the_fuzzer_finds_a_param_group_entry_build_reads_unrecorded(monkeypatch, tmp_path):
+    monkeypatch.setattr(reads, "view_param_groups", lambda *args: None)
+    assert _run_seeds(
+        _seeds_with({"optimizer's lr read by build() off its param groups"}), tmp_path
+    )
+
+
 def test_the_fuzzer_finds_a_context_variables_value_unrecorded(monkeypatch, tmp_path):
     original = reads.code_settings
 

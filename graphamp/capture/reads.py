@@ -78,6 +78,7 @@ from ..records.guards import (
 from ..torchkit.fxutil import is_library_file
 from ..torchkit.process_state import SharedPatch
 from .contents import Contents, count_entries, fields_of, is_plain, is_record, numpy_values
+from .param_group_views import holds_param_groups, view_param_groups
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring
 
@@ -362,25 +363,18 @@ def is_library_object(value: Any) -> bool:
     cls = type(value)
     if isinstance(value, _NOT_LIBRARY_OBJECTS) or is_user_class(cls) or is_plain(value):
         return False
-    if cls.__module__.split(".")[0] in ("graphamp", "torch") or _holds_param_groups(value):
-        # torch's objects and optimizer wrappers (Lightning's): an optimizer's param groups
-        # change with every scheduler step and are the step's inputs already; watched, a
-        # build() that reads its lr would compile on every call
+    if cls.__module__.split(".")[0] in ("graphamp", "torch") or holds_param_groups(value):
+        # torch's objects; an optimizer or its wrapper (Lightning's): the entries of its param
+        # groups that the user's code reads are recorded instead (``param_group_views``)
         return False
     return count_entries(value) is None and (_has_dict(value) or _has_slots(cls))
 
 
 def is_watchable(value: Any) -> bool:
-    """An object whose attribute reads a capture records once a read reaches it: the user's
-    (every read) or a library's (the user's code's reads)."""
-    return is_user_object(value) or is_library_object(value)
-
-
-def _holds_param_groups(value: Any) -> bool:
-    try:
-        return "param_groups" in object.__getattribute__(value, "__dict__")
-    except AttributeError:
-        return False
+    """An object whose reads a capture records once a read reaches it: the user's (every
+    read), a library's (the user's code's reads), an optimizer's (its param groups' entries
+    the user's code reads)."""
+    return is_user_object(value) or is_library_object(value) or holds_param_groups(value)
 
 
 _NOT_LIBRARY_OBJECTS = (
@@ -438,12 +432,31 @@ def watch_object(obj: Any, label: str) -> None:
     watch = getattr(_local, "watch", None)
     if watch is None or id(obj) in watch:
         return
+    groups = holds_param_groups(obj)
+    if groups:  # its groups' entries, read by subscript
+        view_param_groups(obj, label, _local.stack, _record_group_entry, _local.viewed)
     if isinstance(obj, nn.Module):
         watch[id(obj)] = (label, _MODULE_OWN, False)
     elif is_user_object(obj) and _intercepted(type(obj)):
-        watch[id(obj)] = (label, frozenset(), False)
+        watch[id(obj)] = (label, _GROUPS if groups else frozenset(), False)
     elif is_library_object(obj) and _intercepted(type(obj)):
         watch[id(obj)] = (label, frozenset(), True)  # only the user's code's reads count
+
+
+_GROUPS = frozenset({"param_groups"})  # an optimizer of the user's: its groups are viewed
+
+
+def _record_group_entry(
+    group: dict, key: Any, value: Any, label: str, frame: types.FrameType | None
+) -> None:
+    """A param group's entry the user's code read (``param_group_views``): a read of the
+    group's own dict."""
+    reads = getattr(_local, "reads", None)
+    if reads is None or (id(group), key) in reads or _traced(value):
+        return
+    if _read_by_users_code(frame):
+        kept, by_value = guard_form(value)
+        reads[(id(group), key)] = AttributeRead(label, group, key, kept, by_value)
 
 
 def _recording(original: Any) -> Any:
@@ -540,6 +553,7 @@ def recording_attribute_reads(
         # same stack (``watch_object``)
         _local.watch, _local.reads = watch, {}
         _local.stack, _local.intercepted = stack, set(classes)
+        _local.viewed = set()  # the param-group lists viewed (``param_group_views``)
         try:
             yield reads
         finally:

@@ -24,7 +24,7 @@ from ..errors import CaptureError, GraphampError
 from ..records.guards import AttributeRead, LiftedValue
 from ..records.inputs import FlatInputs
 from ..records.layouts import ForwardLayout
-from ..records.spec import TENSOR, CapturedForward, GradientCode
+from ..records.spec import TENSOR, CapturedForward, GradientCode, LiftedOutput
 from ..torchkit.function_calls import FunctionCall
 from ..torchkit.fxutil import (
     drop_profiler_markers,
@@ -363,7 +363,7 @@ def _traced_function(
         traced.written, traced.written_outputs = written
         traced.attribute_reads = reads + scope.recorded()
         traced.mutated = mutated_inputs(every)
-        return _outputs(traced, mode, out, parts.params, layout, new_buffers)
+        return _outputs(traced, mode, out, parts.params, layout, new_buffers, values)
 
     return forward
 
@@ -375,16 +375,21 @@ def _outputs(
     params: list[torch.Tensor],
     layout: ForwardLayout,
     new_buffers: list[torch.Tensor],
+    values: Sequence[torch.Tensor] = (),
 ) -> tuple:
     """The traced function's outputs (``TracedBuild``'s order) after build() returned
-    ``out``; what build() did is recorded in ``traced``."""
+    ``out``; what build() did is recorded in ``traced``. A lifted value returned as it was
+    read (``values``: their traced inputs) is returned as the Python float it is."""
     leaves, traced.output_spec = pytree.tree_flatten(out)
     position = {id(t): i for i, t in enumerate(params)}
     traced.losses = mode.losses
-    traced.output_template = [TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+    lifted = {id(v): LiftedOutput(i) for i, v in enumerate(values)}
+    traced.output_template = [
+        lifted.get(id(x), TENSOR) if isinstance(x, torch.Tensor) else x for x in leaves
+    ]
     traced.loss_inputs = [parameter_positions(r, position) for r in mode.losses]
     traced.gradient_code, explicit = _gradient_code(mode, layout, traced.mutated)
-    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and id(x) not in lifted]
     losses = [r.tensor for r in mode.losses]
     grads = [r.gradient for r in mode.losses if r.gradient is not None]
     new_params = [params[i] for i in traced.gradient_code.changed_params]

@@ -239,8 +239,11 @@ class LiftedValue:
     def holds(self) -> bool:
         return is_float_number(self.read.current())
 
-    def feed(self) -> None:
-        self.holder.fill_(float(self.read.current()))
+    def feed(self) -> float:
+        """Copy the value into its tensor; the value, as build() would have read it."""
+        value = float(self.read.current())
+        self.holder.fill_(value)
+        return value
 
 
 def liftable(read: AttributeRead | None) -> bool:

@@ -259,15 +259,27 @@ class CapturedForward:
         tail = list(outs[len(outs) - code.num_outputs :]) if code.num_outputs else []
         return tail[: len(code.grad_params)], tail[len(code.grad_params) :]
 
-    def unflatten_outputs(self, tensors: Sequence[Any]) -> Any:
+    def unflatten_outputs(self, tensors: Sequence[Any], fed: Sequence[float] = ()) -> Any:
         """build()'s return value with ``tensors`` where it returned tensors (the written
-        tensors that follow them are left out)."""
+        tensors that follow them are left out) and the call's lifted floats (``fed``) where it
+        returned one of them as it read it."""
         it = iter(tensors)
-        leaves = [next(it) if x is TENSOR else x for x in self.output_template]
+        leaves = [
+            next(it) if x is TENSOR else fed[x.index] if isinstance(x, LiftedOutput) else x
+            for x in self.output_template
+        ]
         return pytree.tree_unflatten(leaves, self.output_spec)
 
 
 TENSOR = object()  # marks where build()'s return value held a tensor
+
+
+@dataclass(frozen=True)
+class LiftedOutput:
+    """Marks where build() returned a lifted float as it read it (``return loss, lr``): the
+    call's value, a Python float as in eager, not the step's float32 tensor of it."""
+
+    index: int  # among the lifted values
 
 
 # -- what the planner hands assembly and the runtime ----------------------------------------------
@@ -361,6 +373,7 @@ class StepRunner(Protocol):
     calls: int  # how many times the step ran
     uses_cuda_graph: bool
     forensics: ForensicsState | None  # this step's overflow record (overflow tracing on)
+    fed: list[float]  # the lifted floats ``gather`` fed the step, as they were read
 
     def gather(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's flat inputs for this call; changes nothing the user can see."""

@@ -82,6 +82,7 @@ class Runner:
         self.param_slots = _slots(root, cap.param_names, "_parameters")
         self.buffer_slots = _slots(root, cap.buffer_names, "_buffers")
         self.hyper = _hyper_slots(plan, device)
+        self.fed: list[float] = []  # this call's lifted floats (``gather``)
         self.shared = state
         self.counters = [
             state.counter(opt.index, device, opt.has_state()) for opt in plan.optimizers
@@ -143,6 +144,10 @@ class Runner:
             opt_state = self._materialize()
         for slot in self.hyper:
             slot.sync()
+        # the Python floats the step takes as inputs, read now: a scheduler that steps before
+        # the compiled step has set the next step's lr in the param groups by then
+        with torch.no_grad():
+            self.fed = [value.feed() for value in self.plan.captured.lifted]
         if not self.uses_cuda_graph:  # a CUDA graph copies the batch into buffers of its own
             inputs = self._unaliased(inputs)
         return self.plan.layout.flatten(self._groups(opt_state, inputs))
@@ -211,12 +216,9 @@ class Runner:
 
     def execute(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run the compiled step on ``gather``'s inputs (it writes the state in place); then
-        put the tensors build() writes on the user's objects where it writes them. The Python
-        floats the step takes as inputs are copied into their tensors first."""
+        put the tensors build() writes on the user's objects where it writes them."""
         cap = self.plan.captured
         with torch.no_grad():
-            for value in cap.lifted:
-                value.feed()
             outputs = list(self.compiled(*flat))
         if cap.replays:
             end = cap.num_user_outputs

@@ -156,7 +156,8 @@ def _call(run: GraphRuntime, args: tuple, kwargs: dict) -> Any:
         program, inputs = _build_lifting(run, args, kwargs, inputs, key)
     if program.tier_up is not None:  # the chosen step compiled beside: started, or taken over
         program.tier_up.on_call(program)
-    return program.captured.unflatten_outputs(run_step(run, program, inputs))
+    outputs = run_step(run, program, inputs)
+    return program.captured.unflatten_outputs(outputs, program.runner.fed)
 
 
 def _lifted_inputs(run: GraphRuntime, args: tuple, kwargs: dict) -> FlatInputs:

@@ -1,0 +1,140 @@
+"""An optimizer's param groups as build()'s code sees them while it is traced.
+
+An optimizer is not watched as a user's object is: its param groups change at every scheduler
+step and its update reads them as step inputs (``step/optimizer_update.py``). But build() may
+read an entry itself (``lr = self.opt.param_groups[0]["lr"]`` to log it or to weigh a loss),
+and that is a Python value the trace keeps: it was baked in, the first call's lr returned at
+every step. Entries are read by subscript, which no attribute hook sees; so while build() runs
+each group of an optimizer the capture reaches is replaced, in its list, by a ``GroupView``:
+a copy of the group (the same ``params`` list) that reports the entries the user's code reads
+(``__getitem__``, ``get``, ``items``, ``values``) as reads of the group's own dict. They are
+guards as any read is, and a float among them is lifted into a step input after its first
+change (an lr a scheduler sets compiles once more, then never). The list holds the groups
+again when the capture ends.
+
+build() setting an entry is refused: the step feeds the update the param groups as they are
+when it is called, before build() runs, so the value would reach the update one step late,
+and only at capture. A write of the value already there is let through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from typing import Any, Callable, Iterator, NoReturn
+
+from ..errors import CaptureError
+
+# reports a read: (the group's own dict, its key, the value, the label, the reader's frame)
+OnRead = Callable[[dict, Any, Any, str, "types.FrameType | None"], None]
+
+
+class GroupView(dict):
+    """One param group while build() is traced: its entries, copied; reads reported."""
+
+    def __init__(self, group: dict, label: str, on_read: OnRead) -> None:
+        super().__init__(group)
+        self._group, self._label, self._on_read = group, label, on_read
+
+    def __getitem__(self, key: Any) -> Any:
+        value = dict.__getitem__(self, key)
+        self._report(key, value, sys._getframe(1))
+        return value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            return default
+        value = dict.__getitem__(self, key)
+        self._report(key, value, sys._getframe(1))
+        return value
+
+    def items(self):  # type: ignore[override]
+        frame = sys._getframe(1)
+        for key, value in dict.items(self):
+            self._report(key, value, frame)
+        return dict.items(self)
+
+    def values(self):  # type: ignore[override]
+        frame = sys._getframe(1)
+        for key, value in dict.items(self):
+            self._report(key, value, frame)
+        return dict.values(self)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if key in self and dict.__getitem__(self, key) is value:
+            return
+        self._refuse(f"sets {self._entry(key)} to {value!r}")
+
+    def __delitem__(self, key: Any) -> None:
+        self._refuse(f"deletes {self._entry(key)}")
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self._refuse(f"sets {self._entry(key)} to {default!r}")
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def pop(self, key: Any, *_default: Any) -> Any:
+        return self._refuse(f"removes {self._entry(key)}")
+
+    def popitem(self) -> tuple:
+        return self._refuse(f"removes an entry of {self._label}")
+
+    def clear(self) -> None:
+        self._refuse(f"clears {self._label}")
+
+    def __ior__(self, other: Any) -> GroupView:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def _report(self, key: Any, value: Any, frame: types.FrameType | None) -> None:
+        if key != "params":  # the parameters are the step's inputs
+            self._on_read(self._group, key, value, self._entry(key), frame)
+
+    def _entry(self, key: Any) -> str:
+        return f"{self._label}[{key!r}]"
+
+    def _refuse(self, what: str) -> NoReturn:
+        raise CaptureError(
+            f"build() {what}: the step passes the optimizer its param groups as they are when "
+            "the step is called, before build() runs, so a value build() sets would reach the "
+            "update one step late, and only at capture. Set it before calling the step (in "
+            "the training loop), or let a scheduler set it (add_optimizer(opt, lr_sch=...))"
+        )
+
+
+def holds_param_groups(value: Any) -> bool:
+    """An optimizer, or a wrapper that keeps one's groups (Lightning's)."""
+    try:
+        return "param_groups" in object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return False
+
+
+def view_param_groups(
+    holder: Any, label: str, stack: contextlib.ExitStack, on_read: OnRead, seen: set[int]
+) -> None:
+    """Put a ``GroupView`` in place of each group of ``holder``'s param groups until ``stack``
+    closes (once per list: an optimizer and its wrapper share one)."""
+    groups = object.__getattribute__(holder, "__dict__")["param_groups"]
+    if not isinstance(groups, list) or id(groups) in seen:
+        return
+    seen.add(id(groups))
+    stack.enter_context(_viewed(groups, label, on_read))
+
+
+@contextlib.contextmanager
+def _viewed(groups: list, label: str, on_read: OnRead) -> Iterator[None]:
+    originals = list(groups)
+    groups[:] = [
+        GroupView(g, f"{label}.param_groups[{i}]", on_read) if type(g) is dict else g
+        for i, g in enumerate(originals)
+    ]
+    try:
+        yield
+    finally:
+        groups[:] = originals
