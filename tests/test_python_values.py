@@ -1316,6 +1316,49 @@ def test_a_diffusers_schedulers_config_and_attributes_read_in_build_are_honoured
     assert len(g.compiled_steps) == 3
 
 
+class _ConfigReader(graphamp.Graph):
+    """build() weighs its loss by ``self.cfg.loss.weight``, a config of the user's kind."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.model, self.cfg = nn.Linear(4, 2), cfg
+        self.add_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.0))
+        self.config.set_backend("eager")
+        self.config.set_step_cache(False)
+
+    def build(self, x):
+        loss = self.model(x).square().mean() * self.cfg.loss.weight
+        loss.backward()
+        return loss
+
+
+@pytest.mark.parametrize("package", ["ml_collections", "omegaconf"])
+def test_a_config_packages_fields_read_in_build_are_honoured(package):
+    """ml_collections' ConfigDict serves ``cfg.loss.weight`` from its own ``__getattr__``: the
+    read was baked in (the first value at every call). omegaconf's DictConfig, as a mapping,
+    is compared by its contents."""
+    pytest.importorskip(package)
+    if package == "ml_collections":
+        import ml_collections
+
+        cfg = ml_collections.ConfigDict({"loss": {"weight": 0.5}})
+    else:
+        import omegaconf
+
+        cfg = omegaconf.OmegaConf.create({"loss": {"weight": 0.5}})
+    g, x = _ConfigReader(cfg), torch.randn(3, 4)
+    for weight in (0.5, 0.25, 2.0, 0.25):
+        cfg.loss.weight = weight
+        with torch.no_grad():
+            eager = float(g.model(x).square().mean() * weight)
+        assert float(g(x)) == pytest.approx(eager)
+    if package == "ml_collections":
+        cfg.loss = ml_collections.ConfigDict({"weight": 3.0})  # a new node
+        with torch.no_grad():
+            eager = float(g.model(x).square().mean() * 3.0)
+        assert float(g(x)) == pytest.approx(eager)
+
+
 # -- a ContextVar's value, read in forward() through a global and a closure, and in build()
 
 SCALE_VAR = contextvars.ContextVar("scale", default=1.0)

@@ -469,7 +469,45 @@ def _recording(original: Any) -> Any:
     return __getattribute__
 
 
-_patches: dict[type, SharedPatch] = {}  # the classes some capture records reads on now
+def _recording_fallback(original: Any) -> Any:
+    def __getattr__(self: Any, name: str) -> Any:  # what Python calls when the lookup fails
+        value = original(self, name)
+        if getattr(_local, "reads", None) is not None:
+            _record_served(self, name, value)
+        return value
+
+    return __getattr__
+
+
+def _record_served(obj: Any, name: str, value: Any) -> None:
+    """An attribute a class's own ``__getattr__`` served (ml_collections' ``ConfigDict``
+    keeps its fields in a dict of its own and serves ``cfg.loss.weight`` from it): read again
+    through the object at every call, by value, or by identity where the value is an object
+    (watched in turn: its own reads are recorded)."""
+    watch = _local.watch.get(id(obj))
+    if watch is None or name.startswith("__") or (id(obj), name) in _local.reads:
+        return
+    label, left_out, users_reads_only = watch
+    if name in left_out or isinstance(value, nn.Module) or _traced(value):
+        return
+    # frame 2: the reader (Python calls __getattr__ from the failed lookup's own frame)
+    if users_reads_only and not _read_by_users_code(sys._getframe(2)):
+        return
+    kept, by_value = guard_form(value)
+    _local.reads[(id(obj), name)] = AttributeRead(
+        f"{label}.{name}", ObjectAttributes(obj), name, kept, by_value
+    )
+    if not by_value:
+        watch_object(value, f"{label}.{name}")
+
+
+def _serves_missing_attributes(cls: type) -> bool:
+    """Does ``cls`` define a ``__getattr__`` of its own (not a module's: parameters, buffers
+    and submodules are read as the module's state)?"""
+    return not issubclass(cls, nn.Module) and any("__getattr__" in vars(c) for c in cls.__mro__)
+
+
+_patches: dict[tuple[type, str], SharedPatch] = {}  # what some capture records reads on now
 _patches_lock = threading.Lock()
 
 
@@ -479,12 +517,21 @@ def _recording_on(cls: type) -> Iterator[None]:
     has, its own (transformers' configs define one) or inherited. Captures in several threads
     share one patch per class; the last to leave forgets it, so a class defined in a function
     (a Graph made by a factory, a notebook cell run again) is not kept alive with its closure."""
+    hooks = [("__getattribute__", _recording)]
+    if _serves_missing_attributes(cls):
+        hooks.append(("__getattr__", _recording_fallback))
+    with contextlib.ExitStack() as stack:
+        for name, recording in hooks:
+            stack.enter_context(_patched(cls, name, recording))
+        yield
+
+
+@contextlib.contextmanager
+def _patched(cls: type, name: str, recording: Any) -> Iterator[None]:
     with _patches_lock:
-        patch = _patches.get(cls)
+        patch = _patches.get((cls, name))
         if patch is None:
-            patch = _patches[cls] = SharedPatch(
-                cls, "__getattribute__", _recording(cls.__getattribute__)
-            )
+            patch = _patches[(cls, name)] = SharedPatch(cls, name, recording(getattr(cls, name)))
         applied = patch.applied()
         applied.__enter__()
     try:
@@ -493,7 +540,7 @@ def _recording_on(cls: type) -> Iterator[None]:
         with _patches_lock:
             applied.__exit__(None, None, None)
             if not patch.in_use:
-                del _patches[cls]
+                del _patches[(cls, name)]
 
 
 def transformers_config_class() -> type | None:
