@@ -1506,6 +1506,40 @@ def test_an_lr_build_reads_from_the_param_groups_is_this_steps_as_in_eager():
         torch.testing.assert_close(a, b)
 
 
+def test_an_lr_build_reads_from_its_scheduler_is_this_steps_as_in_eager():
+    """``scheduler.get_last_lr()[0]`` (as Lightning's training_step logs it) read the first
+    call's list at every step: its method reads it, not the user's code."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    class Step(graphamp.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model, self.sch = model, sch
+            self.add_optimizer(opt, lr_sch=sch)
+            self.config.set_backend("eager")
+            self.config.set_step_cache(False)
+
+        def build(self, x):
+            lr = self.sch.get_last_lr()[0]
+            loss = self.model(x).square().mean()
+            loss.backward()
+            return loss * lr, lr
+
+    x = torch.randn(3, 4)
+    g = Step()
+    for _ in range(5):
+        expected = sch.get_last_lr()[0]
+        with torch.no_grad():
+            weighted = model(x).square().mean() * expected
+        out, lr = g(x)
+        assert type(lr) is float and lr == expected
+        torch.testing.assert_close(out, weighted)
+    assert len(g.compiled_steps) == 2
+    assert type(sch.get_last_lr()) is list  # the user's list, outside a capture
+
+
 def test_an_optimizer_of_the_users_own_class_has_its_group_entries_read_by_build_guarded():
     class Halving(torch.optim.SGD):  # defined here: the user's class
         pass

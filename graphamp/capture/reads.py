@@ -78,7 +78,13 @@ from ..records.guards import (
 from ..torchkit.fxutil import is_library_file
 from ..torchkit.process_state import SharedPatch
 from .contents import Contents, count_entries, fields_of, is_plain, is_record, numpy_values
-from .param_group_views import holds_param_groups, view_param_groups
+from .optimizer_views import (
+    LastLrs,
+    RecordedList,
+    holds_param_groups,
+    last_lrs_patch,
+    view_param_groups,
+)
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets: see the docstring
 
@@ -365,7 +371,7 @@ def is_library_object(value: Any) -> bool:
         return False
     if cls.__module__.split(".")[0] in ("graphamp", "torch") or holds_param_groups(value):
         # torch's objects; an optimizer or its wrapper (Lightning's): the entries of its param
-        # groups that the user's code reads are recorded instead (``param_group_views``)
+        # groups that the user's code reads are recorded instead (``optimizer_views``)
         return False
     return count_entries(value) is None and (_has_dict(value) or _has_slots(cls))
 
@@ -449,7 +455,7 @@ _GROUPS = frozenset({"param_groups"})  # an optimizer of the user's: its groups 
 def _record_group_entry(
     group: dict, key: Any, value: Any, label: str, frame: types.FrameType | None
 ) -> None:
-    """A param group's entry the user's code read (``param_group_views``): a read of the
+    """A param group's entry the user's code read (``optimizer_views``): a read of the
     group's own dict."""
     reads = getattr(_local, "reads", None)
     if reads is None or (id(group), key) in reads or _traced(value):
@@ -457,6 +463,27 @@ def _record_group_entry(
     if _read_by_users_code(frame):
         kept, by_value = guard_form(value)
         reads[(id(group), key)] = AttributeRead(label, group, key, kept, by_value)
+
+
+def _recorded_last_lrs(scheduler: Any, lrs: list, frame: types.FrameType | None) -> list:
+    """``get_last_lr()``'s list, to a capture's user code: its items read are recorded."""
+    if getattr(_local, "reads", None) is None or not _read_by_users_code(frame):
+        return lrs
+    label = f"{type(scheduler).__name__}.get_last_lr()"
+
+    def on_item(index: int, value: Any) -> None:
+        reads = _local.reads
+        key = (id(scheduler), str(index))
+        if reads is not None and key not in reads and not _traced(value):
+            kept, by_value = guard_form(value)
+            reads[key] = AttributeRead(
+                f"{label}[{index}]", LastLrs(scheduler), str(index), kept, by_value
+            )
+
+    return RecordedList(lrs, on_item)
+
+
+_LAST_LRS = last_lrs_patch(_recorded_last_lrs)
 
 
 def _recording(original: Any) -> Any:
@@ -600,7 +627,8 @@ def recording_attribute_reads(
         # same stack (``watch_object``)
         _local.watch, _local.reads = watch, {}
         _local.stack, _local.intercepted = stack, set(classes)
-        _local.viewed = set()  # the param-group lists viewed (``param_group_views``)
+        _local.viewed = set()  # the param-group lists viewed (``optimizer_views``)
+        stack.enter_context(_LAST_LRS.applied())
         try:
             yield reads
         finally:

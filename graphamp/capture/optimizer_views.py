@@ -1,4 +1,5 @@
-"""An optimizer's param groups as build()'s code sees them while it is traced.
+"""An optimizer's param groups, and its LR scheduler's last lrs, as build()'s code sees them
+while it is traced.
 
 An optimizer is not watched as a user's object is: its param groups change at every scheduler
 step and its update reads them as step inputs (``step/optimizer_update.py``). But build() may
@@ -15,16 +16,25 @@ again when the capture ends.
 build() setting an entry is refused: the step feeds the update the param groups as they are
 when it is called, before build() runs, so the value would reach the update one step late,
 and only at capture. A write of the value already there is let through.
+
+An LR scheduler's ``get_last_lr()`` (Lightning's ``self.lr_schedulers().get_last_lr()[0]``)
+returns a list its own method reads, which the user's code never reads as an attribute; while
+a capture runs the method returns, to the user's code, a ``RecordedList`` whose items read are
+reported as reads of ``scheduler._last_lr[i]`` (``LastLrs``), lifted as a group's lr is.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 from typing import Any, Callable, Iterator, NoReturn
 
+import torch
+
 from ..errors import CaptureError
+from ..torchkit.process_state import SharedPatch
 
 # reports a read: (the group's own dict, its key, the value, the label, the reader's frame)
 OnRead = Callable[[dict, Any, Any, str, "types.FrameType | None"], None]
@@ -138,3 +148,58 @@ def _viewed(groups: list, label: str, on_read: OnRead) -> Iterator[None]:
         yield
     finally:
         groups[:] = originals
+
+
+class LastLrs:
+    """An LR scheduler's last lrs as a namespace of their indices, named as strings (what
+    ``get_last_lr()[i]`` returns now: the scheduler puts a new list there at every step)."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner  # the scheduler
+
+    def get(self, index: str, default: Any = None) -> Any:
+        lrs = getattr(self.owner, "_last_lr", None)
+        return lrs[int(index)] if isinstance(lrs, list) and int(index) < len(lrs) else default
+
+    def __setitem__(self, index: str, value: Any) -> None:
+        self.owner._last_lr[int(index)] = value
+
+    def pop(self, index: str, default: Any = None) -> Any:
+        return self.get(index, default)  # the list keeps its length
+
+
+class RecordedList(list):
+    """``get_last_lr()``'s list as the user's code gets it during a capture: its items read
+    are reported (``on_item(index, value)``)."""
+
+    def __init__(self, items: list, on_item: Callable[[int, Any], None]) -> None:
+        super().__init__(items)
+        self._on_item = on_item
+
+    def __getitem__(self, index: Any) -> Any:
+        value = list.__getitem__(self, index)
+        for i in range(len(self))[index] if isinstance(index, slice) else [index % len(self)]:
+            self._on_item(i, list.__getitem__(self, i))
+        return value
+
+    def __iter__(self):  # type: ignore[override]
+        for i, value in enumerate(list.__iter__(self)):
+            self._on_item(i, value)
+            yield value
+
+
+OnLastLrs = Callable[[Any, list, "types.FrameType | None"], list]
+
+
+def last_lrs_patch(on_call: OnLastLrs) -> SharedPatch:
+    """A patch of ``LRScheduler.get_last_lr`` (applied while captures run, shared by their
+    threads): it returns what ``on_call(scheduler, its list, the caller's frame)`` makes of
+    the list."""
+    base = torch.optim.lr_scheduler.LRScheduler
+    original = vars(base)["get_last_lr"]
+
+    @functools.wraps(original)
+    def get_last_lr(self: Any) -> list:
+        return on_call(self, original(self), sys._getframe(1))
+
+    return SharedPatch(base, "get_last_lr", get_last_lr)
