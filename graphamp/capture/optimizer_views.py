@@ -101,6 +101,9 @@ class GroupView(dict):
         self.update(other)
         return self
 
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return dict, (dict(self),)  # copied or pickled: the group as a plain dict
+
     def _report(self, key: Any, value: Any, frame: types.FrameType | None) -> None:
         if key != "params":  # the parameters are the step's inputs
             self._on_read(self._group, key, value, self._entry(key), frame)
@@ -186,6 +189,9 @@ class RecordedList(list):
         for i, value in enumerate(list.__iter__(self)):
             self._on_item(i, value)
             yield value
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return list, (list(self),)  # copied or pickled: a plain list
 
 
 OnLastLrs = Callable[[Any, list, "types.FrameType | None"], list]
