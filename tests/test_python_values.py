@@ -177,6 +177,21 @@ def test_a_kl_weight_annealed_over_1000_steps_compiles_twice_and_equals_eager():
         torch.testing.assert_close(a, b)
 
 
+def test_two_floats_annealed_together_are_lifted_by_one_build(caplog):
+    """A KL weight and a temperature the loop changes at the same steps: the build their first
+    change causes lifts both (it lifted the first only, and the next call compiled again)."""
+
+    def anneal(step, model):
+        global KL_WEIGHT
+        KL_WEIGHT = min(1.0, step / 4)
+        VAE.temperature = 1.0 + step / 8
+
+    g = _assert_like_eager(anneal, caplog=caplog, expect=["VAE.temperature changed between"])
+    lifted = [r.getMessage() for r in caplog.records if "changed between calls" in r.getMessage()]
+    assert len(lifted) == 2 and any("global KL_WEIGHT" in m for m in lifted), lifted
+    assert len(g.compiled_steps) == 2
+
+
 class Gated(VAE):
     """Branches on the KL weight in Python: it cannot be a step input."""
 

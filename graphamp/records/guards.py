@@ -339,6 +339,8 @@ class Change:
     kind: str  # "structure", "inputs", "attribute", "state size"
     words: str
     read: AttributeRead | None = None  # the read that no longer holds (kind "attribute")
+    # the program's other reads this call breaks too (two floats annealed by one loop)
+    also: tuple[AttributeRead, ...] = ()
 
     def __str__(self) -> str:
         return self.words
@@ -407,7 +409,8 @@ class Guards:
             return Change("inputs", describe_signatures(self.signature, signature, input_names))
         broken = self._first_broken()
         if isinstance(broken, AttributeRead):
-            return Change("attribute", broken.describe_change(), broken)
+            also = tuple(r for r in self.attributes if r is not broken and not r.holds())
+            return Change("attribute", broken.describe_change(), broken, also)
         if isinstance(broken, LiftedValue):
             now = broken.read.current()
             shown = "deleted" if now is ABSENT else f"{now!r}"

@@ -282,16 +282,18 @@ def _build(run: GraphRuntime, inputs: FlatInputs, key: tuple) -> Program:
 
 
 def _lifted(run: GraphRuntime, change: Change | None) -> tuple[AttributeRead, ...]:
-    """The Python floats to trace as inputs: the ones lifted before, and the one whose change
-    caused this build (``lifting.py``)."""
-    read = change.read if change is not None else None
-    if read is not None and liftable(read) and run.read_lifting.lift(read.place(), read):
-        log.info(
-            "%s: %s changed between calls: from now on the step takes it as an input (a 0-dim "
-            "float32 tensor), so a new value compiles nothing",
-            run.name,
-            read.label,
-        )
+    """The Python floats to trace as inputs: the ones lifted before, and those whose change
+    caused this build (``lifting.py``): every float the call changed, so two floats a loop
+    anneals together compile once more, not once each."""
+    changed = (change.read, *change.also) if change is not None and change.read else ()
+    for read in changed:
+        if liftable(read) and run.read_lifting.lift(read.place(), read):
+            log.info(
+                "%s: %s changed between calls: from now on the step takes it as an input (a "
+                "0-dim float32 tensor), so a new value compiles nothing",
+                run.name,
+                read.label,
+            )
     return tuple(r for r in run.read_lifting.lifted.values() if is_float_number(r.current()))
 
 
