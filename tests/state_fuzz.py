@@ -496,6 +496,18 @@ def _param_group_entry(i: int, rng: random.Random) -> Source:
     )
 
 
+def _scheduler_lr(i: int, rng: random.Random) -> Source:
+    """build() reads the lr its LR scheduler last set (``get_last_lr()[0]``, as a Lightning
+    training_step logs it); the loop steps the scheduler before every call."""
+    make = "torch.optim.lr_scheduler.StepLR(h.the_opt, step_size=1, gamma=0.9)"
+    return Source(
+        "LR scheduler's get_last_lr() read by build()",
+        use="loss = loss * (1.0 + holder.the_sch.get_last_lr()[0])",
+        in_build=True,
+        every_call="for h in holders: h.__dict__.setdefault('the_sch', " + make + ").step()",
+    )
+
+
 SOURCES: list[Callable[[int, random.Random], Source]] = [
     _global_float,
     _global_int,
@@ -534,6 +546,7 @@ SOURCES: list[Callable[[int, random.Random], Source]] = [
     _counter_written,
     _settling_write,
     _param_group_entry,
+    _scheduler_lr,
 ]
 
 # -- optimizers: one per case, with the changes a loop makes to it

@@ -118,6 +118,12 @@ def test_the_fuzzer_finds_a_param_group_entry_build_reads_unrecorded(monkeypatch
     )
 
 
+def test_the_fuzzer_finds_a_schedulers_last_lr_unrecorded(monkeypatch, tmp_path):
+    monkeypatch.setattr(reads, "_recorded_last_lrs", lambda scheduler, lrs, frame: lrs)
+    monkeypatch.setattr(reads, "_LAST_LRS", reads.last_lrs_patch(reads._recorded_last_lrs))
+    assert _run_seeds(_seeds_with({"LR scheduler's get_last_lr() read by build()"}), tmp_path)
+
+
 def test_the_fuzzer_finds_a_context_variables_value_unrecorded(monkeypatch, tmp_path):
     original = reads.code_settings
 
