@@ -192,6 +192,81 @@ def test_two_floats_annealed_together_are_lifted_by_one_build(caplog):
     assert len(g.compiled_steps) == 2
 
 
+class _Gained(nn.Module):
+    gain = 1.0  # on the class; an instance may shadow it
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.slope = 0.01  # an op's argument: must stay a Python number
+
+    def forward(self, x):
+        return F.leaky_relu(self.lin(x), negative_slope=self.slope) * self.gain * KL_WEIGHT
+
+
+class _GainedStep(graphamp.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+        self.config.set_backend("eager")
+        self.config.set_step_cache(False)
+
+    def build(self, x):
+        loss = self.model(x).square().mean()
+        loss.backward()
+        return loss
+
+
+def _check_gained(g, model, x):
+    with torch.no_grad():
+        expected = model(x).square().mean()
+    torch.testing.assert_close(g(x), expected)
+
+
+def test_a_lifted_class_attribute_shadowed_on_the_instance_later_is_honoured():
+    """A class attribute lifted into a step input, then set on the instance: the instance
+    was not checked (the trace read the stand-in and recorded nothing), so the step kept
+    using the class's value (the fuzzer's seed 228)."""
+    global KL_WEIGHT
+    model, x = _Gained(), torch.randn(3, 4)
+    g = _GainedStep(model)
+    saved, KL_WEIGHT = KL_WEIGHT, 1.0
+    try:
+        _check_gained(g, model, x)
+        _Gained.gain = 2.0  # changed: lifted from here on
+        _check_gained(g, model, x)
+        _Gained.gain = 3.0
+        _check_gained(g, model, x)
+        model.gain = 0.5  # the instance shadows the class
+        _check_gained(g, model, x)
+        assert len(g.compiled_steps) == 3
+    finally:
+        _Gained.gain, KL_WEIGHT = 1.0, saved
+
+
+def test_a_float_needed_as_a_number_changed_with_an_annealed_one_demotes_only_itself(caplog):
+    """Two floats changed at one call are lifted by one build; when build() needs one of
+    them as a Python number, that one alone is baked in: the other stays a step input (both
+    were baked in, and the annealed one compiled at every call: the fuzzer's seed 983)."""
+    global KL_WEIGHT
+    model, x = _Gained(), torch.randn(3, 4)
+    g = _GainedStep(model)
+    saved = KL_WEIGHT
+    try:
+        with caplog.at_level(logging.INFO, logger="graphamp"):
+            for step in range(6):
+                KL_WEIGHT = 0.5 + 0.1 * step
+                if step == 1:
+                    model.slope = 0.2
+                _check_gained(g, model, x)
+    finally:
+        KL_WEIGHT = saved
+    assert len(g.compiled_steps) == 2
+    failed = [r.getMessage() for r in caplog.records if "as a step input failed" in r.getMessage()]
+    assert len(failed) == 1 and "self.model.slope as a step input" in failed[0], failed
+
+
 class Gated(VAE):
     """Branches on the KL weight in Python: it cannot be a step input."""
 

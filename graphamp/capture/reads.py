@@ -142,17 +142,25 @@ def _record(obj: Any, name: str, value: Any) -> None:
     if watch is None or name.startswith("__") or (id(obj), name) in _local.reads:
         return
     label, left_out, users_reads_only = watch
-    if name in left_out or isinstance(value, nn.Module) or _traced(value):
+    if name in left_out or isinstance(value, nn.Module):
         return
-    if users_reads_only:
+    if users_reads_only and not _traced(value):
         # a library's object: its own code keeps caches and counters on it that no step
         # reads; what the user's code reads (frame 2: the reader, through __getattribute__)
-        if not _read_by_users_code(sys._getframe(2)):
+        if not _read_by_users_code(sys._getframe(2)) or _record_computed(obj, name, value, label):
             return
-        if _record_computed(obj, name, value, label):
-            return
+    _record_value(obj, name, value, label)
+
+
+def _record_value(obj: Any, name: str, value: Any, label: str) -> None:
+    """``obj.<name>`` read as ``value``: where it lives, and what its value carries. A lifted
+    value (a step input while build() is traced) is not recorded; where its class holds it,
+    what may shadow it later (the instance, a class between) is."""
+    traced = _traced(value)
     namespace = _namespace_of(obj, name)
     if namespace is not None and namespace.get(name, _record) is value:
+        if traced:
+            return
         kept, by_value = guard_form(value)
         _local.reads[(id(obj), name)] = AttributeRead(
             label=f"{label}.{name}", namespace=namespace, name=name, value=kept, by_value=by_value
@@ -161,8 +169,9 @@ def _record(obj: Any, name: str, value: Any) -> None:
             watch_object(value, f"{label}.{name}")
     elif namespace is None or (isinstance(namespace, dict) and name not in namespace):
         _record_class_attribute(obj, namespace, name, value, label)
-    for read in code_settings(value, f"{label}.{name}"):
-        _local.reads.setdefault((id(read.namespace.owner), read.name), read)
+    if not traced:
+        for read in code_settings(value, f"{label}.{name}"):
+            _local.reads.setdefault((id(read.namespace.owner), read.name), read)
 
 
 def _record_computed(obj: Any, name: str, value: Any, label: str) -> bool:
@@ -280,11 +289,15 @@ def _owner_of(cls: type, name: str) -> type | None:
 def _record_on_class(cls: type, owner: type, name: str, value: Any) -> bool:
     """Record ``owner.<name>`` (``value``) as read through ``cls``, and that none of the classes
     between them shadows it; whether it is a setting (a function, property or other descriptor
-    is code, and a class is compared by identity where it is read)."""
-    if isinstance(value, type) or hasattr(type(value), "__get__") or _traced(value):
+    is code, and a class is compared by identity where it is read). A lifted value (a step
+    input while build() is traced) is not recorded, the classes that may shadow it are."""
+    traced = _traced(value)
+    if isinstance(value, type) or (not traced and hasattr(type(value), "__get__")):
         return False
-    kept, by_value = guard_form(value)
+    kept, by_value = (ABSENT, False) if traced else guard_form(value)
     for c in cls.__mro__[: cls.__mro__.index(owner) + 1]:  # those between hold none: ABSENT
+        if traced and c is owner:
+            continue
         _local.reads.setdefault(
             (id(c), name),
             AttributeRead(
@@ -295,7 +308,7 @@ def _record_on_class(cls: type, owner: type, name: str, value: Any) -> bool:
                 by_value=by_value and c is owner,
             ),
         )
-    if not by_value:
+    if not by_value and not traced:
         watch_object(value, f"{owner.__name__}.{name}")
     return True
 

@@ -445,19 +445,25 @@ def refuse_values_read_on_the_host(values: list[tuple[str, fx.Node]], graph_name
     """A lifted value (label, placeholder) that an op takes as a Python number
     (``leaky_relu``'s slope, a size) is read back from its tensor in the step
     (``aten._local_scalar_dense``): a host read at every step, a sync on a GPU. Such a value is
-    not lifted (the runtime bakes it in again)."""
+    not lifted (the runtime bakes it in again): the error's ``needs_numbers`` names each."""
+    needed = []
     for label, placeholder in values:
         todo, seen = [placeholder], set()
         while todo:
             node = todo.pop()
             if node.target is torch.ops.aten._local_scalar_dense.default:
-                raise CaptureError(
-                    f"{graph_name}.build() uses {label} where a Python number is needed "
-                    f"({', '.join(str(u.target) for u in node.users)})"
-                )
+                needed.append((label, ", ".join(str(u.target) for u in node.users)))
+                break
             if node not in seen:
                 seen.add(node)
                 todo.extend(node.users)
+    if needed:
+        error = CaptureError(
+            f"{graph_name}.build() uses "
+            + "; ".join(f"{label} where a Python number is needed ({ops})" for label, ops in needed)
+        )
+        error.needs_numbers = [label for label, _ in needed]  # type: ignore[attr-defined]
+        raise error
 
 
 @contextlib.contextmanager

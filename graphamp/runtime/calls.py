@@ -320,7 +320,15 @@ def _compile(run: GraphRuntime, inputs: FlatInputs, request: BuildRequest) -> Pr
         if not request.lifted:
             raise
         reads = dict(lifting.lifted)
-        blamed = {place: reads[place] for place in lifting.blame()}
+        named = {p for p, r in reads.items() if r.label in getattr(e, "needs_numbers", ())}
+        unproven = [p for p in reads if p in lifting.unproven()]
+        if not named and len(unproven) > 1:
+            # several floats lifted at once and the failure names none of them: try them one
+            # at a time, the first alone; the others are baked in until they change again
+            lifting.withdraw(set(unproven[1:]))
+            kept = tuple(r for r in request.lifted if r.place() not in unproven[1:])
+            return _compile(run, inputs, dataclasses.replace(request, lifted=kept))
+        blamed = {place: reads[place] for place in lifting.blame(named)}
         kept = tuple(r for r in request.lifted if r.place() not in blamed)
         if len(kept) == len(request.lifted):  # none of this build's was blamed: not theirs
             raise

@@ -35,6 +35,12 @@ class Lifting:
         self.lifted[key] = what
         return True
 
+    def withdraw(self, keys: set[Any]) -> None:
+        """Bake ``keys`` in for the next build without blaming them: a later change lifts
+        them again."""
+        for key in keys:
+            self.lifted.pop(key, None)
+
     def unproven(self) -> set[Any]:
         """The lifted values no build has taken as inputs yet."""
         return set(self.lifted) - self.proven
@@ -43,12 +49,15 @@ class Lifting:
         """A build took the lifted values as inputs: none of them is blamed later."""
         self.proven = set(self.lifted)
 
-    def blame(self) -> list[Any]:
-        """A capture failed with values lifted: the ones no build has taken yet (all of them,
-        where each had built before) are needed as Python numbers and stay baked in from now
-        on. Returns them."""
+    def blame(self, named: set[Any] | None = None) -> list[Any]:
+        """A capture failed with values lifted: the ones it ``named`` as needed as Python
+        numbers, else the ones no build has taken yet (all of them, where each had built
+        before), stay baked in from now on. Returns them."""
         unproven = self.unproven()
-        blamed = [k for k in self.lifted if k in unproven] or list(self.lifted)
+        if named:
+            blamed = [k for k in self.lifted if k in named]
+        else:
+            blamed = [k for k in self.lifted if k in unproven] or list(self.lifted)
         for key in blamed:
             self.unliftable.add(key)
             del self.lifted[key]
