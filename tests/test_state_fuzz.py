@@ -91,7 +91,7 @@ def test_the_fuzzer_finds_an_optimizers_python_step_count_traced(monkeypatch, tm
 
 
 def test_the_fuzzer_finds_an_annealed_float_demoted_by_an_unrelated_change(monkeypatch, tmp_path):
-    def blame_all(self):
+    def blame_all(self, named=None):
         blamed = list(self.lifted)
         self.unliftable.update(blamed)
         self.lifted.clear()

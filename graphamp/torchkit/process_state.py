@@ -281,9 +281,17 @@ PROCESS_STATE: tuple[Held, ...] = (
     ),
     Held(
         "graphamp/capture/reads.py:_patches",
-        "__getattribute__ of the classes whose reads a capture records (one SharedPatch each)",
+        "__getattribute__ of the classes whose reads a capture records, and the __getattr__ "
+        "of those that define one (one SharedPatch each)",
         "the classes captures now in progress watch; the last to leave forgets its class",
         "a class attribute is process-wide; captures in several threads share one patch",
+    ),
+    Held(
+        "graphamp/capture/optimizer_views.py:last_lrs_patch",
+        "LRScheduler.get_last_lr (the lrs a capture's user code reads are recorded), the one "
+        "SharedPatch it makes, held by capture/reads.py",
+        "one attribute, while any capture runs",
+        _CAPTURE,
     ),
     Held(
         "graphamp/capture/scope_reads.py:_WATCHED_MODULES",
