@@ -210,7 +210,7 @@ def _build_lifting(
     except CaptureError as e:
         if not lifting.unproven():
             raise
-        blamed = lifting.blame()
+        blamed = lifting.blame(_named_arguments(e, inputs.leaf_names(run.build), lifting))
         log.info(
             "%s: capturing with float argument(s) %s as step inputs failed (%s): build() needs "
             "them as Python numbers, so each new value compiles a step of its own",
@@ -223,6 +223,13 @@ def _build_lifting(
         return run.programs.find(key, inputs) or _build(run, inputs, key), inputs
     lifting.built()
     return program, inputs
+
+
+def _named_arguments(e: CaptureError, names: list[tuple[str, bool]], lifting: Lifting) -> set:
+    """The lifted float arguments a failed capture names as needed as Python numbers (a
+    slope and a weight changed together: the slope alone is baked in)."""
+    needed = set(getattr(e, "needs_numbers", ()))
+    return {i for i in lifting.unproven() if f"argument {names[i][0]}" in needed}
 
 
 def _value_device(run: GraphRuntime, inputs: FlatInputs) -> torch.device:
