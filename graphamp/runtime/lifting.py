@@ -5,7 +5,10 @@ A float that changed between calls (a KL weight annealed by the loop, a temperat
 (a 0-dim float32 tensor filled before each call), so a new value compiles nothing. Where
 build() needs it as a Python number (a branch, a size, an op's argument that must be a float)
 the capture fails with it lifted; then it, and only it, is baked in for good (each value
-compiles a step of its own, up to the recompile limit). A value that an earlier build took as
+compiles a step of its own, up to the recompile limit). Floats that changed at one call are
+lifted together; where the failure names the ones an op needs as numbers (``needs_numbers``),
+only those are baked in; where it names none, the values build() reads are tried one at a
+time (``withdraw``), and g(...)'s arguments are all baked in. A value that an earlier build took as
 an input is not blamed for a later failure: an unrelated change (a loss's ``label_smoothing``,
 which must stay a Python number) never demotes an annealed weight that was running as an input.
 
