@@ -1634,6 +1634,29 @@ def test_an_lr_build_reads_from_its_scheduler_is_this_steps_as_in_eager():
     assert type(sch.get_last_lr()) is list  # the user's list, outside a capture
 
 
+def test_an_lr_read_through_accelerates_optimizer_wrapper_is_lifted():
+    """accelerate's AcceleratedOptimizer serves ``param_groups`` from a property: read as a
+    library object's property, the lr compiled a step at every scheduler step."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    try:
+        wrapped = accelerate.Accelerator(cpu=True).prepare_optimizer(opt)
+        assert "param_groups" not in vars(wrapped)
+        g, x = _GroupReader(model, wrapped, None), torch.randn(3, 4)
+        for _ in range(4):
+            expected = opt.param_groups[0]["lr"]
+            assert g(x)[1] == expected
+            sch.step()
+        assert len(g.compiled_steps) == 2
+    finally:  # accelerate keeps its state process-wide
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
 def test_an_optimizer_of_the_users_own_class_has_its_group_entries_read_by_build_guarded():
     class Halving(torch.optim.SGD):  # defined here: the user's class
         pass

@@ -121,11 +121,23 @@ class GroupView(dict):
 
 
 def holds_param_groups(value: Any) -> bool:
-    """An optimizer, or a wrapper that keeps one's groups (Lightning's)."""
+    """An optimizer, or a wrapper that keeps one's groups (Lightning's) or serves them from a
+    property (accelerate's ``AcceleratedOptimizer``)."""
+    return _groups_of(value) is not None
+
+
+def _groups_of(value: Any) -> list | None:
+    """The param groups list ``value`` holds or serves, read past any recording hook."""
     try:
-        return "param_groups" in object.__getattribute__(value, "__dict__")
+        groups = object.__getattribute__(value, "__dict__").get("param_groups")
     except AttributeError:
-        return False
+        groups = None
+    if groups is None and isinstance(vars(type(value)).get("param_groups"), property):
+        try:
+            groups = vars(type(value))["param_groups"].__get__(value, type(value))
+        except Exception:  # a wrapper not set up yet
+            return None
+    return groups if isinstance(groups, list) else None
 
 
 def view_param_groups(
@@ -133,8 +145,8 @@ def view_param_groups(
 ) -> None:
     """Put a ``GroupView`` in place of each group of ``holder``'s param groups until ``stack``
     closes (once per list: an optimizer and its wrapper share one)."""
-    groups = object.__getattribute__(holder, "__dict__")["param_groups"]
-    if not isinstance(groups, list) or id(groups) in seen:
+    groups = _groups_of(holder)
+    if groups is None or id(groups) in seen:
         return
     seen.add(id(groups))
     stack.enter_context(_viewed(groups, label, on_read))
