@@ -470,12 +470,19 @@ def _record_group_entry(
 ) -> None:
     """A param group's entry the user's code read (``optimizer_views``): a read of the
     group's own dict."""
-    reads = getattr(_local, "reads", None)
-    if reads is None or (id(group), key) in reads or _traced(value):
-        return
     if _read_by_users_code(frame):
-        kept, by_value = guard_form(value)
-        reads[(id(group), key)] = AttributeRead(label, group, key, kept, by_value)
+        _record_at(group, key, value, label, group)
+
+
+def _record_at(owner: Any, name: str, value: Any, label: str, namespace: Any) -> bool:
+    """Record ``value``, read as ``owner``'s ``name`` through ``namespace``, once per capture
+    (not a lifted value: that is a step input); whether it is kept by value."""
+    reads = getattr(_local, "reads", None)
+    if reads is None or (id(owner), name) in reads or _traced(value):
+        return True
+    kept, by_value = guard_form(value)
+    reads[(id(owner), name)] = AttributeRead(label, namespace, name, kept, by_value)
+    return by_value
 
 
 def _recorded_last_lrs(scheduler: Any, lrs: list, frame: types.FrameType | None) -> list:
@@ -485,13 +492,7 @@ def _recorded_last_lrs(scheduler: Any, lrs: list, frame: types.FrameType | None)
     label = f"{type(scheduler).__name__}.get_last_lr()"
 
     def on_item(index: int, value: Any) -> None:
-        reads = _local.reads
-        key = (id(scheduler), str(index))
-        if reads is not None and key not in reads and not _traced(value):
-            kept, by_value = guard_form(value)
-            reads[key] = AttributeRead(
-                f"{label}[{index}]", LastLrs(scheduler), str(index), kept, by_value
-            )
+        _record_at(scheduler, str(index), value, f"{label}[{index}]", LastLrs(scheduler))
 
     return RecordedList(lrs, on_item)
 
@@ -533,11 +534,7 @@ def _record_served(obj: Any, name: str, value: Any) -> None:
     # frame 2: the reader (Python calls __getattr__ from the failed lookup's own frame)
     if users_reads_only and not _read_by_users_code(sys._getframe(2)):
         return
-    kept, by_value = guard_form(value)
-    _local.reads[(id(obj), name)] = AttributeRead(
-        f"{label}.{name}", ObjectAttributes(obj), name, kept, by_value
-    )
-    if not by_value:
+    if not _record_at(obj, name, value, f"{label}.{name}", ObjectAttributes(obj)):
         watch_object(value, f"{label}.{name}")
 
 
